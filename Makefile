@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# torch is pinned to the CPU wheel that lies on this machine's disk so that no
+# multi-GB CUDA build is downloaded; any torch>=2.2 works with stepdump itself.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test bench soak install install-test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/stepdump demo --out demo-run --steps 200
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed-test
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) demo-run report.html .pytest_cache

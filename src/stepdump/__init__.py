@@ -1,0 +1,47 @@
+"""stepdump: a flight recorder and time machine for PyTorch training.
+
+Record every optimizer step (params, grads, optimizer state, scalars, RNG...)
+with :class:`Recorder`, read it back with :func:`open`, and restore any step.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from stepdump.capture.recorder import Recorder
+from stepdump.errors import (
+    ConfigError,
+    CorruptDataError,
+    FormatVersionError,
+    NotARunError,
+    ReplayDiverged,
+    RestoreMismatchError,
+    RunExistsError,
+    RunLockedError,
+    StepdumpError,
+    StepNotFoundError,
+    TensorNotFoundError,
+    WriterError,
+)
+from stepdump.read.run import Run, open
+from stepdump.store.format import FORMAT_VERSION
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ConfigError",
+    "CorruptDataError",
+    "FormatVersionError",
+    "NotARunError",
+    "Recorder",
+    "ReplayDiverged",
+    "RestoreMismatchError",
+    "Run",
+    "RunExistsError",
+    "RunLockedError",
+    "StepNotFoundError",
+    "StepdumpError",
+    "TensorNotFoundError",
+    "WriterError",
+    "__version__",
+    "open",
+]

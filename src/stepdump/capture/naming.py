@@ -1,0 +1,73 @@
+"""Stable names for everything the optimizer steps and the model's state_dict holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from stepdump.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How tensors are named in a run.
+
+    ``params``: name -> parameter, for every parameter of the model and every
+    parameter the optimizer steps (those the model does not name are called
+    ``group{i}.param{j}``). ``groups``: parameter names per optimizer param group,
+    in the optimizer's order (which defines state_dict indices). ``state_dict``:
+    (key, kind, name) for every entry of ``model.state_dict()``, so tied weights
+    and buffers come back under all their keys.
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    groups: list[list[str]]
+    state_dict: list[tuple[str, str, str]]
+
+    def to_meta(self) -> dict[str, object]:
+        return {"groups": self.groups, "state_dict": [list(e) for e in self.state_dict]}
+
+
+def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
+    names: dict[int, str] = {}
+    params: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        names[id(p)] = name
+        params[name] = p
+    groups: list[list[str]] = []
+    for i, group in enumerate(optimizer.param_groups):
+        gnames = []
+        for j, p in enumerate(group["params"]):
+            name = names.get(id(p))
+            if name is None:
+                name = f"group{i}.param{j}"
+                names[id(p)] = name
+                params[name] = p
+            gnames.append(name)
+        groups.append(gnames)
+    buffers: dict[str, torch.Tensor] = {}
+    buffer_names: dict[int, str] = {}
+    for name, b in model.named_buffers():
+        buffer_names[id(b)] = name
+        buffers[name] = b
+    entries: list[tuple[str, str, str]] = []
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(
+                f"model.state_dict() entry {key!r} is not a tensor ({type(value).__name__}); "
+                "stepdump records tensor state only"
+            )
+        if id(value) in names:
+            entries.append((key, "params", names[id(value)]))
+        elif id(value) in buffer_names:
+            entries.append((key, "buffers", buffer_names[id(value)]))
+        else:
+            raise ConfigError(f"model.state_dict() entry {key!r} is neither a parameter nor a buffer")
+    return Layout(params=params, buffers=buffers, groups=groups, state_dict=entries)
+
+
+def param_name_map(layout: Layout) -> dict[int, str]:
+    return {id(p): n for n, p in layout.params.items()}

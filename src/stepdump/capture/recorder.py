@@ -1,0 +1,409 @@
+"""The Recorder: attaches to an optimizer's step hooks and records every step.
+
+Step semantics (docs/concepts.md): record *t* holds params as they were before
+update *t*, the grads update *t* used, optimizer state before update *t*, the
+scalars logged in iteration *t*, and the RNG state and module buffers at the
+*start* of iteration *t* (right after update *t-1*). Two moments feed a record:
+
+* end of update *t-1* (optimizer post-hook, or a GradScaler step that skipped):
+  RNG and buffers for record *t* are taken;
+* the optimizer pre-hook of step *t* (grads are final, nothing updated yet):
+  params, grads, optimizer / scheduler / scaler state are staged and sent.
+
+A GradScaler that finds inf/NaN never calls ``optimizer.step()``, so the
+pre-hook never fires; the Recorder wraps ``scaler.step`` to notice that and
+records the step as skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import stepdump
+from stepdump.capture.naming import Layout, build_layout
+from stepdump.capture.rng import get_rng_state
+from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, check_kinds
+from stepdump.capture.staging import StagingPool, Stager
+from stepdump.capture.writer import StepMessage, Writer
+from stepdump.errors import ConfigError, RunExistsError, WriterError
+from stepdump.store import catalog, tjson
+from stepdump.store.codecs import get_codec
+from stepdump.store.format import CATALOG_FILE, LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
+from stepdump.store.lock import RunLock
+
+log = logging.getLogger(__name__)
+
+_Entry = tuple[str, str, torch.Tensor, bool, "str | None", "str | None"]
+
+
+class Recorder:
+    """Record every optimizer step of a training run into a run directory.
+
+    Args:
+        path: Directory of the run (created). It must not already hold a run
+            unless ``resume=True``.
+        model: The module being trained; names come from ``named_parameters``.
+        optimizer: The optimizer whose steps are recorded.
+        scheduler: Optional LR scheduler (anything with ``state_dict``).
+        scaler: Optional ``torch.amp.GradScaler``; steps it skips are recorded
+            and marked ``skipped``.
+        capture: Kinds of tensors to record: any of ``params``, ``grads``,
+            ``optimizer`` (module buffers come with ``params``).
+        include: Glob(s) over parameter names to record (default all).
+        exclude: Glob(s) over parameter names to leave out.
+        every: Steps whose tensors are stored in full: an int n (every n-th
+            step), a range, an iterable of steps or a callable ``step -> bool``.
+        stats_every: Steps whose stats and fingerprints are stored (default
+            every step, so diff and check see every step).
+        codec: Blob codec, see ``stepdump.store.codecs.CODEC_NAMES``.
+        queue_depth: Steps that may be in flight to the writer before training
+            waits (each holds a staging copy of the recorded tensors).
+        durability: ``"flush"`` (survives a killed process) or ``"fsync"``
+            (also survives power loss, slower).
+        resume: Append to an existing run, continuing its step numbers.
+        start_step: Number of the first recorded step (default 0, or the step
+            after the last recorded one when resuming).
+        metadata: JSON-able dict stored with the run.
+        segment_bytes: Size at which a new segment file is started.
+
+    Use it as a context manager or call :meth:`close`; create it right before
+    the training loop so the RNG state of step 0 is the one the loop starts with.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        *,
+        capture: Iterable[str] | str = CORE_KINDS,
+        include: str | Iterable[str] | None = "*",
+        exclude: str | Iterable[str] | None = None,
+        every: Every = 1,
+        stats_every: Every = 1,
+        codec: str = "raw",
+        queue_depth: int = 2,
+        durability: str = "flush",
+        resume: bool = False,
+        start_step: int | None = None,
+        metadata: dict[str, Any] | None = None,
+        segment_bytes: int = 1 << 30,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if scheduler is not None and not hasattr(scheduler, "state_dict"):
+            raise ConfigError("scheduler must have state_dict()/load_state_dict() (a torch LR scheduler)")
+        if scaler is not None and not all(hasattr(scaler, a) for a in ("step", "update", "state_dict")):
+            raise ConfigError("scaler must be a torch.amp.GradScaler")
+        if durability not in ("flush", "fsync"):
+            raise ConfigError(f"durability={durability!r}: choose 'flush' or 'fsync'")
+        if queue_depth < 1:
+            raise ConfigError("queue_depth must be at least 1")
+        get_codec(codec)  # fail now, not in the writer
+        self.path = Path(path)
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.kinds = check_kinds(capture)
+        self._filter = NameFilter(include, exclude)
+        self._full = Schedule(every, "every")
+        self._stats = Schedule(stats_every, "stats_every")
+        self._layout: Layout = build_layout(model, optimizer)
+        self._names = {id(p): n for n, p in self._layout.params.items()}
+        self._closed = False
+        self._hooks: list[Any] = []
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._prev_open = False
+        self._begin: dict[str, Any] | None = None
+        self._pre_fired = 0
+
+        self._lock = RunLock(self._prepare_dir(resume))
+        self._lock.acquire()
+        try:
+            self._step = self._init_catalog(resume, start_step, metadata, codec)
+            self._pool = StagingPool(queue_depth)
+            self._stager = Stager()
+            self._writer = Writer(self.path, self._pool, codec, durability, segment_bytes, max_queue=queue_depth + 64)
+            self._writer.start()
+            self._writer.wait_ready()
+            self._raise_if_writer_failed()
+        except BaseException:
+            self._lock.release()
+            raise
+        self._attach()
+        self._begin_iteration(self._step)
+        # If the user forgets close(), still flush and release the lock at exit.
+        self._finalizer = weakref.finalize(self, _close_quietly, weakref.ref(self))
+
+    # -- setup -------------------------------------------------------------
+    def _prepare_dir(self, resume: bool) -> Path:
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"{p} exists and is a file; give a directory for the run")
+        if (p / CATALOG_FILE).exists():
+            if not resume:
+                raise RunExistsError(
+                    f"{p} already holds a stepdump run. Record into a new directory, "
+                    "or pass resume=True to append steps to it."
+                )
+        elif p.exists() and any(p.iterdir()):
+            raise RunExistsError(f"{p} exists and is not empty (and not a run); give a new or empty directory")
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def _init_catalog(self, resume: bool, start_step: int | None, metadata: dict | None, codec: str) -> int:
+        meta = {
+            "stepdump_version": stepdump.__version__,
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "host": platform.node(),
+            "created": time.time(),
+            "model_class": type(self.model).__name__,
+            "optimizer_class": type(self.optimizer).__name__,
+            "scheduler_class": type(self.scheduler).__name__ if self.scheduler is not None else None,
+            "scaler": self.scaler is not None,
+            "capture": list(self.kinds),
+            "every": self._full.description,
+            "stats_every": self._stats.description,
+            "codec": codec,
+            "layout": self._layout.to_meta(),
+            "user": metadata or {},
+        }
+        if not (self.path / CATALOG_FILE).exists():
+            catalog.create(self.path, meta)
+            return 0 if start_step is None else start_step
+        con = catalog.connect_reader(self.path)
+        try:
+            old = catalog.read_meta(con)
+            last = con.execute("SELECT max(step) FROM steps").fetchone()[0]
+        finally:
+            con.close()
+        if old.get("layout", {}).get("groups") != meta["layout"]["groups"]:
+            raise ConfigError(
+                f"cannot resume {self.path}: the optimizer's parameters differ from the recorded run's; "
+                "record into a new directory"
+            )
+        nxt = 0 if last is None else last + 1
+        if start_step is not None and start_step < nxt:
+            raise ConfigError(f"start_step={start_step} but the run already has steps up to {last}")
+        return nxt if start_step is None else start_step
+
+    def _attach(self) -> None:
+        opt = self.optimizer
+        self._hooks.append(opt.register_step_pre_hook(lambda o, a, k: self._on_pre_step()))
+        self._hooks.append(opt.register_step_post_hook(lambda o, a, k: self._on_step_done()))
+        if self.scaler is not None:
+            original = self.scaler.step
+
+            def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+                before = self._pre_fired
+                out = original(optimizer, *args, **kwargs)
+                if optimizer is self.optimizer and self._pre_fired == before:
+                    # inf/NaN found: optimizer.step() never ran, so no hook fired.
+                    self._on_pre_step(skipped=True)
+                    self._on_step_done()
+                return out
+
+            self.scaler.step = step  # instance attribute shadows the method
+            self._scaler_original = original
+
+    # -- public API --------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The number of the iteration in progress (the next optimizer step)."""
+        return self._step
+
+    def log(self, **scalars: Any) -> None:
+        """Record scalars (loss, accuracy, ...) for the current iteration.
+
+        A name logged right after ``optimizer.step()`` that the just-finished step
+        has not got yet is given to that step, so ``rec.log(loss=loss)`` after
+        the step lands on the step that computed the loss.
+        """
+        self._raise_if_writer_failed()
+        if self._closed:
+            raise ConfigError("this Recorder is closed; create a new one to record more")
+        for name, value in scalars.items():
+            _check_scalar(name, value)
+            step = self._step
+            if self._prev_open and name not in self._pending.get(step - 1, {}):
+                step -= 1
+            self._pending.setdefault(step, {})[name] = value.detach() if isinstance(value, torch.Tensor) else value
+
+    def close(self) -> None:
+        """Flush everything to disk, detach from the optimizer and release the run."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self.scaler is not None and "step" in vars(self.scaler):
+            del self.scaler.step
+        try:
+            scalars = [r for s in sorted(self._pending) for r in _scalar_rows(s, self._pending[s])]
+            self._pending.clear()
+            if scalars and self._writer.error is None:
+                self._put(StepMessage(step=None, scalars=scalars))
+        finally:
+            self._writer.queue.put(None)
+            self._writer.join()
+            self._lock.release()
+            self._finalizer.detach()
+        self._raise_if_writer_failed()
+        log.info("stepdump: closed %s (%d steps, %d bytes)", self.path, self._writer.steps_written,
+                 self._writer.bytes_written)
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of tensor data appended to segment files so far."""
+        return self._writer.bytes_written
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # don't let a writer error hide the user's own exception
+            self.close()
+        except WriterError as e:
+            log.error("stepdump: %s", e)
+
+    # -- hooks -------------------------------------------------------------
+    def _on_pre_step(self, skipped: bool = False) -> None:
+        self._raise_if_writer_failed()
+        self._pre_fired += 1
+        t = self._step
+        with torch.profiler.record_function("stepdump.capture"):
+            scalars = _scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
+            self._prev_open = False
+            self._auto_scalars(t)
+            level = LEVEL_FULL if self._full(t) else LEVEL_STATS if self._stats(t) else LEVEL_NONE
+            msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars)
+            if level != LEVEL_NONE:
+                msg.slot = self._pool.acquire(lambda: self._writer.error)
+                entries = self._entries(level == LEVEL_FULL)
+                if level == LEVEL_FULL:
+                    msg.state_json = self._state_json(t, entries)
+                msg.items = self._stager.stage(msg.slot, entries)
+            self._put(msg)
+
+    def _on_step_done(self) -> None:
+        self._step += 1
+        self._prev_open = True
+        self._begin_iteration(self._step)
+
+    def _begin_iteration(self, t: int) -> None:
+        """Start of iteration t: keep what a full record t needs from this moment."""
+        if not self._full(t):
+            self._begin = None
+            return
+        with torch.profiler.record_function("stepdump.begin"), torch.no_grad():
+            self._begin = {
+                "rng": get_rng_state(),
+                "buffers": {n: b.detach().clone() for n, b in self._layout.buffers.items()
+                            if "params" in self.kinds and self._filter(n)},
+            }
+
+    # -- building a record -------------------------------------------------
+    def _entries(self, full: bool) -> list[_Entry]:
+        out: list[_Entry] = []
+        params = [(n, p) for n, p in self._layout.params.items() if self._filter(n)]
+        if "params" in self.kinds:
+            out.extend(("params", n, p, full, None, None) for n, p in params)
+        if "grads" in self.kinds:
+            out.extend(("grads", n, p.grad, full, None, None) for n, p in params if p.grad is not None)
+        if "optimizer" in self.kinds:
+            for n, p in params:
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out.append(("optimizer", f"{n}.{k}", v, full, n, k))
+        if full and self._begin is not None:
+            out.extend(("buffers", n, b, True, None, None) for n, b in self._begin["buffers"].items())
+        return out
+
+    def _state_json(self, t: int, entries: list[_Entry]) -> str:
+        groups = []
+        for names, group in zip(self._layout.groups, self.optimizer.param_groups, strict=True):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({"hyper": hyper, "params": names})
+        extra: dict[str, dict[str, Any]] = {}
+        for n, p in self._layout.params.items():
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if not isinstance(v, torch.Tensor):
+                    extra.setdefault(n, {})[k] = v
+        state: dict[str, Any] = {"groups": groups, "optimizer_extra": extra}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        if self._begin is not None:
+            state["rng"] = self._begin["rng"]
+
+        def put(ref: str, tensor: torch.Tensor) -> None:
+            entries.append(("state", ref, tensor, True, None, None))
+
+        return tjson.dumps(tjson.encode(state, put))
+
+    def _auto_scalars(self, t: int) -> None:
+        slot = self._pending.setdefault(t, {})
+        for i, group in enumerate(self.optimizer.param_groups):
+            lr = group.get("lr")
+            if lr is not None:
+                slot.setdefault("lr" if i == 0 else f"lr/{i}", float(lr))
+        if self.scaler is not None and self.scaler.is_enabled():
+            slot.setdefault("grad_scale", float(self.scaler.get_scale()))
+
+    # -- plumbing ----------------------------------------------------------
+    def _put(self, msg: StepMessage) -> None:
+        import queue as _q
+
+        while True:
+            try:
+                self._writer.queue.put(msg, timeout=0.05)
+                return
+            except _q.Full:
+                self._raise_if_writer_failed()
+
+    def _raise_if_writer_failed(self) -> None:
+        err = self._writer.error if hasattr(self, "_writer") else None
+        if err is not None:
+            raise WriterError(f"stepdump could not write {self.path}: {err}") from err
+
+
+def _check_scalar(name: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(f"log({name}=...) got a tensor of shape {tuple(value.shape)}; log a single number")
+        return
+    if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise ConfigError(f"log({name}=...) got {type(value).__name__}; log numbers (float, int, 1-element tensor)")
+
+
+def _scalar_rows(step: int, values: dict[str, Any]) -> list[tuple[int, str, Any]]:
+    # Values stay as logged (maybe CUDA tensors): the writer thread turns them
+    # into floats, so the training thread never waits on a device sync for them.
+    return [(step, name, v) for name, v in values.items()]
+
+
+def _close_quietly(ref: weakref.ref[Recorder]) -> None:
+    rec = ref()
+    if rec is not None:
+        try:
+            rec.close()
+        except Exception as e:  # noqa: BLE001 - interpreter exit, nowhere to raise to
+            log.error("stepdump: closing at exit failed: %s", e)

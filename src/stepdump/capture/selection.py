@@ -1,0 +1,80 @@
+"""What to record: kinds, tensor-name globs and step schedules."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from typing import Union
+
+from stepdump.errors import ConfigError
+from stepdump.store.format import TENSOR_KINDS
+
+Every = Union[int, range, Iterable[int], Callable[[int], bool], None]
+
+CORE_KINDS = ("params", "grads", "optimizer")
+
+
+class Schedule:
+    """Which steps an action happens at: every n-th, a range, a set, or a predicate."""
+
+    def __init__(self, every: Every, what: str = "every") -> None:
+        self.description: str
+        self._pred: Callable[[int], bool]
+        if every is None:
+            self._pred, self.description = (lambda s: False), "never"
+        elif isinstance(every, bool):
+            raise ConfigError(f"{what} must be an int, range, iterable of steps or callable, not a bool")
+        elif isinstance(every, int):
+            if every < 1:
+                raise ConfigError(f"{what}={every}: give a positive step interval (1 = every step), or None")
+            n = every
+            self._pred, self.description = (lambda s: s % n == 0), f"every {n}"
+        elif isinstance(every, range):
+            r = every
+            self._pred, self.description = (lambda s: s in r), repr(r)
+        elif callable(every):
+            fn = every
+            self._pred, self.description = (lambda s: bool(fn(s))), getattr(fn, "__name__", "callable")
+        else:
+            try:
+                steps = frozenset(int(s) for s in every)
+            except TypeError as e:
+                raise ConfigError(
+                    f"{what} must be an int, range, iterable of steps or callable; got {type(every).__name__}"
+                ) from e
+            self._pred, self.description = steps.__contains__, f"{len(steps)} listed steps"
+
+    def __call__(self, step: int) -> bool:
+        return self._pred(step)
+
+
+def check_kinds(capture: Iterable[str] | str) -> tuple[str, ...]:
+    kinds = (capture,) if isinstance(capture, str) else tuple(capture)
+    for k in kinds:
+        if k not in TENSOR_KINDS:
+            raise ConfigError(f"unknown capture kind {k!r}; choose from {', '.join(TENSOR_KINDS)}")
+    return kinds
+
+
+class NameFilter:
+    """include/exclude glob patterns over tensor names (fnmatch syntax)."""
+
+    def __init__(self, include: str | Iterable[str] | None = "*", exclude: str | Iterable[str] | None = None):
+        self.include = _patterns(include, ["*"])
+        self.exclude = _patterns(exclude, [])
+
+    def __call__(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.include) and not any(
+            fnmatch.fnmatchcase(name, p) for p in self.exclude
+        )
+
+
+def _patterns(value: str | Iterable[str] | None, default: list[str]) -> list[str]:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return [value]
+    pats = list(value)
+    if not all(isinstance(p, str) for p in pats):
+        raise ConfigError("include/exclude take a glob string or a list of glob strings")
+    return pats

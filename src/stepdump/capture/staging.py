@@ -1,0 +1,181 @@
+"""Staging buffers: where the training thread copies tensors before the writer takes over.
+
+Allocating fresh memory per step costs several times a copy, so each slot keeps
+its buffers and reuses them while shapes stay the same. The pool holds a fixed
+number of slots; when all are with the writer, the training thread waits
+(backpressure) instead of dropping data or growing memory.
+
+On CUDA, buffers are pinned host memory, filled with non_blocking copies on a
+side stream; the training stream waits for that stream before the optimizer
+updates anything, and the writer waits on an event before reading the bytes.
+Health stats for CUDA tensors are computed on the device (see
+:func:`device_stats`) so stats-only steps copy ten numbers per tensor, not the
+tensor.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from stepdump.errors import WriterError
+
+
+@dataclass
+class Item:
+    """One tensor of one step on its way to the writer."""
+
+    kind: str
+    name: str
+    tensor: torch.Tensor  # host copy of the tensor's bytes
+    full: bool
+    param: str | None = None
+    key: str | None = None
+    device_stats: torch.Tensor | None = None  # stats computed on the device, on host once the event fires
+
+
+@dataclass
+class Slot:
+    """Reusable buffers for one step in flight."""
+
+    index: int
+    buffers: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    event: object | None = None  # torch.cuda.Event when a device copy is pending
+
+    def buffer_for(self, kind: str, name: str, src: torch.Tensor, pin: bool) -> torch.Tensor:
+        key = (kind, name)
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+            self.buffers[key] = buf
+        return buf
+
+
+class StagingPool:
+    """A fixed set of slots shared between the training thread and the writer."""
+
+    def __init__(self, slots: int) -> None:
+        self._free: queue.Queue[Slot] = queue.Queue()
+        for i in range(slots):
+            self._free.put(Slot(i))
+
+    def acquire(self, writer_failed: Callable[[], BaseException | None]) -> Slot:
+        """Wait for a free slot; give up with the writer's error if it died."""
+        while True:
+            try:
+                return self._free.get(timeout=0.05)
+            except queue.Empty:
+                err = writer_failed()
+                if err is not None:
+                    raise WriterError(f"stepdump's writer stopped: {err}") from err
+
+    def release(self, slot: Slot) -> None:
+        slot.event = None
+        self._free.put(slot)
+
+
+class Stager:
+    """Copies tensors of one step into a slot, on the CPU or from a CUDA device."""
+
+    def __init__(self) -> None:
+        self._stream: object | None = None
+        self._lock = threading.Lock()
+
+    def _side_stream(self, device: torch.device) -> object:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    def stage(self, slot: Slot, items: list[tuple[str, str, torch.Tensor, bool, str | None, str | None]]) -> list[Item]:
+        """Stage ``(kind, name, tensor, full, param, key)`` entries into ``slot``."""
+        out: list[Item] = []
+        cuda_entries = []
+        with torch.no_grad():
+            for kind, name, t, full, param, key in items:
+                t = t.detach()
+                if t.device.type == "cuda":
+                    cuda_entries.append((kind, name, t, full, param, key))
+                    continue
+                buf = slot.buffer_for(kind, name, t, pin=False)
+                buf.copy_(t)
+                out.append(Item(kind, name, buf, full, param, key))
+            if cuda_entries:
+                out.extend(self._stage_cuda(slot, cuda_entries))
+        return out
+
+    def _stage_cuda(self, slot: Slot, entries: list) -> list[Item]:  # pragma: no cover - needs a GPU
+        device = entries[0][2].device
+        stream = self._side_stream(device)
+        main = torch.cuda.current_stream(device)
+        stream.wait_stream(main)  # type: ignore[attr-defined]
+        out: list[Item] = []
+        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+            for kind, name, t, full, param, key in entries:
+                stats = device_stats(t)
+                host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+                host_stats.copy_(stats, non_blocking=True)
+                # Stats-only steps copy the bytes too: the fingerprint is a host-side hash.
+                buf = slot.buffer_for(kind, name, t, pin=True)
+                buf.copy_(t, non_blocking=True)
+                out.append(Item(kind, name, buf, full, param, key, device_stats=host_stats))
+                t.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        # The optimizer must not overwrite a tensor the side stream is still reading.
+        main.wait_stream(stream)
+        slot.event = event
+        return out
+
+
+STATS_LEN = 10
+
+
+def device_stats(t: torch.Tensor) -> torch.Tensor:
+    """The ten health stats as one float64 tensor, computed without a host sync.
+
+    Same definitions as :func:`stepdump.capture.stats.compute_stats` (stats over
+    finite elements), written without data-dependent branches so it can be
+    queued on a CUDA stream. Missing values (no finite element) are NaN.
+    """
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = x.abs()
+    x = x.to(torch.float64) if not x.dtype.is_floating_point or x.dtype == torch.float64 else x.to(torch.float32)
+    n = x.numel()
+    if n == 0:
+        return torch.full((STATS_LEN,), float("nan"), dtype=torch.float64, device=t.device).index_fill_(
+            0, torch.tensor([0, 1, 2, 3], device=t.device), 0.0
+        )
+    finite = torch.isfinite(x)
+    nfin = finite.sum()
+    nan = torch.isnan(x).sum()
+    posinf = torch.isposinf(x).sum()
+    neginf = torch.isneginf(x).sum()
+    zeros = (x == 0).sum()
+    xz = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    mn = torch.where(finite, x, torch.full((), float("inf"), dtype=x.dtype, device=x.device)).min()
+    mx = torch.where(finite, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device)).max()
+    cnt = nfin.to(torch.float64)
+    mean = xz.sum(dtype=torch.float64) / cnt
+    dev = torch.where(finite, x.to(torch.float64) - mean, torch.zeros((), dtype=torch.float64, device=x.device))
+    std = torch.sqrt((dev * dev).sum() / cnt)
+    norm = torch.linalg.vector_norm(xz.to(torch.float64))
+    none = nfin == 0
+    nanv = torch.full((), float("nan"), dtype=torch.float64, device=x.device)
+    vals = [
+        torch.tensor(float(n), dtype=torch.float64, device=x.device),
+        nan.to(torch.float64),
+        posinf.to(torch.float64),
+        neginf.to(torch.float64),
+        torch.where(none, nanv, mn.to(torch.float64)),
+        torch.where(none, nanv, mx.to(torch.float64)),
+        torch.where(none, nanv, mean),
+        torch.where(none, nanv, std),
+        torch.where(none, nanv, norm),
+        zeros.to(torch.float64) / n,
+    ]
+    return torch.stack(vals)

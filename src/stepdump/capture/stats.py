@@ -1,0 +1,86 @@
+"""Per-tensor health stats and fingerprints.
+
+Stats are computed over the *finite* elements (so one NaN does not turn min,
+max, mean, std and norm into NaN); the NaN/+Inf/-Inf counts say how many
+elements were left out. The fingerprint is xxh3-64 of the exact little-endian
+bytes, so equal fingerprints mean bitwise-equal tensors (to 2**-64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import xxhash
+
+StatsTuple = tuple[int, int, int, int, float | None, float | None, float | None, float | None, float | None, float | None]
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, C-contiguous, little-endian, without a copy when possible."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def signed64(u: int) -> int:
+    """SQLite integers are signed 64-bit; store unsigned hashes in that range."""
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+def fingerprint_bytes(data: memoryview | bytes) -> int:
+    return signed64(xxhash.xxh3_64_intdigest(data))
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """Fingerprint of a tensor's exact bytes (dtype and shape are compared separately)."""
+    return fingerprint_bytes(raw_bytes(t))
+
+
+def _f(x: torch.Tensor) -> float:
+    v = float(x)
+    return v
+
+
+def compute_stats(t: torch.Tensor) -> StatsTuple:
+    """numel, nan, +inf, -inf, min, max, mean, std, L2 norm, zero fraction."""
+    t = t.detach()
+    n = t.numel()
+    if n == 0:
+        return (0, 0, 0, 0, None, None, None, None, None, None)
+    if t.dtype == torch.bool:
+        x = t.reshape(-1).to(torch.float32)
+    elif t.is_complex():
+        x = t.reshape(-1).abs().to(torch.float64)
+    elif t.dtype.is_floating_point:
+        x = t.reshape(-1)
+        if x.dtype in (torch.float16, torch.bfloat16) or x.dtype.itemsize == 1:
+            x = x.to(torch.float32)
+    else:
+        x = t.reshape(-1).to(torch.float64)
+    zeros = int((x == 0).sum())
+    finite = torch.isfinite(x)
+    nfinite = int(finite.sum()) if x.dtype.is_floating_point else n
+    nan = posinf = neginf = 0
+    if nfinite != n:
+        nan = int(torch.isnan(x).sum())
+        posinf = int(torch.isposinf(x).sum())
+        neginf = n - nfinite - nan - posinf
+        x = x[finite]
+    if x.numel() == 0:
+        return (n, nan, posinf, neginf, None, None, None, None, None, zeros / n)
+    mn, mx = torch.aminmax(x)
+    std, mean = torch.std_mean(x, correction=0)
+    norm = torch.linalg.vector_norm(x)
+    return (n, nan, posinf, neginf, _f(mn), _f(mx), _f(mean), _clean(_f(std)), _f(norm), zeros / n)
+
+
+def _clean(v: float) -> float:
+    # std of a constant tensor can come out as nan on some backends; it is 0.
+    return 0.0 if math.isnan(v) else v

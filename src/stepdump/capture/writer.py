@@ -1,0 +1,207 @@
+"""The writer thread: stats, fingerprints, encoding, segment appends, catalog commits.
+
+Order of work for one step, which is what makes a crash lose at most the step
+in flight: every blob is appended to the segment file (and, with
+``durability="fsync"``, fsynced) *before* the catalog transaction that makes the
+step visible commits. Bytes appended by a step that never committed are
+unreferenced garbage at the end of a segment, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stepdump.capture.staging import Item, Slot, StagingPool
+from stepdump.capture.stats import compute_stats, fingerprint_bytes, raw_bytes
+from stepdump.errors import WriterError
+from stepdump.store.catalog import CatalogWriter
+from stepdump.store.codecs import get_codec
+from stepdump.store.format import SEGMENT_DIR, dtype_name, format_shape
+from stepdump.store.storage import LocalStorage
+
+log = logging.getLogger(__name__)
+
+# Kinds whose tensors get health stats; ``state`` blobs (RNG, scheduler internals)
+# get only a fingerprint, since their "mean" means nothing.
+_NO_STATS = frozenset({"state"})
+
+
+@dataclass
+class StepMessage:
+    """Everything the writer needs for one step. ``level`` None: scalars only."""
+
+    step: int | None
+    level: int | None = None
+    skipped: bool = False
+    items: list[Item] = field(default_factory=list)
+    state_json: str | None = None
+    scalars: list[tuple[int, str, Any]] = field(default_factory=list)
+    slot: Slot | None = None
+
+
+class Writer(threading.Thread):
+    """Consumes StepMessages from a bounded queue until it gets ``None``."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        pool: StagingPool,
+        codec: str,
+        durability: str,
+        segment_bytes: int,
+        max_queue: int,
+    ) -> None:
+        super().__init__(name="stepdump-writer", daemon=True)
+        self.run_dir = run_dir
+        self.pool = pool
+        self.codec = get_codec(codec)
+        self.durable = durability == "fsync"
+        self.segment_bytes = segment_bytes
+        self.queue: queue.Queue[StepMessage | None] = queue.Queue(maxsize=max_queue)
+        self.error: BaseException | None = None
+        self.storage = LocalStorage(run_dir)
+        self.bytes_written = 0
+        self.steps_written = 0
+        self._catalog: CatalogWriter | None = None
+        self._segment: str | None = None
+        self._segment_size = 0
+        self._segment_seq = 0
+        self._ready = threading.Event()
+
+    # -- thread body -------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._catalog = CatalogWriter(self.run_dir, synchronous="FULL" if self.durable else "NORMAL")
+            self._segment_seq = self._next_segment_seq()
+        except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
+            self.error = e
+            self._ready.set()
+            self._drain()
+            return
+        self._ready.set()
+        while True:
+            msg = self.queue.get()
+            if msg is None:
+                break
+            try:
+                self._write(msg)
+            except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
+                log.error("stepdump writer failed at step %s: %s", msg.step, e)
+                self.error = e
+                if msg.slot is not None:
+                    self.pool.release(msg.slot)
+                self._drain()
+                break
+            if msg.slot is not None:
+                self.pool.release(msg.slot)
+        self._shutdown()
+
+    def _drain(self) -> None:
+        """After a failure keep taking messages so the training thread never blocks on put."""
+        while True:
+            msg = self.queue.get()
+            if msg is None:
+                return
+            if msg.slot is not None:
+                self.pool.release(msg.slot)
+
+    def _shutdown(self) -> None:
+        try:
+            if self._catalog is not None:
+                if self._segment is not None:
+                    self.storage.sync(self._segment, durable=True)
+                self._catalog.close()
+        except BaseException as e:  # noqa: BLE001
+            self.error = self.error or e
+        finally:
+            self.storage.close()
+
+    def wait_ready(self) -> None:
+        self._ready.wait()
+
+    # -- one step ----------------------------------------------------------
+    def _write(self, msg: StepMessage) -> None:
+        cat = self._catalog
+        if cat is None:  # run() opens it before taking messages
+            raise WriterError("the catalog is not open")
+        if msg.slot is not None and msg.slot.event is not None:  # pragma: no cover - CUDA only
+            msg.slot.event.synchronize()  # type: ignore[attr-defined]
+        rows = []
+        wrote = False
+        for item in msg.items:
+            rows.append(self._item_row(cat, msg.step, item))
+            wrote = wrote or item.full
+        if msg.level is not None and msg.step is not None:
+            cat.add_tensors(rows)
+            cat.add_step(msg.step, msg.level, msg.skipped, msg.state_json)
+        if msg.scalars:
+            cat.add_scalars((s, n, _to_float(v)) for s, n, v in msg.scalars)
+        if wrote and self._segment is not None:
+            # Bytes first, then the commit that points at them.
+            self.storage.sync(self._segment, durable=self.durable)
+        cat.commit()
+        if msg.level is not None:
+            self.steps_written += 1
+
+    def _item_row(self, cat: CatalogWriter, step: int | None, item: Item) -> tuple[Any, ...]:
+        t = item.tensor
+        data = raw_bytes(t)
+        fp = fingerprint_bytes(data)
+        if item.kind in _NO_STATS:
+            stats: tuple[Any, ...] = (t.numel(),) + (None,) * 9
+        elif item.device_stats is not None:  # pragma: no cover - CUDA only
+            stats = _from_device_stats(item.device_stats)
+        else:
+            stats = compute_stats(t)
+        blob = None
+        if item.full:
+            blob = self._append_blob(cat, data, t.element_size(), fp)
+        sid = cat.series_id(item.kind, item.name, item.param, item.key)
+        return (sid, step, dtype_name(t.dtype), format_shape(t.shape), blob, *stats, fp)
+
+    def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int) -> int:
+        encoded = self.codec.encode(data, itemsize)
+        # For the raw codec the stored bytes are the raw bytes: reuse the fingerprint.
+        checksum = fp if encoded is data else fingerprint_bytes(encoded)
+        length = len(memoryview(encoded).cast("B"))
+        key = self._segment_for(length)
+        offset = self.storage.append(key, encoded)
+        self._segment_size = offset + length
+        self.bytes_written += length
+        return cat.add_blob(key, offset, length, self.codec.name, len(data), checksum)
+
+    def _segment_for(self, length: int) -> str:
+        if self._segment is None or (self._segment_size and self._segment_size + length > self.segment_bytes):
+            if self._segment is not None:
+                self.storage.sync(self._segment, durable=self.durable)
+                self.storage.close_writer(self._segment)
+            self._segment_seq += 1
+            # A new segment per writer session: the tail of an older one may hold
+            # garbage from a crash, and append-only means we never rewrite it.
+            self._segment = f"{SEGMENT_DIR}/{self._segment_seq:06d}.seg"
+            self._segment_size = 0
+        return self._segment
+
+    def _next_segment_seq(self) -> int:
+        seg_dir = self.run_dir / SEGMENT_DIR
+        seqs = [int(p.stem) for p in seg_dir.glob("*.seg") if p.stem.isdigit()] if seg_dir.exists() else []
+        return max(seqs, default=0)
+
+
+def _from_device_stats(t: torch.Tensor) -> tuple[Any, ...]:
+    v = t.tolist()
+    counts = tuple(int(x) for x in v[:4])
+    rest = tuple(None if math.isnan(x) else float(x) for x in v[4:])
+    return counts + rest
+
+
+def _to_float(v: Any) -> float:
+    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)

@@ -1,0 +1,86 @@
+"""Every error stepdump raises derives from :class:`StepdumpError`.
+
+Each subclass names a situation a user can act on, and every message says what
+happened and what to do about it. The CLI maps these classes to exit codes; the
+library itself never exits or prints.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+
+
+class StepdumpError(Exception):
+    """Base class of every error raised by stepdump."""
+
+
+class ConfigError(StepdumpError, ValueError):
+    """An argument to a stepdump function or class is invalid."""
+
+
+class NotARunError(StepdumpError, FileNotFoundError):
+    """The path does not hold a stepdump run."""
+
+
+class FormatVersionError(StepdumpError):
+    """The run was written in a store format this stepdump cannot read."""
+
+
+class RunExistsError(StepdumpError, FileExistsError):
+    """A Recorder was pointed at a directory that already holds a run."""
+
+
+class RunLockedError(StepdumpError):
+    """Another Recorder is still writing this run."""
+
+
+class StepNotFoundError(StepdumpError, KeyError):
+    """The requested step was not recorded (or not with the data asked for)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class TensorNotFoundError(StepdumpError, KeyError):
+    """The requested tensor name or kind does not exist in the run."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class RestoreMismatchError(StepdumpError):
+    """The objects given to restore do not match what the run recorded."""
+
+
+class CorruptDataError(StepdumpError):
+    """Stored bytes fail their checksum or cannot be decoded."""
+
+
+class WriterError(StepdumpError):
+    """The background writer failed; the message carries the cause."""
+
+
+class ReplayDiverged(StepdumpError):
+    """A replayed step does not reproduce the recorded fingerprints."""
+
+
+def nearest_steps(step: int, available: Sequence[int], k: int = 3) -> str:
+    """Describe the recorded steps closest to ``step`` for an error message."""
+    if not available:
+        return "the run has no recorded steps yet"
+    near = sorted(available, key=lambda s: (abs(s - step), s))[:k]
+    return "nearest recorded steps: " + ", ".join(str(s) for s in sorted(near))
+
+
+def close_names(name: str, choices: Iterable[str], k: int = 3) -> str:
+    """Suggest names close to ``name`` for an error message."""
+    choices = list(choices)
+    hits = difflib.get_close_matches(name, choices, n=k, cutoff=0.5)
+    if hits:
+        return "did you mean " + ", ".join(repr(h) for h in hits) + "?"
+    if not choices:
+        return "no names of that kind were recorded"
+    shown = ", ".join(repr(c) for c in choices[:5])
+    more = f" (and {len(choices) - 5} more)" if len(choices) > 5 else ""
+    return f"recorded names: {shown}{more}"

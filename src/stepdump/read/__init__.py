@@ -1,0 +1,1 @@
+"""Reading runs: ``Run``, state dicts and restore."""

@@ -1,0 +1,276 @@
+"""``Run``: read access to a recorded run, also while it is still being written."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from stepdump.errors import StepNotFoundError, TensorNotFoundError, close_names, nearest_steps
+from stepdump.read.blobs import BlobReader
+from stepdump.store import catalog, tjson
+from stepdump.store.catalog import STAT_COLUMNS
+from stepdump.store.format import ALL_KINDS, LEVEL_FULL
+from stepdump.store.lock import is_locked
+
+StepRange = int | range | slice | Iterable[int] | None
+
+
+class Run:
+    """A recorded run. Every query sees all steps committed so far.
+
+    Open with :func:`stepdump.open`. Tensors are read lazily, one blob at a
+    time, and checked against their checksum.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._con = catalog.connect_reader(self.path)
+        self.meta: dict[str, Any] = catalog.read_meta(self._con)
+        self.format_version: int = int(self.meta["format_version"])
+        self._blobs = BlobReader(self.path, self._con)
+
+    # -- lifecycle -----------------------------------------------------------
+    def close(self) -> None:
+        self._blobs.close()
+        self._con.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<stepdump.Run {str(self.path)!r}: {len(self.all_steps)} steps>"
+
+    @property
+    def live(self) -> bool:
+        """True while a Recorder still holds this run open for writing."""
+        return is_locked(self.path)
+
+    # -- steps and names -----------------------------------------------------
+    @property
+    def steps(self) -> list[int]:
+        """Steps whose tensors are stored in full (what :meth:`tensor` can read)."""
+        return self._ints("SELECT step FROM steps WHERE level >= ? ORDER BY step", (LEVEL_FULL,))
+
+    @property
+    def stats_steps(self) -> list[int]:
+        """Steps with stats and fingerprints (a superset of :attr:`steps`)."""
+        return self._ints("SELECT step FROM steps WHERE level >= 1 ORDER BY step", ())
+
+    @property
+    def all_steps(self) -> list[int]:
+        """Every optimizer step the recorder saw, recorded in full or not."""
+        return self._ints("SELECT step FROM steps ORDER BY step", ())
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """Steps the GradScaler skipped (inf/NaN gradients, no update)."""
+        return self._ints("SELECT step FROM steps WHERE skipped = 1 ORDER BY step", ())
+
+    def kinds(self) -> list[str]:
+        """Kinds of tensors present in the run (params, grads, optimizer, ...)."""
+        rows = {k for (k,) in self._con.execute("SELECT DISTINCT kind FROM series")}
+        return [k for k in ALL_KINDS if k in rows and k != "state"]
+
+    def names(self, kind: str = "params") -> list[str]:
+        """Names of the tensors of ``kind`` recorded at any step, in recording order."""
+        self._check_kind(kind)
+        return [n for (n,) in self._con.execute("SELECT name FROM series WHERE kind = ? ORDER BY id", (kind,))]
+
+    # -- tensors ---------------------------------------------------------------
+    def tensor(self, name: str, step: int, kind: str = "params") -> torch.Tensor:
+        """The tensor ``name`` of ``kind`` at ``step``, bit-exact as recorded."""
+        sid = self._series_id(kind, name)
+        row = self._con.execute(
+            "SELECT blob, dtype, shape FROM tensors WHERE series = ? AND step = ?", (sid, step)
+        ).fetchone()
+        if row is None or row[0] is None:
+            self._missing(name, step, kind, stats_only=row is not None)
+        return self._blobs.tensor(row[0], row[1], row[2])
+
+    def tensors(self, step: int, kind: str = "params") -> dict[str, torch.Tensor]:
+        """Every stored tensor of ``kind`` at ``step``, by name."""
+        self._check_kind(kind)
+        self._require_full(step)
+        rows = self._con.execute(
+            "SELECT s.name, t.blob, t.dtype, t.shape FROM tensors t JOIN series s ON s.id = t.series "
+            "WHERE t.step = ? AND s.kind = ? AND t.blob IS NOT NULL ORDER BY s.id",
+            (step, kind),
+        ).fetchall()
+        return {n: self._blobs.tensor(b, d, sh) for n, b, d, sh in rows}
+
+    def fingerprints(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], int]:
+        """(kind, name) -> fingerprint of every tensor with stats at ``step``."""
+        rows = self._con.execute(
+            "SELECT s.kind, s.name, t.fingerprint FROM tensors t JOIN series s ON s.id = t.series "
+            "WHERE t.step = ? AND s.kind != 'state'",
+            (step,),
+        ).fetchall()
+        wanted = None if kinds is None else set(kinds)
+        return {(k, n): fp for k, n, fp in rows if wanted is None or k in wanted}
+
+    # -- state -----------------------------------------------------------------
+    def step_state(self, step: int) -> dict[str, Any]:
+        """The decoded non-tensor state recorded with a full step (groups, scheduler, ...)."""
+        self._require_full(step)
+        (text,) = self._con.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
+        tree = tjson.loads(text) if text else {}
+        return tjson.decode(tree, lambda ref: self.tensor(ref, step, kind="state"))
+
+    def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
+        """``model.state_dict()`` as it was at the start of iteration ``step``."""
+        from stepdump.read.state import model_state_dict
+
+        return model_state_dict(self, step)
+
+    def optimizer_state_dict(self, step: int) -> dict[str, Any]:
+        """``optimizer.state_dict()`` as it was before update ``step``."""
+        from stepdump.read.state import optimizer_state_dict
+
+        return optimizer_state_dict(self, step)
+
+    def scheduler_state_dict(self, step: int) -> dict[str, Any] | None:
+        """The LR scheduler's state_dict before update ``step`` (None if none was given)."""
+        return self.step_state(step).get("scheduler")
+
+    def scaler_state_dict(self, step: int) -> dict[str, Any] | None:
+        """The GradScaler's state_dict used in iteration ``step`` (None if none was given)."""
+        return self.step_state(step).get("scaler")
+
+    def rng_state(self, step: int) -> dict[str, Any]:
+        """RNG state at the start of iteration ``step`` (torch, cuda, numpy, python)."""
+        return self.step_state(step)["rng"]
+
+    def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
+                *, rng: bool = True) -> None:
+        """Load step ``step`` into live objects so training can continue from it.
+
+        Everything is checked before anything is changed: on a mismatch
+        (names, shapes, param groups) a RestoreMismatchError names the first
+        difference and the objects are left untouched.
+        """
+        from stepdump.read.restore import restore
+
+        restore(self, step, model, optimizer, scheduler, scaler, rng=rng)
+
+    # -- frames ----------------------------------------------------------------
+    def scalars(self, names: str | Iterable[str] | None = None, steps: StepRange = None) -> pd.DataFrame:
+        """One row per step, one column per scalar, plus boolean ``skipped``."""
+        where, args = _step_filter("step", steps)
+        rows = self._con.execute(f"SELECT step, name, value FROM scalars WHERE {where}", args).fetchall()
+        df = pd.DataFrame(rows, columns=["step", "name", "value"])
+        wide = df.pivot_table(index="step", columns="name", values="value", aggfunc="last", dropna=False)
+        wide.columns.name = None
+        if names is not None:
+            pats = [names] if isinstance(names, str) else list(names)
+            wide = wide[[c for c in wide.columns if any(fnmatch.fnmatchcase(c, p) for p in pats)]]
+        skipped = self._con.execute(f"SELECT step, skipped FROM steps WHERE {where}", args).fetchall()
+        sk = pd.Series({s: bool(v) for s, v in skipped}, dtype=bool, name="skipped")
+        wide = wide.join(sk, how="outer") if len(wide.columns) else sk.to_frame()
+        wide["skipped"] = wide["skipped"].fillna(False).astype(bool)
+        wide.index.name = "step"
+        return wide.sort_index()
+
+    def stats(self, kind: str | None = None, name: str | None = None, steps: StepRange = None) -> pd.DataFrame:
+        """Health stats, one row per (step, kind, name); filters run in SQLite.
+
+        Args:
+            kind: Only this kind (params, grads, optimizer, ...).
+            name: Glob over tensor names (``"fc1.*"``).
+            steps: A step, range, slice or iterable of steps.
+        """
+        where, args = _step_filter("t.step", steps)
+        clauses = [where, "s.kind != 'state'"]
+        if kind is not None:
+            self._check_kind(kind)
+            clauses.append("s.kind = ?")
+            args.append(kind)
+        if name is not None:
+            clauses.append("s.name GLOB ?")
+            args.append(name)
+        cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
+        sql = (
+            f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, {cols}, t.fingerprint, t.blob IS NOT NULL "
+            f"FROM tensors t JOIN series s ON s.id = t.series WHERE {' AND '.join(clauses)} ORDER BY t.step, s.id"
+        )
+        rows = self._con.execute(sql, args).fetchall()
+        columns = ["step", "kind", "name", "dtype", "shape", *STAT_COLUMNS, "fingerprint", "stored"]
+        df = pd.DataFrame(rows, columns=columns)
+        df["stored"] = df["stored"].astype(bool)
+        for c in ("min", "max", "mean", "std", "norm", "zero_frac"):
+            df[c] = df[c].astype(float)
+        return df
+
+    # -- helpers ---------------------------------------------------------------
+    def _ints(self, sql: str, args: tuple[Any, ...]) -> list[int]:
+        return [r[0] for r in self._con.execute(sql, args)]
+
+    def _check_kind(self, kind: str) -> None:
+        if kind not in ALL_KINDS:
+            raise TensorNotFoundError(f"unknown kind {kind!r}; kinds are {', '.join(ALL_KINDS)}")
+
+    def _series_id(self, kind: str, name: str) -> int:
+        self._check_kind(kind)
+        row = self._con.execute("SELECT id FROM series WHERE kind = ? AND name = ?", (kind, name)).fetchone()
+        if row is None:
+            others = [k for (k,) in self._con.execute("SELECT DISTINCT kind FROM series WHERE name = ?", (name,))]
+            hint = f"; it exists as kind {', '.join(map(repr, others))}" if others else ""
+            raise TensorNotFoundError(
+                f"no {kind} tensor named {name!r} in {self.path}{hint}; " + close_names(name, self.names(kind))
+            )
+        return int(row[0])
+
+    def _require_full(self, step: int) -> None:
+        row = self._con.execute("SELECT level FROM steps WHERE step = ?", (step,)).fetchone()
+        if row is None or row[0] < LEVEL_FULL:
+            what = "was not recorded" if row is None else "has only stats and fingerprints (not stored in full)"
+            raise StepNotFoundError(f"step {step} {what} in {self.path}; {nearest_steps(step, self.steps)}")
+
+    def _missing(self, name: str, step: int, kind: str, stats_only: bool) -> None:
+        if stats_only:
+            raise StepNotFoundError(
+                f"{kind} {name!r} at step {step} has only stats and a fingerprint, its values were not stored; "
+                f"{nearest_steps(step, self.steps)}"
+            )
+        level = self._con.execute("SELECT level FROM steps WHERE step = ?", (step,)).fetchone()
+        if level is None or level[0] < LEVEL_FULL:
+            self._require_full(step)
+        raise StepNotFoundError(
+            f"{kind} {name!r} has no value at step {step} (e.g. a parameter with no gradient that step, or "
+            "optimizer state not created yet)"
+        )
+
+
+def _step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
+    if steps is None:
+        return "1", []
+    if isinstance(steps, int):
+        return f"{col} = ?", [steps]
+    if isinstance(steps, slice):
+        steps = range(
+            steps.start if steps.start is not None else 0,
+            steps.stop if steps.stop is not None else 2**62,
+            steps.step or 1,
+        )
+    if isinstance(steps, range):
+        if steps.step <= 0:
+            return _step_filter(col, list(steps))
+        return f"{col} >= ? AND {col} < ? AND ({col} - ?) % ? = 0", [steps.start, steps.stop, steps.start, steps.step]
+    lst = sorted({int(s) for s in steps})
+    if not lst:
+        return "0", []
+    return f"{col} IN ({','.join('?' * len(lst))})", lst
+
+
+def open(path: str | os.PathLike[str]) -> Run:  # noqa: A001 - the public name is stepdump.open
+    """Open a recorded run for reading (it may still be being written)."""
+    return Run(path)

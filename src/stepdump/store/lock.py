@@ -1,0 +1,62 @@
+"""The writer lock: one Recorder per run at a time.
+
+``flock`` locks die with the process that holds them, so a lock left by a
+crashed or killed recorder never blocks a new one: a stale LOCK file is just a
+file, and the pid written in it only serves the error message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from stepdump.errors import RunLockedError
+from stepdump.store.format import LOCK_FILE
+
+
+class RunLock:
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunLockedError(
+                f"{self.path.parent} is being written by another Recorder ({holder}). "
+                "Close that Recorder first, or record into a different directory."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def is_locked(run_dir: Path) -> bool:
+    """True while some Recorder holds the run's lock (a reader's hint that it is live)."""
+    path = run_dir / LOCK_FILE
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

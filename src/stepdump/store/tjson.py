@@ -1,0 +1,95 @@
+"""Typed JSON: how non-tensor state (scheduler, scaler, RNG, param groups) is stored.
+
+Plain JSON loses tuples, non-string dict keys and tensors. Typed JSON tags them:
+
+* ``{"$tuple": [...]}`` a tuple,
+* ``{"$dict": [[key, value], ...]}`` a dict whose keys are not all strings,
+* ``{"$tensor": "ref"}`` a tensor stored as a blob of kind ``state`` named ``ref``,
+* ``{"$repr": "..."}`` an object stepdump cannot store; kept for display only.
+
+Decoding never constructs anything but these plain types and tensors, so a store
+from an untrusted source cannot run code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_TAGS = ("$tuple", "$dict", "$tensor", "$repr", "$float")
+
+
+def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str = "") -> Any:
+    """Turn ``obj`` into a JSON-able tree, handing tensors to ``put_tensor(ref, t)``."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        # JSON has no inf/nan; keep the spec strict and tag them.
+        return obj if math.isfinite(obj) else {"$float": repr(obj)}
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (np.floating,)):
+        return encode(float(obj), put_tensor, path)
+    if isinstance(obj, np.ndarray):
+        obj = torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, torch.Tensor):
+        ref = path or "value"
+        put_tensor(ref, obj)
+        return {"$tensor": ref}
+    if isinstance(obj, (list, tuple)):
+        items = [encode(v, put_tensor, f"{path}/{i}") for i, v in enumerate(obj)]
+        return {"$tuple": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and k not in _TAGS for k in obj):
+            return {k: encode(v, put_tensor, f"{path}/{k}") for k, v in obj.items()}
+        return {
+            "$dict": [
+                [encode(k, put_tensor, f"{path}/key{i}"), encode(v, put_tensor, f"{path}/{k}")]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
+    log.warning("stepdump cannot store %s at %r; only its repr is kept", type(obj).__name__, path)
+    return {"$repr": repr(obj)[:200]}
+
+
+def decode(tree: Any, get_tensor: Callable[[str], torch.Tensor]) -> Any:
+    """Inverse of :func:`encode`; ``get_tensor(ref)`` loads a referenced tensor."""
+    if isinstance(tree, list):
+        return [decode(v, get_tensor) for v in tree]
+    if isinstance(tree, dict):
+        if len(tree) == 1:
+            (tag, val), = tree.items()
+            if tag == "$tuple":
+                return tuple(decode(v, get_tensor) for v in val)
+            if tag == "$dict":
+                return {_hashable(decode(k, get_tensor)): decode(v, get_tensor) for k, v in val}
+            if tag == "$tensor":
+                return get_tensor(str(val))
+            if tag == "$float":
+                return float(val)
+            if tag == "$repr":
+                return None
+        return {k: decode(v, get_tensor) for k, v in tree.items()}
+    return tree
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+def dumps(tree: Any) -> str:
+    return json.dumps(tree, separators=(",", ":"), allow_nan=False)
+
+
+def loads(text: str) -> Any:
+    return json.loads(text)
