@@ -1,0 +1,4 @@
+"""Analysis: pure functions that take a Run and return data (frames, findings, diffs).
+
+Rendering (tables, HTML) lives elsewhere so these stay testable and reusable.
+"""
