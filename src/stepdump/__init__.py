@@ -8,6 +8,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from stepdump.analysis.diff import DiffResult, diff
+from stepdump.analysis.verify import verify
 from stepdump.capture.recorder import Recorder
 from stepdump.errors import (
     ConfigError,
@@ -29,6 +31,7 @@ from stepdump.store.format import FORMAT_VERSION
 __all__ = [
     "FORMAT_VERSION",
     "ConfigError",
+    "DiffResult",
     "CorruptDataError",
     "FormatVersionError",
     "NotARunError",
@@ -43,5 +46,7 @@ __all__ = [
     "TensorNotFoundError",
     "WriterError",
     "__version__",
+    "diff",
     "open",
+    "verify",
 ]

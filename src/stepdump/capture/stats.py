@@ -43,11 +43,6 @@ def fingerprint(t: torch.Tensor) -> int:
     return fingerprint_bytes(raw_bytes(t))
 
 
-def _f(x: torch.Tensor) -> float:
-    v = float(x)
-    return v
-
-
 def compute_stats(t: torch.Tensor) -> StatsTuple:
     """numel, nan, +inf, -inf, min, max, mean, std, L2 norm, zero fraction."""
     t = t.detach()
@@ -64,21 +59,36 @@ def compute_stats(t: torch.Tensor) -> StatsTuple:
             x = x.to(torch.float32)
     else:
         x = t.reshape(-1).to(torch.float64)
+    # Fast path, three passes: a NaN makes mean NaN and an Inf makes min or max
+    # infinite, so finite results prove there is nothing to count. The norm
+    # follows from mean and std: ||x||^2 = n * (std^2 + mean^2).
+    mn, mx = torch.aminmax(x)
+    std, mean = torch.std_mean(x, correction=0)
+    nonzero = torch.count_nonzero(x)
+    vmin, vmax, vstd, vmean, vnz = torch.stack(
+        [mn.double(), mx.double(), std.double(), mean.double(), nonzero.double()]
+    ).tolist()
+    if math.isfinite(vmin) and math.isfinite(vmax) and math.isfinite(vmean) and math.isfinite(vstd):
+        norm = math.sqrt(n * (vstd * vstd + vmean * vmean))
+        return (n, 0, 0, 0, vmin, vmax, vmean, vstd, norm, (n - int(vnz)) / n)
+    return _stats_nonfinite(x, n)
+
+
+def _stats_nonfinite(x: torch.Tensor, n: int) -> StatsTuple:
+    """Slow path: count NaN/Inf and compute the stats over the finite elements."""
     zeros = int((x == 0).sum())
     finite = torch.isfinite(x)
-    nfinite = int(finite.sum()) if x.dtype.is_floating_point else n
-    nan = posinf = neginf = 0
-    if nfinite != n:
-        nan = int(torch.isnan(x).sum())
-        posinf = int(torch.isposinf(x).sum())
-        neginf = n - nfinite - nan - posinf
-        x = x[finite]
+    nfinite = int(finite.sum())
+    nan = int(torch.isnan(x).sum())
+    posinf = int(torch.isposinf(x).sum())
+    neginf = n - nfinite - nan - posinf
+    x = x[finite]
     if x.numel() == 0:
         return (n, nan, posinf, neginf, None, None, None, None, None, zeros / n)
     mn, mx = torch.aminmax(x)
     std, mean = torch.std_mean(x, correction=0)
-    norm = torch.linalg.vector_norm(x)
-    return (n, nan, posinf, neginf, _f(mn), _f(mx), _f(mean), _clean(_f(std)), _f(norm), zeros / n)
+    norm = torch.linalg.vector_norm(x.double())
+    return (n, nan, posinf, neginf, float(mn), float(mx), float(mean), _clean(float(std)), float(norm), zeros / n)
 
 
 def _clean(v: float) -> float:

@@ -162,6 +162,12 @@ class Run:
 
         restore(self, step, model, optimizer, scheduler, scaler, rng=rng)
 
+    def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False) -> Path:
+        """Write step ``step`` as a checkpoint file; see :func:`stepdump.read.export.export`."""
+        from stepdump.read.export import export
+
+        return export(self, step, path, format=format, grads=grads)
+
     # -- frames ----------------------------------------------------------------
     def scalars(self, names: str | Iterable[str] | None = None, steps: StepRange = None) -> pd.DataFrame:
         """One row per step, one column per scalar, plus boolean ``skipped``."""

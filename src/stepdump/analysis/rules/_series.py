@@ -1,0 +1,135 @@
+"""Per-step series the rules derive from a run's stats and scalars frames.
+
+Everything here is a pure function of frames (or of the Run's reader API) so
+that each rule stays a short statement of its test.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+# 1.4826 * MAD estimates the standard deviation of normally distributed data.
+MAD_TO_STD = 1.4826
+
+
+def ndim(shape: Any) -> int:
+    """Number of dimensions of a stats-frame ``shape`` string ("16,8" -> 2, "" -> 0)."""
+    text = "" if shape is None else str(shape).strip()
+    return 0 if not text else len(text.split(","))
+
+
+def nonfinite(df: pd.DataFrame) -> pd.Series:
+    """Per row: number of NaN + Inf elements (the stats leave those out of norm, max, ...)."""
+    return df[["nan", "posinf", "neginf"]].fillna(0).sum(axis=1).astype("int64")
+
+
+def matches(name: str, globs: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def skipped_steps(run: Any) -> set[int]:
+    """Steps the GradScaler skipped (no update happened)."""
+    sc = run.scalars()
+    if "skipped" not in sc.columns:
+        return set()
+    return {int(s) for s in sc.index[sc["skipped"].astype(bool)]}
+
+
+def optimizer_param(name: str, params: Sequence[str]) -> tuple[str, str] | None:
+    """Split an optimizer-state name ``"<param>.<key>"`` into (param, key), longest param first."""
+    best = None
+    for p in params:
+        if name.startswith(p + ".") and (best is None or len(p) > len(best)):
+            best = p
+    return None if best is None else (best, name[len(best) + 1 :])
+
+
+def optimized_params(run: Any) -> set[str]:
+    """Parameters the optimizer steps: in a param group, or with grads or optimizer state."""
+    out: set[str] = set()
+    layout = run.meta.get("layout", {}) if isinstance(run.meta, dict) else {}
+    for group in layout.get("groups", []) or []:
+        out.update(group)
+    kinds = run.kinds()
+    if "grads" in kinds:
+        out.update(run.names("grads"))
+    if "optimizer" in kinds:
+        params = run.names("params") if "params" in kinds else sorted(out)
+        for n in run.names("optimizer"):
+            split = optimizer_param(n, params)
+            if split is not None:
+                out.add(split[0])
+    return out
+
+
+def global_grad_norm(grads: pd.DataFrame, skipped: set[int]) -> pd.Series:
+    """sqrt(sum of squared per-tensor grad norms) per step.
+
+    Steps the scaler skipped and steps where any grad has NaN/Inf are left out
+    (the ``nan_inf`` rule reports those), so the series is finite.
+    """
+    if grads.empty:
+        return pd.Series(dtype=float, name="grad_norm")
+    df = grads.assign(bad=nonfinite(grads) > 0, sq=grads["norm"].fillna(0.0) ** 2)
+    per = df.groupby("step").agg(sq=("sq", "sum"), bad=("bad", "any"))
+    per = per[~per["bad"] & ~per.index.isin(list(skipped))]
+    out = np.sqrt(per["sq"].astype(float))
+    out.name = "grad_norm"
+    return out
+
+
+def trailing_median(values: pd.Series, window: int, min_history: int) -> pd.Series:
+    """Median of the ``window`` values before each one (NaN until ``min_history`` exist)."""
+    return values.shift(1).rolling(window, min_periods=min_history).median()
+
+
+def robust_z(values: pd.Series, window: int, min_history: int, rel_floor: float) -> pd.DataFrame:
+    """Robust z-score of each value against the ``window`` values before it.
+
+    ``z = (x - median) / scale`` with ``scale = max(1.4826 * MAD, rel_floor * |median|)``:
+    the floor keeps a flat stretch (MAD near 0) from turning noise into huge z.
+    Returns columns ``median``, ``scale``, ``z`` (NaN until ``min_history`` values exist).
+    """
+    prev = values.shift(1).rolling(window, min_periods=min_history)
+    med = prev.median()
+
+    def mad(a: np.ndarray) -> float:
+        a = a[~np.isnan(a)]
+        return float(np.median(np.abs(a - np.median(a))))
+
+    scale = np.maximum(MAD_TO_STD * prev.apply(mad, raw=True), rel_floor * med.abs())
+    scale = scale.where(scale > 0)
+    z = (values - med) / scale
+    return pd.DataFrame({"median": med, "scale": scale, "z": z})
+
+
+def episodes(flagged: Iterable[int], order: Sequence[int]) -> list[list[int]]:
+    """Group flagged steps into runs that are consecutive in ``order`` (the recorded steps)."""
+    pos = {s: i for i, s in enumerate(order)}
+    out: list[list[int]] = []
+    last = None
+    for s in sorted(flagged, key=lambda s: pos.get(s, -1)):
+        i = pos.get(s)
+        if i is None:
+            continue
+        if last is not None and i == last + 1:
+            out[-1].append(s)
+        else:
+            out.append([s])
+        last = i
+    return out
+
+
+def sustained(flagged: Iterable[int], order: Sequence[int], patience: int) -> list[list[int]]:
+    """Episodes (see :func:`episodes`) at least ``patience`` recorded steps long."""
+    return [e for e in episodes(flagged, order) if len(e) >= patience]
+
+
+def fmt(x: float) -> str:
+    """A number for a message: 3 significant digits."""
+    return f"{x:.3g}"

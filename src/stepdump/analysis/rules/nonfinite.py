@@ -1,0 +1,166 @@
+"""``nan_inf``: where NaN/Inf first appears, ordered so that it points at the origin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.rules._series import matches, nonfinite, skipped_steps
+from stepdump.analysis.rules.base import Rule, check_globs, register_rule
+
+# Within one record t, the order in which values come into being (DESIGN.md,
+# step semantics): optimizer state and params (and buffers) are what update
+# t-1 left; then the forward pass (inputs, activations, the loss), then the
+# backward pass (activation grads, param grads). The earliest non-finite value
+# in this order is the one the others were computed from.
+CAUSAL_RANK = {
+    "optimizer": 0,
+    "params": 1,
+    "buffers": 1,
+    "inputs": 2,
+    "activations": 3,
+    "scalar": 4,
+    "activation_grads": 5,
+    "grads": 6,
+}
+
+# Kinds whose NaN/Inf at a step the GradScaler skipped is what AMP expects:
+# the scaler found them, skipped the update, and lowered the scale.
+EXPECTED_WHEN_SKIPPED = frozenset({"grads", "activation_grads"})
+
+_ORIGIN_HINT = {
+    "optimizer": "update {prev} produced it (look at the grads and lr of step {prev})",
+    "params": "update {prev} produced it, or the weights were changed outside the optimizer "
+    "(look at the grads, optimizer state and lr of step {prev})",
+    "buffers": "the forward pass of iteration {prev} produced it (e.g. BatchNorm running stats)",
+    "inputs": "the batch itself holds it: check the data pipeline",
+    "activations": "the forward pass produced it in this module (overflow, log/sqrt/div of bad values)",
+    "scalar": "the forward pass produced it while every recorded tensor was still finite",
+    "activation_grads": "the backward pass produced it",
+    "grads": "the backward pass produced it (the first tensor in backward order is named)",
+}
+
+
+@register_rule
+@dataclass(frozen=True, kw_only=True)
+class NanInf(Rule):
+    """The first step and tensor (or scalar) holding NaN or Inf.
+
+    One ERROR finding for the origin: the earliest step with a non-finite
+    value, and within that step the earliest value in causal order
+    (optimizer state, params, inputs, activations, loss, activation grads,
+    grads; param grads in backward order, i.e. last parameter first). At steps
+    the GradScaler skipped, non-finite grads are expected: they give one INFO
+    finding (first step and count) instead.
+
+    Attributes:
+        scalars: Globs of scalar names to check (default every logged scalar).
+    """
+
+    name: ClassVar[str] = "nan_inf"
+    scalars: tuple[str, ...] = ("*",)
+
+    def __post_init__(self) -> None:
+        check_globs(self.name, "scalars", self.scalars)
+
+    def __call__(self, run: Any) -> list[Finding]:
+        skipped = skipped_steps(run)
+        events = self._tensor_events(run) + self._scalar_events(run)
+        if not events:
+            return []
+        expected = [e for e in events if e["step"] in skipped and e["kind"] in EXPECTED_WHEN_SKIPPED]
+        real = [e for e in events if not (e["step"] in skipped and e["kind"] in EXPECTED_WHEN_SKIPPED)]
+        out: list[Finding] = []
+        if real:
+            out.append(self._origin(real))
+        if expected:
+            steps = sorted({e["step"] for e in expected})
+            first = min(expected, key=_order)
+            out.append(self.finding(
+                Severity.INFO, steps[0],
+                f"{len(steps)} step(s) the GradScaler skipped had non-finite {first['kind']} (first at step "
+                f"{steps[0]}, {first['kind']} {first['tensor']!r}); expected with mixed precision, the scaler "
+                "lowers its scale and no update happens",
+                kind=first["kind"], tensor=first["tensor"], value=len(steps), threshold=0,
+            ))
+        return out
+
+    def _origin(self, events: list[dict[str, Any]]) -> Finding:
+        first = min(events, key=_order)
+        s, kind = first["step"], first["kind"]
+        same_step = sum(1 for e in events if e["step"] == s) - 1
+        later = sorted({e["step"] for e in events if e["step"] > s})
+        what = "scalar" if kind == "scalar" else kind
+        counts = ", ".join(f"{n} {label}" for n, label in ((first["nan"], "NaN"), (first["inf"], "Inf")) if n)
+        tail = f"; {same_step} other value(s) non-finite at step {s}" if same_step else ""
+        if later:
+            tail += f"; non-finite values at {len(later)} later step(s) up to {later[-1]}"
+        hint = _ORIGIN_HINT[kind].format(prev=s - 1)
+        return self.finding(
+            Severity.ERROR, s,
+            f"first non-finite value: {what} {first['tensor']!r} at step {s} has {counts or 'NaN/Inf'}; "
+            f"{hint}{tail}",
+            kind=None if kind == "scalar" else kind, tensor=first["tensor"],
+            value=first["nan"] + first["inf"], threshold=0,
+        )
+
+    def _tensor_events(self, run: Any) -> list[dict[str, Any]]:
+        df = run.stats()
+        if df.empty:
+            return []
+        bad = nonfinite(df)
+        hit = df[bad > 0].assign(bad=bad[bad > 0])
+        if hit.empty:
+            return []
+        # Position of each name in recording order, per kind (grads reversed: backward order).
+        order: dict[tuple[str, str], int] = {}
+        for kind, names in df.groupby("kind", sort=False)["name"]:
+            uniq = list(pd.unique(names))
+            if kind == "grads":
+                uniq.reverse()
+            order.update({(kind, n): i for i, n in enumerate(uniq)})
+        return [
+            {
+                "step": int(r.step), "kind": r.kind, "tensor": r.name, "pos": order[(r.kind, r.name)],
+                "nan": int(r.nan or 0), "inf": int((r.posinf or 0) + (r.neginf or 0)),
+            }
+            for r in hit.itertuples(index=False)
+        ]
+
+    def _scalar_events(self, run: Any) -> list[dict[str, Any]]:
+        sc = run.scalars()
+        cols = [c for c in sc.columns if c != "skipped" and matches(c, self.scalars)]
+        logged_nan = _logged_nans(run)
+        out = []
+        for pos, col in enumerate(cols):
+            v = pd.to_numeric(sc[col], errors="coerce")
+            for step, x in v.items():
+                if pd.isna(x):
+                    if (int(step), col) not in logged_nan:
+                        continue  # not logged at this step
+                    nan, inf = 1, 0
+                elif abs(x) == float("inf"):
+                    nan, inf = 0, 1
+                else:
+                    continue
+                out.append({"step": int(step), "kind": "scalar", "tensor": col, "pos": pos, "nan": nan, "inf": inf})
+        return out
+
+
+def _logged_nans(run: Any) -> set[tuple[int, str]]:
+    """(step, name) of scalars logged as NaN.
+
+    SQLite stores a NaN REAL as NULL, so in ``run.scalars()`` a logged NaN looks
+    like "not logged at this step"; the catalog still has the row, so ask it.
+    """
+    con = getattr(run, "_con", None)
+    if con is None:
+        return set()
+    return {(int(s), n) for s, n in con.execute("SELECT step, name FROM scalars WHERE value IS NULL")}
+
+
+def _order(e: dict[str, Any]) -> tuple[int, int, int]:
+    return (e["step"], CAUSAL_RANK.get(e["kind"], 9), e["pos"])

@@ -1,0 +1,1 @@
+"""The ``stepdump`` command line: a thin layer over the library, one module per command."""

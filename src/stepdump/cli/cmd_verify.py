@@ -1,0 +1,34 @@
+"""stepdump verify: re-read every blob and check its checksum."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.progress import Progress
+
+from stepdump.cli.common import add_run_arg, console, human_bytes, open_run
+from stepdump.cli.exitcodes import Exit
+
+HELP = "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption"
+EXAMPLES = "examples:\n  stepdump verify demo-run && echo intact\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_run_arg(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stepdump.analysis.verify import verify
+
+    with open_run(args.run) as r, Progress(console=console, transient=True) as bar:
+        task = bar.add_task("verifying blobs", total=None)
+        report = verify(r, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if report.ok:
+        console.print(f"ok: {report.blobs_checked} blobs, {human_bytes(report.bytes_checked)} verified")
+        return Exit.OK
+    console.print(f"[bold red]{len(report.problems)} problem(s)[/] in {args.run}:")
+    for p in report.problems:
+        console.print(f"  {p.where}: {p.detail}", soft_wrap=True)
+        for t in p.tensors[:5]:
+            console.print(f"    used by {t}")
+    return Exit.FOUND

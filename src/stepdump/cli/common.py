@@ -1,0 +1,57 @@
+"""Helpers every command uses: the console, step ranges, opening runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from rich.console import Console
+
+import stepdump
+from stepdump.errors import ConfigError
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def parse_steps(text: str | None) -> range | list[int] | None:
+    """``"10"``, ``"10:20"``, ``"10:100:10"``, ``":50"`` or ``"1,5,9"`` -> steps."""
+    if text is None:
+        return None
+    try:
+        if ":" in text:
+            parts = [int(p) if p else None for p in text.split(":")]
+            start = parts[0] or 0
+            stop = parts[1] if len(parts) > 1 and parts[1] is not None else 2**62
+            step = parts[2] if len(parts) > 2 and parts[2] else 1
+            return range(start, stop, step)
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"bad step range {text!r}; use N, A:B, A:B:K or N,M,...") from None
+
+
+def open_run(path: str) -> stepdump.Run:
+    return stepdump.open(os.path.expanduser(path))
+
+
+def add_run_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="run directory written by stepdump.Recorder")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def run_bytes(path: os.PathLike[str] | str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total

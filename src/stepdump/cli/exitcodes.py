@@ -1,0 +1,15 @@
+"""Documented exit codes of the ``stepdump`` command (also in docs/cli.md)."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Exit(IntEnum):
+    OK = 0  # success; for diff: runs identical; for check: nothing at/above --fail-on
+    FOUND = 1  # diff: runs differ; check: findings at/above --fail-on; verify: corruption
+    USAGE = 2  # bad command line (argparse)
+    NOT_FOUND = 3  # no such run, step or tensor
+    CORRUPT = 4  # the store is damaged or of an unknown format
+    ERROR = 5  # any other stepdump error
+    INTERRUPTED = 130  # Ctrl-C
