@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from stepdump.analysis.checks import check
 from stepdump.analysis.diff import DiffResult, diff
 from stepdump.analysis.verify import verify
 from stepdump.capture.recorder import Recorder
@@ -46,6 +47,7 @@ __all__ = [
     "TensorNotFoundError",
     "WriterError",
     "__version__",
+    "check",
     "diff",
     "open",
     "verify",

@@ -89,6 +89,8 @@ class BloscCodec:
         return codec.encode(np.frombuffer(raw, dtype=np.uint8))  # type: ignore[attr-defined]
 
     def decode(self, data: bytes, raw_length: int) -> bytes:
+        if raw_length == 0:  # blosc encodes b"" but refuses to decode its own output
+            return b""
         try:
             out = self._blosc().decode(data)
         except Exception as e:  # numcodecs raises RuntimeError on bad input

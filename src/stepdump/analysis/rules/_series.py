@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from stepdump.errors import StepdumpError
+
 # 1.4826 * MAD estimates the standard deviation of normally distributed data.
 MAD_TO_STD = 1.4826
 
@@ -133,3 +135,23 @@ def sustained(flagged: Iterable[int], order: Sequence[int], patience: int) -> li
 def fmt(x: float) -> str:
     """A number for a message: 3 significant digits."""
     return f"{x:.3g}"
+
+
+def param_hypers(run: Any) -> dict[str, dict[str, Any]]:
+    """Parameter name -> hyperparameters of its param group (lr, eps, betas, ...).
+
+    Taken from the last step stored in full (the only ones that keep the param
+    groups); empty when the run has none.
+    """
+    steps = run.steps
+    if not steps:
+        return {}
+    try:
+        groups = run.step_state(steps[-1]).get("groups", [])
+    except StepdumpError:  # state unreadable: the callers fall back to their defaults
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        for p in g.get("params", []):
+            out[p] = dict(g.get("hyper", {}))
+    return out

@@ -1,0 +1,273 @@
+"""``stepdump.check``: run rules over a recorded run and collect their findings.
+
+A rule is a named callable ``rule(run) -> Iterable[Finding]``. The built-in
+ones (see :mod:`stepdump.analysis.rules`) are frozen keyword-only dataclasses
+whose fields are their thresholds; pick and tune them by name or by instance::
+
+    stepdump.check(run)                                    # every built-in rule, defaults
+    stepdump.check(run, rules=["nan_inf", LossSpike(z=8)]) # some rules, one tuned
+    stepdump.check(run, config={"loss_spike": {"z": 8}})   # defaults, one tuned by name
+
+Rules only read the run. Within one call they share one read of each stats and
+scalars frame (see :class:`CachedRun`), so ten rules cost about one query each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import pandas as pd
+
+from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.rules import (
+    DEFAULT_RULES,
+    DeadUnits,
+    ExplodingGradient,
+    LossNotDecreasing,
+    LossSpike,
+    NanInf,
+    OptimizerState,
+    Rule,
+    RuleLike,
+    UnchangedTensor,
+    UpdateRatio,
+    VanishingGradient,
+    WeightNormGrowth,
+    register_rule,
+    registered_rules,
+)
+from stepdump.errors import ConfigError
+
+RuleSpec = str | Rule | type[Rule] | Callable[[Any], Iterable[Finding]]
+
+__all__ = [
+    "DEFAULT_RULES",
+    "CachedRun",
+    "DeadUnits",
+    "ExplodingGradient",
+    "Finding",
+    "LossNotDecreasing",
+    "LossSpike",
+    "NanInf",
+    "OptimizerState",
+    "Rule",
+    "RuleLike",
+    "Severity",
+    "UnchangedTensor",
+    "UpdateRatio",
+    "VanishingGradient",
+    "WeightNormGrowth",
+    "check",
+    "register_rule",
+    "resolve_rules",
+    "rule_names",
+]
+
+
+def rule_names() -> list[str]:
+    """Names that ``check(rules=[...])`` accepts: the built-in rules, then registered user rules."""
+    builtin = [cls.name for cls in DEFAULT_RULES]
+    return builtin + sorted(n for n in registered_rules() if n not in builtin)
+
+
+def check(
+    run: Any,
+    rules: RuleSpec | Iterable[RuleSpec] | None = None,
+    *,
+    config: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[Finding]:
+    """Check a recorded run for trouble: NaN/Inf, exploding gradients, loss spikes, ...
+
+    Args:
+        run: A :class:`stepdump.Run` (or the path of one).
+        rules: Which rules to run (default: every built-in rule). Each item is
+            a rule name (``"loss_spike"``), a rule instance (``LossSpike(z=8)``),
+            a :class:`Rule` subclass, or any callable ``(run) -> Iterable[Finding]``
+            with a ``name`` attribute (a plain function's ``__name__`` will do).
+        config: Options for rules given by name (or run by default), as
+            ``{rule_name: {option: value}}``; also applied to instances of that
+            name, replacing their fields.
+
+    Returns:
+        The findings of every rule, sorted by step (whole-run findings, step
+        None, last), then by severity, most severe first.
+
+    Raises:
+        ConfigError: An unknown rule name or option, an invalid threshold, a
+            config entry for a rule that is not run, or a rule that returns
+            something other than Findings.
+    """
+    selected = resolve_rules(rules, config)
+    if isinstance(run, (str, os.PathLike)):
+        from stepdump.read.run import open as open_run
+
+        with open_run(run) as opened:
+            return _run_rules(CachedRun(opened), selected)
+    return _run_rules(CachedRun(run), selected)
+
+
+def resolve_rules(
+    rules: RuleSpec | Iterable[RuleSpec] | None = None,
+    config: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[RuleLike]:
+    """Turn ``check``'s ``rules`` and ``config`` arguments into rule objects (see :func:`check`)."""
+    cfg = _check_config(config)
+    if rules is None:
+        specs: list[Any] = list(DEFAULT_RULES)
+    elif isinstance(rules, (str, Rule, type)) or callable(rules):
+        specs = [rules]
+    else:
+        try:
+            specs = list(rules)
+        except TypeError:
+            raise ConfigError(f"rules must be a rule or an iterable of rules, got {type(rules).__name__}") from None
+    used: set[str] = set()
+    out: list[RuleLike] = []
+    for spec in specs:
+        rule = _resolve_one(spec, cfg, used)
+        out.append(rule)
+    unused = sorted(set(cfg) - used)
+    if unused:
+        raise ConfigError(
+            f"config has options for {', '.join(map(repr, unused))}, which is not among the rules run "
+            f"({', '.join(_name_of(r) for r in out) or 'none'})"
+        )
+    return out
+
+
+def _check_config(config: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    if config is None:
+        return {}
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config must map rule names to option mappings, got {type(config).__name__}")
+    out = {}
+    for name, opts in config.items():
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"config[{name!r}] must be a mapping of option -> value, got {type(opts).__name__}")
+        out[str(name)] = dict(opts)
+    return out
+
+
+def _resolve_one(spec: Any, cfg: dict[str, dict[str, Any]], used: set[str]) -> RuleLike:
+    if isinstance(spec, str):
+        cls = registered_rules().get(spec)
+        if cls is None:
+            raise ConfigError(f"unknown rule {spec!r}; known rules: {', '.join(rule_names())}")
+        used.add(spec)
+        return cls.from_config(cfg.get(spec, {}))
+    if isinstance(spec, type) and issubclass(spec, Rule):
+        used.add(spec.name)
+        return spec.from_config(cfg.get(spec.name, {}))
+    if isinstance(spec, Rule):
+        opts = cfg.get(spec.name)
+        if opts is None:
+            return spec
+        used.add(spec.name)
+        base = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        return type(spec).from_config({**base, **opts})
+    if callable(spec):
+        name = _name_of(spec)
+        if not name:
+            raise ConfigError(f"rule {spec!r} has no name: give it a `name` attribute (a string)")
+        if name in cfg:
+            raise ConfigError(f"config has options for {name!r}, a plain callable rule; configure it yourself")
+        return spec  # type: ignore[no-any-return]
+    raise ConfigError(
+        f"a rule must be a name, a Rule, or a callable (run) -> findings; got {type(spec).__name__}"
+    )
+
+
+def _name_of(rule: Any) -> str:
+    name = getattr(rule, "name", None)
+    if not isinstance(name, str) or not name:
+        name = getattr(rule, "__name__", None)
+    return name if isinstance(name, str) else ""
+
+
+def _run_rules(run: CachedRun, rules: list[RuleLike]) -> list[Finding]:
+    findings: list[Finding] = []
+    for rule in rules:
+        result = rule(run)
+        if result is None:
+            continue
+        for f in result:
+            if not isinstance(f, Finding):
+                raise ConfigError(
+                    f"rule {_name_of(rule)!r} returned {type(f).__name__}; rules must return stepdump Finding objects"
+                )
+            findings.append(f)
+    return sorted(findings, key=_sort_key)
+
+
+def _sort_key(f: Finding) -> tuple[Any, ...]:
+    return (f.step is None, f.step or 0, -int(f.severity), f.rule, f.kind or "", f.tensor or "")
+
+
+class CachedRun:
+    """A read-only view of a Run for the rules of one ``check`` call.
+
+    ``stats()``, ``scalars()``, ``kinds()``, ``names()`` and the step lists are
+    read once and shared (each call returns a copy, so a rule may modify what it
+    gets); everything else is passed through to the Run. The view is a snapshot:
+    steps a live recorder commits during the check are not seen halfway.
+    """
+
+    def __init__(self, run: Any) -> None:
+        self._run = run
+        self._memo: dict[Any, Any] = {}
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._run, attr)
+
+    def __repr__(self) -> str:
+        return f"<CachedRun of {self._run!r}>"
+
+    def _cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        try:
+            hit = key in self._memo
+        except TypeError:  # unhashable arguments: no caching
+            return make()
+        if not hit:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def stats(self, kind: str | None = None, name: str | None = None, steps: Any = None) -> pd.DataFrame:
+        if name is None and steps is None:
+            full = self._cached(("stats",), lambda: self._run.stats())
+            if kind is None:
+                return full.copy()
+            if kind not in self.kinds():
+                return self._run.stats(kind)  # validates the kind, empty if merely absent
+            return full[full["kind"] == kind].reset_index(drop=True)
+        key = ("stats", kind, name, tuple(steps) if isinstance(steps, (list, range)) else steps)
+        return self._cached(key, lambda: self._run.stats(kind, name, steps)).copy()
+
+    def scalars(self, names: Any = None, steps: Any = None) -> pd.DataFrame:
+        key = ("scalars", tuple(names) if isinstance(names, list) else names,
+               tuple(steps) if isinstance(steps, (list, range)) else steps)
+        return self._cached(key, lambda: self._run.scalars(names, steps)).copy()
+
+    def kinds(self) -> list[str]:
+        return list(self._cached(("kinds",), self._run.kinds))
+
+    def names(self, kind: str = "params") -> list[str]:
+        return list(self._cached(("names", kind), lambda: self._run.names(kind)))
+
+    @property
+    def steps(self) -> list[int]:
+        return list(self._cached(("steps",), lambda: self._run.steps))
+
+    @property
+    def stats_steps(self) -> list[int]:
+        return list(self._cached(("stats_steps",), lambda: self._run.stats_steps))
+
+    @property
+    def all_steps(self) -> list[int]:
+        return list(self._cached(("all_steps",), lambda: self._run.all_steps))
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        return list(self._cached(("skipped_steps",), lambda: self._run.skipped_steps))

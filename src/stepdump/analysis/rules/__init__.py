@@ -1,0 +1,51 @@
+"""The built-in check rules, one idea per module.
+
+* :mod:`.nonfinite` -- ``nan_inf``
+* :mod:`.gradients` -- ``exploding_gradient``, ``vanishing_gradient``, ``dead_units``
+* :mod:`.loss` -- ``loss_spike``, ``loss_not_decreasing``
+* :mod:`.params` -- ``unchanged_tensor``, ``weight_norm_growth``, ``update_ratio``
+* :mod:`.optimizer` -- ``optimizer_state``
+
+Importing this package registers them (see :func:`.base.register_rule`).
+"""
+
+from __future__ import annotations
+
+from stepdump.analysis.rules.base import Rule, RuleLike, register_rule, registered_rules
+from stepdump.analysis.rules.gradients import DeadUnits, ExplodingGradient, VanishingGradient
+from stepdump.analysis.rules.loss import LossNotDecreasing, LossSpike
+from stepdump.analysis.rules.nonfinite import NanInf
+from stepdump.analysis.rules.optimizer import OptimizerState
+from stepdump.analysis.rules.params import UnchangedTensor, UpdateRatio, WeightNormGrowth
+
+# The rules stepdump.check runs when none are named, in this order.
+DEFAULT_RULES: tuple[type[Rule], ...] = (
+    NanInf,
+    ExplodingGradient,
+    VanishingGradient,
+    LossSpike,
+    LossNotDecreasing,
+    UpdateRatio,
+    UnchangedTensor,
+    DeadUnits,
+    WeightNormGrowth,
+    OptimizerState,
+)
+
+__all__ = [
+    "DEFAULT_RULES",
+    "DeadUnits",
+    "ExplodingGradient",
+    "LossNotDecreasing",
+    "LossSpike",
+    "NanInf",
+    "OptimizerState",
+    "Rule",
+    "RuleLike",
+    "UnchangedTensor",
+    "UpdateRatio",
+    "VanishingGradient",
+    "WeightNormGrowth",
+    "register_rule",
+    "registered_rules",
+]

@@ -1,0 +1,222 @@
+"""Gradient rules: ``exploding_gradient``, ``vanishing_gradient``, ``dead_units``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.rules._series import (
+    episodes,
+    fmt,
+    global_grad_norm,
+    matches,
+    nonfinite,
+    optimized_params,
+    skipped_steps,
+    sustained,
+    trailing_median,
+)
+from stepdump.analysis.rules.base import (
+    Rule,
+    check_fraction,
+    check_globs,
+    check_int,
+    check_kinds,
+    check_positive,
+    register_rule,
+)
+
+
+def _grads(run: Any) -> pd.DataFrame:
+    if "grads" not in run.kinds():
+        return pd.DataFrame(columns=["step", "kind", "name", "norm", "nan", "posinf", "neginf", "zero_frac"])
+    return run.stats("grads")
+
+
+@register_rule
+@dataclass(frozen=True, kw_only=True)
+class ExplodingGradient(Rule):
+    """The global gradient norm ``sqrt(sum of squared per-tensor grad norms)`` blows up.
+
+    A step is flagged when the global norm is above ``max_norm`` (ERROR) or
+    more than ``factor`` times the median of the ``window`` steps before it
+    (WARNING; only once ``min_history`` earlier steps exist). Consecutive
+    flagged steps form one episode and give one finding at its first step,
+    naming the grad tensor whose norm jumped most against its own trailing
+    median. Skipped steps and steps with NaN/Inf grads are left out
+    (``nan_inf`` reports those).
+
+    Attributes:
+        max_norm: Absolute limit on the global grad norm (None: no absolute test).
+        factor: Allowed jump over the trailing median.
+        window: Number of earlier steps in the trailing median.
+        min_history: Earlier steps needed before the relative test applies.
+    """
+
+    name: ClassVar[str] = "exploding_gradient"
+    max_norm: float | None = 1e4
+    factor: float = 10.0
+    window: int = 50
+    min_history: int = 10
+
+    def __post_init__(self) -> None:
+        if self.max_norm is not None:
+            check_positive(self.name, "max_norm", self.max_norm)
+        check_positive(self.name, "factor", self.factor)
+        check_int(self.name, "window", self.window, 1)
+        check_int(self.name, "min_history", self.min_history, 1)
+
+    def __call__(self, run: Any) -> list[Finding]:
+        grads = _grads(run)
+        g = global_grad_norm(grads, skipped_steps(run))
+        if g.empty:
+            return []
+        med = trailing_median(g, self.window, self.min_history)
+        over_abs = g > self.max_norm if self.max_norm is not None else pd.Series(False, index=g.index)
+        over_rel = g > self.factor * med
+        flagged = [int(s) for s in g.index[over_abs | over_rel]]
+        if not flagged:
+            return []
+        per_tensor = grads.pivot_table(index="step", columns="name", values="norm", aggfunc="last")
+        tensor_med = per_tensor.shift(1).rolling(self.window, min_periods=1).median()
+        out = []
+        for ep in episodes(flagged, [int(s) for s in g.index]):
+            s, peak = ep[0], max(ep, key=lambda t: g[t])
+            absolute = bool(over_abs[s])
+            name = _most_jumped(per_tensor, tensor_med, s)
+            if absolute:
+                limit, why = float(self.max_norm), f"above max_norm={fmt(self.max_norm)}"  # type: ignore[arg-type]
+            else:
+                limit = self.factor * float(med[s])
+                why = f"{fmt(g[s] / med[s])}x the median {fmt(med[s])} of the {self.window} steps before"
+            span = f"; it stays flagged for {len(ep)} steps (peak {fmt(g[peak])} at step {peak})" if len(ep) > 1 else ""
+            out.append(self.finding(
+                Severity.ERROR if absolute else Severity.WARNING, s,
+                f"global grad norm {fmt(g[s])} at step {s} is {why}; largest jump in grads {name!r}{span}. "
+                "Lower the learning rate, clip gradients, or look at the batch of this step",
+                kind="grads", tensor=name, value=g[s], threshold=limit,
+            ))
+        return out
+
+
+def _most_jumped(norms: pd.DataFrame, medians: pd.DataFrame, step: int) -> str | None:
+    """The tensor whose norm at ``step`` is largest against its own trailing median (or largest)."""
+    if step not in norms.index:
+        return None
+    now = norms.loc[step]
+    ratio = now / medians.loc[step].where(medians.loc[step] > 0)
+    ratio = ratio.dropna()
+    if not ratio.empty:
+        return str(ratio.idxmax())
+    now = now.dropna()
+    return None if now.empty else str(now.idxmax())
+
+
+@register_rule
+@dataclass(frozen=True, kw_only=True)
+class VanishingGradient(Rule):
+    """The global gradient norm of the optimized parameters is nearly zero for a while.
+
+    A step is flagged when the global grad norm (over the grads of parameters
+    the optimizer steps) is below ``min_norm``; ``patience`` or more
+    consecutive recorded steps give one WARNING at the first of them. The
+    model is then barely learning: a loss scaled far down, a detached graph,
+    saturated activations, or a loss that is already exactly zero.
+
+    Attributes:
+        min_norm: Global grad norms below this count as vanished.
+        patience: Consecutive flagged steps needed for a finding.
+    """
+
+    name: ClassVar[str] = "vanishing_gradient"
+    min_norm: float = 1e-8
+    patience: int = 5
+
+    def __post_init__(self) -> None:
+        check_positive(self.name, "min_norm", self.min_norm)
+        check_int(self.name, "patience", self.patience, 1)
+
+    def __call__(self, run: Any) -> list[Finding]:
+        grads = _grads(run)
+        if grads.empty:
+            return []
+        grads = grads[grads["name"].isin(optimized_params(run))]
+        g = global_grad_norm(grads, skipped_steps(run))
+        flagged = [int(s) for s in g.index[g < self.min_norm]]
+        out = []
+        for ep in sustained(flagged, [int(s) for s in g.index], self.patience):
+            s = ep[0]
+            out.append(self.finding(
+                Severity.WARNING, s,
+                f"global grad norm {fmt(g[s])} at step {s} is below min_norm={fmt(self.min_norm)} for "
+                f"{len(ep)} recorded steps (to step {ep[-1]}); the parameters barely get a gradient. Check the "
+                "loss scale, detached tensors, and saturated activations",
+                kind="grads", tensor=None, value=g[s], threshold=self.min_norm,
+            ))
+        return out
+
+
+@register_rule
+@dataclass(frozen=True, kw_only=True)
+class DeadUnits(Rule):
+    """A tensor whose elements are almost all exactly zero, step after step.
+
+    For each tensor of ``kinds``, a step is flagged when its ``zero_frac``
+    (fraction of elements exactly 0) is above ``max_zero_frac``; ``patience``
+    or more consecutive recorded steps give one WARNING per tensor, at the
+    first of them. Typical cause: ReLUs that never fire (a large negative bias,
+    a too-high learning rate), so the units and the weights feeding them get
+    no gradient. Skipped steps are left out. Embedding tables get sparse
+    gradients by design, hence the default ``exclude``.
+
+    Attributes:
+        max_zero_frac: Zero fraction above which a step is flagged.
+        patience: Consecutive flagged steps needed for a finding.
+        kinds: Kinds of tensors examined.
+        exclude: Globs of tensor names left out.
+    """
+
+    name: ClassVar[str] = "dead_units"
+    max_zero_frac: float = 0.9
+    patience: int = 10
+    kinds: tuple[str, ...] = ("activations", "activation_grads", "grads")
+    exclude: tuple[str, ...] = ("*embed*", "*wte*", "*wpe*")
+
+    def __post_init__(self) -> None:
+        check_fraction(self.name, "max_zero_frac", self.max_zero_frac, open_low=False)
+        check_int(self.name, "patience", self.patience, 1)
+        check_kinds(self.name, "kinds", self.kinds, ("params", "grads", "optimizer", "activations",
+                                                     "activation_grads", "inputs"))
+        check_globs(self.name, "exclude", self.exclude)
+
+    def __call__(self, run: Any) -> list[Finding]:
+        skipped = skipped_steps(run)
+        present = run.kinds()
+        out = []
+        for kind in self.kinds:
+            if kind not in present:
+                continue
+            df = run.stats(kind)
+            df = df[~df["step"].isin(list(skipped)) & (nonfinite(df) == 0)]
+            for name, rows in df.groupby("name", sort=False):
+                if matches(str(name), self.exclude):
+                    continue
+                rows = rows.sort_values("step")
+                zf = rows.set_index("step")["zero_frac"]
+                flagged = [int(s) for s in zf.index[zf > self.max_zero_frac]]
+                eps = sustained(flagged, [int(s) for s in zf.index], self.patience)
+                if not eps:
+                    continue
+                ep = eps[0]
+                s = ep[0]
+                more = f" ({len(eps) - 1} more such stretch(es) later)" if len(eps) > 1 else ""
+                out.append(self.finding(
+                    Severity.WARNING, s,
+                    f"{kind} {name!r}: {zf[s]:.0%} of its elements are exactly zero for {len(ep)} recorded steps "
+                    f"from step {s}{more}; units that never fire (dead ReLUs) get no gradient and stop learning",
+                    kind=kind, tensor=str(name), value=zf[s], threshold=self.max_zero_frac,
+                ))
+        return out

@@ -1,0 +1,143 @@
+"""Loss rules: ``loss_spike`` and ``loss_not_decreasing``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import pandas as pd
+
+from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.rules._series import episodes, fmt, robust_z
+from stepdump.analysis.rules.base import (
+    Rule,
+    check_fraction,
+    check_int,
+    check_non_negative,
+    check_positive,
+    register_rule,
+)
+from stepdump.errors import ConfigError
+
+
+def loss_series(run: Any, scalar: str) -> pd.Series:
+    """The finite values of scalar ``scalar`` by step (NaN/Inf are ``nan_inf``'s business)."""
+    sc = run.scalars()
+    if scalar not in sc.columns:
+        return pd.Series(dtype=float, name=scalar)
+    v = pd.to_numeric(sc[scalar], errors="coerce").astype(float)
+    return v[np.isfinite(v)]
+
+
+def _check_scalar_name(rule: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{rule}: scalar must be the name of a logged scalar, got {value!r}")
+
+
+@register_rule
+@dataclass(frozen=True, kw_only=True)
+class LossSpike(Rule):
+    """The loss jumps far above its recent values.
+
+    Robust z-score against the ``window`` logged values before each step:
+    ``z = (x - median) / max(1.4826 * MAD, rel_floor * |median|)``. A step
+    with ``z > z`` (only upward jumps, only once ``min_history`` earlier values
+    exist) is flagged; consecutive flagged steps give one WARNING at the first.
+    ``1.4826 * MAD`` estimates the standard deviation of normal noise, so the
+    default z=6 is a six-sigma jump; ``rel_floor`` keeps a nearly constant loss
+    (MAD ~ 0) from turning rounding noise into a spike.
+
+    Attributes:
+        scalar: Name of the logged loss scalar.
+        z: Robust z-score above which a step is a spike.
+        window: Logged values before a step that form its baseline.
+        min_history: Values needed before the test applies.
+        rel_floor: Lower bound of the noise scale, relative to the median.
+    """
+
+    name: ClassVar[str] = "loss_spike"
+    scalar: str = "loss"
+    z: float = 6.0
+    window: int = 50
+    min_history: int = 10
+    rel_floor: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check_scalar_name(self.name, self.scalar)
+        check_positive(self.name, "z", self.z)
+        check_int(self.name, "window", self.window, 2)
+        check_int(self.name, "min_history", self.min_history, 2)
+        check_non_negative(self.name, "rel_floor", self.rel_floor)
+
+    def __call__(self, run: Any) -> list[Finding]:
+        loss = loss_series(run, self.scalar)
+        if len(loss) <= self.min_history:
+            return []
+        zs = robust_z(loss, self.window, self.min_history, self.rel_floor)
+        flagged = [int(s) for s in zs.index[zs["z"] > self.z]]
+        out = []
+        for ep in episodes(flagged, [int(s) for s in loss.index]):
+            s = ep[0]
+            peak = max(ep, key=lambda t: loss[t])
+            span = f"; elevated for {len(ep)} steps, peak {fmt(loss[peak])} at step {peak}" if len(ep) > 1 else ""
+            out.append(self.finding(
+                Severity.WARNING, s,
+                f"{self.scalar} spikes to {fmt(loss[s])} at step {s} (median of the previous {self.window} values "
+                f"{fmt(zs['median'][s])}, robust z={fmt(zs['z'][s])} > {fmt(self.z)}){span}. Look at this step's "
+                "batch, learning rate and gradient norm",
+                kind=None, tensor=self.scalar, value=zs["z"][s], threshold=self.z,
+            ))
+        return out
+
+
+@register_rule
+@dataclass(frozen=True, kw_only=True)
+class LossNotDecreasing(Rule):
+    """Over the run, the loss did not go down.
+
+    Compares the median of the last ``frac`` of the logged loss values with the
+    median of the first ``frac``; a WARNING (a whole-run finding, step None)
+    when ``median_last >= median_first * (1 - min_decrease)``. Needs at least
+    ``min_steps`` logged values; medians make it robust to noisy batches.
+
+    Attributes:
+        scalar: Name of the logged loss scalar.
+        frac: Fraction of the values at each end that is compared.
+        min_steps: Logged values needed for the test.
+        min_decrease: Relative decrease required (0: any decrease passes).
+    """
+
+    name: ClassVar[str] = "loss_not_decreasing"
+    scalar: str = "loss"
+    frac: float = 0.2
+    min_steps: int = 20
+    min_decrease: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_scalar_name(self.name, self.scalar)
+        check_fraction(self.name, "frac", self.frac)
+        if self.frac > 0.5:
+            raise ConfigError(f"{self.name}: frac must be <= 0.5 (the two ends must not overlap), got {self.frac}")
+        check_int(self.name, "min_steps", self.min_steps, 2)
+        check_fraction(self.name, "min_decrease", self.min_decrease, open_low=False)
+
+    def __call__(self, run: Any) -> list[Finding]:
+        loss = loss_series(run, self.scalar)
+        n = len(loss)
+        if n < self.min_steps:
+            return []
+        k = max(1, math.floor(n * self.frac))
+        first, last = float(loss.iloc[:k].median()), float(loss.iloc[-k:].median())
+        limit = first * (1 - self.min_decrease) if first >= 0 else first * (1 + self.min_decrease)
+        if last < limit:
+            return []
+        steps = [int(s) for s in loss.index]
+        return [self.finding(
+            Severity.WARNING, None,
+            f"{self.scalar} did not decrease: median {fmt(last)} over steps {steps[-k]}-{steps[-1]} vs {fmt(first)} "
+            f"over steps {steps[0]}-{steps[k - 1]}. Check the learning rate (too low or too high), that the "
+            "optimizer steps the model's parameters, and the labels",
+            kind=None, tensor=self.scalar, value=last, threshold=limit,
+        )]

@@ -1,0 +1,104 @@
+"""Every CLI command, run as a subprocess, on its happy path and an error path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from recording import record
+
+import stepdump
+
+
+def cli(*args: str, ok: int | None = 0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "stepdump", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    if ok is not None:
+        assert proc.returncode == ok, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+
+    def flip(step, model, opt):
+        if step == 4:
+            with torch.no_grad():
+                model[0].weight.view(torch.int32)[0, 0] ^= 1
+    return record(base / "a", steps=8), record(base / "b", steps=8, before_step=flip), base
+
+
+def test_help_lists_every_command():
+    out = cli("--help").stdout
+    for cmd in ("demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "report", "verify"):
+        assert f"    {cmd} " in out
+    assert "exit codes" in out
+    assert "examples:" in cli("diff", "--help").stdout
+
+
+def test_demo_records_and_summarises(tmp_path):
+    out = cli("demo", "--out", tmp_path / "demo", "--steps", "30", "--no-report").stdout
+    assert "steps recorded" in out and "ms/step with recording" in out
+    run = stepdump.open(tmp_path / "demo")
+    assert run.steps == list(range(30))
+    assert cli("demo", "--out", tmp_path / "demo", "--steps", "0", ok=5).stderr.startswith("error:")
+
+
+def test_info_ls_show(runs):
+    a, _, base = runs
+    out = cli("info", a).stdout
+    assert "Sequential" in out and "8 (0..7)" in out
+    assert "0.weight" in cli("ls", a).stdout
+    assert cli("ls", a, "--steps").stdout.split() == [str(i) for i in range(8)]
+    out = cli("show", a, "0.weight", "--step", "3", "--kind", "grads").stdout
+    assert "(16, 8)" in out and "norm" in out
+    err = cli("show", a, "0.wieght", "--step", "3", ok=3).stderr
+    assert "0.weight" in err and "Traceback" not in err
+    err = cli("info", base / "nope", ok=3).stderr
+    assert err.startswith("error:") and "Traceback" not in err
+    assert "Traceback" in cli("--traceback", "info", base / "nope", ok=1).stderr
+
+
+def test_stats_and_scalars_formats(runs):
+    a, _, _ = runs
+    rows = json.loads(cli("stats", a, "--kind", "grads", "--name", "2.*", "--steps", "2:4", "--json").stdout)
+    assert {(r["step"], r["name"]) for r in rows} == {(s, n) for s in (2, 3) for n in ("2.weight", "2.bias")}
+    live = stepdump.open(a).tensor("2.weight", 3, kind="grads")
+    norm = next(r["norm"] for r in rows if r["step"] == 3 and r["name"] == "2.weight")
+    assert norm == pytest.approx(float(live.double().norm()), rel=1e-6)
+    csv = cli("scalars", a, "--csv").stdout.splitlines()
+    assert csv[0].split(",") == ["step", "loss", "lr", "skipped"] and len(csv) == 9
+    assert "bad step range" in cli("stats", a, "--steps", "x:y", ok=5).stderr
+    assert "not a stepdump run" in cli("scalars", a / "segments", ok=3).stderr
+
+
+def test_diff_exit_codes(runs, tmp_path):
+    a, b, _ = runs
+    assert "identical" in cli("diff", a, a).stdout
+    out = cli("diff", a, b, ok=1).stdout
+    assert "diverge at step 4" in out and "params 0.weight" in out
+    res = json.loads(cli("diff", a, b, "--json", ok=1).stdout)
+    assert res["first_step"] == 4 and res["tensors"][0]["n_diff"] == 1
+    assert cli("diff", a, tmp_path / "missing", ok=3).stderr.startswith("error:")
+
+
+def test_export_and_verify(runs, tmp_path):
+    a, _, base = runs
+    cli("export", a, "--step", "5", "-o", tmp_path / "c.pt")
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["step"] == 5
+    cli("export", a, "--step", "5", "-o", tmp_path / "c.safetensors", "--format", "safetensors")
+    assert "nearest" in cli("export", a, "--step", "50", "-o", tmp_path / "d.pt", ok=3).stderr
+    assert cli("verify", a).stdout.strip().startswith("ok:")
+    import shutil
+    broken = base / "broken"
+    shutil.copytree(a, broken)
+    seg = next((broken / "segments").glob("*.seg"))
+    data = bytearray(seg.read_bytes())
+    data[100] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    out = cli("verify", broken, ok=1).stdout
+    assert "problem" in out and "checksum" in out
