@@ -1,0 +1,284 @@
+"""Tables, target verdicts and RESULTS.md from the measured results."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+from measure import Result
+
+MB = 1e6
+
+
+@dataclass
+class WorkloadReport:
+    name: str
+    title: str
+    n_params: int
+    tensors: int
+    record_bytes: int  # raw bytes of one full record (params + grads + optimizer state)
+    results: dict[str, Result]
+    write_only_ms: float | None  # writing stepdump-raw's bytes per step, no training
+    order: list[str]
+
+
+def machine_info(torch_threads: int) -> dict[str, Any]:
+    import torch
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gb = int(f.readline().split()[1]) / 1024 / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "python": platform.python_version(),
+            "torch_threads": torch_threads, "mem_gb": mem_gb, "os": platform.platform()}
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def _fmt(v: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    if v is None or (isinstance(v, float) and (math.isnan(v) or math.isinf(v))):
+        return "–"
+    return f"{v:{spec}}{suffix}"
+
+
+def baseline_ms(rep: WorkloadReport, key: str) -> float | None:
+    r = rep.results.get(key)
+    return r.ms_per_step if r and r.seconds else None
+
+
+def table(rep: WorkloadReport) -> list[list[str]]:
+    none_ms = baseline_ms(rep, "none")
+    ts = rep.results.get("torch.save")
+    ts_ms = ts.ms_per_step if ts and ts.seconds else None
+    ts_b = ts.bytes_per_step if ts and ts.bytes_on_disk else None
+    rows = [["way of recording", "ms/step", "× no recording", "× torch.save", "MB/step", "× torch.save bytes",
+             "runs (ms/step each) / notes"]]
+    for key in rep.order:
+        r = rep.results[key]
+        if r.error:
+            rows.append([r.label, "–", "–", "–", "–", "–", f"not run: {r.error}"])
+            continue
+        ms = r.ms_per_step
+        mark = " †" if r.extrapolated else ""
+        b = r.bytes_per_step if r.bytes_on_disk else None
+        runs = "/".join(f"{x:.0f}" for x in r.ms_samples)
+        note = f"{len(r.seconds)}×: {runs}" + (f"; {r.note}" if r.note else "")
+        rows.append([
+            r.label + mark,
+            _fmt(ms, ".0f"),
+            _fmt(ms / none_ms if none_ms else None, ".2f", "×"),
+            _fmt(ms / ts_ms if ts_ms else None, ".2f", "×"),
+            _fmt(b / MB if b is not None else None, ".1f"),
+            _fmt(b / ts_b if (b is not None and ts_b) else None, ".2f", "×"),
+            note,
+        ])
+    return rows
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(["---"] + ["---:"] * 5 + ["---"]) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows[1:]]
+    return "\n".join(out)
+
+
+def text_table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for j, r in enumerate(rows):
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:], strict=True)]
+        lines.append("  ".join(cells) + "  " + r[-1])
+        if j == 0:
+            lines.append("-" * (sum(widths) + 2 * len(widths) + 20))
+    return "\n".join(lines)
+
+
+# -- targets ----------------------------------------------------------------------------
+@dataclass
+class Verdict:
+    workload: str
+    target: str
+    ok: bool | None  # None: could not be evaluated
+    detail: str
+
+
+def evaluate_targets(rep: WorkloadReport, codecs: list[str]) -> list[Verdict]:
+    res = rep.results
+    out: list[Verdict] = []
+    none_ms = baseline_ms(rep, "none")
+    ts = res.get("torch.save")
+    ts_ms = ts.ms_per_step if ts and ts.seconds else None
+    ts_b = ts.bytes_per_step if ts and ts.bytes_on_disk else None
+    plain = baseline_ms(rep, "plain-write")
+    wl = rep.name
+
+    for codec in codecs:
+        r = res.get(f"sd-full-{codec}")
+        if r is None or not r.seconds:
+            continue
+        ms = r.ms_per_step
+        if ts_ms:
+            lim = 0.33 * ts_ms
+            out.append(Verdict(wl, f"full every step ({codec}) ≤ 0.33 × torch.save time", ms <= lim,
+                               f"{ms:.0f} ms vs limit {lim:.0f} ms (= {ms / ts_ms:.2f} × torch.save {ts_ms:.0f} ms)"))
+        if none_ms and rep.write_only_ms is not None:
+            floor = max(none_ms, rep.write_only_ms)
+            lim = 1.25 * floor
+            out.append(Verdict(
+                wl, f"full every step ({codec}) ≤ 1.25 × max(no recording, plain write of the same bytes)",
+                ms <= lim,
+                f"{ms:.0f} ms vs limit {lim:.0f} ms (= {ms / floor:.2f} × max({none_ms:.0f} ms no recording, "
+                f"{rep.write_only_ms:.0f} ms writing {res['sd-full-raw'].bytes_per_step / MB:.0f} MB alone))"
+                + (f"; against the in-loop plain write ({plain:.0f} ms/step) it is {ms / plain:.2f}×" if plain else ""),
+            ))
+    for key, what in (("sd-tiered", "tiered (as measured: 1 full step in the timed steps)"),
+                      ("sd-tiered-steady", "tiered (steady state: 1 full step per 100, derived)")):
+        r = res.get(key)
+        if r is None or not r.seconds or not none_ms:
+            continue
+        ms = r.ms_per_step
+        out.append(Verdict(wl, f"{what} ≤ 1.03 × no recording", ms <= 1.03 * none_ms,
+                           f"{ms:.0f} ms vs limit {1.03 * none_ms:.0f} ms (= {ms / none_ms:.3f} × {none_ms:.0f} ms)"))
+    best = None
+    for codec in codecs:
+        r = res.get(f"sd-full-{codec}")
+        if r is not None and r.bytes_on_disk and (best is None or r.bytes_per_step < best[1]):
+            best = (codec, r.bytes_per_step)
+    if best and ts_b:
+        ratio = best[1] / ts_b
+        out.append(Verdict(wl, "lossless bytes on disk (best codec) ≤ 0.80 × torch.save bytes", ratio <= 0.80,
+                           f"{best[0]}: {best[1] / MB:.1f} MB/step = {ratio:.3f} × torch.save {ts_b / MB:.1f} MB/step"))
+    return out
+
+
+def verdict_lines(verdicts: list[Verdict]) -> list[str]:
+    lines = ["| workload | target | result | numbers |", "|---|---|---|---|"]
+    for v in verdicts:
+        mark = "n/a" if v.ok is None else ("**pass**" if v.ok else "**FAIL**")
+        lines.append(f"| {v.workload} | {v.target} | {mark} | {v.detail} |")
+    return lines
+
+
+# -- RESULTS.md -------------------------------------------------------------------------
+def results_markdown(
+    *, date: str, info: dict[str, Any], command: str, duration_s: float, load_before: str, load_after: str,
+    settings: dict[str, Any], reports: list[WorkloadReport], verdicts: list[Verdict], readside: dict[str, Any] | None,
+) -> str:
+    L: list[str] = []
+    L.append("# stepdump benchmarks: results")
+    L.append("")
+    L.append("Written by `make bench` (`benchmarks/run.py`); see `benchmarks/README.md` for what each row means. "
+             "Everything here comes from one run of one process, so the ratios compare like with like; the "
+             "absolute milliseconds are only good for this machine on this day.")
+    L.append("")
+    L.append(f"- date: {date}")
+    L.append(f"- machine: {info['cores']} cores, {info['cpu']}, "
+             f"{_fmt(info['mem_gb'], '.0f')} GB RAM, {info['os']}")
+    L.append(f"- python {info['python']}, torch {info['torch']}, torch intra-op threads: {info['torch_threads']}")
+    L.append(f"- load average before / after: {load_before} / {load_after} (the machine is shared; expect noise)")
+    L.append(f"- command: `{command}` (the full run is `make bench`)")
+    L.append(f"- settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    L.append(f"- wall time of the whole benchmark: {duration_s / 60:.1f} min")
+    L.append("")
+    L.append("ms/step: wall time from the first timed step until after the recorder's `close()` (so deferred "
+             "writer work counts), divided by the steps; the median over the runs listed in the last column. "
+             "Bytes: size of the output directory after close, per step. † = measured on fewer steps "
+             "(see its note) and taken as the per-step figure for the whole run. ‡ = derived, not timed (see note).")
+    for rep in reports:
+        L.append("")
+        L.append(f"## Workload {rep.name}: {rep.title}")
+        L.append("")
+        L.append(f"{rep.n_params / 1e6:.1f} M parameters; one full record = {rep.tensors} tensors, "
+                 f"{rep.record_bytes / MB:.1f} MB raw (params + grads + optimizer state).")
+        if rep.write_only_ms is not None:
+            L.append(f"Writing stepdump-raw's bytes per step with plain `write()` and no training takes "
+                     f"{rep.write_only_ms:.0f} ms/step (the I/O floor used by the targets).")
+        L.append("")
+        L.append(markdown_table(table(rep)))
+    L.append("")
+    L.append("## Targets")
+    L.append("")
+    L.append("Evaluated from the tables above (same run). \"no recording\" and \"torch.save\" are the medians of "
+             "their repeated runs.")
+    L.append("")
+    L.extend(verdict_lines(verdicts))
+    if readside:
+        L.append("")
+        L.extend(readside_markdown(readside))
+    L.append("")
+    return "\n".join(L)
+
+
+def readside_markdown(rs: dict[str, Any]) -> list[str]:
+    L = ["## Reading and long runs", ""]
+    full = rs.get("full_run")
+    if full:
+        rd = rs.get("random_reads", {})
+        L.append(f"**Random tensor reads.** A {full['steps']}-step run of Linear({full['d']},{full['d']}) + Adam "
+                 f"recorded in full every step ({full['tensors_per_step']} tensors, "
+                 f"{full['bytes_per_full_step'] / MB:.1f} MB raw per step; recording took {full['seconds']:.1f} s, "
+                 f"{full['seconds'] / full['steps'] * 1e3:.1f} ms/step). `run.tensor(name, step, kind)` over "
+                 f"{rd.get('picks')} random (step, kind, name) picks, page cache warm (the run was just written), "
+                 f"mean tensor {rd.get('mean_tensor_kb', 0):.0f} KiB:")
+        L.append("")
+        L.append(f"- median {rd.get('median_ms', float('nan')):.2f} ms, p95 {rd.get('p95_ms', float('nan')):.2f} ms, "
+                 f"max {rd.get('max_ms', float('nan')):.2f} ms; `stepdump.open` {rd.get('open_ms', float('nan')):.1f} ms")
+        L.append("")
+    st = rs.get("stats_run")
+    if st:
+        sr = rs.get("stats_series", {})
+        L.append(f"**Stats series.** A {st['steps']}-step stats-only run (every=None, stats_every=1) of "
+                 f"Linear({st['d']},{st['d']}) + Adam ({st['tensors_per_step']} tensors per step; recording took "
+                 f"{st['seconds']:.1f} s, {st['seconds'] / st['steps'] * 1e3:.2f} ms/step). "
+                 f"`run.stats(kind=\"{sr.get('kind')}\", name=\"{sr.get('name')}\")` "
+                 f"({sr.get('rows')} rows, fresh `stepdump.open` each time, {sr.get('repeats')} repeats): "
+                 f"median {sr.get('median_ms', float('nan')):.1f} ms, min {sr.get('min_ms', float('nan')):.1f} ms.")
+        L.append("")
+    L.append("**Memory over a long run** (child process per run, so its peak is its own; VmRSS / VmHWM from "
+             "/proc/self/status):")
+    L.append("")
+    L.append("| run | sampled at | VmRSS MB | VmHWM MB |")
+    L.append("|---|---|---:|---:|")
+    for label, run in (("full every step", full), ("stats only", st)):
+        if not run:
+            continue
+        for m in run["memory"]:
+            L.append(f"| {label} | {m['step']} | {m['rss_kb'] / 1024:.1f} | {m['hwm_kb'] / 1024:.1f} |")
+    for label, run in (("full every step", full), ("stats only", st)):
+        if not run:
+            continue
+        g = growth(run)
+        if g:
+            L.append("")
+            L.append(f"- {label}: VmRSS grew {g['rss_mb']:+.1f} MB between step {g['from']} and step {g['to']} "
+                     f"({g['per_1k'] * 1024:+.0f} KiB per 1000 steps); peak (VmHWM) {g['hwm_mb']:.1f} MB.")
+    return L
+
+
+def growth(run: dict[str, Any]) -> dict[str, Any] | None:
+    mem = [m for m in run["memory"] if isinstance(m["step"], int)]
+    if len(mem) < 2:
+        return None
+    a, b = mem[0], mem[-1]
+    d_mb = (b["rss_kb"] - a["rss_kb"]) / 1024
+    return {"from": a["step"], "to": b["step"], "rss_mb": d_mb, "per_1k": d_mb / (b["step"] - a["step"]) * 1000,
+            "hwm_mb": max(m["hwm_kb"] for m in run["memory"]) / 1024}
