@@ -33,13 +33,15 @@ import stepdump
 from stepdump.capture.naming import Layout, build_layout
 from stepdump.capture.rng import get_rng_state
 from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, check_kinds
-from stepdump.capture.staging import StagingPool, Stager
+from stepdump.capture.activations import ModuleCapture
+from stepdump.capture.profiling import peak_memory_mb
+from stepdump.capture.staging import Item, StagingPool, Stager
 from stepdump.capture.writer import StepMessage, Writer
-from stepdump.errors import ConfigError, RunExistsError, WriterError
+from stepdump.errors import ConfigError, RunExistsError, RunLockedError, WriterError
 from stepdump.store import catalog, tjson
 from stepdump.store.codecs import get_codec
 from stepdump.store.format import CATALOG_FILE, LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
-from stepdump.store.lock import RunLock
+from stepdump.store.lock import RunLock, is_locked
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,10 @@ class Recorder:
             after the last recorded one when resuming).
         metadata: JSON-able dict stored with the run.
         segment_bytes: Size at which a new segment file is started.
+        modules: Glob(s) over module names whose outputs are recorded when
+            ``capture`` includes ``activations`` / ``activation_grads``.
+        profile: Record per-step timing and memory as ``sys/*`` scalars
+            (see :meth:`stepdump.Run.profile`).
 
     Use it as a context manager or call :meth:`close`; create it right before
     the training loop so the RNG state of step 0 is the one the loop starts with.
@@ -100,6 +106,8 @@ class Recorder:
         start_step: int | None = None,
         metadata: dict[str, Any] | None = None,
         segment_bytes: int = 1 << 30,
+        modules: str | Iterable[str] = "*",
+        profile: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -121,6 +129,8 @@ class Recorder:
         self._full = Schedule(every, "every")
         self._stats = Schedule(stats_every, "stats_every")
         self._layout: Layout = build_layout(model, optimizer)
+        first = next(iter(self._layout.params.values()), None)
+        self._device = first.device if first is not None else torch.device("cpu")
         self._names = {id(p): n for n, p in self._layout.params.items()}
         self._closed = False
         self._hooks: list[Any] = []
@@ -142,6 +152,11 @@ class Recorder:
         except BaseException:
             self._lock.release()
             raise
+        self._profile = profile
+        self._overhead = 0.0
+        self._iter_start = time.perf_counter()
+        self._modules = ModuleCapture(model, self.kinds, list(modules) if not isinstance(modules, str) else modules,
+                                      active=lambda: self._level(self._step) != LEVEL_NONE)
         self._attach()
         self._begin_iteration(self._step)
         # If the user forgets close(), still flush and release the lock at exit.
@@ -153,6 +168,11 @@ class Recorder:
         if p.exists() and not p.is_dir():
             raise ConfigError(f"{p} exists and is a file; give a directory for the run")
         if (p / CATALOG_FILE).exists():
+            if not resume and is_locked(p):  # resume=True would not help: say what would
+                raise RunLockedError(
+                    f"{p} is being written by another Recorder right now. Record into a different "
+                    "directory, or close that Recorder and pass resume=True to append to the run."
+                )
             if not resume:
                 raise RunExistsError(
                     f"{p} already holds a stepdump run. Record into a new directory, "
@@ -240,13 +260,39 @@ class Recorder:
             step = self._step
             if self._prev_open and name not in self._pending.get(step - 1, {}):
                 step -= 1
-            self._pending.setdefault(step, {})[name] = value.detach() if isinstance(value, torch.Tensor) else value
+            # clone: the writer reads the value later, and training may change the tensor in place
+            # by then (a logged parameter, Adam's step); a 1-element copy needs no device sync.
+            self._pending.setdefault(step, {})[name] = (
+                value.detach().clone() if isinstance(value, torch.Tensor) else value
+            )
+
+    def log_batch(self, batch: Any) -> None:
+        """Record the batch of the current iteration (any nest of tensors) as kind ``inputs``.
+
+        Stored under ``batch/<path>`` (``batch/0``, ``batch/1`` for ``(x, y)``) so a
+        step can be replayed; call it once per iteration (again for micro-batches:
+        later calls get ``#1``, ``#2``...).
+        """
+        self._raise_if_writer_failed()
+        if self._level(self._step) == LEVEL_NONE:
+            return
+        call = self._modules._indexed("inputs", "batch")
+        suffix = "" if call == "batch" else call[len("batch"):]
+        from stepdump.capture.activations import flatten
+
+        found = False
+        for path, t in flatten(batch, "batch"):
+            self._modules.add_input(path + suffix, t)
+            found = True
+        if not found:
+            raise ConfigError("log_batch() found no tensors in what it was given (tuples, lists, dicts of tensors)")
 
     def close(self) -> None:
         """Flush everything to disk, detach from the optimizer and release the run."""
         if self._closed:
             return
         self._closed = True
+        self._modules.remove()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -284,28 +330,49 @@ class Recorder:
             log.error("stepdump: %s", e)
 
     # -- hooks -------------------------------------------------------------
+    def _level(self, t: int) -> int:
+        return LEVEL_FULL if self._full(t) else LEVEL_STATS if self._stats(t) else LEVEL_NONE
+
     def _on_pre_step(self, skipped: bool = False) -> None:
         self._raise_if_writer_failed()
         self._pre_fired += 1
         t = self._step
+        started = time.perf_counter()
         with torch.profiler.record_function("stepdump.capture"):
             scalars = _scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
             self._prev_open = False
             self._auto_scalars(t)
-            level = LEVEL_FULL if self._full(t) else LEVEL_STATS if self._stats(t) else LEVEL_NONE
+            level = self._level(t)
             msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars)
+            captured = self._modules.take()
             if level != LEVEL_NONE:
                 msg.slot = self._pool.acquire(lambda: self._writer.error)
                 entries = self._entries(level == LEVEL_FULL)
                 if level == LEVEL_FULL:
                     msg.state_json = self._state_json(t, entries)
                 msg.items = self._stager.stage(msg.slot, entries)
+                full = level == LEVEL_FULL
+                # Hook values are private copies already; no second staging copy.
+                msg.items.extend(Item(kind, name, tensor, full) for kind, name, tensor in captured)
             self._put(msg)
+        self._overhead += time.perf_counter() - started
 
     def _on_step_done(self) -> None:
+        started = time.perf_counter()
+        if self._profile:
+            self._profile_scalars(self._step, started)
         self._step += 1
         self._prev_open = True
         self._begin_iteration(self._step)
+        self._iter_start = time.perf_counter()
+        self._overhead = self._iter_start - started
+
+    def _profile_scalars(self, t: int, now: float) -> None:
+        """Iteration wall time, the recorder's share of it on this thread, peak memory."""
+        slot = self._pending.setdefault(t, {})
+        slot["sys/iter_ms"] = (now - self._iter_start) * 1000
+        slot["sys/recorder_ms"] = self._overhead * 1000
+        slot["sys/peak_mem_mb"] = peak_memory_mb(self._device)
 
     def _begin_iteration(self, t: int) -> None:
         """Start of iteration t: keep what a full record t needs from this moment."""

@@ -65,9 +65,8 @@ def compute_stats(t: torch.Tensor) -> StatsTuple:
     mn, mx = torch.aminmax(x)
     std, mean = torch.std_mean(x, correction=0)
     nonzero = torch.count_nonzero(x)
-    vmin, vmax, vstd, vmean, vnz = torch.stack(
-        [mn.double(), mx.double(), std.double(), mean.double(), nonzero.double()]
-    ).tolist()
+    vmin, vmax, vstd, vmean = torch.stack([mn, mx, std, mean]).tolist()
+    vnz = int(nonzero)
     if math.isfinite(vmin) and math.isfinite(vmax) and math.isfinite(vmean) and math.isfinite(vstd):
         norm = math.sqrt(n * (vstd * vstd + vmean * vmean))
         return (n, 0, 0, 0, vmin, vmax, vmean, vstd, norm, (n - int(vnz)) / n)

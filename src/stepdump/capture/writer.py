@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 # Kinds whose tensors get health stats; ``state`` blobs (RNG, scheduler internals)
 # get only a fingerprint, since their "mean" means nothing.
 _NO_STATS = frozenset({"state"})
+# Blobs at least this large go straight to the file; smaller ones are batched.
+_DIRECT_WRITE = 1 << 20
 
 
 @dataclass
@@ -74,6 +76,8 @@ class Writer(threading.Thread):
         self._segment: str | None = None
         self._segment_size = 0
         self._segment_seq = 0
+        self._buffer = bytearray()
+        self._blob_rows = []
         self._ready = threading.Event()
 
     # -- thread body -------------------------------------------------------
@@ -96,6 +100,7 @@ class Writer(threading.Thread):
             except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
                 log.error("stepdump writer failed at step %s: %s", msg.step, e)
                 self.error = e
+                self._rollback()
                 if msg.slot is not None:
                     self.pool.release(msg.slot)
                 self._drain()
@@ -112,6 +117,14 @@ class Writer(threading.Thread):
                 return
             if msg.slot is not None:
                 self.pool.release(msg.slot)
+
+    def _rollback(self) -> None:
+        """Forget the failed step's rows, so that _shutdown's commit makes none of it visible."""
+        try:
+            if self._catalog is not None:
+                self._catalog.rollback()
+        except BaseException as e:  # noqa: BLE001 - the first error is the one to report
+            log.debug("stepdump: rollback after a writer error failed: %s", e)
 
     def _shutdown(self) -> None:
         try:
@@ -135,10 +148,13 @@ class Writer(threading.Thread):
         if msg.slot is not None and msg.slot.event is not None:  # pragma: no cover - CUDA only
             msg.slot.event.synchronize()  # type: ignore[attr-defined]
         rows = []
-        wrote = False
+        self._blob_rows: list[tuple[Any, ...]] = []
         for item in msg.items:
             rows.append(self._item_row(cat, msg.step, item))
-            wrote = wrote or item.full
+        wrote = bool(self._blob_rows)
+        if wrote:
+            self._flush_buffer()
+            cat.add_blobs(self._blob_rows)
         if msg.level is not None and msg.step is not None:
             cat.add_tensors(rows)
             cat.add_step(msg.step, msg.level, msg.skipped, msg.state_json)
@@ -173,14 +189,32 @@ class Writer(threading.Thread):
         checksum = fp if encoded is data else fingerprint_bytes(encoded)
         length = len(memoryview(encoded).cast("B"))
         key = self._segment_for(length)
-        offset = self.storage.append(key, encoded)
+        offset = self._segment_size
+        if length >= _DIRECT_WRITE:
+            self._flush_buffer()
+            self.storage.append(key, encoded)
+        else:
+            # Small blobs are gathered and written with one syscall per step.
+            self._buffer += encoded
+            if len(self._buffer) >= _DIRECT_WRITE:
+                self._flush_buffer()
         self._segment_size = offset + length
         self.bytes_written += length
-        return cat.add_blob(key, offset, length, self.codec.name, len(data), checksum)
+        blob_id = cat.new_blob_id()
+        self._blob_rows.append(
+            (blob_id, cat.segment_id(key), offset, length, self.codec.name, len(data), checksum, None)
+        )
+        return blob_id
+
+    def _flush_buffer(self) -> None:
+        if self._buffer and self._segment is not None:
+            self.storage.append(self._segment, self._buffer)
+            self._buffer = bytearray()
 
     def _segment_for(self, length: int) -> str:
         if self._segment is None or (self._segment_size and self._segment_size + length > self.segment_bytes):
             if self._segment is not None:
+                self._flush_buffer()
                 self.storage.sync(self._segment, durable=self.durable)
                 self.storage.close_writer(self._segment)
             self._segment_seq += 1

@@ -170,7 +170,13 @@ class Run:
 
     # -- frames ----------------------------------------------------------------
     def scalars(self, names: str | Iterable[str] | None = None, steps: StepRange = None) -> pd.DataFrame:
-        """One row per step, one column per scalar, plus boolean ``skipped``."""
+        """One row per step, one column per scalar, plus boolean ``skipped``.
+
+        Args:
+            names: Glob(s) over scalar names (default: all but the ``sys/*``
+                profiling columns, which :meth:`profile` returns).
+            steps: A step, range, slice or iterable of steps.
+        """
         where, args = _step_filter("step", steps)
         rows = self._con.execute(f"SELECT step, name, value FROM scalars WHERE {where}", args).fetchall()
         df = pd.DataFrame(rows, columns=["step", "name", "value"])
@@ -179,12 +185,19 @@ class Run:
         if names is not None:
             pats = [names] if isinstance(names, str) else list(names)
             wide = wide[[c for c in wide.columns if any(fnmatch.fnmatchcase(c, p) for p in pats)]]
+        else:  # the recorder's own sys/* readings are in profile()
+            wide = wide[[c for c in wide.columns if not str(c).startswith("sys/")]]
         skipped = self._con.execute(f"SELECT step, skipped FROM steps WHERE {where}", args).fetchall()
         sk = pd.Series({s: bool(v) for s, v in skipped}, dtype=bool, name="skipped")
         wide = wide.join(sk, how="outer") if len(wide.columns) else sk.to_frame()
         wide["skipped"] = wide["skipped"].fillna(False).astype(bool)
         wide.index.name = "step"
         return wide.sort_index()
+
+    def profile(self, steps: StepRange = None) -> pd.DataFrame:
+        """Per-step ``sys/iter_ms`` (iteration wall time), ``sys/recorder_ms`` (time the
+        recorder spent on the training thread) and ``sys/peak_mem_mb``."""
+        return self.scalars(names="sys/*", steps=steps)
 
     def stats(self, kind: str | None = None, name: str | None = None, steps: StepRange = None) -> pd.DataFrame:
         """Health stats, one row per (step, kind, name); filters run in SQLite.

@@ -161,7 +161,22 @@ class CatalogWriter:
             (k, n): i for i, k, n in self.con.execute("SELECT id, kind, name FROM series")
         }
         self._segments: dict[str, int] = {k: i for i, k in self.con.execute("SELECT id, key FROM segments")}
+        self._next_blob = (self.con.execute("SELECT max(id) FROM blobs").fetchone()[0] or 0) + 1
         self.con.execute("BEGIN")
+
+    def new_blob_id(self) -> int:
+        """Blob ids are assigned here so a step's blob rows can be inserted in one batch."""
+        bid = self._next_blob
+        self._next_blob += 1
+        return bid
+
+    def add_blobs(self, rows: Iterable[Sequence[Any]]) -> None:
+        """Rows of (id, segment id, offset, length, codec, raw_length, checksum, base)."""
+        self.con.executemany(
+            "INSERT INTO blobs(id, segment, offset, length, codec, raw_length, checksum, base) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
 
     def last_step(self) -> int | None:
         row = self.con.execute("SELECT max(step) FROM steps").fetchone()
@@ -184,17 +199,6 @@ class CatalogWriter:
             sid = int(cur.lastrowid)  # type: ignore[arg-type]
             self._segments[key] = sid
         return sid
-
-    def add_blob(
-        self, segment: str, offset: int, length: int, codec: str, raw_length: int, checksum: int,
-        base: int | None = None,
-    ) -> int:
-        cur = self.con.execute(
-            "INSERT INTO blobs(segment, offset, length, codec, raw_length, checksum, base) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (self.segment_id(segment), offset, length, codec, raw_length, checksum, base),
-        )
-        return int(cur.lastrowid)  # type: ignore[arg-type]
 
     def add_tensors(self, rows: Iterable[Sequence[Any]]) -> None:
         """Rows of (series, step, dtype, shape, blob, *STAT_COLUMNS, fingerprint)."""
@@ -219,6 +223,11 @@ class CatalogWriter:
     def commit(self) -> None:
         """Make everything since the last commit visible, atomically."""
         self.con.execute("COMMIT")
+        self.con.execute("BEGIN")
+
+    def rollback(self) -> None:
+        """Drop everything since the last commit (the rows of a step that failed half-way)."""
+        self.con.execute("ROLLBACK")
         self.con.execute("BEGIN")
 
     def close(self) -> None:

@@ -1,0 +1,124 @@
+"""Module hooks: activations, their gradients and the inputs of the root module.
+
+Names:
+* ``activations`` / ``activation_grads``: the module's name (``encoder.0.attn``);
+  outputs that are tuples, lists or dicts are flattened with stable paths
+  (``encoder.0.attn/0``, ``head/logits``); a module called several times in
+  one step gets ``#1``, ``#2``, ... on its later calls (``block#1/0``).
+* ``inputs``: ``args/0``, ``kwargs/mask`` for what the root module received
+  (``#k`` on later calls, e.g. micro-batches), ``batch/...`` for ``log_batch``.
+
+Values are copied inside the hook, so in-place ops after it do not change what
+is recorded. Forward passes with autograd off (``torch.no_grad()``, evaluation)
+are not part of a training step and are ignored.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Entry = tuple[str, str, torch.Tensor]  # kind, name, tensor (a private copy)
+
+
+def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in a nest of tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from flatten(v, f"{prefix}/{i}")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from flatten(v, f"{prefix}/{k}")
+    elif hasattr(obj, "__dataclass_fields__"):
+        for k in obj.__dataclass_fields__:
+            yield from flatten(getattr(obj, k), f"{prefix}/{k}")
+
+
+class ModuleCapture:
+    """Forward hooks on the selected modules and the root; collects one step's entries."""
+
+    def __init__(self, model: nn.Module, kinds: tuple[str, ...], modules: str | list[str],
+                 active: Callable[[], bool]) -> None:
+        self.kinds = kinds
+        self._active = active
+        self._entries: list[Entry] = []
+        self._calls: dict[tuple[str, str], int] = {}
+        self._handles: list[Any] = []
+        self.unsupported: str | None = None
+        patterns = [modules] if isinstance(modules, str) else list(modules)
+        root = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
+        if isinstance(root, torch.jit.ScriptModule):
+            self.unsupported = (
+                "activation and input capture need Python forward hooks, which TorchScript modules do not run; "
+                "recording params, grads and optimizer state only"
+            )
+            log.warning("stepdump: %s", self.unsupported)
+            return
+        if "activations" in kinds or "activation_grads" in kinds:
+            for name, mod in root.named_modules():
+                if name and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                    self._handles.append(mod.register_forward_hook(self._make_hook(name)))
+        if "inputs" in kinds:
+            self._handles.append(root.register_forward_pre_hook(self._on_root_input, with_kwargs=True))
+
+    # -- hooks -----------------------------------------------------------------
+    def _indexed(self, kind: str, name: str) -> str:
+        n = self._calls.get((kind, name), 0)
+        self._calls[(kind, name)] = n + 1
+        return name if n == 0 else f"{name}#{n}"
+
+    def _make_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled() or not self._active():
+                return
+            with torch.profiler.record_function("stepdump.activations"):
+                base = self._indexed("activations", name)
+                for path, t in flatten(output, base):
+                    if "activations" in self.kinds:
+                        self._entries.append(("activations", path, t.detach().clone()))
+                    if "activation_grads" in self.kinds and t.requires_grad:
+                        t.register_hook(self._grad_hook(path))
+
+        return hook
+
+    def _grad_hook(self, path: str) -> Callable[[torch.Tensor], None]:
+        def on_grad(grad: torch.Tensor) -> None:
+            if self._active():
+                self._entries.append(("activation_grads", path, grad.detach().clone()))
+
+        return on_grad
+
+    def _on_root_input(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.is_grad_enabled() or not self._active():
+            return
+        call = self._indexed("inputs", "root")
+        suffix = "" if call == "root" else call[len("root"):]
+        for path, t in flatten(args, "args"):
+            self.add_input(path + suffix, t)
+        for path, t in flatten(kwargs, "kwargs"):
+            self.add_input(path + suffix, t)
+
+    # -- used by the Recorder ------------------------------------------------
+    def add_input(self, name: str, t: torch.Tensor) -> None:
+        self._entries.append(("inputs", name, t.detach().clone()))
+
+    def take(self) -> list[Entry]:
+        """Hand over what this iteration captured and start the next one."""
+        entries, self._entries = self._entries, []
+        self._calls.clear()
+        return entries
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._entries = []

@@ -1,0 +1,237 @@
+"""Activations, activation grads, inputs and the recorder's profiling (issue 5)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+import stepdump
+
+KINDS = ("params", "grads", "activations", "activation_grads", "inputs")
+
+
+class SimpleMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(784, 128)
+        self.relu = nn.ReLU(inplace=True)  # modifies fc1's output after its hook ran
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 784, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def test_fc1_outputs_and_grads_equal_hand_registered_hooks(tmp_path):
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen_out: list[torch.Tensor] = []
+    seen_grad: list[torch.Tensor] = []
+
+    def hand_hook(mod, args, out):
+        seen_out.append(out.detach().clone())
+        if out.requires_grad:
+            out.register_hook(lambda g: seen_grad.append(g.detach().clone()))
+
+    model.fc1.register_forward_hook(hand_hook)
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS, modules="fc*") as rec:
+        for step in range(5):
+            x, y = data(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            with torch.no_grad():  # an evaluation pass: not part of the step record
+                model(x)
+    run = stepdump.open(tmp_path / "r")
+    assert run.names("activations") == ["fc1", "fc2"]
+    train_outs = seen_out[0::2]  # every other forward was the no_grad one
+    for step in range(5):
+        rec_out = run.tensor("fc1", step, kind="activations")
+        assert torch.equal(rec_out, train_outs[step])
+        assert (rec_out < 0).any(), "values as at the hook, before the in-place ReLU"
+        assert torch.equal(run.tensor("fc1", step, kind="activation_grads"), seen_grad[step])
+        assert torch.equal(run.tensor("args/0", step, kind="inputs"), data(step)[0])
+    assert len(seen_grad) == 5
+
+
+class DictHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, h: torch.Tensor) -> dict[str, object]:
+        out = self.lin(h)
+        return {"logits": out, "pair": (out.sum(1), h.detach())}
+
+
+class TwiceAndDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.head = DictHead()
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        return self.head(self.shared(torch.tanh(self.shared(x))))
+
+
+def test_module_used_twice_dict_outputs_and_log_batch(tmp_path):
+    torch.manual_seed(0)
+    model = TwiceAndDict()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    calls: list[torch.Tensor] = []
+    model.shared.register_forward_hook(lambda m, a, o: calls.append(o.detach().clone()))
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS) as rec:
+        for step in range(3):
+            x = torch.randn(3, 4)
+            target = torch.randn(3, 2)
+            rec.log_batch({"x": x, "target": target})
+            opt.zero_grad()
+            out = model(x)
+            (out["logits"] - target).pow(2).mean().backward()
+            opt.step()
+    run = stepdump.open(tmp_path / "r")
+    acts = set(run.names("activations"))
+    assert {"shared", "shared#1", "head/logits", "head/pair/0", "head/pair/1", "head.lin"} <= acts
+    for step in range(3):
+        assert torch.equal(run.tensor("shared", step, "activations"), calls[2 * step])
+        assert torch.equal(run.tensor("shared#1", step, "activations"), calls[2 * step + 1])
+    logits = run.tensor("head/logits", 2, "activations")
+    assert torch.equal(logits, run.tensor("head.lin", 2, "activations"))
+    assert torch.equal(run.tensor("head/pair/0", 2, "activations"), logits.sum(1))
+    assert torch.equal(run.tensor("batch/target", 2, kind="inputs"), target)
+    assert {"batch/x", "batch/target", "args/0"} <= set(run.names("inputs"))
+    # grads only where they flow: logits and pair/0 get one, the detached pair/1 does not
+    grads = set(run.names("activation_grads"))
+    assert "head/logits" in grads and "head/pair/1" not in grads
+
+
+def test_nan_in_module_output_is_found_by_check_at_that_module(tmp_path):
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    k = 3
+
+    def plant(mod, args, out):
+        if plant.step == k:
+            out = out.clone()
+            out[0, 0] = float("nan")
+            return out
+        return None
+
+    plant.step = 0
+    model.fc2.register_forward_hook(plant)
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS) as rec:
+        for step in range(6):
+            plant.step = step
+            x, y = data(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    run = stepdump.open(tmp_path / "r")
+    # our hook runs after the planting hook only if registered later: the recorder's came first
+    stats = run.stats(kind="activation_grads", steps=k)
+    assert (stats["nan"] > 0).any()
+    findings = [f for f in stepdump.check(run) if f.rule == "nan_inf"]
+    assert findings and findings[0].step == k
+    assert findings[0].kind in ("activations", "activation_grads")
+
+
+def test_hooks_removed_and_nothing_leaks(tmp_path):
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS)
+    assert model.fc1._forward_hooks
+    rec.close()
+    assert not model.fc1._forward_hooks and not model._forward_pre_hooks
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    ref = weakref.ref(rec)
+    del rec
+    gc.collect()
+    assert ref() is None
+
+
+def test_memory_bounded_over_500_steps(tmp_path):
+    from stepdump.capture.profiling import peak_memory_mb
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters())
+    rss = {}
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS, every=None) as rec:
+        for step in range(500):
+            x = torch.randn(32, 64)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            if step in (100, 499):
+                gc.collect()
+                rss[step] = peak_memory_mb(torch.device("cpu"))
+    assert rss[499] - rss[100] < 40, rss
+    run = stepdump.open(tmp_path / "r")
+    assert run.stats_steps == list(range(500)) and run.steps == []
+    assert len(run.stats(kind="activations", steps=499)) == 3
+
+
+def test_profiler_sees_recorder_ranges_and_sys_scalars(tmp_path):
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS) as rec:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for step in range(3):
+                x, y = data(step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    names = {e.name for e in prof.events()}
+    assert {"stepdump.capture", "stepdump.activations", "stepdump.begin"} <= names
+    prof_df = stepdump.open(tmp_path / "r").profile()
+    assert list(prof_df.index) == [0, 1, 2]
+    assert (prof_df["sys/iter_ms"] > prof_df["sys/recorder_ms"]).all()
+    assert (prof_df["sys/recorder_ms"] > 0).all() and (prof_df["sys/peak_mem_mb"] > 10).all()
+    assert "sys/iter_ms" not in stepdump.open(tmp_path / "r").scalars().columns
+
+
+def test_compiled_model_records_params_grads_and_activations(tmp_path):
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clones = []
+    with stepdump.Recorder(tmp_path / "r", compiled, opt, capture=KINDS) as rec:
+        for step in range(3):
+            x, y = data(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(compiled(x), y).backward()
+            clones.append(model.fc1.weight.grad.clone())
+            opt.step()
+    run = stepdump.open(tmp_path / "r")
+    names = run.names("grads")
+    assert any(n.endswith("fc1.weight") for n in names)
+    name = next(n for n in names if n.endswith("fc1.weight"))
+    for step in range(3):
+        assert torch.equal(run.tensor(name, step, kind="grads"), clones[step])
+    assert "fc1" in run.names("activations")
+
+
+def test_scripted_module_records_the_rest_and_says_why(tmp_path, caplog):
+    model = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="stepdump"):
+        with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS) as rec:
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+    assert "TorchScript" in caplog.text
+    run = stepdump.open(tmp_path / "r")
+    assert run.steps == [0, 1] and run.names("activations") == []
+    assert run.names("grads") == ["0.weight", "0.bias", "2.weight", "2.bias"]
