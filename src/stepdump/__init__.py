@@ -26,6 +26,7 @@ from stepdump.errors import (
     TensorNotFoundError,
     WriterError,
 )
+from stepdump.read.replay import ReplayResult, replay
 from stepdump.read.run import Run, open
 from stepdump.store.format import FORMAT_VERSION
 
@@ -37,6 +38,7 @@ __all__ = [
     "FormatVersionError",
     "NotARunError",
     "Recorder",
+    "ReplayResult",
     "ReplayDiverged",
     "RestoreMismatchError",
     "Run",
@@ -50,5 +52,6 @@ __all__ = [
     "check",
     "diff",
     "open",
+    "replay",
     "verify",
 ]

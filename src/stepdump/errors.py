@@ -62,7 +62,14 @@ class WriterError(StepdumpError):
 
 
 class ReplayDiverged(StepdumpError):
-    """A replayed step does not reproduce the recorded fingerprints."""
+    """A replayed step does not reproduce the recorded fingerprints.
+
+    ``step``, ``kind`` and ``name`` say where (when known).
+    """
+
+    step: int | None = None
+    kind: str | None = None
+    name: str | None = None
 
 
 def nearest_steps(step: int, available: Sequence[int], k: int = 3) -> str:

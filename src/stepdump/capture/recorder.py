@@ -81,6 +81,10 @@ class Recorder:
             ``capture`` includes ``activations`` / ``activation_grads``.
         profile: Record per-step timing and memory as ``sys/*`` scalars
             (see :meth:`stepdump.Run.profile`).
+        keyframe_every: Keyframe mode for :func:`stepdump.replay`: full state
+            every K steps (this sets ``every=K``, ``stats_every=1``) and, at every
+            step, the RNG state and the batch given to :meth:`log_batch`, so any
+            step can be rebuilt bit-exactly by replaying from its keyframe.
 
     Use it as a context manager or call :meth:`close`; create it right before
     the training loop so the RNG state of step 0 is the one the loop starts with.
@@ -108,6 +112,7 @@ class Recorder:
         segment_bytes: int = 1 << 30,
         modules: str | Iterable[str] = "*",
         profile: bool = True,
+        keyframe_every: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -122,6 +127,13 @@ class Recorder:
         if queue_depth < 1:
             raise ConfigError("queue_depth must be at least 1")
         get_codec(codec)  # fail now, not in the writer
+        if keyframe_every is not None:
+            if isinstance(keyframe_every, bool) or not isinstance(keyframe_every, int) or keyframe_every < 1:
+                raise ConfigError(f"keyframe_every={keyframe_every!r}: give a positive number of steps")
+            if every != 1 or stats_every != 1:
+                raise ConfigError("keyframe_every sets every= and stats_every= itself; pass only keyframe_every")
+            every = keyframe_every
+        self._keyframes = keyframe_every is not None
         self.path = Path(path)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.kinds = check_kinds(capture)
@@ -138,11 +150,12 @@ class Recorder:
         self._prev_open = False
         self._begin: dict[str, Any] | None = None
         self._pre_fired = 0
+        self._batch: Any = None
 
         self._lock = RunLock(self._prepare_dir(resume))
         self._lock.acquire()
         try:
-            self._step = self._init_catalog(resume, start_step, metadata, codec)
+            self._step = self._init_catalog(resume, start_step, metadata, codec, keyframe_every)
             self._pool = StagingPool(queue_depth)
             self._stager = Stager()
             self._writer = Writer(self.path, self._pool, codec, durability, segment_bytes, max_queue=queue_depth + 64)
@@ -183,7 +196,8 @@ class Recorder:
         p.mkdir(parents=True, exist_ok=True)
         return p
 
-    def _init_catalog(self, resume: bool, start_step: int | None, metadata: dict | None, codec: str) -> int:
+    def _init_catalog(self, resume: bool, start_step: int | None, metadata: dict | None, codec: str,
+                      keyframe_every: int | None = None) -> int:
         meta = {
             "stepdump_version": stepdump.__version__,
             "torch_version": torch.__version__,
@@ -196,6 +210,8 @@ class Recorder:
             "scaler": self.scaler is not None,
             "capture": list(self.kinds),
             "every": self._full.description,
+            "keyframe_every": keyframe_every,
+            "num_threads": torch.get_num_threads(),
             "stats_every": self._stats.description,
             "codec": codec,
             "layout": self._layout.to_meta(),
@@ -278,14 +294,19 @@ class Recorder:
             return
         call = self._modules._indexed("inputs", "batch")
         suffix = "" if call == "batch" else call[len("batch"):]
-        from stepdump.capture.activations import flatten
+        names: list[str] = []
 
-        found = False
-        for path, t in flatten(batch, "batch"):
-            self._modules.add_input(path + suffix, t)
-            found = True
-        if not found:
+        def put(ref: str, t: torch.Tensor) -> None:
+            names.append(_input_name(ref) + suffix)
+            self._modules.add_input(names[-1], t)
+
+        # The batch's structure, with tensors as references to its inputs entries,
+        # is what replay hands back to train_step.
+        skeleton = tjson.encode(batch, put)
+        if not names:
             raise ConfigError("log_batch() found no tensors in what it was given (tuples, lists, dicts of tensors)")
+        if not suffix:
+            self._batch = _rename_refs(skeleton)
 
     def close(self) -> None:
         """Flush everything to disk, detach from the optimizer and release the run."""
@@ -347,13 +368,18 @@ class Recorder:
             captured = self._modules.take()
             if level != LEVEL_NONE:
                 msg.slot = self._pool.acquire(lambda: self._writer.error)
-                entries = self._entries(level == LEVEL_FULL)
-                if level == LEVEL_FULL:
-                    msg.state_json = self._state_json(t, entries)
-                msg.items = self._stager.stage(msg.slot, entries)
                 full = level == LEVEL_FULL
-                # Hook values are private copies already; no second staging copy.
-                msg.items.extend(Item(kind, name, tensor, full) for kind, name, tensor in captured)
+                entries = self._entries(full)
+                if full or self._keyframes:
+                    msg.state_json = self._state_json(t, entries, full)
+                msg.items = self._stager.stage(msg.slot, entries)
+                # Hook values are private copies already; no second staging copy. In
+                # keyframe mode the batch is stored at every step, for replay.
+                msg.items.extend(
+                    Item(kind, name, tensor, full or (self._keyframes and kind == "inputs"))
+                    for kind, name, tensor in captured
+                )
+            self._batch = None
             self._put(msg)
         self._overhead += time.perf_counter() - started
 
@@ -376,14 +402,15 @@ class Recorder:
 
     def _begin_iteration(self, t: int) -> None:
         """Start of iteration t: keep what a full record t needs from this moment."""
-        if not self._full(t):
+        full = self._full(t)
+        if not full and not (self._keyframes and self._level(t) != LEVEL_NONE):
             self._begin = None
             return
         with torch.profiler.record_function("stepdump.begin"), torch.no_grad():
             self._begin = {
                 "rng": get_rng_state(),
                 "buffers": {n: b.detach().clone() for n, b in self._layout.buffers.items()
-                            if "params" in self.kinds and self._filter(n)},
+                            if full and "params" in self.kinds and self._filter(n)},
             }
 
     # -- building a record -------------------------------------------------
@@ -403,7 +430,19 @@ class Recorder:
             out.extend(("buffers", n, b, True, None, None) for n, b in self._begin["buffers"].items())
         return out
 
-    def _state_json(self, t: int, entries: list[_Entry]) -> str:
+    def _state_json(self, t: int, entries: list[_Entry], full: bool = True) -> str:
+        state: dict[str, Any] = self._full_state() if full else {}
+        if self._begin is not None:
+            state["rng"] = self._begin["rng"]
+        if self._batch is not None:
+            state["batch"] = self._batch
+
+        def put(ref: str, tensor: torch.Tensor) -> None:
+            entries.append(("state", ref, tensor, True, None, None))
+
+        return tjson.dumps(tjson.encode(state, put))
+
+    def _full_state(self) -> dict[str, Any]:
         groups = []
         for names, group in zip(self._layout.groups, self.optimizer.param_groups, strict=True):
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -418,13 +457,7 @@ class Recorder:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-        if self._begin is not None:
-            state["rng"] = self._begin["rng"]
-
-        def put(ref: str, tensor: torch.Tensor) -> None:
-            entries.append(("state", ref, tensor, True, None, None))
-
-        return tjson.dumps(tjson.encode(state, put))
+        return state
 
     def _auto_scalars(self, t: int) -> None:
         slot = self._pending.setdefault(t, {})
@@ -474,3 +507,19 @@ def _close_quietly(ref: weakref.ref[Recorder]) -> None:
             rec.close()
         except Exception as e:  # noqa: BLE001 - interpreter exit, nowhere to raise to
             log.error("stepdump: closing at exit failed: %s", e)
+
+
+def _input_name(ref: str) -> str:
+    """tjson ref of a tensor inside a batch -> its ``inputs`` name (``batch``, ``batch/0``, ``batch/x``)."""
+    return "batch" if ref == "value" else "batch" + ref
+
+
+def _rename_refs(tree: Any) -> Any:
+    """Point a batch skeleton's ``$tensor`` refs at the ``inputs`` names log_batch used."""
+    if isinstance(tree, list):
+        return [_rename_refs(v) for v in tree]
+    if isinstance(tree, dict):
+        if set(tree) == {"$tensor"}:
+            return {"$tensor": _input_name(tree["$tensor"])}
+        return {k: _rename_refs(v) for k, v in tree.items()}
+    return tree

@@ -35,6 +35,7 @@ class Run:
         self.meta: dict[str, Any] = catalog.read_meta(self._con)
         self.format_version: int = int(self.meta["format_version"])
         self._blobs = BlobReader(self.path, self._con)
+        self._replayed: dict[int, Any] = {}  # step -> ReplayResult, filled by stepdump.replay
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
@@ -94,6 +95,9 @@ class Run:
             "SELECT blob, dtype, shape FROM tensors WHERE series = ? AND step = ?", (sid, step)
         ).fetchone()
         if row is None or row[0] is None:
+            replayed = self._replayed.get(step)
+            if replayed is not None and (kind, name) in replayed.tensors:
+                return replayed.tensors[(kind, name)]
             self._missing(name, step, kind, stats_only=row is not None)
         return self._blobs.tensor(row[0], row[1], row[2])
 
@@ -120,10 +124,12 @@ class Run:
 
     # -- state -----------------------------------------------------------------
     def step_state(self, step: int) -> dict[str, Any]:
-        """The decoded non-tensor state recorded with a full step (groups, scheduler, ...)."""
-        self._require_full(step)
-        (text,) = self._con.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
-        tree = tjson.loads(text) if text else {}
+        """The decoded non-tensor state of a step: groups, scheduler, scaler, rng at full
+        steps; rng and the batch skeleton at every step in keyframe mode."""
+        row = self._con.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
+        if row is None or row[0] is None:
+            self._require_full(step)  # raises with the nearest steps
+        tree = tjson.loads(row[0])
         return tjson.decode(tree, lambda ref: self.tensor(ref, step, kind="state"))
 
     def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
@@ -140,15 +146,24 @@ class Run:
 
     def scheduler_state_dict(self, step: int) -> dict[str, Any] | None:
         """The LR scheduler's state_dict before update ``step`` (None if none was given)."""
+        self._require_full(step)
         return self.step_state(step).get("scheduler")
 
     def scaler_state_dict(self, step: int) -> dict[str, Any] | None:
         """The GradScaler's state_dict used in iteration ``step`` (None if none was given)."""
+        self._require_full(step)
         return self.step_state(step).get("scaler")
 
     def rng_state(self, step: int) -> dict[str, Any]:
         """RNG state at the start of iteration ``step`` (torch, cuda, numpy, python)."""
-        return self.step_state(step)["rng"]
+        state = self.step_state(step)
+        if "rng" not in state:
+            raise StepNotFoundError(
+                f"step {step} of {self.path} was stored in full without its RNG state: the Recorder's `every` "
+                "said no at the start of that iteration and yes at its optimizer step (a callable whose answer "
+                "changed), so the start-of-iteration state was never taken"
+            )
+        return state["rng"]
 
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
                 *, rng: bool = True) -> None:

@@ -44,6 +44,7 @@ def model_state_dict(run: Run, step: int) -> OrderedDict[str, torch.Tensor]:
 
 def optimizer_state_dict(run: Run, step: int) -> dict[str, Any]:
     """The optimizer's state_dict before update ``step``, with torch's index numbering."""
+    run._require_full(step)
     state = run.step_state(step)
     groups = state.get("groups")
     if groups is None:

@@ -1,0 +1,168 @@
+"""Replay: rebuild any step of a keyframe recording by re-running the user's own step code.
+
+From the nearest keyframe at or before the target step, each iteration is
+redone with its recorded batch and RNG state, and at every replayed optimizer
+step the live params, grads and optimizer state are checked against the
+recorded fingerprints. The first mismatch stops the replay with
+:class:`stepdump.ReplayDiverged`, naming the step and tensor.
+
+What a deterministic replay needs (docs/replay.md): the same code for one
+iteration (``train_step``), the same torch version and
+``torch.get_num_threads()``, deterministic kernels
+(``torch.use_deterministic_algorithms(True)`` on CUDA), and every random input
+either recorded in the batch or drawn from the global RNGs (which are restored
+at every step). Data-loader workers' own RNGs are not replayed: record their
+output with ``rec.log_batch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stepdump.capture.naming import build_layout
+from stepdump.capture.rng import set_rng_state
+from stepdump.capture.stats import fingerprint
+from stepdump.errors import ConfigError, ReplayDiverged, StepNotFoundError, nearest_steps
+from stepdump.store import tjson
+
+if TYPE_CHECKING:
+    from stepdump.read.run import Run
+
+TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
+Key = tuple[str, str]
+
+
+@dataclass
+class ReplayResult:
+    """The state at ``step`` as the replay rebuilt it (params, grads, optimizer)."""
+
+    step: int
+    keyframe: int
+    tensors: dict[Key, torch.Tensor] = field(default_factory=dict)
+    steps_replayed: int = 0
+
+    def tensor(self, name: str, kind: str = "params") -> torch.Tensor:
+        try:
+            return self.tensors[(kind, name)]
+        except KeyError:
+            raise StepNotFoundError(f"the replay of step {self.step} has no {kind} {name!r}") from None
+
+
+class _Stop(Exception):
+    """Raised from the optimizer pre-hook to stop train_step before the target update."""
+
+
+def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_step: TrainStep,
+           scheduler: Any = None, scaler: Any = None, *, verify: bool = True) -> ReplayResult:
+    """Rebuild step ``step`` of ``run`` into ``model`` / ``optimizer`` (and scheduler, scaler).
+
+    Args:
+        run: A run recorded with ``keyframe_every`` (or any run: then only its
+            full steps are keyframes).
+        step: The step to rebuild.
+        model, optimizer, scheduler, scaler: Freshly built objects of the same
+            kind as in the recording; they end in the state of record ``step``
+            (params and optimizer before update ``step``, grads of ``step``).
+        train_step: ``train_step(model, optimizer, batch)`` does one iteration
+            exactly as the recorded loop did (zero_grad, forward, backward,
+            ``optimizer.step()``, and the scheduler step if there was one).
+        verify: Check every replayed step against the recorded fingerprints.
+
+    Returns:
+        The rebuilt tensors of ``step``; ``run.tensor(...)`` also serves them
+        from now on for that step.
+    """
+    if step not in set(run.stats_steps):
+        raise StepNotFoundError(f"step {step} was not recorded in {run.path}; {nearest_steps(step, run.stats_steps)}")
+    keyframes = [s for s in run.steps if s <= step]
+    if not keyframes:
+        raise StepNotFoundError(f"no step at or before {step} is stored in full, so there is nothing to replay from")
+    k = keyframes[-1]
+    run.restore(k, model, optimizer, scheduler, scaler)
+    layout = build_layout(model, optimizer)
+    result = ReplayResult(step=step, keyframe=k)
+    state: dict[str, Any] = {"t": k, "fired": False}
+
+    def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        t = state["t"]
+        state["fired"] = True
+        live = _live_tensors(layout, opt)
+        if verify:
+            _verify(run, t, live)
+        if t == step:
+            result.tensors = {key: v.detach().clone() for key, v in live.items()}
+            raise _Stop
+
+    handle = optimizer.register_step_pre_hook(pre_hook)
+    try:
+        for t in range(k, step + 1):
+            state["t"], state["fired"] = t, False
+            st = run.step_state(t) if t == k or _has_state(run, t) else {}
+            if "batch" not in st:
+                raise ConfigError(
+                    f"step {t} has no recorded batch: record with keyframe_every=K and call rec.log_batch(batch) "
+                    "every iteration"
+                )
+            if "rng" in st:
+                set_rng_state(st["rng"])
+            batch = tjson.decode(st["batch"], lambda ref, t=t: run.tensor(ref, t, kind="inputs"))
+            try:
+                train_step(model, optimizer, batch)
+            except _Stop:
+                break
+            result.steps_replayed += 1
+            if not state["fired"] and t not in set(run.skipped_steps):
+                raise ReplayDiverged(
+                    f"replaying step {t}: optimizer.step() was not called (the GradScaler skipped it?), but the "
+                    "recording did update at that step"
+                )
+    finally:
+        handle.remove()
+    # Like restore, leave the RNG at the start of iteration ``step``.
+    st = run.step_state(step)
+    if "rng" in st:
+        set_rng_state(st["rng"])
+    run._replayed[step] = result
+    return result
+
+
+def _has_state(run: Run, t: int) -> bool:
+    row = run._con.execute("SELECT state IS NOT NULL FROM steps WHERE step = ?", (t,)).fetchone()
+    return bool(row and row[0])
+
+
+def _live_tensors(layout: Any, opt: torch.optim.Optimizer) -> dict[Key, torch.Tensor]:
+    out: dict[Key, torch.Tensor] = {}
+    for name, p in layout.params.items():
+        out[("params", name)] = p
+        if p.grad is not None:
+            out[("grads", name)] = p.grad
+        for key, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[("optimizer", f"{name}.{key}")] = v
+    return out
+
+
+def _verify(run: Run, t: int, live: dict[Key, torch.Tensor]) -> None:
+    recorded = run.fingerprints(t, kinds=("params", "grads", "optimizer"))
+    order = {"grads": 0, "optimizer": 1, "params": 2}
+    bad = [key for key in sorted(recorded, key=lambda k: (order.get(k[0], 9), k[1]))
+           if key in live and fingerprint(live[key]) != recorded[key]]
+    missing = [key for key in recorded if key not in live]
+    if bad or missing:
+        kind, name = (bad or missing)[0]
+        threads = run.meta.get("num_threads")
+        err = ReplayDiverged(
+            f"replay diverged at step {t}: {kind} {name!r} "
+            + ("differs from the recording" if bad else "is missing in the replay")
+            + f" ({len(bad) + len(missing)} tensor(s) in all). Likely causes: non-deterministic kernels "
+            "(use torch.use_deterministic_algorithms(True)), a different thread count "
+            f"(recorded with {threads}, now {torch.get_num_threads()}), data-loader workers or augmentation "
+            "outside the recorded batch, or a train_step that differs from the recorded loop.",
+        )
+        err.step, err.kind, err.name = t, kind, name
+        raise err
