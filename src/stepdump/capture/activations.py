@@ -122,3 +122,19 @@ class ModuleCapture:
             h.remove()
         self._handles.clear()
         self._entries = []
+
+
+def input_name(ref: str) -> str:
+    """tjson ref of a tensor inside a batch -> its ``inputs`` name (``batch``, ``batch/0``, ``batch/x``)."""
+    return "batch" if ref == "value" else "batch" + ref
+
+
+def rename_refs(tree: Any) -> Any:
+    """Point a batch skeleton's ``$tensor`` refs at the ``inputs`` names log_batch used."""
+    if isinstance(tree, list):
+        return [rename_refs(v) for v in tree]
+    if isinstance(tree, dict):
+        if set(tree) == {"$tensor"}:
+            return {"$tensor": input_name(tree["$tensor"])}
+        return {k: rename_refs(v) for k, v in tree.items()}
+    return tree

@@ -71,3 +71,22 @@ def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
 
 def param_name_map(layout: Layout) -> dict[int, str]:
     return {id(p): n for n, p in layout.params.items()}
+
+
+def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: object, scaler: object) -> dict:
+    """The non-tensor state of a full record: param groups by name, optimizer extras, scheduler, scaler."""
+    groups = []
+    for names, group in zip(layout.groups, optimizer.param_groups, strict=True):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({"hyper": hyper, "params": names})
+    extra: dict[str, dict[str, object]] = {}
+    for n, p in layout.params.items():
+        for k, v in optimizer.state.get(p, {}).items():
+            if not isinstance(v, torch.Tensor):
+                extra.setdefault(n, {})[k] = v
+    state: dict[str, object] = {"groups": groups, "optimizer_extra": extra}
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()  # type: ignore[attr-defined]
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()  # type: ignore[attr-defined]
+    return state

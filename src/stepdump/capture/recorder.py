@@ -17,7 +17,9 @@ records the step as skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import deque
 import os
 import platform
 import time
@@ -30,12 +32,17 @@ import torch
 from torch import nn
 
 import stepdump
-from stepdump.capture.naming import Layout, build_layout
+from stepdump.capture.naming import Layout, build_layout, full_state
 from stepdump.capture.rng import get_rng_state
 from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, check_kinds
-from stepdump.capture.activations import ModuleCapture
+from stepdump.capture.activations import ModuleCapture, input_name, rename_refs
+from stepdump.capture.scalars import check_scalar, scalar_rows
+from stepdump.capture.session import init_catalog, prepare_dir
 from stepdump.capture.profiling import peak_memory_mb
+from stepdump.capture.ring import Held, Ring
 from stepdump.capture.staging import Item, StagingPool, Stager
+from stepdump.capture.triggers import Trigger, TriggerInfo
+from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError, WriterError
 from stepdump.store import catalog, tjson
@@ -44,6 +51,8 @@ from stepdump.store.format import CATALOG_FILE, LEVEL_FULL, LEVEL_NONE, LEVEL_ST
 from stepdump.store.lock import RunLock, is_locked
 
 log = logging.getLogger(__name__)
+
+_HISTORY = 200  # scalar values kept for triggers in ring mode
 
 _Entry = tuple[str, str, torch.Tensor, bool, "str | None", "str | None"]
 
@@ -85,6 +94,13 @@ class Recorder:
             every K steps (this sets ``every=K``, ``stats_every=1``) and, at every
             step, the RNG state and the batch given to :meth:`log_batch`, so any
             step can be rebuilt bit-exactly by replaying from its keyframe.
+        ring: Flight-recorder mode: keep full copies of the last ``ring`` steps
+            in memory (ring x step size) and write them only when ``trigger``
+            fires; stats and fingerprints are still written every step.
+        trigger: ``"nan_inf"`` (default), ``"loss_spike"``, or a callable
+            ``(stepdump.capture.triggers.TriggerInfo) -> bool``.
+        after: Steps recorded in full after the trigger step (default ``ring``),
+            before going back to ring mode.
 
     Use it as a context manager or call :meth:`close`; create it right before
     the training loop so the RNG state of step 0 is the one the loop starts with.
@@ -113,6 +129,9 @@ class Recorder:
         modules: str | Iterable[str] = "*",
         profile: bool = True,
         keyframe_every: int | None = None,
+        ring: int | None = None,
+        trigger: Trigger | str | None = None,
+        after: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -134,6 +153,17 @@ class Recorder:
                 raise ConfigError("keyframe_every sets every= and stats_every= itself; pass only keyframe_every")
             every = keyframe_every
         self._keyframes = keyframe_every is not None
+        if ring is not None:
+            if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
+                raise ConfigError(f"ring={ring!r}: give the number of steps to keep in memory")
+            if every != 1 or keyframe_every is not None:
+                raise ConfigError("ring= decides which steps are stored in full; do not combine it with every= "
+                                  "or keyframe_every=")
+            every = None
+        self._trigger = resolve_trigger(trigger) if ring is not None else None
+        self._after = ring if after is None else after
+        self._after_left = 0
+        self._history: dict[str, deque[float]] = {}
         self.path = Path(path)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.kinds = check_kinds(capture)
@@ -152,11 +182,25 @@ class Recorder:
         self._pre_fired = 0
         self._batch: Any = None
 
-        self._lock = RunLock(self._prepare_dir(resume))
+        self._lock = RunLock(prepare_dir(self.path, resume))
         self._lock.acquire()
         try:
-            self._step = self._init_catalog(resume, start_step, metadata, codec, keyframe_every)
-            self._pool = StagingPool(queue_depth)
+            meta = {
+                "model_class": type(model).__name__,
+                "optimizer_class": type(optimizer).__name__,
+                "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
+                "scaler": scaler is not None,
+                "capture": list(self.kinds),
+                "every": self._full.description,
+                "keyframe_every": keyframe_every,
+                "stats_every": self._stats.description,
+                "codec": codec,
+                "layout": self._layout.to_meta(),
+                "user": metadata or {},
+            }
+            self._step = init_catalog(self.path, meta, resume, start_step)
+            self._pool = StagingPool(queue_depth + (ring or 0))
+            self._ring = Ring(ring, self._pool) if ring is not None else None
             self._stager = Stager()
             self._writer = Writer(self.path, self._pool, codec, durability, segment_bytes, max_queue=queue_depth + 64)
             self._writer.start()
@@ -176,66 +220,6 @@ class Recorder:
         self._finalizer = weakref.finalize(self, _close_quietly, weakref.ref(self))
 
     # -- setup -------------------------------------------------------------
-    def _prepare_dir(self, resume: bool) -> Path:
-        p = self.path
-        if p.exists() and not p.is_dir():
-            raise ConfigError(f"{p} exists and is a file; give a directory for the run")
-        if (p / CATALOG_FILE).exists():
-            if not resume and is_locked(p):  # resume=True would not help: say what would
-                raise RunLockedError(
-                    f"{p} is being written by another Recorder right now. Record into a different "
-                    "directory, or close that Recorder and pass resume=True to append to the run."
-                )
-            if not resume:
-                raise RunExistsError(
-                    f"{p} already holds a stepdump run. Record into a new directory, "
-                    "or pass resume=True to append steps to it."
-                )
-        elif p.exists() and any(p.iterdir()):
-            raise RunExistsError(f"{p} exists and is not empty (and not a run); give a new or empty directory")
-        p.mkdir(parents=True, exist_ok=True)
-        return p
-
-    def _init_catalog(self, resume: bool, start_step: int | None, metadata: dict | None, codec: str,
-                      keyframe_every: int | None = None) -> int:
-        meta = {
-            "stepdump_version": stepdump.__version__,
-            "torch_version": torch.__version__,
-            "python_version": platform.python_version(),
-            "host": platform.node(),
-            "created": time.time(),
-            "model_class": type(self.model).__name__,
-            "optimizer_class": type(self.optimizer).__name__,
-            "scheduler_class": type(self.scheduler).__name__ if self.scheduler is not None else None,
-            "scaler": self.scaler is not None,
-            "capture": list(self.kinds),
-            "every": self._full.description,
-            "keyframe_every": keyframe_every,
-            "num_threads": torch.get_num_threads(),
-            "stats_every": self._stats.description,
-            "codec": codec,
-            "layout": self._layout.to_meta(),
-            "user": metadata or {},
-        }
-        if not (self.path / CATALOG_FILE).exists():
-            catalog.create(self.path, meta)
-            return 0 if start_step is None else start_step
-        con = catalog.connect_reader(self.path)
-        try:
-            old = catalog.read_meta(con)
-            last = con.execute("SELECT max(step) FROM steps").fetchone()[0]
-        finally:
-            con.close()
-        if old.get("layout", {}).get("groups") != meta["layout"]["groups"]:
-            raise ConfigError(
-                f"cannot resume {self.path}: the optimizer's parameters differ from the recorded run's; "
-                "record into a new directory"
-            )
-        nxt = 0 if last is None else last + 1
-        if start_step is not None and start_step < nxt:
-            raise ConfigError(f"start_step={start_step} but the run already has steps up to {last}")
-        return nxt if start_step is None else start_step
-
     def _attach(self) -> None:
         opt = self.optimizer
         self._hooks.append(opt.register_step_pre_hook(lambda o, a, k: self._on_pre_step()))
@@ -272,7 +256,7 @@ class Recorder:
         if self._closed:
             raise ConfigError("this Recorder is closed; create a new one to record more")
         for name, value in scalars.items():
-            _check_scalar(name, value)
+            check_scalar(name, value)
             step = self._step
             if self._prev_open and name not in self._pending.get(step - 1, {}):
                 step -= 1
@@ -297,7 +281,7 @@ class Recorder:
         names: list[str] = []
 
         def put(ref: str, t: torch.Tensor) -> None:
-            names.append(_input_name(ref) + suffix)
+            names.append(input_name(ref) + suffix)
             self._modules.add_input(names[-1], t)
 
         # The batch's structure, with tensors as references to its inputs entries,
@@ -306,7 +290,7 @@ class Recorder:
         if not names:
             raise ConfigError("log_batch() found no tensors in what it was given (tuples, lists, dicts of tensors)")
         if not suffix:
-            self._batch = _rename_refs(skeleton)
+            self._batch = rename_refs(skeleton)
 
     def close(self) -> None:
         """Flush everything to disk, detach from the optimizer and release the run."""
@@ -314,13 +298,15 @@ class Recorder:
             return
         self._closed = True
         self._modules.remove()
+        if self._ring is not None:
+            self._ring.release_all()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         if self.scaler is not None and "step" in vars(self.scaler):
             del self.scaler.step
         try:
-            scalars = [r for s in sorted(self._pending) for r in _scalar_rows(s, self._pending[s])]
+            scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
             self._pending.clear()
             if scalars and self._writer.error is None:
                 self._put(StepMessage(step=None, scalars=scalars))
@@ -360,13 +346,16 @@ class Recorder:
         t = self._step
         started = time.perf_counter()
         with torch.profiler.record_function("stepdump.capture"):
-            scalars = _scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
+            scalars = scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
             self._prev_open = False
             self._auto_scalars(t)
+            self._remember(scalars)
             level = self._level(t)
             msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars)
             captured = self._modules.take()
-            if level != LEVEL_NONE:
+            if self._ring is not None and level == LEVEL_STATS:
+                self._ring_step(msg, captured)
+            elif level != LEVEL_NONE:
                 msg.slot = self._pool.acquire(lambda: self._writer.error)
                 full = level == LEVEL_FULL
                 entries = self._entries(full)
@@ -382,6 +371,46 @@ class Recorder:
             self._batch = None
             self._put(msg)
         self._overhead += time.perf_counter() - started
+
+    def _remember(self, scalars: list[tuple[int, str, Any]]) -> None:
+        """Keep recent scalar values for triggers (ring mode only)."""
+        if self._ring is None:
+            return
+        for _, name, v in scalars:
+            hist = self._history.setdefault(name, deque(maxlen=_HISTORY))
+            hist.append(float(v.item() if isinstance(v, torch.Tensor) else v))
+
+    def _ring_step(self, msg: StepMessage, captured: list[tuple[str, str, torch.Tensor]]) -> None:
+        """Stats now; the full copy into the ring, or everything to disk if the trigger fires."""
+        t = msg.step
+        assert self._ring is not None and self._trigger is not None and t is not None  # noqa: S101 - internal
+        if self._after_left > 0:
+            self._after_left -= 1
+            fired = False
+            msg.level = LEVEL_FULL
+        else:
+            latest = {n: h[-1] for n, h in self._history.items() if h}
+            grads = [p.grad for p in self._layout.params.values() if p.grad is not None]
+            fired = bool(self._trigger(TriggerInfo(t, latest, grads, self._history)))
+        msg.slot = self._pool.acquire(lambda: self._writer.error)
+        entries = self._entries(True)
+        msg.state_json = self._state_json(t, entries, True)
+        full_items = self._stager.stage(msg.slot, entries)
+        full_items.extend(Item(kind, name, tensor, True) for kind, name, tensor in captured)
+        if fired or msg.level == LEVEL_FULL:
+            held = self._ring.drain()
+            for h in held:
+                self._put(StepMessage(step=h.step, level=LEVEL_FULL, skipped=h.skipped, items=h.items,
+                                      state_json=h.state_json, slot=h.slot))
+            msg.level, msg.items = LEVEL_FULL, full_items
+            if fired:
+                self._after_left = self._after
+                log.warning("stepdump: trigger fired at step %d; writing it and the %d steps before it", t, len(held))
+            return
+        msg.items = [dataclasses.replace(i, full=False) for i in full_items if i.kind != "state"]
+        msg.hold_slot = True
+        self._ring.push(Held(t, msg.skipped, msg.slot, full_items, msg.state_json))
+        msg.state_json = None
 
     def _on_step_done(self) -> None:
         started = time.perf_counter()
@@ -402,7 +431,7 @@ class Recorder:
 
     def _begin_iteration(self, t: int) -> None:
         """Start of iteration t: keep what a full record t needs from this moment."""
-        full = self._full(t)
+        full = self._full(t) or self._ring is not None
         if not full and not (self._keyframes and self._level(t) != LEVEL_NONE):
             self._begin = None
             return
@@ -443,21 +472,7 @@ class Recorder:
         return tjson.dumps(tjson.encode(state, put))
 
     def _full_state(self) -> dict[str, Any]:
-        groups = []
-        for names, group in zip(self._layout.groups, self.optimizer.param_groups, strict=True):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({"hyper": hyper, "params": names})
-        extra: dict[str, dict[str, Any]] = {}
-        for n, p in self._layout.params.items():
-            for k, v in self.optimizer.state.get(p, {}).items():
-                if not isinstance(v, torch.Tensor):
-                    extra.setdefault(n, {})[k] = v
-        state: dict[str, Any] = {"groups": groups, "optimizer_extra": extra}
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        return state
+        return full_state(self._layout, self.optimizer, self.scheduler, self.scaler)
 
     def _auto_scalars(self, t: int) -> None:
         slot = self._pending.setdefault(t, {})
@@ -485,21 +500,6 @@ class Recorder:
             raise WriterError(f"stepdump could not write {self.path}: {err}") from err
 
 
-def _check_scalar(name: str, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ConfigError(f"log({name}=...) got a tensor of shape {tuple(value.shape)}; log a single number")
-        return
-    if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise ConfigError(f"log({name}=...) got {type(value).__name__}; log numbers (float, int, 1-element tensor)")
-
-
-def _scalar_rows(step: int, values: dict[str, Any]) -> list[tuple[int, str, Any]]:
-    # Values stay as logged (maybe CUDA tensors): the writer thread turns them
-    # into floats, so the training thread never waits on a device sync for them.
-    return [(step, name, v) for name, v in values.items()]
-
-
 def _close_quietly(ref: weakref.ref[Recorder]) -> None:
     rec = ref()
     if rec is not None:
@@ -507,19 +507,3 @@ def _close_quietly(ref: weakref.ref[Recorder]) -> None:
             rec.close()
         except Exception as e:  # noqa: BLE001 - interpreter exit, nowhere to raise to
             log.error("stepdump: closing at exit failed: %s", e)
-
-
-def _input_name(ref: str) -> str:
-    """tjson ref of a tensor inside a batch -> its ``inputs`` name (``batch``, ``batch/0``, ``batch/x``)."""
-    return "batch" if ref == "value" else "batch" + ref
-
-
-def _rename_refs(tree: Any) -> Any:
-    """Point a batch skeleton's ``$tensor`` refs at the ``inputs`` names log_batch used."""
-    if isinstance(tree, list):
-        return [_rename_refs(v) for v in tree]
-    if isinstance(tree, dict):
-        if set(tree) == {"$tensor"}:
-            return {"$tensor": _input_name(tree["$tensor"])}
-        return {k: _rename_refs(v) for k, v in tree.items()}
-    return tree

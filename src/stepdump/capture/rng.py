@@ -17,12 +17,13 @@ def get_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "numpy": {
             "alg": np_state[0],
-            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.uint32).astype(np.int64)),
+            "keys": torch.from_numpy(np.array(np_state[1], dtype=np.uint32)),
             "pos": int(np_state[2]),
             "has_gauss": int(np_state[3]),
             "cached_gaussian": float(np_state[4]),
         },
-        "python": {"version": py_version, "state": torch.tensor(py_internal, dtype=torch.int64), "gauss": py_gauss},
+        # MT19937 words (and the position, <= 624) all fit 32 bits: half the bytes of int64.
+        "python": {"version": py_version, "state": torch.tensor(py_internal, dtype=torch.uint32), "gauss": py_gauss},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = list(torch.cuda.get_rng_state_all())

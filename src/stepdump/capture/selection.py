@@ -37,8 +37,10 @@ class Schedule:
             self._pred, self.description = (lambda s: bool(fn(s))), getattr(fn, "__name__", "callable")
         else:
             try:
+                if isinstance(every, (str, bytes)):  # iterable, but "12" is not steps {1, 2}
+                    raise TypeError
                 steps = frozenset(int(s) for s in every)
-            except TypeError as e:
+            except (TypeError, ValueError) as e:
                 raise ConfigError(
                     f"{what} must be an int, range, iterable of steps or callable; got {type(every).__name__}"
                 ) from e

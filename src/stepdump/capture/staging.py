@@ -45,6 +45,8 @@ class Slot:
     index: int
     buffers: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     event: object | None = None  # torch.cuda.Event when a device copy is pending
+    # Set by the writer when it has processed a message whose slot is held (ring mode).
+    written: threading.Event = field(default_factory=threading.Event)
 
     def buffer_for(self, kind: str, name: str, src: torch.Tensor, pin: bool) -> torch.Tensor:
         key = (kind, name)
@@ -75,6 +77,7 @@ class StagingPool:
 
     def release(self, slot: Slot) -> None:
         slot.event = None
+        slot.written.clear()
         self._free.put(slot)
 
 

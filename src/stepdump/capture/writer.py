@@ -47,6 +47,7 @@ class StepMessage:
     state_json: str | None = None
     scalars: list[tuple[int, str, Any]] = field(default_factory=list)
     slot: Slot | None = None
+    hold_slot: bool = False  # ring mode: the recorder keeps the slot after this message
 
 
 class Writer(threading.Thread):
@@ -101,12 +102,10 @@ class Writer(threading.Thread):
                 log.error("stepdump writer failed at step %s: %s", msg.step, e)
                 self.error = e
                 self._rollback()
-                if msg.slot is not None:
-                    self.pool.release(msg.slot)
+                self._done_with(msg)
                 self._drain()
                 break
-            if msg.slot is not None:
-                self.pool.release(msg.slot)
+            self._done_with(msg)
         self._shutdown()
 
     def _drain(self) -> None:
@@ -115,8 +114,7 @@ class Writer(threading.Thread):
             msg = self.queue.get()
             if msg is None:
                 return
-            if msg.slot is not None:
-                self.pool.release(msg.slot)
+            self._done_with(msg)
 
     def _rollback(self) -> None:
         """Forget the failed step's rows, so that _shutdown's commit makes none of it visible."""
@@ -125,6 +123,14 @@ class Writer(threading.Thread):
                 self._catalog.rollback()
         except BaseException as e:  # noqa: BLE001 - the first error is the one to report
             log.debug("stepdump: rollback after a writer error failed: %s", e)
+
+    def _done_with(self, msg: StepMessage) -> None:
+        if msg.slot is None:
+            return
+        if msg.hold_slot:
+            msg.slot.written.set()
+        else:
+            self.pool.release(msg.slot)
 
     def _shutdown(self) -> None:
         try:

@@ -92,6 +92,7 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         state["fired"] = True
         live = _live_tensors(layout, opt)
         if verify:
+            _verify_lr(run, t, opt)
             _verify(run, t, live)
         if t == step:
             result.tensors = {key: v.detach().clone() for key, v in live.items()}
@@ -145,6 +146,21 @@ def _live_tensors(layout: Any, opt: torch.optim.Optimizer) -> dict[Key, torch.Te
             if isinstance(v, torch.Tensor):
                 out[("optimizer", f"{name}.{key}")] = v
     return out
+
+
+def _verify_lr(run: Run, t: int, opt: torch.optim.Optimizer) -> None:
+    """Hyperparameters are not tensors, so no fingerprint sees them: compare lr with the logged lr scalars."""
+    rows = dict(run._con.execute("SELECT name, value FROM scalars WHERE step = ? AND name GLOB 'lr*'", (t,)).fetchall())
+    for i, group in enumerate(opt.param_groups):
+        name = "lr" if i == 0 else f"lr/{i}"
+        if name in rows and rows[name] is not None and float(group["lr"]) != rows[name]:
+            err = ReplayDiverged(
+                f"replay diverged at step {t}: param group {i} has lr {float(group['lr'])!r}, the recording had "
+                f"{rows[name]!r}. The replayed train_step must set the learning rate as the recorded loop did "
+                "(pass the scheduler to replay and step it inside train_step)."
+            )
+            err.step, err.kind, err.name = t, "scalar", name
+            raise err
 
 
 def _verify(run: Run, t: int, live: dict[Key, torch.Tensor]) -> None:

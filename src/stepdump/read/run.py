@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import operator
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -12,7 +13,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from stepdump.errors import StepNotFoundError, TensorNotFoundError, close_names, nearest_steps
+from stepdump.errors import ConfigError, StepNotFoundError, TensorNotFoundError, close_names, nearest_steps
 from stepdump.read.blobs import BlobReader
 from stepdump.store import catalog, tjson
 from stepdump.store.catalog import STAT_COLUMNS
@@ -90,6 +91,7 @@ class Run:
     # -- tensors ---------------------------------------------------------------
     def tensor(self, name: str, step: int, kind: str = "params") -> torch.Tensor:
         """The tensor ``name`` of ``kind`` at ``step``, bit-exact as recorded."""
+        step = _as_step(step)
         sid = self._series_id(kind, name)
         row = self._con.execute(
             "SELECT blob, dtype, shape FROM tensors WHERE series = ? AND step = ?", (sid, step)
@@ -103,6 +105,7 @@ class Run:
 
     def tensors(self, step: int, kind: str = "params") -> dict[str, torch.Tensor]:
         """Every stored tensor of ``kind`` at ``step``, by name."""
+        step = _as_step(step)
         self._check_kind(kind)
         self._require_full(step)
         rows = self._con.execute(
@@ -114,6 +117,7 @@ class Run:
 
     def fingerprints(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], int]:
         """(kind, name) -> fingerprint of every tensor with stats at ``step``."""
+        step = _as_step(step)
         rows = self._con.execute(
             "SELECT s.kind, s.name, t.fingerprint FROM tensors t JOIN series s ON s.id = t.series "
             "WHERE t.step = ? AND s.kind != 'state'",
@@ -126,6 +130,7 @@ class Run:
     def step_state(self, step: int) -> dict[str, Any]:
         """The decoded non-tensor state of a step: groups, scheduler, scaler, rng at full
         steps; rng and the batch skeleton at every step in keyframe mode."""
+        step = _as_step(step)
         row = self._con.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
         if row is None or row[0] is None:
             self._require_full(step)  # raises with the nearest steps
@@ -134,12 +139,14 @@ class Run:
 
     def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
         """``model.state_dict()`` as it was at the start of iteration ``step``."""
+        step = _as_step(step)
         from stepdump.read.state import model_state_dict
 
         return model_state_dict(self, step)
 
     def optimizer_state_dict(self, step: int) -> dict[str, Any]:
         """``optimizer.state_dict()`` as it was before update ``step``."""
+        step = _as_step(step)
         from stepdump.read.state import optimizer_state_dict
 
         return optimizer_state_dict(self, step)
@@ -173,6 +180,7 @@ class Run:
         (names, shapes, param groups) a RestoreMismatchError names the first
         difference and the objects are left untouched.
         """
+        step = _as_step(step)
         from stepdump.read.restore import restore
 
         restore(self, step, model, optimizer, scheduler, scaler, rng=rng)
@@ -264,6 +272,7 @@ class Run:
         return int(row[0])
 
     def _require_full(self, step: int) -> None:
+        step = _as_step(step)
         row = self._con.execute("SELECT level FROM steps WHERE step = ?", (step,)).fetchone()
         if row is None or row[0] < LEVEL_FULL:
             what = "was not recorded" if row is None else "has only stats and fingerprints (not stored in full)"
@@ -284,11 +293,22 @@ class Run:
         )
 
 
+def _as_step(step: Any) -> int:
+    """Steps often come out of a DataFrame as numpy.int64, which SQLite would bind as a
+    blob that equals no step; take anything that is an integer, refuse the rest."""
+    if isinstance(step, bool):
+        raise ConfigError(f"a step is an integer, got {step!r}")
+    try:
+        return operator.index(step)
+    except TypeError:
+        raise ConfigError(f"a step is an integer, got {type(step).__name__} {step!r}") from None
+
+
 def _step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
     if steps is None:
         return "1", []
-    if isinstance(steps, int):
-        return f"{col} = ?", [steps]
+    if not isinstance(steps, (slice, range)) and hasattr(steps, "__index__"):
+        return f"{col} = ?", [_as_step(steps)]
     if isinstance(steps, slice):
         steps = range(
             steps.start if steps.start is not None else 0,

@@ -1,0 +1,68 @@
+"""Setting up a run directory for a Recorder: checks, catalog creation, resuming."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import stepdump
+from stepdump.errors import ConfigError, RunExistsError, RunLockedError
+from stepdump.store import catalog
+from stepdump.store.format import CATALOG_FILE
+from stepdump.store.lock import is_locked
+
+
+def prepare_dir(p: Path, resume: bool) -> Path:
+    """Check that ``p`` may be recorded into (new, empty, or a run with resume) and create it."""
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{p} exists and is a file; give a directory for the run")
+    if (p / CATALOG_FILE).exists():
+        if not resume and is_locked(p):  # resume=True would not help: say what would
+            raise RunLockedError(
+                f"{p} is being written by another Recorder right now. Record into a different "
+                "directory, or close that Recorder and pass resume=True to append to the run."
+            )
+        if not resume:
+            raise RunExistsError(
+                f"{p} already holds a stepdump run. Record into a new directory, "
+                "or pass resume=True to append steps to it."
+            )
+    elif p.exists() and any(p.iterdir()):
+        raise RunExistsError(f"{p} exists and is not empty (and not a run); give a new or empty directory")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int | None) -> int:
+    """Create the catalog (or check it for resuming); return the number of the first step."""
+    meta = {
+        "stepdump_version": stepdump.__version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "host": platform.node(),
+        "created": time.time(),
+        "num_threads": torch.get_num_threads(),
+        **meta,
+    }
+    if not (path / CATALOG_FILE).exists():
+        catalog.create(path, meta)
+        return 0 if start_step is None else start_step
+    con = catalog.connect_reader(path)
+    try:
+        old = catalog.read_meta(con)
+        last = con.execute("SELECT max(step) FROM steps").fetchone()[0]
+    finally:
+        con.close()
+    if old.get("layout", {}).get("groups") != meta["layout"]["groups"]:
+        raise ConfigError(
+            f"cannot resume {path}: the optimizer's parameters differ from the recorded run's; "
+            "record into a new directory"
+        )
+    nxt = 0 if last is None else last + 1
+    if start_step is not None and start_step < nxt:
+        raise ConfigError(f"start_step={start_step} but the run already has steps up to {last}")
+    return nxt if start_step is None else start_step
