@@ -431,7 +431,9 @@ class Recorder:
 
     def _begin_iteration(self, t: int) -> None:
         """Start of iteration t: keep what a full record t needs from this moment."""
-        full = self._full(t) or self._ring is not None
+        # A callable schedule may say yes only later in the iteration (a trigger set
+        # by the loop), so with one the start-of-iteration state is always taken.
+        full = self._full(t) or self._ring is not None or self._full.dynamic
         if not full and not (self._keyframes and self._level(t) != LEVEL_NONE):
             self._begin = None
             return

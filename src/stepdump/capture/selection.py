@@ -20,6 +20,7 @@ class Schedule:
     def __init__(self, every: Every, what: str = "every") -> None:
         self.description: str
         self._pred: Callable[[int], bool]
+        self.dynamic = callable(every) and not isinstance(every, (int, range))  # may change its mind
         if every is None:
             self._pred, self.description = (lambda s: False), "never"
         elif isinstance(every, bool):
