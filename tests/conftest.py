@@ -14,10 +14,6 @@ import torch
 # Let test files import tests/helpers.py whatever the import mode.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Tiny models on a 2-core machine that also runs the writer thread: one intra-op
-# thread is both faster and keeps numerics independent of the core count.
-torch.set_num_threads(1)
-
 
 @pytest.fixture(autouse=True)
 def _seed_and_no_leaked_writers(request):
@@ -25,8 +21,15 @@ def _seed_and_no_leaked_writers(request):
     if not request.node.path.name.startswith("test_core_"):
         yield
         return
+    # Tiny models on a 2-core machine that also runs the writer thread: one intra-op
+    # thread is faster, and keeps numerics independent of the core count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
-    yield
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
     deadline = time.monotonic() + 5
     while True:
         alive = [t for t in threading.enumerate() if t.name == "stepdump-writer" and t.is_alive()]

@@ -30,30 +30,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """dtype, shape and every bit equal."""
-    return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and a.dtype == b.dtype
-        and tuple(a.shape) == tuple(b.shape)
-        and torch.equal(bits(a), bits(b))
-    )
-
-
 def assert_same(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert isinstance(a, torch.Tensor), f"{what}: got {type(a).__name__}, not a tensor"
     assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
     assert tuple(a.shape) == tuple(b.shape), f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
     assert torch.equal(bits(a), bits(b)), f"{what}: values differ"
-
-
-def assert_same_dicts(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str = "") -> None:
-    assert list(got) == list(want) or sorted(got) == sorted(want), (
-        f"{what}: names differ: got {sorted(got)}, want {sorted(want)}"
-    )
-    for k in want:
-        assert_same(got[k], want[k], f"{what} {k}")
 
 
 def assert_same_tree(a: Any, b: Any, what: str = "") -> None:
@@ -167,17 +148,3 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.drop(self.act(self.fc1(x))))
-
-
-def seeded(seed: int, factory, *args, **kwargs):
-    torch.manual_seed(seed)
-    return factory(*args, **kwargs)
-
-
-def mse_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, **batch_kw) -> torch.Tensor:
-    """Forward + backward on the step's batch (no optimizer.step)."""
-    x, y = regression_batch(step, **batch_kw)
-    loss = nn.functional.mse_loss(model(x), y)
-    optimizer.zero_grad()
-    loss.backward()
-    return loss

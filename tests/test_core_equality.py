@@ -353,3 +353,58 @@ def test_run_is_readable_while_being_written(tmp_path):
     assert not run.live
     assert run.steps == list(range(8))
     run.close()
+
+
+def test_slow_writer_backpressure_loses_and_mixes_nothing(tmp_path, monkeypatch):
+    """With one staging slot and a slow disk, training waits; no step is lost or overwritten."""
+    from stepdump.store.storage import LocalStorage
+
+    original = LocalStorage.append
+
+    def slow_append(self, key, data):
+        time.sleep(0.005)
+        return original(self, key, data)
+
+    monkeypatch.setattr(LocalStorage, "append", slow_append)
+    model = MLP(8, 16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    snaps = []
+    with stepdump.Recorder(tmp_path / "run", model, opt, queue_depth=1) as rec:
+        for t in range(12):
+            x, y = regression_batch(t, d_in=8, d_out=4)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            snaps.append(snapshot(model, opt))
+            opt.step()
+            rec.log(loss=loss)
+    with stepdump.open(tmp_path / "run") as run:
+        assert run.steps == list(range(12))
+        for t in range(12):
+            assert_run_matches(run, t, snaps[t])
+
+
+def test_small_segments_fsync_and_start_step(tmp_path):
+    """Segment rollover, durability='fsync' and a custom first step number."""
+    model = MLP(8, 16, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    snaps = {}
+    with stepdump.Recorder(tmp_path / "run", model, opt, durability="fsync", segment_bytes=2048,
+                           start_step=100) as rec:
+        assert rec.step == 100
+        for t in range(100, 108):
+            x, y = regression_batch(t, d_in=8, d_out=4)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            snaps[t] = snapshot(model, opt)
+            opt.step()
+            rec.log(loss=loss)
+    assert len(list((tmp_path / "run" / "segments").glob("*.seg"))) > 1
+    with stepdump.open(tmp_path / "run") as run:
+        assert run.steps == list(range(100, 108))
+        for t, snap in snaps.items():
+            assert_run_matches(run, t, snap)
+        assert list(run.scalars().index) == list(range(100, 108))
+    with pytest.raises(stepdump.ConfigError, match="start_step=50"):
+        stepdump.Recorder(tmp_path / "run", model, opt, resume=True, start_step=50)

@@ -149,3 +149,41 @@ def test_rng_state_is_the_one_at_start_of_iteration(tmp_path):
             assert random.random() == draws[t][2]
         state = run.rng_state(2)
         assert set(state) >= {"torch", "numpy", "python"}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
+        lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+        lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+        lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+        lambda ps: torch.optim.ASGD(ps, lr=1e-2),
+        lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    ],
+    ids=["sgd-nesterov", "adam-amsgrad", "adagrad", "rmsprop", "nadam", "radam", "adamax", "asgd", "rprop"],
+)
+def test_optimizer_state_round_trips_for_many_optimizers(tmp_path, make):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 4)
+    opt = make(model.parameters())
+    before = []
+    with stepdump.Recorder(tmp_path / "run", model, opt):
+        for t in range(4):
+            x, y = regression_batch(t, d_in=8, d_out=4)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            before.append(optimizer_state_clone(opt))
+            opt.step()
+    with stepdump.open(tmp_path / "run") as run:
+        for t in (1, 3):
+            torch.manual_seed(50 + t)
+            model2 = MLP(8, 16, 4)
+            opt2 = make(model2.parameters())
+            run.restore(t, model2, opt2)
+            got = optimizer_state_clone(opt2)
+            assert_same_tree(got["state"], before[t]["state"], f"{type(opt).__name__} state at {t}")
+            assert got["param_groups"] == before[t]["param_groups"]

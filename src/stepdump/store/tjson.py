@@ -28,33 +28,53 @@ _TAGS = ("$tuple", "$dict", "$tensor", "$repr", "$float")
 
 
 def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str = "") -> Any:
-    """Turn ``obj`` into a JSON-able tree, handing tensors to ``put_tensor(ref, t)``."""
+    """Turn ``obj`` into a JSON-able tree, handing tensors to ``put_tensor(ref, t)``.
+
+    Refs are the tensors' paths in ``obj``; where two paths read the same (a key
+    ``"a/b"`` next to a key ``"a"`` holding ``"b"``, or keys ``0`` and ``"0"``)
+    the later one gets a ``#n`` suffix, so every tensor has a ref of its own.
+    """
+    used: set[str] = set()
+
+    def put_unique(ref: str, t: torch.Tensor) -> str:
+        unique, n = ref, 1
+        while unique in used:
+            n += 1
+            unique = f"{ref}#{n}"
+        used.add(unique)
+        put_tensor(unique, t)
+        return unique
+
+    return _encode(obj, put_unique, path)
+
+
+def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str) -> Any:
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
         return int(obj)
     if isinstance(obj, float):
-        # JSON has no inf/nan; keep the spec strict and tag them.
+        # JSON has no inf/nan; keep the spec strict and tag them. float(): np.float64
+        # is a float whose repr is "np.float64(inf)".
+        obj = float(obj)
         return obj if math.isfinite(obj) else {"$float": repr(obj)}
     if isinstance(obj, (np.integer,)):
         return int(obj)
     if isinstance(obj, (np.floating,)):
-        return encode(float(obj), put_tensor, path)
+        return _encode(float(obj), put_tensor, path)
     if isinstance(obj, np.ndarray):
         obj = torch.from_numpy(np.ascontiguousarray(obj))
     if isinstance(obj, torch.Tensor):
-        ref = path or "value"
-        put_tensor(ref, obj)
-        return {"$tensor": ref}
+        return {"$tensor": put_tensor(path or "value", obj)}
     if isinstance(obj, (list, tuple)):
-        items = [encode(v, put_tensor, f"{path}/{i}") for i, v in enumerate(obj)]
+        items = [_encode(v, put_tensor, f"{path}/{i}") for i, v in enumerate(obj)]
         return {"$tuple": items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
         if all(isinstance(k, str) and k not in _TAGS for k in obj):
-            return {k: encode(v, put_tensor, f"{path}/{k}") for k, v in obj.items()}
+            return {k: _encode(v, put_tensor, f"{path}/{k}") for k, v in obj.items()}
         return {
             "$dict": [
-                [encode(k, put_tensor, f"{path}/key{i}"), encode(v, put_tensor, f"{path}/{k}")]
+                [_encode(k, put_tensor, f"{path}/key{i}"), _encode(v, put_tensor, f"{path}/{k}")]
                 for i, (k, v) in enumerate(obj.items())
             ]
         }

@@ -1,0 +1,110 @@
+"""Typed JSON (store.tjson): non-tensor state survives the store unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same_tree
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stepdump.store import tjson
+
+
+def _round_trip(obj):
+    """encode -> strict JSON text -> decode, with tensors kept aside by ref like the store does."""
+    blobs: dict[str, torch.Tensor] = {}
+
+    def put(ref, t):
+        assert ref not in blobs, f"two tensors share the ref {ref!r}"
+        blobs[ref] = t.clone()
+
+    text = tjson.dumps(tjson.encode(obj, put))
+    json.loads(text)  # strict JSON: no NaN/Infinity literals
+    assert "NaN" not in text and "Infinity" not in text
+    return tjson.decode(tjson.loads(text), lambda ref: blobs[ref]), blobs
+
+
+def test_round_trip_of_typical_state():
+    state = {
+        "betas": (0.9, 0.999),
+        "nested": ((1, 2), [3, (4.5, "x")]),
+        "by_index": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}, 1: {"momentum_buffer": None}},
+        "mixed_keys": {1: "a", "1": "b", 2.5: "c", None: "d", True: "e", (1, 2): "f"},
+        "floats": [math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-300, 1.7976931348623157e308],
+        "flags": [True, False, None],
+        "lr": 0.1 * 3,
+        "tensors": [torch.arange(5), torch.randn(3).to(torch.bfloat16), torch.tensor(True), torch.empty(0, 2)],
+        "uint8 rng": torch.get_rng_state(),
+        "tag-like keys": {"$tuple": 1, "$tensor": "x"},
+        "single": {"$float": "inf"},
+        "str": "ünïcode / slashes",
+    }
+    back, blobs = _round_trip(state)
+    assert_same_tree(back, state)
+    assert type(back["betas"]) is tuple
+    assert isinstance(back["by_index"], dict) and set(back["by_index"]) == {0, 1}
+    assert math.copysign(1.0, back["floats"][4]) == -1.0  # -0.0 kept
+    assert len(blobs) == 7
+
+
+def test_numpy_values_become_plain_values():
+    obj = {"i": np.int64(7), "f": np.float32(0.5), "inf": np.float64(np.inf), "arr": np.arange(4, dtype=np.int32)}
+    back, _ = _round_trip(obj)
+    assert back["i"] == 7 and type(back["i"]) is int
+    assert back["f"] == 0.5 and type(back["f"]) is float
+    assert back["inf"] == math.inf
+    assert torch.equal(back["arr"], torch.arange(4, dtype=torch.int32))
+
+
+def test_unstorable_objects_are_dropped_not_executed(caplog):
+    class Thing:
+        pass
+
+    back, _ = _round_trip({"fn": Thing(), "ok": 1})
+    assert back == {"fn": None, "ok": 1}
+    assert "Thing" in caplog.text
+
+
+def test_tensor_refs_are_unique_even_when_paths_collide():
+    """Keys containing '/' or both 0 and '0' must not make two tensors share one stored blob."""
+    a, b, c, d = torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0]), torch.tensor([4.0])
+    obj = {"a/b": a, "a": {"b": b}, "m": {0: c, "0": d}}
+    back, blobs = _round_trip(obj)
+    assert len(blobs) == 4
+    assert_same_tree(back, obj)
+
+
+def test_decoding_never_builds_other_objects():
+    tree = {"$repr": "os.system('rm -rf /')"}
+    assert tjson.decode(tree, lambda ref: pytest.fail("no tensor here")) is None
+    assert tjson.decode({"a": {"$tuple": [1, {"$float": "nan"}]}}, lambda r: None)["a"][0] == 1
+
+
+_keys = st.one_of(st.text(max_size=6), st.integers(-5, 5))
+_leaves = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**62), 2**62), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.builds(lambda n, s: torch.randn(n, generator=torch.Generator().manual_seed(s)),
+              st.integers(0, 4), st.integers(0, 1000)),
+)
+_trees = st.recursive(
+    _leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(_keys, children, max_size=4),
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_trees)
+def test_round_trip_property(obj):
+    back, _ = _round_trip(obj)
+    assert_same_tree(back, obj)
