@@ -90,24 +90,30 @@ def trailing_median(values: pd.Series, window: int, min_history: int) -> pd.Seri
     return values.shift(1).rolling(window, min_periods=min_history).median()
 
 
-def robust_z(values: pd.Series, window: int, min_history: int, rel_floor: float) -> pd.DataFrame:
+def robust_z(values: pd.Series, window: int, min_history: int, rel_floor: float, *, log: bool) -> pd.DataFrame:
     """Robust z-score of each value against the ``window`` values before it.
 
-    ``z = (x - median) / scale`` with ``scale = max(1.4826 * MAD, rel_floor * |median|)``:
-    the floor keeps a flat stretch (MAD near 0) from turning noise into huge z.
-    Returns columns ``median``, ``scale``, ``z`` (NaN until ``min_history`` values exist).
+    ``z = (x - median) / scale`` with ``scale = max(1.4826 * MAD, floor)``. On
+    a log scale (``log=True``, values must be > 0) x, median and MAD are of
+    ``log(values)`` and ``floor = rel_floor``; otherwise ``floor = rel_floor *
+    |median|``. Either way the floor is a relative change, and keeps a flat
+    stretch (MAD near 0) from turning rounding noise into huge z. Returns
+    columns ``median`` (in the values' own units), ``scale``, ``z`` (NaN until
+    ``min_history`` values exist).
     """
-    prev = values.shift(1).rolling(window, min_periods=min_history)
+    x = np.log(values) if log else values
+    prev = x.shift(1).rolling(window, min_periods=min_history)
     med = prev.median()
 
     def mad(a: np.ndarray) -> float:
         a = a[~np.isnan(a)]
         return float(np.median(np.abs(a - np.median(a))))
 
-    scale = np.maximum(MAD_TO_STD * prev.apply(mad, raw=True), rel_floor * med.abs())
+    floor = rel_floor if log else rel_floor * med.abs()
+    scale = np.maximum(MAD_TO_STD * prev.apply(mad, raw=True), floor)
     scale = scale.where(scale > 0)
-    z = (values - med) / scale
-    return pd.DataFrame({"median": med, "scale": scale, "z": z})
+    z = (x - med) / scale
+    return pd.DataFrame({"median": np.exp(med) if log else med, "scale": scale, "z": z})
 
 
 def episodes(flagged: Iterable[int], order: Sequence[int]) -> list[list[int]]:

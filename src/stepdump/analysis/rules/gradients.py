@@ -28,6 +28,7 @@ from stepdump.analysis.rules.base import (
     check_positive,
     register_rule,
 )
+from stepdump.store.format import TENSOR_KINDS
 
 
 def _grads(run: Any) -> pd.DataFrame:
@@ -188,8 +189,7 @@ class DeadUnits(Rule):
     def __post_init__(self) -> None:
         check_fraction(self.name, "max_zero_frac", self.max_zero_frac, open_low=False)
         check_int(self.name, "patience", self.patience, 1)
-        check_kinds(self.name, "kinds", self.kinds, ("params", "grads", "optimizer", "activations",
-                                                     "activation_grads", "inputs"))
+        check_kinds(self.name, "kinds", self.kinds, TENSOR_KINDS)
         check_globs(self.name, "exclude", self.exclude)
 
     def __call__(self, run: Any) -> list[Finding]:

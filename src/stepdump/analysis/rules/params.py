@@ -158,25 +158,33 @@ class WeightNormGrowth(Rule):
 @register_rule
 @dataclass(frozen=True, kw_only=True)
 class UpdateRatio(Rule):
-    """Relative size of each update, ``||p[t+1] - p[t]|| / ||p[t]||``, out of ``[lo, hi]``.
+    """Relative size of each update, ``||p[t+1] - p[t]|| / ||p[t]||``, per weight.
 
     Measured from the stored values of consecutive full steps (t not skipped),
     read lazily. To stay fast on long runs at most ``max_pairs`` pairs are read:
     the half whose norm change ``| ||p[t+1]|| - ||p[t]|| | / ||p[t]||`` (a lower
     bound of the ratio, known from the stats alone) is largest, the rest spread
     evenly over the run. Every stats step is also screened with that lower
-    bound, so an update too large is caught even at steps not stored in full.
+    bound, so a huge update is caught even at steps not stored in full.
 
-    Per parameter: a WARNING at the first step whose ratio is above ``hi`` (the
-    update rewrites a large part of the weight: learning rate too high), and a
-    WARNING when the median nonzero ratio is below ``lo`` (updates lost to float
-    rounding or a learning rate far too low). Ratios of exactly 0 (no change) are
-    ``unchanged_tensor``'s business. Only tensors with at least ``min_dims``
-    dimensions are examined (weights; biases start near zero).
+    Per parameter, three WARNINGs:
+
+    * one update above ``step_hi`` (default 1: the update is larger than the
+      weight itself), at the first such step: a learning-rate blow-up;
+    * the median ratio over the measured steps above ``hi``: the learning rate
+      is too high for this tensor all along (single early steps of a small
+      layer may pass ``hi``, hence the median);
+    * the median nonzero ratio below ``lo``: updates lost to float32 rounding
+      (its resolution is ~6e-8) or a learning rate far too low.
+
+    Ratios of exactly 0 (no change) are ``unchanged_tensor``'s business. Only
+    tensors with at least ``min_dims`` dimensions are examined (weights; biases
+    often start at zero, so their ratio means little).
 
     Attributes:
         lo: Smallest healthy median update ratio.
-        hi: Largest healthy update ratio at any step.
+        hi: Largest healthy median update ratio.
+        step_hi: Largest healthy ratio of a single update.
         min_dims: Fewest dimensions a parameter needs to be examined.
         max_pairs: Most pairs of consecutive full steps read.
         names: Globs of parameter names examined.
@@ -185,6 +193,7 @@ class UpdateRatio(Rule):
     name: ClassVar[str] = "update_ratio"
     lo: float = 1e-7
     hi: float = 0.1
+    step_hi: float = 1.0
     min_dims: int = 2
     max_pairs: int = 32
     names: tuple[str, ...] = ("*",)
@@ -192,8 +201,11 @@ class UpdateRatio(Rule):
     def __post_init__(self) -> None:
         check_positive(self.name, "lo", self.lo)
         check_positive(self.name, "hi", self.hi)
-        if self.lo >= self.hi:
-            raise ConfigError(f"{self.name}: lo ({self.lo}) must be below hi ({self.hi})")
+        check_positive(self.name, "step_hi", self.step_hi)
+        if not self.lo < self.hi <= self.step_hi:
+            raise ConfigError(
+                f"{self.name}: need lo < hi <= step_hi, got lo={self.lo}, hi={self.hi}, step_hi={self.step_hi}"
+            )
         check_int(self.name, "min_dims", self.min_dims, 0)
         check_int(self.name, "max_pairs", self.max_pairs, 0)
         check_globs(self.name, "names", self.names)
@@ -210,42 +222,23 @@ class UpdateRatio(Rule):
             return []
         skipped = skipped_steps(run)
         bound = _norm_change(params[params["name"].isin(names)], skipped)
-        measured = self._measure(run, names, skipped, bound)
+        full = set(run.steps)
+        pairs = [t for t in sorted(full) if t + 1 in full and t not in skipped]
+        pairs, spread = _choose_pairs(pairs, bound, self.max_pairs)
+        measured = _measure(run, names, pairs)
         out = []
         for name in names:
-            out.extend(self._judge(name, measured.get(name, {}), bound.get(name, pd.Series(dtype=float))))
+            ratios = measured.get(name, {})
+            typical = {t: r for t, r in ratios.items() if t in spread}
+            out.extend(self._judge(name, ratios, typical, bound.get(name, pd.Series(dtype=float))))
         return out
 
-    def _measure(self, run: Any, names: list[str], skipped: set[int],
-                 bound: dict[str, pd.Series]) -> dict[str, dict[int, float]]:
-        full = run.steps
-        fullset = set(full)
-        pairs = [t for t in full if t + 1 in fullset and t not in skipped]
-        pairs = _choose_pairs(pairs, bound, self.max_pairs)
-        out: dict[str, dict[int, float]] = {n: {} for n in names}
-        cache: dict[tuple[str, int], torch.Tensor] = {}
-        for t in pairs:
-            for name in names:
-                try:
-                    a = cache.pop((name, t), None)
-                    a = run.tensor(name, t, "params") if a is None else a
-                    b = run.tensor(name, t + 1, "params")
-                except KeyError:  # not stored at one of the two steps
-                    continue
-                cache[(name, t + 1)] = b
-                a64, b64 = a.detach().double(), b.detach().double()
-                den = float(torch.linalg.vector_norm(a64))
-                if den > 0 and math.isfinite(den):
-                    r = float(torch.linalg.vector_norm(b64 - a64)) / den
-                    if math.isfinite(r):
-                        out[name][t] = r
-            cache = {k: v for k, v in cache.items() if k[1] == t + 1}
-        return out
-
-    def _judge(self, name: str, ratios: dict[int, float], bound: pd.Series) -> list[Finding]:
+    def _judge(self, name: str, ratios: dict[int, float], typical: dict[int, float],
+               bound: pd.Series) -> list[Finding]:
+        """Findings for one tensor: ``ratios`` all measured, ``typical`` the evenly spread ones."""
         out = []
-        big = {t: r for t, r in ratios.items() if r > self.hi}
-        big_bound = {int(t): float(r) for t, r in bound.items() if r > self.hi and int(t) not in ratios}
+        big = {t: r for t, r in ratios.items() if r > self.step_hi}
+        big_bound = {int(t): float(r) for t, r in bound.items() if r > self.step_hi and int(t) not in ratios}
         if big or big_bound:
             s = min([*big, *big_bound])
             measured = s in big
@@ -253,23 +246,33 @@ class UpdateRatio(Rule):
             n = len(big) + len(big_bound)
             out.append(self.finding(
                 Severity.WARNING, s,
-                f"param {name!r}: update {s} changed it by {'' if measured else 'at least '}{fmt(r)} of its norm "
-                f"(above hi={fmt(self.hi)}; {n} step(s) above in all). The learning rate is too high for this "
-                "tensor at that step",
-                kind="params", tensor=name, value=r, threshold=self.hi,
+                f"param {name!r}: update {s} changed it by {'' if measured else 'at least '}{fmt(r)} times its norm "
+                f"(above step_hi={fmt(self.step_hi)}; {n} such step(s) in all): the step blew the weight away; "
+                "look at the learning rate and gradient norm of that step",
+                kind="params", tensor=name, value=r, threshold=self.step_hi,
             ))
-        nonzero = {t: r for t, r in ratios.items() if r > 0}
-        if nonzero:
-            med = float(pd.Series(nonzero).median())
-            if med < self.lo:
-                s = min(t for t, r in nonzero.items() if r < self.lo)
-                out.append(self.finding(
-                    Severity.WARNING, s,
-                    f"param {name!r}: median update ratio {fmt(med)} over {len(nonzero)} measured steps is below "
-                    f"lo={fmt(self.lo)} (first at step {s}); updates this small are lost to rounding: the learning "
-                    "rate or the gradients are far too small",
-                    kind="params", tensor=name, value=med, threshold=self.lo,
-                ))
+        nonzero = {t: r for t, r in typical.items() if r > 0}
+        if not nonzero:
+            return out
+        med = float(pd.Series(nonzero).median())
+        if med > self.hi:
+            s = min(t for t, r in nonzero.items() if r > self.hi)
+            out.append(self.finding(
+                Severity.WARNING, s,
+                f"param {name!r}: median update ratio {fmt(med)} over {len(nonzero)} measured steps is above "
+                f"hi={fmt(self.hi)} (first above at step {s}); each update rewrites a large part of the weight: "
+                "the learning rate is too high for this tensor",
+                kind="params", tensor=name, value=med, threshold=self.hi,
+            ))
+        elif med < self.lo:
+            s = min(t for t, r in nonzero.items() if r < self.lo)
+            out.append(self.finding(
+                Severity.WARNING, s,
+                f"param {name!r}: median update ratio {fmt(med)} over {len(nonzero)} measured steps is below "
+                f"lo={fmt(self.lo)} (first below at step {s}); updates this small are lost to rounding: the learning "
+                "rate or the gradients are far too small",
+                kind="params", tensor=name, value=med, threshold=self.lo,
+            ))
         return out
 
 
@@ -285,18 +288,44 @@ def _norm_change(params: pd.DataFrame, skipped: set[int]) -> dict[str, pd.Series
     return out
 
 
-def _choose_pairs(pairs: list[int], bound: dict[str, pd.Series], budget: int) -> list[int]:
-    """At most ``budget`` pairs: half with the largest norm change, the rest evenly spaced."""
+def _measure(run: Any, names: list[str], pairs: list[int]) -> dict[str, dict[int, float]]:
+    """name -> {t: ||p[t+1] - p[t]|| / ||p[t]||} for the pairs (t, t+1), reading each tensor once."""
+    out: dict[str, dict[int, float]] = {n: {} for n in names}
+    prev: dict[str, torch.Tensor] = {}  # values at step t, kept from the previous pair when it was t-1
+    last = None
+    for t in pairs:
+        if last != t - 1:
+            prev = {}
+        nxt: dict[str, torch.Tensor] = {}
+        for name in names:
+            try:
+                a = prev[name] if name in prev else run.tensor(name, t, "params").detach().double()
+                b = run.tensor(name, t + 1, "params").detach().double()
+            except KeyError:  # not stored at one of the two steps
+                continue
+            nxt[name] = b
+            den = float(torch.linalg.vector_norm(a))
+            if den > 0 and math.isfinite(den):
+                r = float(torch.linalg.vector_norm(b - a)) / den
+                if math.isfinite(r):
+                    out[name][t] = r
+        prev, last = nxt, t
+    return out
+
+
+def _choose_pairs(pairs: list[int], bound: dict[str, pd.Series], budget: int) -> tuple[list[int], set[int]]:
+    """At most ``budget`` pairs: half with the largest norm change, the rest evenly spaced.
+
+    Returns the chosen pairs and the evenly spread ones (a fair sample for medians).
+    """
     if len(pairs) <= budget:
-        return pairs
+        return pairs, set(pairs)
     if budget == 0:
-        return []
+        return [], set()
     score = pd.concat(list(bound.values()), axis=1).max(axis=1) if bound else pd.Series(dtype=float)
     score = score.reindex(pairs).fillna(0.0)
     chosen = set(score.sort_values(ascending=False, kind="stable").index[: budget // 2].astype(int))
     rest = [t for t in pairs if t not in chosen]
     k = budget - len(chosen)
-    if k > 0 and rest:
-        stride = len(rest) / k
-        chosen.update(rest[min(len(rest) - 1, int(i * stride))] for i in range(k))
-    return sorted(chosen)
+    spread = {rest[min(len(rest) - 1, int(i * len(rest) / k))] for i in range(k)} if k > 0 and rest else set()
+    return sorted(chosen | spread), spread

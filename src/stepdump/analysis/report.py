@@ -1,0 +1,281 @@
+"""The data behind ``stepdump report``: a pure function from a Run to JSON-able dicts.
+
+:func:`build_report_data` reads the run (stats, scalars, and for exact update
+ratios a bounded number of full steps) and returns plain lists and numbers that
+``stepdump.render.html`` draws. Long series are downsampled *for drawing only*
+(see :mod:`stepdump.analysis.downsample`): lines keep each bucket's minimum and
+maximum point, heatmaps and counts keep each bucket's maximum, so spikes
+survive. The run is only read, never changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+
+from stepdump.analysis.downsample import bucket_max, minmax_downsample
+from stepdump.analysis.findings import Finding
+from stepdump.analysis.series import (
+    StatMatrix,
+    combined_norm,
+    nonfinite_counts,
+    scalar_series,
+    stat_matrix,
+    total_numel,
+)
+from stepdump.errors import ConfigError
+from stepdump.read.run import Run
+
+log = logging.getLogger(__name__)
+
+#: Optimizer state keys whose norms the report plots (Adam(W), SGD momentum, ...).
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum")
+
+REPORT_DATA_VERSION = 1
+
+
+def build_report_data(
+    run: Run,
+    findings: Sequence[Finding] | None = None,
+    max_points: int = 2000,
+    *,
+    exact_steps: int = 256,
+    exact_budget: int = 50_000_000,
+) -> dict[str, Any]:
+    """Everything a report shows, as JSON-able data.
+
+    Args:
+        run: The run to report on.
+        findings: Check findings to mark; None runs ``stepdump.check(run)``
+            when that exists, else reports none.
+        max_points: Most points per drawn series (and columns per heatmap).
+            Downsampling keeps each bucket's extremes, see module docstring.
+        exact_steps: Most steps at which exact update/weight ratios are computed
+            from full tensors (consecutive full steps t, t+1 are needed).
+        exact_budget: Most tensor elements read for exact ratios; beyond it the
+            report falls back to the stats-based lower bound.
+
+    Returns:
+        A dict with keys ``summary``, ``domain``, ``scalars``, ``grad_norms``,
+        ``update_ratio``, ``moments``, ``nonfinite``, ``findings``, ``checks``.
+    """
+    if max_points < 10:
+        raise ConfigError(f"max_points={max_points} is too small to draw; give at least 10")
+    found, checks = _resolve_findings(run, findings)
+    all_steps = run.all_steps
+    domain = [all_steps[0], all_steps[-1]] if all_steps else [0, 0]
+    kinds = run.kinds()
+    params = stat_matrix(run, "params") if "params" in kinds else None
+    return {
+        "version": REPORT_DATA_VERSION,
+        "summary": summarize(run),
+        "domain": domain,
+        "max_points": max_points,
+        "scalars": _scalars(run, max_points),
+        "grad_norms": _heatmap(stat_matrix(run, "grads"), max_points, "grad L2 norm") if "grads" in kinds else None,
+        "update_ratio": _update_ratio(run, params, max_points, exact_steps, exact_budget),
+        "moments": _moments(run, max_points) if "optimizer" in kinds else [],
+        "nonfinite": _nonfinite(run, max_points),
+        "findings": [_finding_dict(f) for f in found],
+        "checks": checks,
+    }
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """The run's identity and size: what the report's summary table shows."""
+    meta = run.meta
+    steps, skipped = run.all_steps, run.skipped_steps
+    tensors = {k: len(run.names(k)) for k in run.kinds()}
+    created = meta.get("created")
+    return {
+        "path": str(run.path),
+        "model_class": meta.get("model_class"),
+        "optimizer_class": meta.get("optimizer_class"),
+        "scheduler_class": meta.get("scheduler_class"),
+        "steps_recorded": len(steps),
+        "first_step": steps[0] if steps else None,
+        "last_step": steps[-1] if steps else None,
+        "full_steps": len(run.steps),
+        "stats_steps": len(run.stats_steps),
+        "skipped_steps": len(skipped),
+        "skipped_list": skipped[:200],
+        "bytes": sum(p.stat().st_size for p in run.path.rglob("*") if p.is_file()),
+        "tensors": tensors,
+        "tensors_total": sum(tensors.values()),
+        "created": _iso(created) if isinstance(created, (int, float)) else created,
+        "stepdump_version": meta.get("stepdump_version"),
+        "torch_version": meta.get("torch_version"),
+        "python_version": meta.get("python_version"),
+        "format_version": run.format_version,
+        "codec": meta.get("codec"),
+        "capture": meta.get("capture"),
+        "every": meta.get("every"),
+        "stats_every": meta.get("stats_every"),
+        "live": run.live,
+    }
+
+
+# -- sections -------------------------------------------------------------------
+def _scalars(run: Run, max_points: int) -> list[dict[str, Any]]:
+    out = []
+    series = scalar_series(run)
+    # loss first, then learning rates, then the rest alphabetically
+    for name in sorted(series, key=lambda n: (n != "loss", not n.startswith("lr"), n)):
+        steps, values = series[name]
+        x, y = minmax_downsample(steps, values, max_points)
+        bad = steps[~np.isfinite(values)]
+        out.append({
+            "name": name,
+            "x": _ints(x),
+            "y": _floats(y),
+            "points": int(steps.size),
+            "nonfinite_steps": _ints(bad[:max_points]),
+            "log": name != "loss" and not name.startswith("lr") and bool(np.all(values[np.isfinite(values)] > 0)),
+        })
+    return out
+
+
+def _heatmap(m: StatMatrix, max_points: int, label: str, note: str = "") -> dict[str, Any] | None:
+    if m.empty:
+        return None
+    first, last, reduced = bucket_max(m.values, max_points)
+    return {
+        "label": label,
+        "note": note,
+        "names": m.names,
+        "x0": _ints(m.steps[first]),
+        "x1": _ints(m.steps[last]),
+        "values": [_floats(row) for row in reduced],
+        "steps": int(m.steps.size),
+    }
+
+
+def _update_ratio(
+    run: Run, params: StatMatrix | None, max_points: int, exact_steps: int, budget: int
+) -> dict[str, Any] | None:
+    if params is None or params.empty:
+        return None
+    exact = _exact_ratios(run, params.names, exact_steps, budget)
+    pairs_total = int(np.count_nonzero(np.diff(params.steps) == 1))
+    out: dict[str, Any] = {"exact": exact, "lower_bound": None}
+    if exact is not None and exact["steps"] >= pairs_total:
+        return out  # exact at every step: the bound adds nothing
+    p = params.values
+    if p.shape[1] >= 2:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.abs(p[:, 1:] - p[:, :-1]) / p[:, :-1]
+        ratio[~np.isfinite(ratio)] = np.nan
+        bound = StatMatrix(params.names, params.steps[:-1], ratio)
+        out["lower_bound"] = _heatmap(
+            bound, max_points, "| ‖θ_next‖ − ‖θ‖ | / ‖θ‖",
+            "Lower bound on ‖θ_next − θ‖ / ‖θ‖ from recorded norms only (reverse triangle inequality), "
+            "between consecutive recorded steps.",
+        )
+    return out
+
+
+def _exact_ratios(run: Run, names: list[str], max_steps: int, budget: int) -> dict[str, Any] | None:
+    """‖θ_{t+1} − θ_t‖ / ‖θ_t‖ per tensor at up to ``max_steps`` steps whose successor is also full."""
+    full = run.steps
+    full_set = set(full)
+    pairs = [t for t in full if t + 1 in full_set]
+    if not pairs or max_steps < 1:
+        return None
+    per_step = max(1, total_numel(run, "params", pairs[0]))
+    k = min(len(pairs), max_steps, budget // (2 * per_step))
+    if k < 1:
+        log.info("report: exact update ratios skipped, one step has %d elements (budget %d)", per_step, budget)
+        return None
+    chosen = sorted({pairs[i] for i in np.linspace(0, len(pairs) - 1, k).round().astype(int)})
+    values = np.full((len(names), len(chosen)), np.nan)
+    prev_step, prev = None, None
+    for j, t in enumerate(chosen):
+        before = prev if prev_step == t else run.tensors(t, "params")
+        after = run.tensors(t + 1, "params")
+        for i, name in enumerate(names):
+            a, b = before.get(name), after.get(name)
+            if a is None or b is None or a.shape != b.shape:
+                continue
+            a64 = a.double()
+            denom = float(torch.linalg.vector_norm(a64))
+            if denom > 0:
+                values[i, j] = float(torch.linalg.vector_norm(b.double() - a64)) / denom
+        prev_step, prev = t + 1, after
+    m = StatMatrix(names, np.array(chosen, dtype=np.int64), values)
+    hm = _heatmap(m, max_steps, "‖θ_{t+1} − θ_t‖ / ‖θ_t‖",
+                  f"Exact, from full tensors, at {len(chosen)} of {len(pairs)} steps whose next step is also "
+                  "stored in full.")
+    return hm
+
+
+def _moments(run: Run, max_points: int) -> list[dict[str, Any]]:
+    out = []
+    for key in MOMENT_KEYS:
+        steps, norms, n = combined_norm(run, "optimizer", f"*.{key}")
+        if not n or not steps.size:
+            continue
+        x, y = minmax_downsample(steps, norms, max_points)
+        out.append({"key": key, "tensors": n, "x": _ints(x), "y": _floats(y), "log": True,
+                    "label": f"‖{key}‖ over {n} tensors"})
+    return out
+
+
+def _nonfinite(run: Run, max_points: int) -> dict[str, Any]:
+    steps, counts = nonfinite_counts(run)
+    all_steps = np.array(run.all_steps, dtype=np.int64)
+    skipped = np.isin(all_steps, np.array(run.skipped_steps, dtype=np.int64)).astype(np.float64)
+    first, last, reduced = bucket_max(counts[None, :].astype(np.float64), max_points)
+    sf, sl, sk = bucket_max(skipped[None, :], max_points)
+    return {
+        "x0": _ints(steps[first]),
+        "x1": _ints(steps[last]),
+        "count": _floats(reduced[0]),
+        "steps_with_nonfinite": int((counts > 0).sum()),
+        "max_count": int(counts.max()) if counts.size else 0,
+        "skipped_x0": [int(all_steps[a]) for a, v in zip(sf, sk[0]) if v > 0],
+        "skipped_x1": [int(all_steps[b]) for b, v in zip(sl, sk[0]) if v > 0],
+    }
+
+
+# -- findings -------------------------------------------------------------------
+def _resolve_findings(run: Run, findings: Sequence[Finding] | None) -> tuple[list[Finding], str]:
+    if findings is not None:
+        return list(findings), "given"
+    try:
+        from stepdump import check  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        try:
+            from stepdump.analysis.checks import check  # type: ignore[no-redef]
+        except (ImportError, AttributeError):
+            return [], "unavailable"
+    return list(check(run)), "ran"
+
+
+def _finding_dict(f: Finding) -> dict[str, Any]:
+    d = f.to_dict() if hasattr(f, "to_dict") else dict(vars(f))
+    for k in ("value", "threshold"):
+        v = d.get(k)
+        if isinstance(v, float) and not math.isfinite(v):
+            d[k] = repr(v)  # "nan", "inf": JSON has no NaN
+    if "severity" in d and not isinstance(d["severity"], str):
+        d["severity"] = getattr(d["severity"], "name", str(d["severity"])).lower()
+    return d
+
+
+# -- JSON helpers ---------------------------------------------------------------
+def _floats(a: Iterable[float]) -> list[float | None]:
+    return [float(v) if math.isfinite(v) else None for v in np.asarray(a, dtype=np.float64).tolist()]
+
+
+def _ints(a: Iterable[int]) -> list[int]:
+    return [int(v) for v in np.asarray(a).tolist()]
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="seconds")

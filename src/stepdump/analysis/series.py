@@ -1,0 +1,138 @@
+"""Stats as (tensor x step) numpy matrices, read straight from a run's catalog.
+
+``Run.stats()`` builds a 17-column DataFrame sorted by step; that is the right
+general tool, but for a long run it is the slow part of a report (about 19 s
+for 2,000,000 rows, against 2.5 s for the three columns read here). These
+helpers ask the catalog for exactly the column they need, in index order, and
+pivot it with numpy. They only read.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+import numpy as np
+
+from stepdump.read.run import Run
+from stepdump.store.catalog import STAT_COLUMNS
+
+
+@dataclass(frozen=True)
+class StatMatrix:
+    """One stat of many tensors over steps.
+
+    Attributes:
+        names: Tensor names, in recording order (rows).
+        steps: Sorted steps at which any of them has stats (columns).
+        values: float64 array ``[len(names), len(steps)]``; NaN where a tensor
+            has no row at a step, or the stat is undefined (all elements
+            non-finite, empty tensor).
+    """
+
+    names: list[str]
+    steps: np.ndarray
+    values: np.ndarray
+
+    @property
+    def empty(self) -> bool:
+        return not self.names or self.steps.size == 0
+
+
+def _connection(run: Run) -> sqlite3.Connection:
+    # Run keeps its read-only catalog connection private; analysis lives in the
+    # same package and reads through it rather than widening Run's API.
+    return run._con  # noqa: SLF001
+
+
+def stat_matrix(run: Run, kind: str, column: str = "norm", name_glob: str | None = None) -> StatMatrix:
+    """``column`` of every ``kind`` tensor (optionally matching ``name_glob``) over steps."""
+    if column not in STAT_COLUMNS:
+        raise ValueError(f"unknown stat column {column!r}; columns are {', '.join(STAT_COLUMNS)}")
+    con = _connection(run)
+    where, args = "kind = ?", [kind]
+    if name_glob is not None:
+        where += " AND name GLOB ?"
+        args.append(name_glob)
+    series = con.execute(f"SELECT id, name FROM series WHERE {where} ORDER BY id", args).fetchall()
+    if not series:
+        return StatMatrix([], np.zeros(0, dtype=np.int64), np.zeros((0, 0)))
+    rows = con.execute(
+        f"SELECT t.series, t.step, t.{column} FROM tensors t WHERE t.series IN "
+        f"(SELECT id FROM series WHERE {where})",
+        args,
+    ).fetchall()
+    table = np.array(rows, dtype=np.float64).reshape(-1, 3)  # None -> NaN
+    ids = np.array([sid for sid, _ in series], dtype=np.float64)  # sorted: ORDER BY id
+    steps = np.unique(table[:, 1]).astype(np.int64)
+    values = np.full((len(series), steps.size), np.nan)
+    if table.shape[0]:
+        r = np.searchsorted(ids, table[:, 0])
+        c = np.searchsorted(steps, table[:, 1].astype(np.int64))
+        values[r, c] = table[:, 2]
+    return StatMatrix([n for _, n in series], steps, values)
+
+
+def scalar_series(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """name -> (steps, values) for every logged scalar, only at steps it was logged.
+
+    A NaN logged as a scalar is stored as SQL NULL and comes back as NaN; a
+    step where the scalar was not logged is simply absent (unlike the wide
+    ``Run.scalars()`` frame, where both read NaN).
+    """
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    rows = _connection(run).execute("SELECT name, step, value FROM scalars ORDER BY name, step").fetchall()
+    by_name: dict[str, list[tuple[int, float | None]]] = {}
+    for name, step, value in rows:
+        by_name.setdefault(name, []).append((step, value))
+    for name, pairs in by_name.items():
+        arr = np.array(pairs, dtype=np.float64).reshape(-1, 2)
+        out[name] = (arr[:, 0].astype(np.int64), arr[:, 1])
+    return out
+
+
+def combined_norm(run: Run, kind: str, name_glob: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """The L2 norm of all matching tensors together at each step: sqrt(sum of their norms squared).
+
+    Aggregated inside SQLite (one row per step comes back, not one per tensor).
+
+    Returns:
+        ``(steps, norms, tensors)``: steps where any matching tensor has a norm,
+        the combined norm there, and how many tensors matched.
+    """
+    con = _connection(run)
+    (n,) = con.execute("SELECT count(*) FROM series WHERE kind = ? AND name GLOB ?", (kind, name_glob)).fetchone()
+    rows = con.execute(
+        "SELECT t.step, sum(t.norm * t.norm) FROM tensors t WHERE t.series IN "
+        "(SELECT id FROM series WHERE kind = ? AND name GLOB ?) AND t.norm IS NOT NULL GROUP BY t.step ORDER BY t.step",
+        (kind, name_glob),
+    ).fetchall()
+    arr = np.array(rows, dtype=np.float64).reshape(-1, 2)  # sqrt here: SQLite may lack math functions
+    return arr[:, 0].astype(np.int64), np.sqrt(arr[:, 1]), int(n)
+
+
+def nonfinite_counts(run: Run) -> tuple[np.ndarray, np.ndarray]:
+    """(steps with stats, number of tensors with any NaN/+Inf/-Inf element at each)."""
+    con = _connection(run)
+    steps = np.array([s for (s,) in con.execute("SELECT step FROM steps WHERE level >= 1 ORDER BY step")],
+                     dtype=np.int64)
+    counts = np.zeros(steps.size, dtype=np.int64)
+    rows = con.execute(
+        "SELECT t.step, count(*) FROM tensors t WHERE t.series IN (SELECT id FROM series WHERE kind != 'state') "
+        "AND (t.nan > 0 OR t.posinf > 0 OR t.neginf > 0) GROUP BY t.step"
+    ).fetchall()
+    for step, n in rows:
+        i = np.searchsorted(steps, step)
+        if i < steps.size and steps[i] == step:
+            counts[i] = n
+    return steps, counts
+
+
+def total_numel(run: Run, kind: str, step: int) -> int:
+    """Elements of all ``kind`` tensors at ``step`` (what reading them in full costs)."""
+    (n,) = _connection(run).execute(
+        "SELECT coalesce(sum(t.numel), 0) FROM tensors t JOIN series s ON s.id = t.series "
+        "WHERE s.kind = ? AND t.step = ?",
+        (kind, step),
+    ).fetchone()
+    return int(n)
