@@ -102,3 +102,19 @@ def test_export_and_verify(runs, tmp_path):
     seg.write_bytes(bytes(data))
     out = cli("verify", broken, ok=1).stdout
     assert "problem" in out and "checksum" in out
+
+
+def test_check_exit_codes(runs, tmp_path):
+    a, _, _ = runs
+    proc = cli("check", a, "--json", ok=None)
+    assert proc.returncode in (0, 1)
+    findings = json.loads(proc.stdout)
+    assert isinstance(findings, list)
+    # a planted NaN gradient is an error: exit 1 at --fail-on error, and the finding names it
+    def plant(step, model, opt):
+        if step == 3:
+            model[0].weight.grad[0, 0] = float("nan")
+    bad = record(tmp_path / "bad", steps=6, before_step=plant)
+    out = cli("check", bad, "--fail-on", "error", ok=1).stdout
+    assert "nan_inf" in out and "0.weight" in out
+    assert "unknown" in cli("check", bad, "--rules", "no_such_rule", ok=5).stderr.lower()
