@@ -18,7 +18,9 @@ from stepdump.errors import (
     TensorNotFoundError,
 )
 
-COMMANDS = ("demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "report", "verify")
+COMMANDS = (
+    "demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "export-tb", "report", "verify",
+)
 
 EPILOG = """\
 exit codes: 0 ok, 1 difference/finding/corruption found, 2 usage, 3 run/step/tensor not found,
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what stepdump does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        mod = importlib.import_module(f"stepdump.cli.cmd_{name}")
+        mod = importlib.import_module(f"stepdump.cli.cmd_{name.replace('-', '_')}")
         p = sub.add_parser(
             name, help=mod.HELP, description=mod.HELP, epilog=getattr(mod, "EXAMPLES", None),
             formatter_class=argparse.RawDescriptionHelpFormatter,

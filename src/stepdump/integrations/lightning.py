@@ -1,0 +1,228 @@
+"""PyTorch Lightning: record every optimizer step of ``Trainer.fit`` with one callback.
+
+```python
+from stepdump.integrations.lightning import StepdumpCallback
+
+trainer = L.Trainer(callbacks=[StepdumpCallback("runs/exp1", every=10)])
+trainer.fit(model, data)
+run = stepdump.open("runs/exp1")
+```
+
+Works with ``lightning`` (``lightning.pytorch``) or the standalone
+``pytorch_lightning`` package, whichever is installed (``lightning`` first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stepdump.errors import ConfigError
+from stepdump.integrations._common import ManualRecorder, check_resume, found_inf, param_globs
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - the standalone package
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+    except ImportError as e:
+        raise ImportError(
+            "stepdump.integrations.lightning needs PyTorch Lightning: pip install lightning "
+            "(or pip install 'stepdump[integrations]')"
+        ) from e
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StepdumpCallback"]
+
+
+class StepdumpCallback(pl.Callback):
+    """Record every optimizer step of a Lightning fit into a stepdump run.
+
+    **When a step is recorded.** At ``on_before_optimizer_step``: after the
+    closure has run forward and backward for every micro-batch of the step
+    (so after gradient accumulation), after AMP unscaling (``16-mixed``), and
+    *before* Lightning clips gradients (``gradient_clip_val``) and before the
+    update. So record *t* holds the params before update *t*, the accumulated,
+    unscaled, **unclipped** gradients, and the optimizer state before update *t*.
+    (The optimizer's own step pre-hook, which a plain :class:`~stepdump.Recorder`
+    uses, fires too early under Lightning: ``optimizer.step(closure)`` runs the
+    closure inside ``step``, after the pre-hook, so the pre-hook would see the
+    previous step's gradients, or a partial sum under accumulation.)
+
+    **Steps.** One record per optimizer step, whatever ``accumulate_grad_batches``
+    is; step numbers follow ``trainer.global_step``. A step the GradScaler skips
+    (inf/NaN) is recorded and marked skipped.
+
+    **Scalars.** ``loss``: the mean of the micro-batch losses of the step (the
+    ``loss`` of ``training_step``'s output, with Lightning's division by
+    ``accumulate_grad_batches`` undone); ``lr`` (and ``grad_scale`` under AMP)
+    come from the Recorder. Log more through :attr:`recorder`
+    (``rec.log(acc=...)``) from your LightningModule.
+
+    **Several optimizers** (manual optimization): one run per optimizer, in
+    ``path/opt0``, ``path/opt1``, ... in the order of ``trainer.optimizers``;
+    each records only the parameters its optimizer steps (unless ``include`` is
+    given) and numbers its own steps from 0.
+
+    **Resuming.** A fit resumed from a Lightning checkpoint (``ckpt_path=``), or
+    any fit that starts at ``trainer.global_step > 0``, appends to the same run
+    (``resume=True``) from step ``trainer.global_step``. If the run already has
+    that step (it went on past the checkpoint), it raises ConfigError rather
+    than mixing two histories.
+
+    Only global rank 0 records (parameters and gradients are the same on every
+    DDP rank); sharded strategies (FSDP, DeepSpeed) are not supported.
+
+    Args:
+        path: Directory of the run (``path/opt{i}`` with several optimizers).
+        **recorder_kwargs: Passed to :class:`stepdump.Recorder` (``capture``,
+            ``every``, ``include``, ``codec``, ...). ``resume`` and
+            ``start_step`` default as described above.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], **recorder_kwargs: Any) -> None:
+        for key in ("model", "optimizer", "scheduler", "scaler"):
+            if key in recorder_kwargs:
+                raise ConfigError(f"StepdumpCallback finds the {key} itself; do not pass {key}=")
+        self.path = Path(path)
+        self.recorder_kwargs = recorder_kwargs
+        self._recorders: list[ManualRecorder] = []
+        self._by_optimizer: dict[int, ManualRecorder] = {}
+        self._captured: dict[int, tuple[int, bool]] = {}  # id(recorder) -> (step, skipped) captured this batch
+        self._losses: list[torch.Tensor] = []
+
+    # -- access ------------------------------------------------------------------
+    @property
+    def recorders(self) -> list[ManualRecorder]:
+        """The Recorders of the fit in progress, one per optimizer (empty outside a fit)."""
+        return list(self._recorders)
+
+    @property
+    def recorder(self) -> ManualRecorder:
+        """The Recorder of the fit in progress (there must be exactly one optimizer)."""
+        if len(self._recorders) != 1:
+            raise ConfigError(
+                f"there are {len(self._recorders)} Recorders now (one per optimizer, only during a fit); "
+                "use .recorders"
+            )
+        return self._recorders[0]
+
+    # -- lifecycle ---------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # By now the optimizers exist and a checkpoint given to fit() is restored, so
+        # trainer.global_step is the step training continues from.
+        self._close()
+        if trainer.global_rank != 0:
+            return
+        optimizers = list(trainer.optimizers)
+        if not optimizers:
+            log.warning("stepdump: the LightningModule has no optimizer; nothing is recorded")
+            return
+        kwargs = dict(self.recorder_kwargs)
+        resume = kwargs.pop("resume", None)
+        if resume is None:
+            resume = trainer.ckpt_path is not None or trainer.global_step > 0
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        several = len(optimizers) > 1
+        try:
+            for i, opt in enumerate(optimizers):
+                path = self.path / f"opt{i}" if several else self.path
+                start = kwargs.get("start_step")
+                if start is None and resume and not several:
+                    start = trainer.global_step
+                    check_resume(path, start)
+                rec_kwargs = {**kwargs, "resume": resume, "start_step": start}
+                if several and "include" not in kwargs:
+                    rec_kwargs["include"] = param_globs(pl_module, opt)
+                rec = ManualRecorder(path, pl_module, opt, scheduler=_scheduler_for(trainer, opt),
+                                     scaler=scaler, **rec_kwargs)
+                self._recorders.append(rec)
+                self._by_optimizer[id(opt)] = rec
+        except BaseException:
+            self._close()
+            raise
+        log.info("stepdump: recording %d optimizer(s) into %s from step %d", len(optimizers), self.path,
+                 self._recorders[0].step)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        rec = self._by_optimizer.get(id(optimizer))
+        if rec is None:
+            return
+        if self._captured.get(id(rec), (None,))[0] == rec.step:
+            return  # the closure ran again inside the same step (LBFGS): record its first evaluation
+        skipped = found_inf(rec.scaler, optimizer)
+        self._captured[id(rec)] = (rec.capture(skipped=skipped), skipped)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if not self._recorders:
+            return
+        loss = _loss_of(outputs)
+        if loss is not None:
+            if pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
+                loss = loss * trainer.accumulate_grad_batches  # undo Lightning's normalisation
+            self._losses.append(loss)
+        if not self._captured:
+            return  # a micro-batch that only accumulated gradients
+        mean = torch.stack(self._losses).mean() if self._losses else None
+        for rec in self._recorders:
+            t, skipped = self._captured.pop(id(rec), (None, False))
+            if t is None:
+                continue
+            if rec.step == t:  # captured, but optimizer.step() never ran: the GradScaler skipped it
+                if not skipped:
+                    log.warning("stepdump: step %d was skipped by the GradScaler after it was recorded as not "
+                                "skipped (an optimizer that unscales inside step())", t)
+                rec.finish_skipped()
+            if mean is not None:
+                rec.log(loss=mean)  # lands on step t: it is logged right after t's update
+        self._captured.clear()
+        self._losses.clear()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:  # flush what was recorded; never hide the training's own exception
+            self._close()
+        except Exception as e:  # noqa: BLE001
+            log.error("stepdump: closing the run after %s failed: %s", type(exception).__name__, e)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    def _close(self) -> None:
+        recs, self._recorders = self._recorders, []
+        self._by_optimizer.clear()
+        self._captured.clear()
+        self._losses.clear()
+        errors = []
+        for rec in recs:
+            try:
+                rec.close()
+            except Exception as e:  # noqa: BLE001 - close the others, then raise the first
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def _scheduler_for(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> Any:
+    for config in getattr(trainer, "lr_scheduler_configs", []):
+        sched = config.scheduler
+        if getattr(sched, "optimizer", None) is optimizer and hasattr(sched, "state_dict"):
+            return sched
+    return None
+
+
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.detach().reshape(())
+    return None

@@ -1,0 +1,134 @@
+"""Hugging Face Transformers: record every optimizer step of ``Trainer.train`` with one callback.
+
+```python
+from stepdump.integrations.transformers import StepdumpTrainerCallback
+
+trainer = Trainer(model, args, train_dataset=ds,
+                  callbacks=[StepdumpTrainerCallback("runs/exp1", every=10)])
+trainer.train()
+run = stepdump.open("runs/exp1")
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from stepdump.capture.recorder import Recorder
+from stepdump.errors import ConfigError
+from stepdump.integrations._common import check_resume, scalar_items, unwrap
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise ImportError(
+        "stepdump.integrations.transformers needs Hugging Face Transformers: pip install transformers "
+        "(or pip install 'stepdump[integrations]')"
+    ) from e
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StepdumpTrainerCallback"]
+
+# The summary ``Trainer.train`` logs once at the end is about the whole run, not a step.
+_SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss")
+
+
+class StepdumpTrainerCallback(TrainerCallback):
+    """Record every optimizer step of a Hugging Face ``Trainer`` into a stepdump run.
+
+    **When a step is recorded.** A :class:`stepdump.Recorder` is attached to the
+    (unwrapped) torch optimizer when training begins, so each record is taken
+    at the optimizer's step pre-hook, inside ``optimizer.step()``. The Trainer
+    calls ``optimizer.step()`` once per optimizer step, after gradient
+    accumulation, after unscaling (fp16) and **after** clipping to
+    ``max_grad_norm``: record *t* holds the params before update *t*, the
+    accumulated, unscaled, **clipped** gradients the update used, and the
+    optimizer state before update *t*. The LR scheduler's state is recorded
+    before its ``step()`` for update *t* (so ``lr`` is the rate update *t*
+    used), and the fp16 GradScaler's state with it; a step the scaler skips is
+    recorded and marked skipped.
+
+    **Scalars.** Every number the Trainer logs (``on_log``: ``loss``,
+    ``grad_norm`` — the norm *before* clipping — ``learning_rate``, ``epoch``,
+    eval metrics) goes to the step that was just taken. The Trainer's ``loss``
+    is the mean over the steps since the previous log, so set
+    ``logging_steps=1`` for a loss per step. ``lr`` is added by the Recorder.
+
+    **Resuming.** ``trainer.train(resume_from_checkpoint=...)`` appends to the
+    same run (``resume=True``) from ``state.global_step``; if the run already
+    has that step, ConfigError says so rather than mixing two histories.
+
+    Only the main process records; DeepSpeed and FSDP (sharded parameters) are
+    not supported.
+
+    Args:
+        path: Directory of the run.
+        **recorder_kwargs: Passed to :class:`stepdump.Recorder` (``capture``,
+            ``every``, ``include``, ``codec``, ...). ``resume`` and
+            ``start_step`` default as described above.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], **recorder_kwargs: Any) -> None:
+        for key in ("model", "optimizer", "scheduler", "scaler"):
+            if key in recorder_kwargs:
+                raise ConfigError(f"StepdumpTrainerCallback finds the {key} itself; do not pass {key}=")
+        self.path = Path(path)
+        self.recorder_kwargs = recorder_kwargs
+        self._recorder: Recorder | None = None
+
+    @property
+    def recorder(self) -> Recorder:
+        """The Recorder of the training in progress (log more scalars with ``recorder.log``)."""
+        if self._recorder is None:
+            raise ConfigError("no training is in progress: the Recorder exists from on_train_begin to on_train_end")
+        return self._recorder
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+        self._close()
+        if not state.is_world_process_zero:
+            return
+        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+            raise ConfigError("StepdumpTrainerCallback does not support DeepSpeed or FSDP (sharded parameters)")
+        if model is None or optimizer is None:
+            log.warning("stepdump: the Trainer gave no model or optimizer to on_train_begin; nothing is recorded")
+            return
+        # Accelerate wraps the optimizer and scheduler; the Recorder hooks the torch ones
+        # (whose state_dicts restore into plain torch objects) and the wrapper's GradScaler.
+        scaler = getattr(optimizer, "scaler", None)
+        opt = unwrap(optimizer, "optimizer")
+        sched = unwrap(lr_scheduler, "scheduler")
+        kwargs_ = dict(self.recorder_kwargs)
+        resume = kwargs_.pop("resume", None)
+        if resume is None:
+            resume = state.global_step > 0
+        start = kwargs_.pop("start_step", None)
+        if start is None and resume:
+            start = state.global_step
+            check_resume(self.path, start)
+        self._recorder = Recorder(self.path, model, opt, scheduler=sched, scaler=scaler, resume=resume,
+                                  start_step=start, **kwargs_)
+        log.info("stepdump: recording into %s from step %d", self.path, self._recorder.step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        if self._recorder is None or not logs or any(k in logs for k in _SUMMARY_KEYS):
+            return
+        # Logged after optimizer.step() of the step just taken, so rec.log gives it to that step.
+        # An evaluation log repeats "epoch"; a second "epoch" for the same step would be
+        # pushed to the next step, so only training logs (with "loss") give it.
+        values = scalar_items(logs, skip=() if "loss" in logs else ("epoch",))
+        if values:
+            self._recorder.log(**values)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        rec, self._recorder = self._recorder, None
+        if rec is not None:
+            rec.close()

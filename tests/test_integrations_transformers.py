@@ -1,0 +1,148 @@
+"""StepdumpTrainerCallback on a real Hugging Face Trainer: a tiny randomly initialised
+GPT-2 built from a config (no download), a few steps on CPU, records checked against
+the live tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same
+
+import stepdump
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from stepdump.integrations.transformers import StepdumpTrainerCallback  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+
+MAX_GRAD_NORM = 0.05
+
+
+def _model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _dataset(n: int = 16) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (n, 12), generator=g)
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def _args(out, **kw) -> TrainingArguments:
+    opts = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=MAX_GRAD_NORM,
+                logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+                dataloader_num_workers=0)
+    opts.update(kw)
+    return TrainingArguments(**opts)
+
+
+def _inner(opt):
+    return getattr(opt, "optimizer", opt)
+
+
+class Probe(TrainerCallback):
+    """Clones the live state right before optimizer.step(): what each record must equal."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+        opt = _inner(optimizer)
+        sched = getattr(lr_scheduler, "scheduler", lr_scheduler)
+        self.seen.append({
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "opt": {(n, k): v.clone() for n, p in model.named_parameters()
+                    for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)},
+            "sched": sched.state_dict(),
+            "lr": opt.param_groups[0]["lr"],
+        })
+
+
+def _check(run: stepdump.Run, seen: list[dict], first: int = 0) -> None:
+    for i, s in enumerate(seen):
+        t = first + i
+        for n, v in s["params"].items():
+            assert_same(run.tensor(n, t, "params"), v, f"params {n} @ {t}")
+        assert set(run.tensors(t, "grads")) == set(s["grads"])
+        for n, v in s["grads"].items():
+            assert_same(run.tensor(n, t, "grads"), v, f"grads {n} @ {t}")
+        for (n, k), v in s["opt"].items():
+            assert_same(run.tensor(f"{n}.{k}", t, "optimizer"), v, f"optimizer {n}.{k} @ {t}")
+        assert run.scheduler_state_dict(t) == s["sched"]
+        assert run.scalars().loc[t, "lr"] == s["lr"]
+
+
+def test_trainer_records_equal_live_tensors(tmp_path):
+    model, probe = _model(), Probe()
+    cb = StepdumpTrainerCallback(tmp_path / "run")
+    trainer = Trainer(model=model, args=_args(tmp_path / "out"), train_dataset=_dataset(), callbacks=[probe, cb])
+    trainer.train()
+    assert trainer.state.global_step == 3 and len(probe.seen) == 3
+    with pytest.raises(stepdump.ConfigError):
+        cb.recorder  # noqa: B018 - closed at the end of training
+
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    with stepdump.open(tmp_path / "run") as run:
+        assert run.all_steps == [0, 1, 2]
+        assert run.meta["optimizer_class"] == "AdamW"
+        assert run.meta["scheduler_class"] == "LambdaLR"
+        _check(run, probe.seen)
+        sc = run.scalars()
+        assert list(sc["loss"]) == [h["loss"] for h in logs]
+        assert list(sc["grad_norm"]) == [h["grad_norm"] for h in logs]
+        assert list(sc["learning_rate"]) == [h["learning_rate"] for h in logs]
+        assert list(sc["learning_rate"]) == list(sc["lr"])  # the Trainer reads it before the scheduler steps
+        for t in run.all_steps:
+            # The Trainer clips before optimizer.step(): recorded grads are the clipped ones
+            # (total norm at max_grad_norm), while the logged grad_norm is from before clipping.
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in run.tensors(t, "grads").values()]))
+            assert sc.loc[t, "grad_norm"] > MAX_GRAD_NORM
+            assert float(norm) == pytest.approx(MAX_GRAD_NORM, rel=1e-3)
+        # tied embedding: one parameter, both state_dict keys come back
+        sd = run.state_dict(2)
+        assert_same(sd["lm_head.weight"], sd["transformer.wte.weight"])
+        # the last record plus its update give the trained model: redo update 2 with AdamW
+        restored = _model()
+        named = dict(restored.named_parameters())  # the Trainer's two groups (decay / no decay)
+        opt = torch.optim.AdamW([{"params": [named[n] for n in g]} for g in run.meta["layout"]["groups"]])
+        run.restore(2, restored, opt, rng=False)
+        for n, p in restored.named_parameters():
+            p.grad = run.tensor(n, 2, "grads")
+        opt.step()
+        for (n, p), q in zip(restored.named_parameters(), model.parameters(), strict=True):
+            assert_same(p.detach(), q.detach(), n)
+
+
+def test_resume_from_checkpoint_appends(tmp_path):
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    t1 = Trainer(model=_model(), args=_args(out, max_steps=2, save_strategy="steps", save_steps=2),
+                 train_dataset=_dataset(), callbacks=[StepdumpTrainerCallback(run_dir)])
+    t1.train()
+    ckpt = out / "checkpoint-2"
+    assert ckpt.is_dir()
+    from safetensors.torch import load_file
+
+    saved = load_file(ckpt / "model.safetensors")
+
+    probe = Probe()
+    t2 = Trainer(model=_model(), args=_args(out, max_steps=4), train_dataset=_dataset(),
+                 callbacks=[probe, StepdumpTrainerCallback(run_dir)])
+    t2.train(resume_from_checkpoint=str(ckpt))
+    with stepdump.open(run_dir) as run:
+        assert run.all_steps == [0, 1, 2, 3]
+        sd = run.state_dict(2)  # before update 2 == what checkpoint-2 saved
+        for k, v in saved.items():
+            assert_same(sd[k], v, k)
+        _check(run, probe.seen, first=2)
+
+    # resuming checkpoint-2 again would record steps 2 and 3 twice
+    t3 = Trainer(model=_model(), args=_args(out, max_steps=4), train_dataset=_dataset(),
+                 callbacks=[StepdumpTrainerCallback(run_dir)])
+    with pytest.raises(stepdump.ConfigError, match="already holds steps up to 3"):
+        t3.train(resume_from_checkpoint=str(ckpt))
