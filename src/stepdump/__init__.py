@@ -9,9 +9,11 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from stepdump.analysis.checks import check
+from stepdump.analysis.cross_rank import cross_rank  # also registers the cross_rank check rule
 from stepdump.analysis.diff import DiffResult, diff
 from stepdump.analysis.verify import verify
 from stepdump.capture.recorder import Recorder
+from stepdump.capture.upload import Remote
 from stepdump.errors import (
     ConfigError,
     CorruptDataError,
@@ -27,6 +29,8 @@ from stepdump.errors import (
     WriterError,
 )
 from stepdump.read.replay import ReplayResult, replay
+from stepdump.read.distributed import DistributedRun
+from stepdump.read.remote import RemoteRun
 from stepdump.read.run import Run, open
 from stepdump.store.format import FORMAT_VERSION
 
@@ -34,10 +38,13 @@ __all__ = [
     "FORMAT_VERSION",
     "ConfigError",
     "DiffResult",
+    "DistributedRun",
     "CorruptDataError",
     "FormatVersionError",
     "NotARunError",
     "Recorder",
+    "Remote",
+    "RemoteRun",
     "ReplayResult",
     "ReplayDiverged",
     "RestoreMismatchError",
@@ -50,6 +57,7 @@ __all__ = [
     "WriterError",
     "__version__",
     "check",
+    "cross_rank",
     "diff",
     "open",
     "replay",

@@ -105,7 +105,15 @@ def check(
         from stepdump.read.run import open as open_run
 
         with open_run(run) as opened:
-            return _run_rules(CachedRun(opened), selected)
+            return _check_opened(opened, selected, rules is None)
+    return _check_opened(run, selected, rules is None)
+
+
+def _check_opened(run: Any, selected: list[RuleLike], default: bool) -> list[Finding]:
+    from stepdump.analysis.multirank import check_distributed, is_multirank
+
+    if is_multirank(run):  # every rule on each rank's store, plus cross_rank over all of them
+        return check_distributed(run, selected, add_cross_rank=default)
     return _run_rules(CachedRun(run), selected)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stepdump.capture.distributed import local_part
 from stepdump.errors import WriterError
 
 
@@ -99,7 +100,7 @@ class Stager:
         cuda_entries = []
         with torch.no_grad():
             for kind, name, t, full, param, key in items:
-                t = t.detach()
+                t = local_part(t.detach())  # a DTensor (FSDP2, tensor parallel): this rank's shard
                 if t.device.type == "cuda":
                     cuda_entries.append((kind, name, t, full, param, key))
                     continue

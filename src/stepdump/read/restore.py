@@ -22,6 +22,10 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
             scaler: Any = None, *, rng: bool = True) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"restore needs the model (a torch.nn.Module), got {type(model).__name__}")
+    from stepdump.read.distributed import has_dtensors, restore_sharded
+
+    if has_dtensors(model):  # FSDP2 / tensor parallel: this rank's shards go into its DTensors
+        return restore_sharded(run, step, model, optimizer, scheduler, scaler, rng=rng)
     meta = run.meta
     sd = run.state_dict(step)
     _check_model(run, model, sd)

@@ -8,17 +8,28 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 
-from stepdump.errors import ConfigError, StepNotFoundError, TensorNotFoundError, close_names, nearest_steps
+from stepdump.errors import (
+    ConfigError,
+    CorruptDataError,
+    StepdumpError,
+    StepNotFoundError,
+    TensorNotFoundError,
+    close_names,
+    nearest_steps,
+)
 from stepdump.read.blobs import BlobReader
 from stepdump.store import catalog, tjson
 from stepdump.store.catalog import STAT_COLUMNS
 from stepdump.store.format import ALL_KINDS, LEVEL_FULL
 from stepdump.store.lock import is_locked
+
+if TYPE_CHECKING:
+    from stepdump.read.distributed import DistributedRun
 
 StepRange = int | range | slice | Iterable[int] | None
 
@@ -33,7 +44,11 @@ class Run:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._con = catalog.connect_reader(self.path)
-        self.meta: dict[str, Any] = catalog.read_meta(self._con)
+        try:
+            self.meta: dict[str, Any] = catalog.read_meta(self._con)
+        except BaseException:
+            self._con.close()
+            raise
         self.format_version: int = int(self.meta["format_version"])
         self._blobs = BlobReader(self.path, self._con)
         self._replayed: dict[int, Any] = {}  # step -> ReplayResult, filled by stepdump.replay
@@ -86,7 +101,11 @@ class Run:
     def names(self, kind: str = "params") -> list[str]:
         """Names of the tensors of ``kind`` recorded at any step, in recording order."""
         self._check_kind(kind)
-        return [n for (n,) in self._con.execute("SELECT name FROM series WHERE kind = ? ORDER BY id", (kind,))]
+        names = [n for (n,) in self._con.execute("SELECT name FROM series WHERE kind = ? ORDER BY id", (kind,))]
+        bad = next((n for n in names if not isinstance(n, str)), None)
+        if bad is not None:
+            raise CorruptDataError(f"the catalog of {self.path} has a {kind} tensor named {bad!r}, not a string")
+        return names
 
     # -- tensors ---------------------------------------------------------------
     def tensor(self, name: str, step: int, kind: str = "params") -> torch.Tensor:
@@ -94,14 +113,14 @@ class Run:
         step = _as_step(step)
         sid = self._series_id(kind, name)
         row = self._con.execute(
-            "SELECT blob, dtype, shape FROM tensors WHERE series = ? AND step = ?", (sid, step)
+            "SELECT blob, dtype, shape, fingerprint FROM tensors WHERE series = ? AND step = ?", (sid, step)
         ).fetchone()
         if row is None or row[0] is None:
             replayed = self._replayed.get(step)
             if replayed is not None and (kind, name) in replayed.tensors:
                 return replayed.tensors[(kind, name)]
             self._missing(name, step, kind, stats_only=row is not None)
-        return self._blobs.tensor(row[0], row[1], row[2])
+        return self._blobs.tensor(row[0], row[1], row[2], _fingerprint(row[3]))
 
     def tensors(self, step: int, kind: str = "params") -> dict[str, torch.Tensor]:
         """Every stored tensor of ``kind`` at ``step``, by name."""
@@ -109,11 +128,11 @@ class Run:
         self._check_kind(kind)
         self._require_full(step)
         rows = self._con.execute(
-            "SELECT s.name, t.blob, t.dtype, t.shape FROM tensors t JOIN series s ON s.id = t.series "
+            "SELECT s.name, t.blob, t.dtype, t.shape, t.fingerprint FROM tensors t JOIN series s ON s.id = t.series "
             "WHERE t.step = ? AND s.kind = ? AND t.blob IS NOT NULL ORDER BY s.id",
             (step, kind),
         ).fetchall()
-        return {n: self._blobs.tensor(b, d, sh) for n, b, d, sh in rows}
+        return {n: self._blobs.tensor(b, d, sh, _fingerprint(fp)) for n, b, d, sh, fp in rows}
 
     def fingerprints(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], int]:
         """(kind, name) -> fingerprint of every tensor with stats at ``step``."""
@@ -134,8 +153,16 @@ class Run:
         row = self._con.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
         if row is None or row[0] is None:
             self._require_full(step)  # raises with the nearest steps
-        tree = tjson.loads(row[0])
-        return tjson.decode(tree, lambda ref: self.tensor(ref, step, kind="state"))
+            raise StepNotFoundError(f"step {step} of {self.path} has no recorded state")
+        try:
+            state = tjson.decode(tjson.loads(row[0]), lambda ref: self.tensor(ref, step, kind="state"))
+        except StepdumpError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError) as e:
+            raise CorruptDataError(f"the recorded state of step {step} in {self.path} is malformed ({e})") from e
+        if not isinstance(state, dict):
+            raise CorruptDataError(f"the recorded state of step {step} in {self.path} is not an object")
+        return state
 
     def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
         """``model.state_dict()`` as it was at the start of iteration ``step``."""
@@ -201,21 +228,26 @@ class Run:
             steps: A step, range, slice or iterable of steps.
         """
         where, args = _step_filter("step", steps)
+        pats = None if names is None else [names] if isinstance(names, str) else list(names)
+        if pats is not None and not all(isinstance(p, str) for p in pats):
+            raise ConfigError(f"names= takes glob strings, got {names!r}")
         rows = self._con.execute(f"SELECT step, name, value FROM scalars WHERE {where}", args).fetchall()
-        df = pd.DataFrame(rows, columns=["step", "name", "value"])
-        wide = df.pivot_table(index="step", columns="name", values="value", aggfunc="last", dropna=False)
-        wide.columns.name = None
-        if names is not None:
-            pats = [names] if isinstance(names, str) else list(names)
-            wide = wide[[c for c in wide.columns if any(fnmatch.fnmatchcase(c, p) for p in pats)]]
-        else:  # the recorder's own sys/* readings are in profile()
-            wide = wide[[c for c in wide.columns if not str(c).startswith("sys/")]]
         skipped = self._con.execute(f"SELECT step, skipped FROM steps WHERE {where}", args).fetchall()
-        sk = pd.Series({s: bool(v) for s, v in skipped}, dtype=bool, name="skipped")
-        wide = wide.join(sk, how="outer") if len(wide.columns) else sk.to_frame()
-        wide["skipped"] = wide["skipped"].fillna(False).astype(bool)
-        wide.index.name = "step"
-        return wide.sort_index()
+        try:
+            df = pd.DataFrame(rows, columns=["step", "name", "value"])
+            wide = df.pivot_table(index="step", columns="name", values="value", aggfunc="last", dropna=False)
+            wide.columns.name = None
+            if pats is not None:
+                wide = wide[[c for c in wide.columns if any(fnmatch.fnmatchcase(c, p) for p in pats)]]
+            else:  # the recorder's own sys/* readings are in profile()
+                wide = wide[[c for c in wide.columns if not str(c).startswith("sys/")]]
+            sk = pd.Series({s: bool(v) for s, v in skipped}, dtype=bool, name="skipped")
+            wide = wide.join(sk, how="outer") if len(wide.columns) else sk.to_frame()
+            wide["skipped"] = wide["skipped"].fillna(False).astype(bool)
+            wide.index.name = "step"
+            return wide.sort_index()
+        except (ValueError, TypeError) as e:  # rows of the wrong types: a damaged catalog
+            raise CorruptDataError(f"the scalars in the catalog of {self.path} are malformed ({e})") from e
 
     def profile(self, steps: StepRange = None) -> pd.DataFrame:
         """Per-step ``sys/iter_ms`` (iteration wall time), ``sys/recorder_ms`` (time the
@@ -247,9 +279,12 @@ class Run:
         rows = self._con.execute(sql, args).fetchall()
         columns = ["step", "kind", "name", "dtype", "shape", *STAT_COLUMNS, "fingerprint", "stored"]
         df = pd.DataFrame(rows, columns=columns)
-        df["stored"] = df["stored"].astype(bool)
-        for c in ("min", "max", "mean", "std", "norm", "zero_frac"):
-            df[c] = df[c].astype(float)
+        try:
+            df["stored"] = df["stored"].astype(bool)
+            for c in ("min", "max", "mean", "std", "norm", "zero_frac"):
+                df[c] = df[c].astype(float)
+        except (ValueError, TypeError) as e:
+            raise CorruptDataError(f"the catalog of {self.path} holds stats that are not numbers ({e})") from e
         return df
 
     # -- helpers ---------------------------------------------------------------
@@ -274,6 +309,8 @@ class Run:
     def _require_full(self, step: int) -> None:
         step = _as_step(step)
         row = self._con.execute("SELECT level FROM steps WHERE step = ?", (step,)).fetchone()
+        if row is not None:
+            _check_level(row[0], step)
         if row is None or row[0] < LEVEL_FULL:
             what = "was not recorded" if row is None else "has only stats and fingerprints (not stored in full)"
             raise StepNotFoundError(f"step {step} {what} in {self.path}; {nearest_steps(step, self.steps)}")
@@ -285,12 +322,25 @@ class Run:
                 f"{nearest_steps(step, self.steps)}"
             )
         level = self._con.execute("SELECT level FROM steps WHERE step = ?", (step,)).fetchone()
+        if level is not None:
+            _check_level(level[0], step)
         if level is None or level[0] < LEVEL_FULL:
             self._require_full(step)
         raise StepNotFoundError(
             f"{kind} {name!r} has no value at step {step} (e.g. a parameter with no gradient that step, or "
             "optimizer state not created yet)"
         )
+
+
+def _check_level(level: Any, step: int) -> None:
+    if not isinstance(level, int) or isinstance(level, bool):
+        raise CorruptDataError(f"step {step} has level {level!r} in the catalog, not a number")
+
+
+def _fingerprint(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CorruptDataError(f"a tensor row has fingerprint {v!r}, which is not a 64-bit hash")
+    return v
 
 
 def _as_step(step: Any) -> int:
@@ -319,12 +369,23 @@ def _step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
         if steps.step <= 0:
             return _step_filter(col, list(steps))
         return f"{col} >= ? AND {col} < ? AND ({col} - ?) % ? = 0", [steps.start, steps.stop, steps.start, steps.step]
-    lst = sorted({int(s) for s in steps})
+    lst = sorted({_as_step(s) for s in steps})
     if not lst:
         return "0", []
     return f"{col} IN ({','.join('?' * len(lst))})", lst
 
 
-def open(path: str | os.PathLike[str]) -> Run:  # noqa: A001 - the public name is stepdump.open
-    """Open a recorded run for reading (it may still be being written)."""
-    return Run(path)
+def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,  # noqa: A001
+         cache_dir: str | os.PathLike[str] | None = None) -> Run | DistributedRun:
+    """Open a recorded run for reading (it may still be being written).
+
+    Args:
+        path: A run directory, a multi-rank run directory (``ranks.json``: gives a
+            :class:`~stepdump.read.distributed.DistributedRun`), or an fsspec URL
+            (``s3://bucket/run``, ``gs://...``, ``memory://...``) of either.
+        storage_options: fsspec options for a URL (endpoint, credentials).
+        cache_dir: Local cache for a URL's catalog snapshot and fetched bytes.
+    """
+    from stepdump.read.opener import open_run
+
+    return open_run(path, storage_options=storage_options, cache_dir=cache_dir)  # type: ignore[no-any-return]

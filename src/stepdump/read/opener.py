@@ -1,0 +1,44 @@
+"""``stepdump.open``: pick the reader for what is at a path or URL.
+
+* a directory with ``catalog.sqlite``: :class:`~stepdump.read.run.Run`;
+* a directory with ``ranks.json`` (a multi-rank run): :class:`~stepdump.read.distributed.DistributedRun`;
+* a URL (``s3://``, ``gs://``, ``memory://``, ``file://``): the same two, read through fsspec
+  (:class:`~stepdump.read.remote.RemoteRun` for a single store).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stepdump.errors import ConfigError
+from stepdump.read.run import Run
+from stepdump.store.format import CATALOG_FILE
+from stepdump.store.ranks import RANKS_FILE
+from stepdump.store.remote import FsspecStorage, default_cache_dir, is_url
+
+
+def open_run(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None,
+             cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """Open a recorded run for reading; see :func:`stepdump.open`."""
+    if is_url(path):
+        url = str(path).rstrip("/")
+        from stepdump.read.distributed import DistributedRun
+        from stepdump.read.remote import RemoteRun
+
+        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(url)
+        storage = FsspecStorage(url, storage_options, cache)
+        if storage.exists(RANKS_FILE) and not storage.exists(CATALOG_FILE):
+            return DistributedRun(url, storage_options=storage_options, cache_dir=cache)
+        return RemoteRun(url, cache_dir=cache, storage=storage)
+    if storage_options is not None or cache_dir is not None:
+        raise ConfigError("storage_options= and cache_dir= apply to URLs (s3://..., gs://...); "
+                          f"{os.fspath(path)!r} is a local path")
+    p = Path(path)
+    if (p / RANKS_FILE).is_file() and not (p / CATALOG_FILE).exists():
+        from stepdump.read.distributed import DistributedRun
+
+        return DistributedRun(p)
+    return Run(p)

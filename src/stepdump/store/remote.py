@@ -1,0 +1,266 @@
+"""Runs in object storage (``s3://``, ``gs://``, ``memory://``, ``file://`` ...) through fsspec.
+
+SQLite needs a local file and object stores cannot append, so a run bound for
+a URL is written to a local staging directory first and published by an
+uploader (:mod:`stepdump.capture.upload`): segment files, then a consistent
+snapshot of the catalog (SQLite's backup API). Readers download that catalog
+snapshot into a local cache and fetch blob byte ranges on demand
+(``fs.cat_file(path, start, end)``), keeping each fetched range in the cache.
+
+Every object a reader fetches is immutable in the part it reads: a segment
+object is only ever replaced by a longer one with the same prefix, and a
+catalog snapshot only points at bytes uploaded before it. So a cached range
+never goes stale and a reader never sees a step whose bytes are missing.
+
+fsspec (and s3fs / gcsfs for their schemes) are optional: ``pip install
+'stepdump[remote]'``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stepdump.errors import ConfigError, CorruptDataError
+from stepdump.store.format import CATALOG_FILE
+from stepdump.store.storage import safe_key
+
+
+def is_url(path: Any) -> bool:
+    """True for ``scheme://...`` strings (fsspec URLs); paths and Path objects are local."""
+    return isinstance(path, str) and "://" in path
+
+
+def default_cache_dir(url: str) -> Path:
+    """Where a reader keeps the catalog snapshot and fetched ranges of ``url``."""
+    base = os.environ.get("STEPDUMP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stepdump"
+    )
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
+    return Path(base) / "remote" / digest
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError:
+        raise ConfigError(
+            "reading or writing a run at a URL needs fsspec (and s3fs for s3://, gcsfs for gs://): "
+            "pip install 'stepdump[remote]'"
+        ) from None
+    return fsspec
+
+
+class FsspecStorage:
+    """The :class:`~stepdump.store.storage.Storage` protocol over an fsspec URL, plus whole-object I/O.
+
+    Args:
+        url: The run's location (``s3://bucket/runs/exp1``).
+        storage_options: Passed to fsspec (``{"endpoint_url": ..., "key": ...}``
+            for s3fs, ``{"token": ...}`` for gcsfs).
+        cache_dir: Local directory for fetched byte ranges (none: no cache) and,
+            for :meth:`append`, the staged bytes not yet uploaded.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None) -> None:
+        if not is_url(url):
+            raise ConfigError(f"{url!r} is not a URL (scheme://...); use a local path for local runs")
+        fsspec = _fsspec()
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(f"cannot open {self.url}: {e} (for s3:// pip install s3fs, for gs:// gcsfs)") from None
+        self.root = self.root.rstrip("/")
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._appended: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<FsspecStorage {self.url}>"
+
+    def path(self, key: str) -> str:
+        """The fsspec path of ``key`` (keys are checked: no absolute paths, no ``..``)."""
+        return f"{self.root}/{safe_key(key)}"
+
+    def child(self, name: str, cache_dir: str | os.PathLike[str] | None = None) -> FsspecStorage:
+        """The storage of a sub-location (a rank's store under a multi-rank run)."""
+        return FsspecStorage(f"{self.url}/{safe_key(name)}", self.storage_options, cache_dir)
+
+    # -- Storage protocol ------------------------------------------------------
+    def append(self, key: str, data: bytes | memoryview) -> int:
+        """Stage ``data`` for ``key`` locally (object stores cannot append); :meth:`sync` uploads."""
+        staged = self._staged(key)
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        if key not in self._appended:
+            # Continue an existing object: fetch it once so the upload replaces it with a longer one.
+            existing = self.get_bytes(key) or b""
+            staged.write_bytes(existing)
+            self._appended[key] = len(existing)
+        with open(staged, "ab") as f:
+            offset = f.seek(0, os.SEEK_END)
+            f.write(memoryview(data).cast("B"))
+        self._appended[key] = offset + len(memoryview(data).cast("B"))
+        return offset
+
+    def sync(self, key: str, durable: bool) -> None:
+        """With ``durable``, upload the staged bytes of ``key`` (the object is replaced whole)."""
+        if durable and key in self._appended:
+            self.put_file(key, self._staged(key))
+
+    def read(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``offset``: from the range cache, else one ranged GET."""
+        if length == 0:
+            return b""
+        cached = self._range_path(key, offset, length)
+        if cached is not None:
+            try:
+                data = cached.read_bytes()
+                if len(data) == length:
+                    return data
+            except FileNotFoundError:
+                pass
+        try:
+            data = self.fs.cat_file(self.path(key), start=offset, end=offset + length)
+        except FileNotFoundError:
+            raise CorruptDataError(f"segment {key!r} is missing from {self.url}; the upload is incomplete") from None
+        if len(data) != length:
+            raise CorruptDataError(
+                f"segment {key!r} of {self.url} is short: wanted {length} bytes at offset {offset}, got {len(data)}"
+            )
+        if cached is not None:
+            _write_atomic(cached, data)
+        return bytes(data)
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self.fs.size(self.path(key)))
+        except FileNotFoundError:
+            return 0
+
+    # -- whole objects ---------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        self.invalidate(key)
+        return bool(self.fs.exists(self.path(key)))
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """The whole object ``key``, or None if there is none."""
+        self.invalidate(key)
+        try:
+            return bytes(self.fs.cat_file(self.path(key)))
+        except FileNotFoundError:
+            return None
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Create or replace the object ``key`` with ``data``, atomically for readers."""
+        path = self._prepare(key)
+        if self._local_fs:
+            tmp = f"{path}.part-{os.getpid()}-{threading.get_ident()}"
+            self.fs.pipe_file(tmp, bytes(data))
+            self.fs.mv(tmp, path)
+        else:  # an object store PUT replaces the object atomically
+            self.fs.pipe_file(path, bytes(data))
+        self.invalidate(key)
+
+    def put_file(self, key: str, local: str | os.PathLike[str]) -> None:
+        """Create or replace the object ``key`` with the local file ``local``, atomically for readers."""
+        path = self._prepare(key)
+        if self._local_fs:  # copying over a file in place would show readers a half-written one
+            tmp = f"{path}.part-{os.getpid()}-{threading.get_ident()}"
+            self.fs.put_file(os.fspath(local), tmp)
+            self.fs.mv(tmp, path)
+        else:
+            self.fs.put_file(os.fspath(local), path)
+        self.invalidate(key)
+
+    def _prepare(self, key: str) -> str:
+        path = self.path(key)
+        parent = path.rsplit("/", 1)[0]
+        if parent and self._local_fs:
+            self.fs.makedirs(parent, exist_ok=True)
+        return path
+
+    @property
+    def _local_fs(self) -> bool:
+        protocol = self.fs.protocol
+        protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
+        return bool({"file", "local"} & set(protocols))
+
+    def invalidate(self, key: str | None = None) -> None:
+        """Forget fsspec's listing cache, so sizes and existence are read afresh."""
+        try:
+            self.fs.invalidate_cache(self.path(key) if key else self.root)
+        except Exception:  # noqa: BLE001 - not every filesystem caches listings
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._appended.clear()
+
+    def close_writer(self, key: str) -> None:
+        self._appended.pop(key, None)
+
+    # -- local files -------------------------------------------------------------
+    def _staged(self, key: str) -> Path:
+        if self.cache_dir is None:
+            raise ConfigError("FsspecStorage.append needs a cache_dir to stage bytes before they are uploaded")
+        return self.cache_dir / "staged" / safe_key(key)
+
+    def _range_path(self, key: str, offset: int, length: int) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        return self.cache_dir / "ranges" / safe_key(key) / f"{int(offset)}-{int(length)}"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def snapshot_catalog(run_dir: Path, dest: Path) -> None:
+    """Copy the committed state of ``run_dir``'s catalog to ``dest`` (a self-contained file).
+
+    SQLite's backup API reads one consistent snapshot while the writer goes on
+    committing; the copy is switched to a rollback journal so that it is one
+    file, with no -wal beside it.
+    """
+    src = sqlite3.connect(f"file:{run_dir / CATALOG_FILE}?mode=ro", uri=True)
+    try:
+        dst = sqlite3.connect(dest)
+        try:
+            src.backup(dst)
+            dst.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            dst.close()
+    finally:
+        src.close()
+
+
+def fetch_catalog(storage: FsspecStorage, cache_dir: Path) -> Path:
+    """Download the catalog snapshot of ``storage`` into ``cache_dir``; return the directory."""
+    from stepdump.errors import NotARunError
+
+    data = storage.get_bytes(CATALOG_FILE)
+    if data is None:
+        raise NotARunError(
+            f"{storage.url} holds no stepdump run (no {CATALOG_FILE}); give the URL a Recorder wrote to, and "
+            "check storage_options (endpoint, credentials)"
+        )
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(cache_dir / CATALOG_FILE, data)
+    return cache_dir
