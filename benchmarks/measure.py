@@ -26,6 +26,7 @@ class Result:
     steps: int
     seconds: list[float] = field(default_factory=list)  # per repeat: first step .. after close()
     bytes_on_disk: list[int] = field(default_factory=list)  # per repeat
+    probe_ms: list[float] = field(default_factory=list)  # per repeat: unrecorded ms/step just before
     extrapolated: bool = False
     note: str = ""
     error: str | None = None
@@ -39,13 +40,21 @@ class Result:
         return [s / self.steps * 1e3 for s in self.seconds]
 
     @property
+    def probe_ratio(self) -> float | None:
+        """ms/step over the unrecorded steps timed just before it (same process, same minute)."""
+        if not self.probe_ms or not self.seconds:
+            return None
+        return statistics.median(s / self.steps * 1e3 / p for s, p in zip(self.seconds, self.probe_ms, strict=True))
+
+    @property
     def bytes_per_step(self) -> float:
         return statistics.median(self.bytes_on_disk) / self.steps if self.bytes_on_disk else float("nan")
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "label": self.label, "group": self.group, "steps": self.steps,
                 "ms_per_step": self.ms_per_step, "ms_samples": self.ms_samples,
-                "bytes_per_step": self.bytes_per_step, "extrapolated": self.extrapolated,
+                "bytes_per_step": self.bytes_per_step, "probe_ms": self.probe_ms,
+                "probe_ratio": self.probe_ratio, "extrapolated": self.extrapolated,
                 "note": self.note, "error": self.error}
 
 
@@ -74,18 +83,25 @@ def time_recording(
     out: Path,
     steps: int,
     warmup: int,
-) -> tuple[float, int]:
-    """Seconds from the first recorded step until after ``close()``, and bytes left on disk.
+    probe: int = 3,
+) -> tuple[float, int, float]:
+    """Seconds from the first recorded step until after ``close()``, bytes left on disk,
+    and ms/step of ``probe`` unrecorded steps run just before.
 
     The workload is built fresh and warmed up (optimizer state exists, allocator
-    warm) without recording; the recording is built outside the timed region.
-    ``out`` is removed afterwards.
+    warm) without recording; ``probe`` more unrecorded steps are timed as a
+    local no-recording reference (the machine's load drifts between rows); the
+    recording is built outside the timed region. ``out`` is removed afterwards.
     """
     if out.exists():
         shutil.rmtree(out)
     w = make_workload()
     for _ in range(warmup):
         w.step(None)
+    t0 = time.perf_counter()
+    for _ in range(probe):
+        w.step(None)
+    probe_ms = (time.perf_counter() - t0) / max(probe, 1) * 1e3
     rec = None
     try:
         rec = make_recording(w, out)
@@ -100,4 +116,45 @@ def time_recording(
         del rec, w
         if out.exists():
             shutil.rmtree(out)
-    return elapsed, size
+    return elapsed, size, probe_ms
+
+
+def spare_core_check(make_workload: Callable[[], Workload], steps: int, warmup: int) -> tuple[float, float]:
+    """ms/step of the training loop alone, and with one background thread busy on torch kernels.
+
+    The background thread does what a recorder's writer does at best (GIL-free
+    reductions over a 4 MB tensor, no I/O). If the machine had a spare core the
+    two numbers would be about equal; their ratio is the most any background
+    writer can hope for here, however little Python it runs.
+    """
+    import threading
+
+    import torch
+
+    w = make_workload()
+    for _ in range(warmup):
+        w.step(None)
+    x = torch.randn(1 << 20)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            torch.aminmax(x)
+            x.sum()
+
+    def timed() -> float:
+        t = time.perf_counter()
+        for _ in range(steps):
+            w.step(None)
+        return (time.perf_counter() - t) / steps * 1e3
+
+    alone = timed()
+    th = threading.Thread(target=busy, daemon=True)
+    th.start()
+    try:
+        loaded = timed()
+    finally:
+        stop.set()
+        th.join()
+    alone = min(alone, timed())
+    return alone, loaded

@@ -28,12 +28,15 @@ def _status_kb(field: str) -> int:
     return -1
 
 
-def record_child(mode: str, steps: int, out: Path, d: int, samples: list[int]) -> dict[str, Any]:
+def record_child(mode: str, steps: int, out: Path, d: int, samples: list[int], threads: int) -> dict[str, Any]:
     """Record ``steps`` steps of a Linear(d, d) + Adam; sample VmRSS / VmHWM on the way."""
     sys.path.insert(0, str(HERE))
+    import torch
+
     import stepdump
     from workloads import tiny_linear
 
+    torch.set_num_threads(threads)
     w = tiny_linear(d_in=d, d_out=d)
     for _ in range(2):
         w.step(None)
@@ -55,9 +58,9 @@ def record_child(mode: str, steps: int, out: Path, d: int, samples: list[int]) -
             "bytes_per_full_step": sum(t.numel() * t.element_size() for _, t in w.tensors())}
 
 
-def run_child(mode: str, steps: int, out: Path, d: int, samples: list[int]) -> dict[str, Any]:
+def run_child(mode: str, steps: int, out: Path, d: int, samples: list[int], threads: int) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "record", "--mode", mode, "--steps", str(steps),
-           "--out", str(out), "--d", str(d), "--samples", ",".join(map(str, samples))]
+           "--out", str(out), "--d", str(d), "--samples", ",".join(map(str, samples)), "--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -116,8 +119,9 @@ def main() -> None:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--d", type=int, default=512)
     r.add_argument("--samples", default="100,500,1000")
+    r.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
-    res = record_child(a.mode, a.steps, a.out, a.d, [int(s) for s in a.samples.split(",") if s])
+    res = record_child(a.mode, a.steps, a.out, a.d, [int(s) for s in a.samples.split(",") if s], a.threads)
     print(json.dumps(res))
 
 

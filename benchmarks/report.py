@@ -23,6 +23,7 @@ class WorkloadReport:
     results: dict[str, Result]
     write_only_ms: float | None  # writing stepdump-raw's bytes per step, no training
     order: list[str]
+    spare_core: tuple[float, float] | None = None  # training ms/step alone, beside a busy thread
 
 
 def machine_info(torch_threads: int) -> dict[str, Any]:
@@ -44,7 +45,25 @@ def machine_info(torch_threads: int) -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return {"cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "python": platform.python_version(),
-            "torch_threads": torch_threads, "mem_gb": mem_gb, "os": platform.platform()}
+            "torch_threads": torch_threads, "mem_gb": mem_gb, "os": platform.platform(), "stepdump": _stepdump_rev()}
+
+
+def _stepdump_rev() -> str:
+    """stepdump's version and the git commit of the tree benchmarked (read-only git calls)."""
+    import subprocess
+
+    import stepdump
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
+                               text=True, timeout=10, check=True).stdout.strip()
+        rev = f"git {sha}" + (" + uncommitted changes in src/" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        rev = "git revision unknown"
+    return f"{stepdump.__version__} ({rev})"
 
 
 def loadavg() -> str:
@@ -82,7 +101,11 @@ def table(rep: WorkloadReport) -> list[list[str]]:
         mark = " †" if r.extrapolated else ""
         b = r.bytes_per_step if r.bytes_on_disk else None
         runs = "/".join(f"{x:.0f}" for x in r.ms_samples)
-        note = f"{len(r.seconds)}×: {runs}" + (f"; {r.note}" if r.note else "")
+        note = f"{len(r.seconds)}×: {runs}"
+        if r.probe_ms and r.key != "none":
+            probes = "/".join(f"{x:.0f}" for x in r.probe_ms)
+            note += f"; probe {probes} → {r.probe_ratio:.2f}×"
+        note += f"; {r.note}" if r.note else ""
         rows.append([
             r.label + mark,
             _fmt(ms, ".0f"),
@@ -138,8 +161,18 @@ def evaluate_targets(rep: WorkloadReport, codecs: list[str]) -> list[Verdict]:
         ms = r.ms_per_step
         if ts_ms:
             lim = 0.33 * ts_ms
+            unreachable = (f"; unreachable as stated here: training alone ({none_ms:.0f} ms) is already "
+                           f"{none_ms / ts_ms:.2f} × torch.save" if none_ms and none_ms > lim else "")
             out.append(Verdict(wl, f"full every step ({codec}) ≤ 0.33 × torch.save time", ms <= lim,
-                               f"{ms:.0f} ms vs limit {lim:.0f} ms (= {ms / ts_ms:.2f} × torch.save {ts_ms:.0f} ms)"))
+                               f"{ms:.0f} ms vs limit {lim:.0f} ms (= {ms / ts_ms:.2f} × torch.save {ts_ms:.0f} ms)"
+                               + unreachable))
+            if none_ms and ts_ms > none_ms:
+                over, ts_over = ms - none_ms, ts_ms - none_ms
+                out.append(Verdict(
+                    wl, f"… read as overhead: full every step ({codec}) − no recording ≤ 0.33 × (torch.save − no "
+                        "recording)", over <= 0.33 * ts_over,
+                    f"{over:.0f} ms vs limit {0.33 * ts_over:.0f} ms (= {over / ts_over:.2f} × torch.save's "
+                    f"{ts_over:.0f} ms overhead)"))
         if none_ms and rep.write_only_ms is not None:
             floor = max(none_ms, rep.write_only_ms)
             lim = 1.25 * floor
@@ -156,8 +189,10 @@ def evaluate_targets(rep: WorkloadReport, codecs: list[str]) -> list[Verdict]:
         if r is None or not r.seconds or not none_ms:
             continue
         ms = r.ms_per_step
+        local = f"; against the unrecorded steps timed just before it: {r.probe_ratio:.2f}×" if r.probe_ratio else ""
         out.append(Verdict(wl, f"{what} ≤ 1.03 × no recording", ms <= 1.03 * none_ms,
-                           f"{ms:.0f} ms vs limit {1.03 * none_ms:.0f} ms (= {ms / none_ms:.3f} × {none_ms:.0f} ms)"))
+                           f"{ms:.0f} ms vs limit {1.03 * none_ms:.0f} ms (= {ms / none_ms:.3f} × {none_ms:.0f} ms)"
+                           + local))
     best = None
     for codec in codecs:
         r = res.get(f"sd-full-{codec}")
@@ -194,6 +229,7 @@ def results_markdown(
     L.append(f"- machine: {info['cores']} cores, {info['cpu']}, "
              f"{_fmt(info['mem_gb'], '.0f')} GB RAM, {info['os']}")
     L.append(f"- python {info['python']}, torch {info['torch']}, torch intra-op threads: {info['torch_threads']}")
+    L.append(f"- stepdump {info['stepdump']}")
     L.append(f"- load average before / after: {load_before} / {load_after} (the machine is shared; expect noise)")
     L.append(f"- command: `{command}` (the full run is `make bench`)")
     L.append(f"- settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
@@ -212,13 +248,21 @@ def results_markdown(
         if rep.write_only_ms is not None:
             L.append(f"Writing stepdump-raw's bytes per step with plain `write()` and no training takes "
                      f"{rep.write_only_ms:.0f} ms/step (the I/O floor used by the targets).")
+        if rep.spare_core:
+            a, b = rep.spare_core
+            L.append(f"Spare-core check: the training loop alone {a:.0f} ms/step, beside one thread busy on torch "
+                     f"reductions (no I/O) {b:.0f} ms/step ({b / a:.2f}×): "
+                     + ("there is no spare core here, so any CPU a background writer uses is taken from training."
+                        if b / a > 1.15 else "a background thread costs training little here."))
         L.append("")
         L.append(markdown_table(table(rep)))
     L.append("")
     L.append("## Targets")
     L.append("")
     L.append("Evaluated from the tables above (same run). \"no recording\" and \"torch.save\" are the medians of "
-             "their repeated runs.")
+             "their repeated runs. Times include training, as the targets are stated; where training alone already "
+             "exceeds 0.33 × torch.save the first target cannot be met by any recorder, so it is also read as "
+             "overhead above no recording (rows starting with …).")
     L.append("")
     L.extend(verdict_lines(verdicts))
     if readside:
