@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[test]"
+	# the report's browser test drives Debian's chromium (never `playwright install`)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	touch $@
 
 install: $(VENV)/.installed
@@ -32,6 +34,13 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/keyframes.py
+
+# Not part of `make test`: 54 SIGKILLs of a recording process (each followed by
+# open / verify / bit-exact reads / resume) and 10,000-step load runs (~5 min).
+# See docs/reliability.md; options: $(PY) tests/reliability/soak.py --help
+soak: $(VENV)/.installed-test
+	$(PY) tests/reliability/soak.py
 
 clean:
 	rm -rf $(VENV) demo-run report.html .pytest_cache
