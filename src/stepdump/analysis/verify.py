@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from stepdump.capture.stats import fingerprint_bytes
 from stepdump.errors import CorruptDataError
-from stepdump.store.format import DTYPES, parse_shape
+from stepdump.read.blobs import check_layout
 
 
 @dataclass(frozen=True)
@@ -35,24 +31,44 @@ class VerifyReport:
 
 
 def verify(run: object, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Check the catalog's integrity and every blob of ``run`` (a stepdump.Run)."""
-    con: sqlite3.Connection = run._con  # type: ignore[attr-defined]
+    """Check the catalog's integrity and every blob of ``run`` (a stepdump.Run).
+
+    Never raises on damage: every problem found (a blob failing its checksum or
+    fingerprint, bytes missing from a segment, a tensor row pointing at no blob,
+    a catalog SQLite cannot read) is a :class:`Problem` in the report.
+    """
+    from stepdump.analysis.multirank import is_multirank, verify_ranks
+
+    if is_multirank(run):  # a DistributedRun: every rank's store
+        return verify_ranks(run, progress)  # type: ignore[no-any-return]
+    con = run._con  # type: ignore[attr-defined]
     blobs = run._blobs  # type: ignore[attr-defined]
     report = VerifyReport()
     try:
-        result = [r[0] for r in con.execute("PRAGMA quick_check")]
-    except sqlite3.DatabaseError as e:
+        # integrity_check, not quick_check: a flipped bit in a key (a tensor row moved to
+        # another series or step) shows only as rows out of order or missing from an index.
+        result = [r[0] for r in con.execute("PRAGMA integrity_check")]
+    except CorruptDataError as e:
         report.problems.append(Problem("catalog", f"SQLite cannot check it: {e}"))
         return report
     if result != ["ok"]:
-        report.problems.append(Problem("catalog", "; ".join(result[:5])))
-    users: dict[int, list[tuple[str, str, int, str, str, int]]] = {}
-    for blob, kind, name, step, dtype, shape, fp in con.execute(
-        "SELECT t.blob, s.kind, s.name, t.step, t.dtype, t.shape, t.fingerprint FROM tensors t "
-        "JOIN series s ON s.id = t.series WHERE t.blob IS NOT NULL"
-    ):
+        report.problems.append(Problem("catalog", "; ".join(map(str, result[:5]))))
+    try:
+        tensor_rows = con.execute(
+            "SELECT t.blob, s.kind, s.name, t.step, t.dtype, t.shape, t.fingerprint FROM tensors t "
+            "JOIN series s ON s.id = t.series WHERE t.blob IS NOT NULL"
+        )
+        ids = [r[0] for r in con.execute("SELECT id FROM blobs ORDER BY segment, offset")]
+    except CorruptDataError as e:
+        report.problems.append(Problem("catalog", f"its tensors and blobs cannot be listed: {e}"))
+        return report
+    users: dict[object, list[tuple[object, ...]]] = {}
+    for blob, kind, name, step, dtype, shape, fp in tensor_rows:
         users.setdefault(blob, []).append((kind, name, step, dtype, shape, fp))
-    ids = [r[0] for r in con.execute("SELECT id FROM blobs ORDER BY segment, offset")]
+    for blob in users.keys() - set(ids):
+        refs = users[blob]
+        report.problems.append(Problem(f"blob {blob!r}", "tensors point at a blob the catalog does not list",
+                                       tuple(f"{k} {n} @ step {s}" for k, n, s, *_ in refs)))
     for i, blob_id in enumerate(ids):
         refs = users.get(blob_id, [])
         label = tuple(f"{k} {n} @ step {s}" for k, n, s, *_ in refs)
@@ -62,10 +78,13 @@ def verify(run: object, progress: Callable[[int, int], None] | None = None) -> V
             for kind, name, step, dtype, shape, fp in refs:
                 _check_tensor(raw, dtype, shape, fp)
         except CorruptDataError as e:
-            row = con.execute(
-                "SELECT s.key, b.offset FROM blobs b LEFT JOIN segments s ON s.id = b.segment WHERE b.id = ?",
-                (blob_id,),
-            ).fetchone()
+            try:
+                row = con.execute(
+                    "SELECT s.key, b.offset FROM blobs b LEFT JOIN segments s ON s.id = b.segment WHERE b.id = ?",
+                    (blob_id,),
+                ).fetchone()
+            except CorruptDataError:
+                row = None
             where = f"blob {blob_id} ({row[0]} @ {row[1]})" if row else f"blob {blob_id}"
             report.problems.append(Problem(where, str(e), label))
         report.blobs_checked += 1
@@ -74,11 +93,8 @@ def verify(run: object, progress: Callable[[int, int], None] | None = None) -> V
     return report
 
 
-def _check_tensor(raw: bytes | bytearray | memoryview, dtype: str, shape: str, fp: int) -> None:
-    tdtype = DTYPES.get(dtype)
-    if tdtype is None:
-        raise CorruptDataError(f"unknown dtype {dtype!r}")
-    want = math.prod(parse_shape(shape)) * torch.empty((), dtype=tdtype).element_size()
+def _check_tensor(raw: bytes | bytearray | memoryview, dtype: object, shape: object, fp: object) -> None:
+    _, _, want = check_layout(dtype, shape)
     if len(raw) != want:
         raise CorruptDataError(f"holds {len(raw)} bytes, the tensor needs {want}")
     if fingerprint_bytes(raw) != fp:

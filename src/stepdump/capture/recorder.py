@@ -38,6 +38,8 @@ from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, 
 from stepdump.capture.activations import ModuleCapture, input_name, rename_refs
 from stepdump.capture.scalars import check_scalar, scalar_rows
 from stepdump.capture.session import init_catalog, prepare_dir
+from stepdump.capture import target as _target
+from stepdump.capture.distributed import Ranks
 from stepdump.capture.profiling import peak_memory_mb
 from stepdump.capture.ring import Held, Ring
 from stepdump.capture.staging import Item, StagingPool, Stager
@@ -80,7 +82,15 @@ class Recorder:
         queue_depth: Steps that may be in flight to the writer before training
             waits (each holds a staging copy of the recorded tensors).
         durability: ``"flush"`` (survives a killed process) or ``"fsync"``
-            (also survives power loss, slower).
+            (also survives power loss, slower); docs/reliability.md has numbers.
+        on_error: What a failure to write (disk full, I/O error) does once
+            recording has started. ``"raise"`` (default): the next
+            ``optimizer.step()``, :meth:`log` or :meth:`close` raises
+            :class:`stepdump.WriterError` naming the cause. ``"warn"``: one warning
+            is logged with the cause, recording stops, training goes on and
+            :meth:`close` does not raise. Either way every step committed before
+            the failure stays readable. Errors while the Recorder is being
+            created always raise.
         resume: Append to an existing run, continuing its step numbers.
         start_step: Number of the first recorded step (default 0, or the step
             after the last recorded one when resuming).
@@ -104,7 +114,25 @@ class Recorder:
 
     Use it as a context manager or call :meth:`close`; create it right before
     the training loop so the RNG state of step 0 is the one the loop starts with.
+
+    Under ``torch.distributed`` (docs/distributed.md) each rank records into
+    ``path/rank{r:05d}``; ``ranks=`` picks the ranks (``"all"``, an iterable,
+    or None to record into ``path`` itself); on other ranks the Recorder is an
+    inactive stand-in (``recording`` False). ``path`` may be an fsspec URL
+    (``s3://bucket/run``): the run is staged locally and uploaded, see
+    :class:`stepdump.Remote` passed as ``remote=``.
     """
+
+    recording = True  # False for the stand-in that ranks= gives the ranks it leaves out
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Recorder:
+        from stepdump.capture.distributed import this_rank_records
+
+        if cls is Recorder and not this_rank_records(kwargs.get("ranks", "all")):
+            from stepdump.capture.inactive import InactiveRecorder
+
+            return super().__new__(InactiveRecorder)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -122,6 +150,7 @@ class Recorder:
         codec: str = "raw",
         queue_depth: int = 2,
         durability: str = "flush",
+        on_error: str = "raise",
         resume: bool = False,
         start_step: int | None = None,
         metadata: dict[str, Any] | None = None,
@@ -132,6 +161,8 @@ class Recorder:
         ring: int | None = None,
         trigger: Trigger | str | None = None,
         after: int | None = None,
+        ranks: Ranks = "all",
+        remote: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -143,6 +174,10 @@ class Recorder:
             raise ConfigError("scaler must be a torch.amp.GradScaler")
         if durability not in ("flush", "fsync"):
             raise ConfigError(f"durability={durability!r}: choose 'flush' or 'fsync'")
+        if on_error not in ("raise", "warn"):
+            raise ConfigError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
+        self._on_error = on_error
+        self._stopped = False  # on_error="warn" after a writer failure: recording is off
         if queue_depth < 1:
             raise ConfigError("queue_depth must be at least 1")
         get_codec(codec)  # fail now, not in the writer
@@ -164,7 +199,8 @@ class Recorder:
         self._after = ring if after is None else after
         self._after_left = 0
         self._history: dict[str, deque[float]] = {}
-        self.path = Path(path)
+        self._target = _target.resolve(path, ranks=ranks, remote=remote, resume=resume)
+        self.path = self._target.local  # this rank's store; a local staging directory for a URL
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.kinds = check_kinds(capture)
         self._filter = NameFilter(include, exclude)
@@ -197,15 +233,18 @@ class Recorder:
                 "codec": codec,
                 "layout": self._layout.to_meta(),
                 "user": metadata or {},
+                **self._target.meta(self._layout.params),
             }
             self._step = init_catalog(self.path, meta, resume, start_step)
             self._pool = StagingPool(queue_depth + (ring or 0))
             self._ring = Ring(ring, self._pool) if ring is not None else None
             self._stager = Stager()
-            self._writer = Writer(self.path, self._pool, codec, durability, segment_bytes, max_queue=queue_depth + 64)
+            self._writer = Writer(self.path, self._pool, codec, durability, self._target.segment_bytes(segment_bytes),
+                                  max_queue=queue_depth + 64)
             self._writer.start()
             self._writer.wait_ready()
-            self._raise_if_writer_failed()
+            self._raise_if_writer_failed(starting=True)
+            self._target.start(lambda: self._writer.steps_written)
         except BaseException:
             self._lock.release()
             raise
@@ -252,7 +291,8 @@ class Recorder:
         has not got yet is given to that step, so ``rec.log(loss=loss)`` after
         the step lands on the step that computed the loss.
         """
-        self._raise_if_writer_failed()
+        if self._raise_if_writer_failed():
+            return
         if self._closed:
             raise ConfigError("this Recorder is closed; create a new one to record more")
         for name, value in scalars.items():
@@ -273,7 +313,8 @@ class Recorder:
         step can be replayed; call it once per iteration (again for micro-batches:
         later calls get ``#1``, ``#2``...).
         """
-        self._raise_if_writer_failed()
+        if self._raise_if_writer_failed():
+            return
         if self._level(self._step) == LEVEL_NONE:
             return
         call = self._modules._indexed("inputs", "batch")
@@ -315,7 +356,10 @@ class Recorder:
             self._writer.join()
             self._lock.release()
             self._finalizer.detach()
-        self._raise_if_writer_failed()
+        try:
+            self._raise_if_writer_failed()
+        finally:
+            self._target.finish()  # a URL run: publish the final state
         log.info("stepdump: closed %s (%d steps, %d bytes)", self.path, self._writer.steps_written,
                  self._writer.bytes_written)
 
@@ -341,8 +385,17 @@ class Recorder:
         return LEVEL_FULL if self._full(t) else LEVEL_STATS if self._stats(t) else LEVEL_NONE
 
     def _on_pre_step(self, skipped: bool = False) -> None:
-        self._raise_if_writer_failed()
         self._pre_fired += 1
+        if self._raise_if_writer_failed():
+            return
+        try:
+            self._record_step(skipped)
+        except WriterError:  # the writer died while this step was being staged
+            if self._on_error != "warn":
+                raise
+            self._raise_if_writer_failed()
+
+    def _record_step(self, skipped: bool) -> None:
         t = self._step
         started = time.perf_counter()
         with torch.profiler.record_function("stepdump.capture"):
@@ -413,6 +466,8 @@ class Recorder:
         msg.state_json = None
 
     def _on_step_done(self) -> None:
+        if self._stopped:
+            return
         started = time.perf_counter()
         if self._profile:
             self._profile_scalars(self._step, started)
@@ -494,12 +549,29 @@ class Recorder:
                 self._writer.queue.put(msg, timeout=0.05)
                 return
             except _q.Full:
-                self._raise_if_writer_failed()
+                if self._raise_if_writer_failed():
+                    return
 
-    def _raise_if_writer_failed(self) -> None:
+    def _raise_if_writer_failed(self, starting: bool = False) -> bool:
+        """Raise WriterError if the writer failed; with on_error="warn" (once recording has
+        started) stop recording instead and return True. False: all is well."""
         err = self._writer.error if hasattr(self, "_writer") else None
-        if err is not None:
-            raise WriterError(f"stepdump could not write {self.path}: {err}") from err
+        if err is None:
+            return False
+        if self._on_error == "warn" and not starting:
+            self._stop_recording(err)
+            return True
+        raise WriterError(f"stepdump could not write {self.path}: {err}") from err
+
+    def _stop_recording(self, err: BaseException) -> None:
+        """on_error="warn": say once why recording stopped; from now on the hooks do nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._modules.remove()  # no more activations piling up for a writer that is gone
+        self._pending.clear()
+        log.warning("stepdump: recording into %s stopped at step %d (training goes on unrecorded; steps "
+                    "before it are intact): %s: %s", self.path, self._step, type(err).__name__, err)
 
 
 def _close_quietly(ref: weakref.ref[Recorder]) -> None:

@@ -12,7 +12,7 @@ import torch
 import stepdump
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError
 from stepdump.store import catalog
-from stepdump.store.format import CATALOG_FILE
+from stepdump.store.format import CATALOG_FILE, LOCK_FILE
 from stepdump.store.lock import is_locked
 
 
@@ -31,10 +31,15 @@ def prepare_dir(p: Path, resume: bool) -> Path:
                 f"{p} already holds a stepdump run. Record into a new directory, "
                 "or pass resume=True to append steps to it."
             )
-    elif p.exists() and any(p.iterdir()):
+    elif p.exists() and any(not _creation_leftover(x.name) for x in p.iterdir()):
         raise RunExistsError(f"{p} exists and is not empty (and not a run); give a new or empty directory")
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def _creation_leftover(name: str) -> bool:
+    """What a Recorder killed before its catalog existed leaves: the LOCK file, a partial catalog."""
+    return name == LOCK_FILE or name.startswith(CATALOG_FILE + catalog.PARTIAL_SUFFIX)
 
 
 def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int | None) -> int:
@@ -57,7 +62,8 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
         last = con.execute("SELECT max(step) FROM steps").fetchone()[0]
     finally:
         con.close()
-    if old.get("layout", {}).get("groups") != meta["layout"]["groups"]:
+    layout = old.get("layout")
+    if not isinstance(layout, dict) or layout.get("groups") != meta["layout"]["groups"]:
         raise ConfigError(
             f"cannot resume {path}: the optimizer's parameters differ from the recorded run's; "
             "record into a new directory"

@@ -99,7 +99,9 @@ class Writer(threading.Thread):
             try:
                 self._write(msg)
             except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
-                log.error("stepdump writer failed at step %s: %s", msg.step, e)
+                # Not logged as an error here: the training thread reports it, as a
+                # WriterError or (on_error="warn") as the one warning it logs.
+                log.debug("stepdump writer failed at step %s: %s", msg.step, e)
                 self.error = e
                 self._rollback()
                 self._done_with(msg)

@@ -1,50 +1,100 @@
 """Loading one blob: read its bytes, check its checksum, decode, build a tensor.
 
-Every check here runs before memory is allocated for a tensor, so a hostile or
-damaged catalog cannot make the reader allocate absurd sizes or read outside
-the run directory.
+The catalog is untrusted input (a store may come from anywhere, or be damaged).
+Every check here runs before memory is allocated for a tensor, in this order:
+the row's types, the dtype and the shape (and that the shape's size is
+plausible), that the blob's sizes agree with the shape, that the bytes lie
+inside a regular segment file of the run, their checksum, then decoding into
+exactly the expected number of bytes, and finally the tensor's fingerprint.
+So a hostile or damaged catalog cannot make the reader allocate absurd sizes,
+read outside the run directory, or hand back wrong values without an error.
 """
 
 from __future__ import annotations
 
 import math
-import sqlite3
+import re
 from pathlib import Path
 
 import torch
 
 from stepdump.capture.stats import fingerprint_bytes
 from stepdump.errors import ConfigError, CorruptDataError
-from stepdump.store.catalog import BlobRow
+from stepdump.store.catalog import BlobRow, ReadConnection
 from stepdump.store.codecs import get_codec
-from stepdump.store.format import DTYPES, parse_shape
+from stepdump.store.format import DTYPES
 from stepdump.store.storage import LocalStorage
 
 # Refuse blobs whose catalog entry claims more than this; a real tensor this
 # large would not fit a segment anyway.
 MAX_BLOB_BYTES = 1 << 40
+# No codec here expands its input by more than this (zstd at best ~32768:1 with RLE
+# blocks, Blosc 1 well under that); a blob claiming more is damaged or hostile, and
+# is refused before anything of its claimed size is allocated.
+MAX_EXPANSION = 1 << 16
+_SHAPE = re.compile(r"(?:[0-9]{1,19}(?:,[0-9]{1,19})*)?")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_layout(dtype: object, shape: object) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """Validate a tensor row's dtype and shape; return (dtype, dims, bytes it needs)."""
+    tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if tdtype is None:
+        raise CorruptDataError(f"unknown dtype {dtype!r} in the catalog")
+    if not isinstance(shape, str) or not _SHAPE.fullmatch(shape):
+        raise CorruptDataError(f"bad shape {shape!r} in the catalog (want dimensions joined by ',')")
+    dims = tuple(int(p) for p in shape.split(",")) if shape else ()
+    itemsize = torch.empty((), dtype=tdtype).element_size()
+    # Zero-sized dims make numel 0, but the other dims still size the strides.
+    if math.prod(max(d, 1) for d in dims) * itemsize > MAX_BLOB_BYTES:
+        raise CorruptDataError(f"shape {shape!r} of a {dtype} tensor is implausibly large; refusing to allocate it")
+    return tdtype, dims, math.prod(dims) * itemsize
 
 
 class BlobReader:
-    def __init__(self, run_dir: Path, con: sqlite3.Connection) -> None:
+    def __init__(self, run_dir: Path, con: ReadConnection) -> None:
         self.storage = LocalStorage(run_dir)
         self.con = con
 
     def blob_row(self, blob_id: int) -> BlobRow:
+        if not _is_int(blob_id):
+            raise CorruptDataError(f"the catalog points at blob {blob_id!r}, which is not a blob id")
         row = self.con.execute(
             "SELECT b.id, s.key, b.offset, b.length, b.codec, b.raw_length, b.checksum, b.base "
             "FROM blobs b JOIN segments s ON s.id = b.segment WHERE b.id = ?",
             (blob_id,),
         ).fetchone()
         if row is None:
-            raise CorruptDataError(f"the catalog points at blob {blob_id}, which it does not list")
-        return BlobRow(*row)
-
-    def raw(self, blob_id: int) -> bytes | bytearray | memoryview:
-        """The decoded (raw tensor) bytes of a blob, checksum verified."""
-        b = self.blob_row(blob_id)
+            raise CorruptDataError(f"the catalog points at blob {blob_id}, which it does not list (or its segment)")
+        b = BlobRow(*row)
+        if not isinstance(b.segment_key, str) or not isinstance(b.codec, str) or not all(
+            _is_int(v) for v in (b.offset, b.length, b.raw_length, b.checksum)
+        ):
+            raise CorruptDataError(f"blob {blob_id} has a malformed catalog row: {row!r}")
         if not (0 <= b.length <= MAX_BLOB_BYTES and 0 <= b.raw_length <= MAX_BLOB_BYTES and b.offset >= 0):
-            raise CorruptDataError(f"blob {blob_id} has impossible sizes in the catalog (length {b.length})")
+            raise CorruptDataError(
+                f"blob {blob_id} has impossible sizes in the catalog (offset {b.offset}, length {b.length}, "
+                f"raw length {b.raw_length})"
+            )
+        return b
+
+    def raw(self, blob_id: int, b: BlobRow | None = None) -> bytes | bytearray | memoryview:
+        """The decoded (raw tensor) bytes of a blob, checksum verified."""
+        b = b or self.blob_row(blob_id)
+        try:
+            codec = get_codec(b.codec)
+        except ConfigError:
+            raise CorruptDataError(f"blob {blob_id} uses codec {b.codec!r}, which this stepdump does not know") from None
+        if codec.name == "raw" and b.length != b.raw_length:
+            raise CorruptDataError(f"blob {blob_id} is stored raw but its lengths differ ({b.length} != {b.raw_length})")
+        if b.raw_length > b.length * MAX_EXPANSION + 4096:
+            raise CorruptDataError(
+                f"blob {blob_id} claims {b.raw_length} bytes decoded from {b.length} stored, more than {b.codec} "
+                "can expand; the catalog is damaged"
+            )
         data = self.storage.read(b.segment_key, b.offset, b.length)
         if fingerprint_bytes(data) != b.checksum:
             raise CorruptDataError(
@@ -52,35 +102,37 @@ class BlobReader:
                 "damaged. `stepdump verify` lists every damaged blob."
             )
         try:
-            codec = get_codec(b.codec)
-        except ConfigError:
-            raise CorruptDataError(f"blob {blob_id} uses codec {b.codec!r}, which this stepdump does not know") from None
-        out = codec.decode(data, b.raw_length)
+            out = codec.decode(data, b.raw_length)
+        except MemoryError:
+            raise CorruptDataError(
+                f"blob {blob_id} claims to decode to {b.raw_length} bytes, more than this machine can allocate"
+            ) from None
         if len(out) != b.raw_length:
             raise CorruptDataError(f"blob {blob_id} decodes to {len(out)} bytes, expected {b.raw_length}")
         return out
 
-    def tensor(self, blob_id: int, dtype: str, shape: str) -> torch.Tensor:
-        tdtype = DTYPES.get(dtype)
-        if tdtype is None:
-            raise CorruptDataError(f"unknown dtype {dtype!r} in the catalog")
-        try:
-            dims = parse_shape(shape)
-        except ValueError:
-            raise CorruptDataError(f"bad shape {shape!r} in the catalog") from None
-        if any(d < 0 for d in dims):
-            raise CorruptDataError(f"negative dimension in shape {shape!r}")
-        itemsize = torch.empty((), dtype=tdtype).element_size()
-        want = math.prod(dims) * itemsize
+    def tensor(self, blob_id: int, dtype: str, shape: str, fingerprint: int | None = None) -> torch.Tensor:
+        """The tensor a ``tensors`` row describes; with ``fingerprint`` (the row's), the decoded
+        bytes are checked against it too, so a decoder or catalog mix-up cannot go unnoticed."""
+        tdtype, dims, want = check_layout(dtype, shape)
         b = self.blob_row(blob_id)
         if b.raw_length != want:
             raise CorruptDataError(
                 f"blob {blob_id} holds {b.raw_length} bytes but a {dtype} tensor of shape {dims} needs {want}"
             )
-        raw = self.raw(blob_id)
+        raw = self.raw(blob_id, b)
+        # For the raw codec the checksum just verified *is* the fingerprint.
+        if fingerprint is not None and not (b.codec == "raw" and b.checksum == fingerprint):
+            if fingerprint_bytes(raw) != fingerprint:
+                raise CorruptDataError(
+                    f"blob {blob_id} decodes to bytes that do not match the tensor's recorded fingerprint"
+                )
         if want == 0:
             return torch.empty(dims, dtype=tdtype)
-        buf = bytearray(raw) if not isinstance(raw, bytearray) else raw
+        try:
+            buf = bytearray(raw) if not isinstance(raw, bytearray) else raw
+        except MemoryError:
+            raise CorruptDataError(f"blob {blob_id} ({want} bytes) is more than this machine can allocate") from None
         return torch.frombuffer(buf, dtype=torch.uint8).view(tdtype).reshape(dims)
 
     def close(self) -> None:

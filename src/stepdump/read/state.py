@@ -1,4 +1,8 @@
-"""Rebuilding ``state_dict``-shaped objects from a recorded step."""
+"""Rebuilding ``state_dict``-shaped objects from a recorded step.
+
+The layout and state they are built from come from the catalog, which may be
+damaged or hostile: anything not shaped as FORMAT.md says is a CorruptDataError.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +17,27 @@ if TYPE_CHECKING:
     from stepdump.read.run import Run
 
 
+def _layout_entries(run: Run) -> list[tuple[str, str, str]]:
+    layout = run.meta.get("layout")
+    entries = layout.get("state_dict") if isinstance(layout, dict) else None
+    if entries is None:
+        raise CorruptDataError(f"{run.path} has no state_dict layout in its catalog")
+    if not isinstance(entries, list) or not all(
+        isinstance(e, list) and len(e) == 3 and all(isinstance(x, str) for x in e) for e in entries
+    ):
+        raise CorruptDataError(f"the state_dict layout in the catalog of {run.path} is malformed")
+    return [(k, kind, name) for k, kind, name in entries]
+
+
 def model_state_dict(run: Run, step: int) -> OrderedDict[str, torch.Tensor]:
     """Params (before update ``step``) and buffers (start of iteration ``step``), by state_dict key."""
     run._require_full(step)
-    entries = run.meta.get("layout", {}).get("state_dict")
-    if entries is None:
-        raise CorruptDataError(f"{run.path} has no state_dict layout in its catalog")
+    entries = _layout_entries(run)
     stored = {
-        (k, n): (b, d, sh)
-        for k, n, b, d, sh in run._con.execute(
-            "SELECT s.kind, s.name, t.blob, t.dtype, t.shape FROM tensors t JOIN series s ON s.id = t.series "
+        (k, n): (b, d, sh, fp)
+        for k, n, b, d, sh, fp in run._con.execute(
+            "SELECT s.kind, s.name, t.blob, t.dtype, t.shape, t.fingerprint FROM tensors t "
+            "JOIN series s ON s.id = t.series "
             "WHERE t.step = ? AND s.kind IN ('params', 'buffers') AND t.blob IS NOT NULL",
             (step,),
         )
@@ -37,7 +52,7 @@ def model_state_dict(run: Run, step: int) -> OrderedDict[str, torch.Tensor]:
                     f"step {step} of {run.path} has no {kind} {name!r}, so no full state_dict: record with "
                     "capture including 'params' and include/exclude covering every parameter"
                 )
-            loaded[ref] = run._blobs.tensor(*stored[ref])
+            loaded[ref] = run._blobs.tensor(*stored[ref][:3], _fingerprint(run, stored[ref][3]))
         out[key] = loaded[ref]
     return out
 
@@ -49,9 +64,15 @@ def optimizer_state_dict(run: Run, step: int) -> dict[str, Any]:
     groups = state.get("groups")
     if groups is None:
         raise CorruptDataError(f"step {step} of {run.path} has no optimizer param groups recorded")
+    malformed = CorruptDataError(f"the optimizer param groups recorded at step {step} of {run.path} are malformed")
+    if not isinstance(groups, list):
+        raise malformed
     index: dict[str, int] = {}
     param_groups = []
     for g in groups:
+        if not (isinstance(g, dict) and isinstance(g.get("hyper"), dict) and isinstance(g.get("params"), list)
+                and all(isinstance(n, str) for n in g["params"])):
+            raise malformed
         ids = []
         for name in g["params"]:
             # torch numbers each distinct parameter once, in group order.
@@ -61,15 +82,26 @@ def optimizer_state_dict(run: Run, step: int) -> dict[str, Any]:
         param_groups.append({**g["hyper"], "params": ids})
     per_param: dict[str, dict[str, Any]] = {}
     rows = run._con.execute(
-        "SELECT s.param, s.key, t.blob, t.dtype, t.shape FROM tensors t JOIN series s ON s.id = t.series "
-        "WHERE t.step = ? AND s.kind = 'optimizer' ORDER BY s.id",
+        "SELECT s.param, s.key, t.blob, t.dtype, t.shape, t.fingerprint FROM tensors t "
+        "JOIN series s ON s.id = t.series WHERE t.step = ? AND s.kind = 'optimizer' ORDER BY s.id",
         (step,),
     ).fetchall()
-    for param, key, blob, dtype, shape in rows:
+    for param, key, blob, dtype, shape, fp in rows:
         if blob is None:
             continue
-        per_param.setdefault(param, {})[key] = run._blobs.tensor(blob, dtype, shape)
-    for param, extra in state.get("optimizer_extra", {}).items():
+        if not isinstance(param, str) or not isinstance(key, str):
+            raise CorruptDataError(f"an optimizer series of {run.path} has param {param!r} and key {key!r}")
+        per_param.setdefault(param, {})[key] = run._blobs.tensor(blob, dtype, shape, _fingerprint(run, fp))
+    extras = state.get("optimizer_extra", {})
+    if not isinstance(extras, dict) or not all(isinstance(v, dict) for v in extras.values()):
+        raise CorruptDataError(f"the optimizer state recorded at step {step} of {run.path} is malformed")
+    for param, extra in extras.items():
         per_param.setdefault(param, {}).update(extra)
     opt_state = {index[p]: v for p, v in per_param.items() if p in index}
     return {"state": opt_state, "param_groups": param_groups}
+
+
+def _fingerprint(run: Run, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CorruptDataError(f"a tensor row of {run.path} has fingerprint {v!r}, which is not a 64-bit hash")
+    return v

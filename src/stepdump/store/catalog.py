@@ -9,6 +9,7 @@ entirely visible or not at all.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
@@ -97,22 +98,96 @@ def catalog_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / CATALOG_FILE
 
 
+PARTIAL_SUFFIX = ".partial"
+
+
 def create(run_dir: Path, meta: dict[str, Any]) -> None:
-    """Create a new catalog with ``meta`` (values JSON-encoded)."""
-    con = sqlite3.connect(catalog_path(run_dir))
+    """Create a new catalog with ``meta`` (values JSON-encoded), atomically.
+
+    The catalog is built under a temporary name and renamed into place once its
+    schema and meta are committed, so a process killed while creating a run leaves
+    either no catalog (the directory is still an empty run to start or resume) or
+    a complete one, never a half-made file that no reader can open.
+    """
+    final = catalog_path(run_dir)
+    tmp = final.with_name(final.name + PARTIAL_SUFFIX)
+    for leftover in (tmp, *(tmp.with_name(tmp.name + s) for s in ("-journal", "-wal", "-shm"))):
+        leftover.unlink(missing_ok=True)  # from a creator killed half-way
+    con = sqlite3.connect(tmp)
     try:
-        con.execute("PRAGMA journal_mode=WAL")
         con.executescript(SCHEMA)
         with con:
             con.executemany(
                 "INSERT INTO meta(key, value) VALUES (?, ?)",
                 [(k, json.dumps(v)) for k, v in {"format_version": FORMAT_VERSION, **meta}.items()],
             )
+        con.execute("PRAGMA journal_mode=WAL")  # persistent: stored in the file's header
     finally:
         con.close()
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
-def connect_reader(run_dir: str | Path) -> sqlite3.Connection:
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (a no-op where directories cannot be fsynced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Rows(list):  # type: ignore[type-arg]
+    """The rows of one query, fetched at once (what ``ReadConnection.execute`` returns)."""
+
+    def fetchone(self) -> Any:
+        return self[0] if self else None
+
+    def fetchall(self) -> list[Any]:
+        return list(self)
+
+
+class ReadConnection:
+    """A reader's catalog connection whose failures are stepdump errors.
+
+    SQLite reports a damaged file (or one that is not a database) at whichever
+    query first touches the damaged page. ``execute`` fetches every row inside
+    its own ``try``, so such an error always surfaces here, as
+    :class:`~stepdump.errors.CorruptDataError`, and never as ``sqlite3.DatabaseError``
+    from deep inside an analysis function. Misuse of SQL (``ProgrammingError``)
+    is a bug, not damage, and is left alone.
+    """
+
+    def __init__(self, con: sqlite3.Connection, path: Path) -> None:
+        self._con = con
+        self.path = path
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
+        try:
+            return Rows(self._con.execute(sql, params).fetchall())
+        except sqlite3.ProgrammingError:
+            raise
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # the latter: TEXT that is not UTF-8
+            raise CorruptDataError(
+                f"{self.path} is not a readable stepdump catalog: {e} (the file is damaged, or not a "
+                "stepdump catalog; `stepdump verify` checks a run)"
+            ) from e
+
+    def close(self) -> None:
+        self._con.close()
+
+
+def connect_reader(run_dir: str | Path) -> ReadConnection:
     """Open a run's catalog for reading, checking that it is one we understand."""
     path = catalog_path(run_dir)
     if not Path(run_dir).exists():
@@ -122,20 +197,42 @@ def connect_reader(run_dir: str | Path) -> sqlite3.Connection:
             f"{run_dir} is not a stepdump run (no {CATALOG_FILE} in it); "
             "give the directory a Recorder wrote to"
         )
+    if path.resolve().parent != Path(run_dir).resolve():
+        raise CorruptDataError(f"refusing {path}: it is a link to a file outside the run directory")
     try:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
-        con.execute("PRAGMA query_only=ON")
-        rows = dict(con.execute("SELECT key, value FROM meta").fetchall())
     except sqlite3.DatabaseError as e:
         raise CorruptDataError(f"{path} is not a readable stepdump catalog: {e}") from e
-    _check_version(rows, path)
-    return con
+    reader = ReadConnection(con, path)
+    try:
+        reader.execute("PRAGMA query_only=ON")
+        reader.execute("PRAGMA trusted_schema=OFF")  # nothing in a store's schema runs with side effects
+        _check_tables(reader, path)
+        rows = dict(reader.execute("SELECT key, value FROM meta"))
+        _check_version(rows, path)
+    except BaseException:
+        con.close()
+        raise
+    return reader
+
+
+TABLES = ("meta", "series", "segments", "blobs", "steps", "tensors", "scalars")
+
+
+def _check_tables(con: ReadConnection, path: Path) -> None:
+    """Our names must be plain tables: a store could define ``steps`` as a view (say, an
+    endless recursive one) that every query would then run."""
+    marks = ",".join("?" * len(TABLES))
+    odd = con.execute(f"SELECT type, name FROM sqlite_master WHERE name IN ({marks}) AND type != 'table'", TABLES)
+    if odd:
+        kind, name = odd[0]
+        raise CorruptDataError(f"{path} is not a stepdump catalog: {name!r} is a {kind}, not a table")
 
 
 def _check_version(meta_rows: dict[str, str], path: Path) -> int:
     try:
         version = int(json.loads(meta_rows["format_version"]))
-    except (KeyError, ValueError, TypeError):
+    except (KeyError, ValueError, TypeError, OverflowError, RecursionError):
         raise CorruptDataError(f"{path} has no valid format_version; it is not a stepdump catalog") from None
     if version != FORMAT_VERSION:
         newer = "a newer" if version > FORMAT_VERSION else "an older"
@@ -146,8 +243,15 @@ def _check_version(meta_rows: dict[str, str], path: Path) -> int:
     return version
 
 
-def read_meta(con: sqlite3.Connection) -> dict[str, Any]:
-    return {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
+def read_meta(con: ReadConnection) -> dict[str, Any]:
+    """The meta table, JSON-decoded; a value that is not JSON is damage, not a crash."""
+    out: dict[str, Any] = {}
+    for k, v in con.execute("SELECT key, value FROM meta"):
+        try:
+            out[str(k)] = json.loads(v)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise CorruptDataError(f"meta value {k!r} in the catalog is not valid JSON ({e})") from e
+    return out
 
 
 class CatalogWriter:

@@ -9,6 +9,7 @@ training.
 
 from __future__ import annotations
 
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -63,6 +64,13 @@ class ZstdCodec:
 
     def decode(self, data: bytes, raw_length: int) -> bytes:
         try:
+            # zstandard allocates what the frame header says, whatever max_output_size
+            # is: check the header's claim before anything is allocated.
+            size = self._zstd.frame_content_size(data)
+            if size not in (-1, raw_length):
+                raise CorruptDataError(f"zstd frame says it holds {size} bytes, the catalog says {raw_length}")
+            if size == -1:  # no size in the header: decompress would allocate raw_length up front
+                return _bounded_read(self._ctx()[1].stream_reader(data), raw_length)  # type: ignore[attr-defined]
             return self._ctx()[1].decompress(data, max_output_size=raw_length)  # type: ignore[attr-defined]
         except self._zstd.ZstdError as e:
             raise CorruptDataError(f"zstd could not decode a blob: {e}") from e
@@ -91,11 +99,49 @@ class BloscCodec:
     def decode(self, data: bytes, raw_length: int) -> bytes:
         if raw_length == 0:  # blosc encodes b"" but refuses to decode its own output
             return b""
+        _check_blosc_header(data, raw_length)
         try:
             out = self._blosc().decode(data)
         except Exception as e:  # numcodecs raises RuntimeError on bad input
             raise CorruptDataError(f"blosc could not decode a blob: {e}") from e
         return bytes(out)
+
+
+def _bounded_read(reader: object, raw_length: int) -> bytes:
+    """Read at most raw_length + 1 bytes, in chunks, so memory follows what really decodes."""
+    chunks, total = [], 0
+    while total <= raw_length:
+        chunk = reader.read(min(1 << 24, raw_length + 1 - total))  # type: ignore[attr-defined]
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def _check_blosc_header(data: bytes, raw_length: int) -> None:
+    """Check a Blosc 1 chunk's 16-byte header against what the catalog expects.
+
+    c-blosc trusts the sizes in the header (it is given no buffer length), so a
+    damaged or hostile chunk could make it read past the buffer or allocate
+    whatever ``nbytes`` claims; refusing mismatches first keeps both in bounds.
+    """
+    if len(data) < 16:
+        raise CorruptDataError(f"a blosc blob of {len(data)} bytes is shorter than a blosc header")
+    version, _versionlz, flags, typesize, nbytes, blocksize, cbytes = struct.unpack("<BBBBIII", data[:16])
+    problems = []
+    if version not in (1, 2):
+        problems.append(f"format version {version}")
+    if nbytes != raw_length:
+        problems.append(f"{nbytes} decoded bytes where the catalog says {raw_length}")
+    if cbytes != len(data):
+        problems.append(f"{cbytes} stored bytes where the blob has {len(data)}")
+    if typesize == 0 or blocksize == 0:
+        problems.append(f"typesize {typesize}, blocksize {blocksize}")
+    if flags & 0x2 and cbytes != nbytes + 16:  # BLOSC_MEMCPYED: header then the bytes as they are
+        problems.append("a stored-as-is chunk whose sizes disagree")
+    if problems:
+        raise CorruptDataError("blosc blob header is inconsistent: " + "; ".join(problems))
 
 
 def _registry() -> dict[str, object]:

@@ -8,6 +8,7 @@ through fsspec) can be plugged in without touching the writer or the reader.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Protocol
@@ -39,6 +40,8 @@ class Storage(Protocol):
 
 def safe_key(key: str) -> str:
     """Refuse keys that would leave the run directory (catalogs are untrusted input)."""
+    if not isinstance(key, str):
+        raise CorruptDataError(f"refusing storage key {key!r}: not a string")
     parts = key.split("/")
     if (
         not key
@@ -83,23 +86,57 @@ class LocalStorage:
             os.fsync(f.fileno())  # type: ignore[attr-defined]
 
     def read(self, key: str, offset: int, length: int) -> bytes:
+        for what, v in (("offset", offset), ("length", length)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CorruptDataError(f"refusing to read segment {key!r}: {what} {v!r} is not a byte count")
         with self._lock:
             fd = self._readers.get(key)
             if fd is None:
-                try:
-                    fd = os.open(self._path(key), os.O_RDONLY)
-                except FileNotFoundError:
-                    raise CorruptDataError(
-                        f"segment file {key!r} is missing from the run; the store is incomplete"
-                    ) from None
+                fd = self._open_segment(key)
                 self._readers[key] = fd
-        data = os.pread(fd, length, offset)
+        # Checked before reading: pread allocates ``length`` bytes up front, and a
+        # damaged or hostile catalog may claim any length.
+        size = os.fstat(fd).st_size
+        if offset + length > size:
+            raise CorruptDataError(
+                f"segment {key!r} is truncated: wanted {length} bytes at offset {offset}, "
+                f"the file has {size}; run `stepdump verify` on the run"
+            )
+        try:
+            data = os.pread(fd, length, offset)
+        except OSError as e:
+            raise CorruptDataError(f"segment {key!r} cannot be read at offset {offset}: {e}") from e
         if len(data) != length:
             raise CorruptDataError(
                 f"segment {key!r} is truncated: wanted {length} bytes at offset {offset}, "
                 f"got {len(data)}; run `stepdump verify` on the run"
             )
         return data
+
+    def _open_segment(self, key: str) -> int:
+        """Open a segment for reading: a regular file inside the run directory, nothing else.
+
+        Keys come from the catalog, which is untrusted input: ``safe_key`` refuses
+        ``..`` and absolute paths, and here symlinks that lead out of the run
+        directory, devices, FIFOs (which would block) and directories are refused.
+        """
+        path = self._path(key)
+        root = os.path.realpath(self.root)
+        real = os.path.realpath(path)
+        if os.path.commonpath([root, real]) != root:
+            raise CorruptDataError(f"refusing segment {key!r}: it leads outside the run directory (to {real})")
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CorruptDataError(
+                f"segment file {key!r} is missing from the run; the store is incomplete"
+            ) from None
+        except OSError as e:
+            raise CorruptDataError(f"segment {key!r} cannot be opened: {e}") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptDataError(f"refusing segment {key!r}: it is not a regular file")
+        return fd
 
     def size(self, key: str) -> int:
         try:

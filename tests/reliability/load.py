@@ -1,0 +1,122 @@
+"""Load soak: record many steps of a small model; memory must stay flat, queries fast.
+
+Used by tests/test_reliability_load.py (2,000 steps) and `make soak` (10,000).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import stepdump
+
+
+def rss_mb() -> float:
+    """Resident memory after a GC and ``malloc_trim``: what is live, not what glibc keeps
+    cached from the last (large) query result."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+@dataclass
+class LoadResult:
+    steps: int
+    every: Any
+    seconds: float
+    live_reader: bool = True
+    rss: list[tuple[int, float]] = field(default_factory=list)  # (step, MB)
+    queries: list[dict[str, float]] = field(default_factory=list)  # seconds per query, by name, at checkpoints
+
+    @property
+    def rss_growth_mb(self) -> float:
+        """RSS at the end minus RSS after warm-up (the first sample)."""
+        return self.rss[-1][1] - self.rss[0][1]
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / self.steps
+
+    def worst(self, query: str) -> float:
+        return max(q[query] for q in self.queries)
+
+    def summary(self) -> str:
+        qs = ", ".join(f"{k} ≤ {self.worst(k) * 1000:.0f} ms" for k in self.queries[0] if k != "step")
+        return (f"{self.steps} steps (every={self.every}{'' if self.live_reader else ', no live reader'}) in "
+                f"{self.seconds:.1f} s ({self.ms_per_step:.2f} ms/step); "
+                f"RSS {self.rss[0][1]:.0f} -> {self.rss[-1][1]:.0f} MB (growth {self.rss_growth_mb:+.1f} MB); {qs}")
+
+
+def run_load(path: Path, steps: int, every: Any = None, checkpoints: int = 5, warmup: int | None = None,
+             live_reader: bool = True) -> LoadResult:
+    """Train a tiny MLP for ``steps`` steps under a Recorder, sampling RSS and timing the
+    catalog queries of a reader that stays open on the growing run.
+
+    The reader's query results (DataFrames of every step) grow with the run, and so
+    does the memory they take while alive; ``live_reader=False`` queries only after
+    the last RSS sample, to measure the Recorder alone."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 16), torch.randn(32, 4)
+    warmup = warmup if warmup is not None else max(steps // 10, 1)
+    marks = {warmup} | {round(steps * (i + 1) / checkpoints) - 1 for i in range(checkpoints)}
+    res = LoadResult(steps=steps, every=every, seconds=0.0, live_reader=live_reader)
+    reader = None
+    started = time.perf_counter()
+    with stepdump.Recorder(path, model, opt, every=every) as rec:
+        for t in range(steps):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            rec.log(loss=loss, t=float(t))
+            if t in marks and live_reader:
+                reader = reader or stepdump.open(path)
+                q = _time_queries(reader, t)  # at warm-up too, so the baseline includes the reader
+                if t != warmup or t == steps - 1:
+                    res.queries.append(q)
+            if t in marks:
+                res.rss.append((t, rss_mb()))
+            if t == steps - 1 and not live_reader:
+                reader = stepdump.open(path)
+                res.queries.append(_time_queries(reader, t))
+        res.seconds = time.perf_counter() - started
+    if reader is not None:
+        reader.close()
+    return res
+
+
+def _time_queries(run: stepdump.Run, t: int) -> dict[str, float]:
+    out: dict[str, float] = {"step": t}
+
+    def timed(name: str, fn: Any) -> Any:
+        s = time.perf_counter()
+        v = fn()
+        out[name] = time.perf_counter() - s
+        return v
+
+    df = timed("stats(name=one tensor)", lambda: run.stats(name="0.weight"))
+    assert len(df) > 0
+    timed("stats(kind, steps=last 100)", lambda: run.stats(kind="grads", steps=range(max(t - 100, 0), t)))
+    timed("scalars()", run.scalars)
+    steps = timed("stats_steps", lambda: run.stats_steps)
+    if run.steps:
+        timed("tensor(last full step)", lambda: run.tensor("0.weight", run.steps[-1]))
+    assert steps
+    return out
