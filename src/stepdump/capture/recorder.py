@@ -17,7 +17,6 @@ records the step as skipped.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
 import os
@@ -41,9 +40,9 @@ from stepdump.capture.session import init_catalog, prepare_dir
 from stepdump.capture import target as _target
 from stepdump.capture.distributed import Ranks
 from stepdump.capture.profiling import peak_memory_mb
-from stepdump.capture.ring import Held, Ring
+from stepdump.capture.ring import Ring, remember, ring_step
 from stepdump.capture.staging import Item, StagingPool, Stager
-from stepdump.capture.triggers import Trigger, TriggerInfo
+from stepdump.capture.triggers import Trigger
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError, WriterError
@@ -54,7 +53,6 @@ from stepdump.store.lock import RunLock, is_locked
 
 log = logging.getLogger(__name__)
 
-_HISTORY = 200  # scalar values kept for triggers in ring mode
 
 _Entry = tuple[str, str, torch.Tensor, bool, "str | None", "str | None"]
 
@@ -426,44 +424,11 @@ class Recorder:
         self._overhead += time.perf_counter() - started
 
     def _remember(self, scalars: list[tuple[int, str, Any]]) -> None:
-        """Keep recent scalar values for triggers (ring mode only)."""
-        if self._ring is None:
-            return
-        for _, name, v in scalars:
-            hist = self._history.setdefault(name, deque(maxlen=_HISTORY))
-            hist.append(float(v.item() if isinstance(v, torch.Tensor) else v))
+        if self._ring is not None:
+            remember(self._history, scalars)
 
     def _ring_step(self, msg: StepMessage, captured: list[tuple[str, str, torch.Tensor]]) -> None:
-        """Stats now; the full copy into the ring, or everything to disk if the trigger fires."""
-        t = msg.step
-        assert self._ring is not None and self._trigger is not None and t is not None  # noqa: S101 - internal
-        if self._after_left > 0:
-            self._after_left -= 1
-            fired = False
-            msg.level = LEVEL_FULL
-        else:
-            latest = {n: h[-1] for n, h in self._history.items() if h}
-            grads = [p.grad for p in self._layout.params.values() if p.grad is not None]
-            fired = bool(self._trigger(TriggerInfo(t, latest, grads, self._history)))
-        msg.slot = self._pool.acquire(lambda: self._writer.error)
-        entries = self._entries(True)
-        msg.state_json = self._state_json(t, entries, True)
-        full_items = self._stager.stage(msg.slot, entries)
-        full_items.extend(Item(kind, name, tensor, True) for kind, name, tensor in captured)
-        if fired or msg.level == LEVEL_FULL:
-            held = self._ring.drain()
-            for h in held:
-                self._put(StepMessage(step=h.step, level=LEVEL_FULL, skipped=h.skipped, items=h.items,
-                                      state_json=h.state_json, slot=h.slot))
-            msg.level, msg.items = LEVEL_FULL, full_items
-            if fired:
-                self._after_left = self._after
-                log.warning("stepdump: trigger fired at step %d; writing it and the %d steps before it", t, len(held))
-            return
-        msg.items = [dataclasses.replace(i, full=False) for i in full_items if i.kind != "state"]
-        msg.hold_slot = True
-        self._ring.push(Held(t, msg.skipped, msg.slot, full_items, msg.state_json))
-        msg.state_json = None
+        ring_step(self, msg, captured)
 
     def _on_step_done(self) -> None:
         if self._stopped:

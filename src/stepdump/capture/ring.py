@@ -7,10 +7,21 @@ when it is written as an ordinary full step, or until it falls out of the ring.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from stepdump.capture.staging import Item, Slot, StagingPool
+from stepdump.capture.triggers import TriggerInfo
+from stepdump.capture.writer import StepMessage
+from stepdump.store.format import LEVEL_FULL
+
+log = logging.getLogger(__name__)
+HISTORY = 200  # scalar values kept for triggers
 
 
 @dataclass
@@ -48,3 +59,42 @@ class Ring:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def remember(history: dict[str, deque[float]], scalars: list[tuple[int, str, Any]]) -> None:
+    """Keep recent scalar values for triggers."""
+    for _, name, v in scalars:
+        hist = history.setdefault(name, deque(maxlen=HISTORY))
+        hist.append(float(v.item() if isinstance(v, torch.Tensor) else v))
+
+
+def ring_step(rec: Any, msg: StepMessage, captured: list[tuple[str, str, torch.Tensor]]) -> None:
+    """Stats now; the full copy into the ring, or everything to disk if the trigger fires."""
+    t = msg.step
+    if rec._after_left > 0:
+        rec._after_left -= 1
+        fired = False
+        msg.level = LEVEL_FULL
+    else:
+        latest = {n: h[-1] for n, h in rec._history.items() if h}
+        grads = [p.grad for p in rec._layout.params.values() if p.grad is not None]
+        fired = bool(rec._trigger(TriggerInfo(t, latest, grads, rec._history)))
+    msg.slot = rec._pool.acquire(lambda: rec._writer.error)
+    entries = rec._entries(True)
+    msg.state_json = rec._state_json(t, entries, True)
+    full_items = rec._stager.stage(msg.slot, entries)
+    full_items.extend(Item(kind, name, tensor, True) for kind, name, tensor in captured)
+    if fired or msg.level == LEVEL_FULL:
+        held = rec._ring.drain()
+        for h in held:
+            rec._put(StepMessage(step=h.step, level=LEVEL_FULL, skipped=h.skipped, items=h.items,
+                                  state_json=h.state_json, slot=h.slot))
+        msg.level, msg.items = LEVEL_FULL, full_items
+        if fired:
+            rec._after_left = rec._after
+            log.warning("stepdump: trigger fired at step %d; writing it and the %d steps before it", t, len(held))
+        return
+    msg.items = [dataclasses.replace(i, full=False) for i in full_items if i.kind != "state"]
+    msg.hold_slot = True
+    rec._ring.push(Held(t, msg.skipped, msg.slot, full_items, msg.state_json))
+    msg.state_json = None
