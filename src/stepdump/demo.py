@@ -84,6 +84,7 @@ def run_demo(out: str | Path, steps: int = 200, progress: Progress | None = None
         shutil.rmtree(out)
     elif out.exists() and any(out.iterdir()):
         raise RunExistsError(f"{out} exists and is not a stepdump run; choose another --out")
+    train(min(steps, 20), None, None, "warm-up")  # first steps pay one-off allocation costs
     ms_plain, _ = train(steps, None, progress, "training without recording")
     model, opt, sched = build()
     t0 = time.perf_counter()
