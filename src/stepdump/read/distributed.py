@@ -299,7 +299,8 @@ class DistributedRun:
 
     def _assemble(self, name: str, step: int, kind: str, param: str) -> torch.Tensor:
         spec = self.sharding(param)
-        assert spec is not None  # noqa: S101 - _sharded_param checked it
+        if spec is None:  # _sharded_param checked it; a catalog changed under us
+            raise TensorNotFoundError(f"{param!r} has no sharding information in {self.path}")
         shard = self._primary.tensor(name, step, kind)
         if tuple(shard.shape) != tuple(spec["local_shape"]):
             # Not shaped like the parameter's shard (Adam's 0-d `step`): replicated, take it as is.
