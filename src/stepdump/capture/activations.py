@@ -111,6 +111,28 @@ class ModuleCapture:
     def add_input(self, name: str, t: torch.Tensor) -> None:
         self._entries.append(("inputs", name, t.detach().clone()))
 
+    def log_batch(self, batch: Any) -> Any:
+        """Record ``batch`` under ``batch/<path>``; return its skeleton for replay on the first call.
+
+        The skeleton is the batch's structure with tensors as ``$tensor`` references
+        to their ``inputs`` names; later calls (micro-batches) get ``#k`` and no skeleton.
+        """
+        from stepdump.errors import ConfigError
+        from stepdump.store import tjson
+
+        call = self._indexed("inputs", "batch")
+        suffix = "" if call == "batch" else call[len("batch"):]
+        names: list[str] = []
+
+        def put(ref: str, t: torch.Tensor) -> None:
+            names.append(input_name(ref) + suffix)
+            self.add_input(names[-1], t)
+
+        skeleton = tjson.encode(batch, put)
+        if not names:
+            raise ConfigError("log_batch() found no tensors in what it was given (tuples, lists, dicts of tensors)")
+        return None if suffix else rename_refs(skeleton)
+
     def take(self) -> list[Entry]:
         """Hand over what this iteration captured and start the next one."""
         entries, self._entries = self._entries, []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,3 +91,21 @@ def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: obje
     if scaler is not None:
         state["scaler"] = scaler.state_dict()  # type: ignore[attr-defined]
     return state
+
+
+def tensor_entries(layout: Layout, optimizer: torch.optim.Optimizer, kinds: tuple[str, ...],
+                   selected: Callable[[str], bool], full: bool, buffers: dict[str, torch.Tensor]) -> list[tuple]:
+    """(kind, name, tensor, full, param, key) for every live tensor a record takes at the pre-hook."""
+    out: list[tuple] = []
+    params = [(n, p) for n, p in layout.params.items() if selected(n)]
+    if "params" in kinds:
+        out.extend(("params", n, p, full, None, None) for n, p in params)
+    if "grads" in kinds:
+        out.extend(("grads", n, p.grad, full, None, None) for n, p in params if p.grad is not None)
+    if "optimizer" in kinds:
+        for n, p in params:
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out.append(("optimizer", f"{n}.{k}", v, full, n, k))
+    out.extend(("buffers", n, b, True, None, None) for n, b in buffers.items())
+    return out

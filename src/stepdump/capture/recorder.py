@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 import stepdump
-from stepdump.capture.naming import Layout, build_layout, full_state
+from stepdump.capture.naming import Layout, build_layout, full_state, tensor_entries
 from stepdump.capture.rng import get_rng_state
 from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, check_kinds
-from stepdump.capture.activations import ModuleCapture, input_name, rename_refs
+from stepdump.capture.activations import ModuleCapture
 from stepdump.capture.scalars import check_scalar, scalar_rows
-from stepdump.capture.session import init_catalog, prepare_dir
+from stepdump.capture.session import check_arguments, init_catalog, prepare_dir
 from stepdump.capture import target as _target
 from stepdump.capture.distributed import Ranks
 from stepdump.capture.profiling import peak_memory_mb
@@ -47,7 +47,6 @@ from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError, WriterError
 from stepdump.store import catalog, tjson
-from stepdump.store.codecs import get_codec
 from stepdump.store.format import CATALOG_FILE, LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
 from stepdump.store.lock import RunLock, is_locked
 
@@ -162,37 +161,12 @@ class Recorder:
         ranks: Ranks = "all",
         remote: Any = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if scheduler is not None and not hasattr(scheduler, "state_dict"):
-            raise ConfigError("scheduler must have state_dict()/load_state_dict() (a torch LR scheduler)")
-        if scaler is not None and not all(hasattr(scaler, a) for a in ("step", "update", "state_dict")):
-            raise ConfigError("scaler must be a torch.amp.GradScaler")
-        if durability not in ("flush", "fsync"):
-            raise ConfigError(f"durability={durability!r}: choose 'flush' or 'fsync'")
-        if on_error not in ("raise", "warn"):
-            raise ConfigError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
+        every = check_arguments(model, optimizer, scheduler, scaler, durability=durability, on_error=on_error,
+                                queue_depth=queue_depth, codec=codec, every=every, stats_every=stats_every,
+                                keyframe_every=keyframe_every, ring=ring)
         self._on_error = on_error
         self._stopped = False  # on_error="warn" after a writer failure: recording is off
-        if queue_depth < 1:
-            raise ConfigError("queue_depth must be at least 1")
-        get_codec(codec)  # fail now, not in the writer
-        if keyframe_every is not None:
-            if isinstance(keyframe_every, bool) or not isinstance(keyframe_every, int) or keyframe_every < 1:
-                raise ConfigError(f"keyframe_every={keyframe_every!r}: give a positive number of steps")
-            if every != 1 or stats_every != 1:
-                raise ConfigError("keyframe_every sets every= and stats_every= itself; pass only keyframe_every")
-            every = keyframe_every
         self._keyframes = keyframe_every is not None
-        if ring is not None:
-            if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
-                raise ConfigError(f"ring={ring!r}: give the number of steps to keep in memory")
-            if every != 1 or keyframe_every is not None:
-                raise ConfigError("ring= decides which steps are stored in full; do not combine it with every= "
-                                  "or keyframe_every=")
-            every = None
         self._trigger = resolve_trigger(trigger) if ring is not None else None
         self._after = ring if after is None else after
         self._after_left = 0
@@ -315,21 +289,9 @@ class Recorder:
             return
         if self._level(self._step) == LEVEL_NONE:
             return
-        call = self._modules._indexed("inputs", "batch")
-        suffix = "" if call == "batch" else call[len("batch"):]
-        names: list[str] = []
-
-        def put(ref: str, t: torch.Tensor) -> None:
-            names.append(input_name(ref) + suffix)
-            self._modules.add_input(names[-1], t)
-
-        # The batch's structure, with tensors as references to its inputs entries,
-        # is what replay hands back to train_step.
-        skeleton = tjson.encode(batch, put)
-        if not names:
-            raise ConfigError("log_batch() found no tensors in what it was given (tuples, lists, dicts of tensors)")
-        if not suffix:
-            self._batch = rename_refs(skeleton)
+        skeleton = self._modules.log_batch(batch)
+        if skeleton is not None:  # what replay hands back to train_step
+            self._batch = skeleton
 
     def close(self) -> None:
         """Flush everything to disk, detach from the optimizer and release the run."""
@@ -466,20 +428,8 @@ class Recorder:
 
     # -- building a record -------------------------------------------------
     def _entries(self, full: bool) -> list[_Entry]:
-        out: list[_Entry] = []
-        params = [(n, p) for n, p in self._layout.params.items() if self._filter(n)]
-        if "params" in self.kinds:
-            out.extend(("params", n, p, full, None, None) for n, p in params)
-        if "grads" in self.kinds:
-            out.extend(("grads", n, p.grad, full, None, None) for n, p in params if p.grad is not None)
-        if "optimizer" in self.kinds:
-            for n, p in params:
-                for k, v in self.optimizer.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        out.append(("optimizer", f"{n}.{k}", v, full, n, k))
-        if full and self._begin is not None:
-            out.extend(("buffers", n, b, True, None, None) for n, b in self._begin["buffers"].items())
-        return out
+        buffers = self._begin["buffers"] if full and self._begin is not None else {}
+        return tensor_entries(self._layout, self.optimizer, self.kinds, self._filter, full, buffers)
 
     def _state_json(self, t: int, entries: list[_Entry], full: bool = True) -> str:
         state: dict[str, Any] = self._full_state() if full else {}

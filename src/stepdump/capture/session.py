@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import stepdump
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError
 from stepdump.store import catalog
+from stepdump.store.codecs import get_codec
 from stepdump.store.format import CATALOG_FILE, LOCK_FILE
 from stepdump.store.lock import is_locked
 
@@ -72,3 +74,37 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
     if start_step is not None and start_step < nxt:
         raise ConfigError(f"start_step={start_step} but the run already has steps up to {last}")
     return nxt if start_step is None else start_step
+
+def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, durability: str, on_error: str,
+                    queue_depth: int, codec: str, every: Any, stats_every: Any, keyframe_every: int | None,
+                    ring: int | None) -> Any:
+    """Validate the Recorder's arguments; return the effective ``every`` (keyframe and ring modes set it)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if scheduler is not None and not hasattr(scheduler, "state_dict"):
+        raise ConfigError("scheduler must have state_dict()/load_state_dict() (a torch LR scheduler)")
+    if scaler is not None and not all(hasattr(scaler, a) for a in ("step", "update", "state_dict")):
+        raise ConfigError("scaler must be a torch.amp.GradScaler")
+    if durability not in ("flush", "fsync"):
+        raise ConfigError(f"durability={durability!r}: choose 'flush' or 'fsync'")
+    if on_error not in ("raise", "warn"):
+        raise ConfigError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
+    if queue_depth < 1:
+        raise ConfigError("queue_depth must be at least 1")
+    get_codec(codec)  # fail now, not in the writer
+    if keyframe_every is not None:
+        if isinstance(keyframe_every, bool) or not isinstance(keyframe_every, int) or keyframe_every < 1:
+            raise ConfigError(f"keyframe_every={keyframe_every!r}: give a positive number of steps")
+        if every != 1 or stats_every != 1:
+            raise ConfigError("keyframe_every sets every= and stats_every= itself; pass only keyframe_every")
+        every = keyframe_every
+    if ring is not None:
+        if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
+            raise ConfigError(f"ring={ring!r}: give the number of steps to keep in memory")
+        if every != 1 or keyframe_every is not None:
+            raise ConfigError("ring= decides which steps are stored in full; do not combine it with every= "
+                              "or keyframe_every=")
+        every = None
+    return every

@@ -354,8 +354,7 @@ def restore_sharded(run: Run, step: int, model: torch.nn.Module, optimizer: Any 
     mesh and placements). Everything is checked before anything changes.
     """
     from stepdump.capture.distributed import is_dtensor
-    from stepdump.capture.rng import set_rng_state
-    from stepdump.read.restore import _check_class
+    from stepdump.read.restore import _check_class, apply, side_state
 
     sd = run.state_dict(step)
     live = model.state_dict()
@@ -398,23 +397,8 @@ def restore_sharded(run: Run, step: int, model: torch.nn.Module, optimizer: Any 
             for k, v in list(st.items()):
                 if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.to_local().shape):  # type: ignore[attr-defined]
                     st[k] = _as_dtensor(v, p)
-    state = run.step_state(step)
-    if scheduler is not None and state.get("scheduler") is None:
-        raise RestoreMismatchError(f"{run.path} recorded no LR scheduler; call restore without scheduler=")
-    if scaler is not None and state.get("scaler") is None:
-        raise RestoreMismatchError(f"{run.path} recorded no GradScaler; call restore without scaler=")
-    if rng and "rng" not in state:
-        raise RestoreMismatchError(f"step {step} has no RNG state; pass rng=False to restore without it")
-
-    model.load_state_dict(sd, strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(osd)
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None:
-        scaler.load_state_dict(state["scaler"])
-    if rng:
-        set_rng_state(state["rng"])
+    state = side_state(run, step, scheduler, scaler, rng)
+    apply(model, sd, optimizer, osd, scheduler, scaler, state, rng)
 
 
 def _as_dtensor(local: torch.Tensor, like: Any) -> torch.Tensor:

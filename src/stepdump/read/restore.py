@@ -34,17 +34,28 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
         _check_class("optimizer", optimizer, meta.get("optimizer_class"))
         osd = run.optimizer_state_dict(step)
         _check_optimizer(run, step, optimizer, osd)
-    state = run.step_state(step)
     if scheduler is not None:
-        if state.get("scheduler") is None:
-            raise RestoreMismatchError(f"{run.path} recorded no LR scheduler; call restore without scheduler=")
         _check_class("scheduler", scheduler, meta.get("scheduler_class"))
+    state = side_state(run, step, scheduler, scaler, rng)
+    # All checks passed: apply.
+    apply(model, sd, optimizer, osd, scheduler, scaler, state, rng)
+
+
+def side_state(run: Run, step: int, scheduler: Any, scaler: Any, rng: bool) -> dict[str, Any]:
+    """The step's scheduler / scaler / RNG state, checked against what the caller wants restored."""
+    state = run.step_state(step)
+    if scheduler is not None and state.get("scheduler") is None:
+        raise RestoreMismatchError(f"{run.path} recorded no LR scheduler; call restore without scheduler=")
     if scaler is not None and state.get("scaler") is None:
         raise RestoreMismatchError(f"{run.path} recorded no GradScaler; call restore without scaler=")
     if rng and "rng" not in state:
         raise RestoreMismatchError(f"step {step} has no RNG state; pass rng=False to restore without it")
+    return state
 
-    # All checks passed: apply.
+
+def apply(model: torch.nn.Module, sd: Any, optimizer: Any, osd: Any, scheduler: Any, scaler: Any,
+          state: dict[str, Any], rng: bool) -> None:
+    """Load checked state into the live objects (nothing is checked here)."""
     model.load_state_dict(sd, strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(osd)
