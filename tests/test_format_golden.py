@@ -11,6 +11,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import stepdump
@@ -18,6 +19,7 @@ from stepdump.capture.stats import fingerprint
 from stepdump.store import tjson
 from stepdump.store.catalog import SCHEMA
 from stepdump.store.codecs import get_codec
+from stepdump.store.delta import zigzag_delta
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
@@ -45,6 +47,20 @@ def test_codecs_decode_pinned_payloads():
     # A zstd frame as version 1 writes it must keep decoding.
     frame = get_codec("zstd").encode(memoryview(raw), 4)
     assert frame[:4] == bytes.fromhex("28b52ffd")  # zstd magic
+
+
+def test_delta_blob_is_pinned():
+    """FORMAT.md's delta codec: zigzag(int32 difference) of the bit patterns, Blosc (bit shuffle, lz4)."""
+    base = np.arange(16, dtype=np.float32).tobytes()
+    cur = (np.arange(16, dtype=np.float32) + np.float32(1e-5)).tobytes()
+    assert [int(v) for v in zigzag_delta(cur, base, 4)[:4]] == [1850706776, 168, 84, 84]
+    stored = bytes.fromhex(
+        "02013604400000004000000050000000588b4f6ea800000054000000540000002a0000002a0000002a0000002a000000"
+        "1400000014000000140000001400000014000000140000001400000014000000"
+    )
+    codec = get_codec("delta-lz4")
+    assert bytes(codec.decode_delta(stored, len(cur), base)) == cur
+    assert codec.keyframe.name == "blosc-lz4-bit"
 
 
 def test_typed_json_is_pinned():

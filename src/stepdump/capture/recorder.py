@@ -75,7 +75,11 @@ class Recorder:
             step), a range, an iterable of steps or a callable ``step -> bool``.
         stats_every: Steps whose stats and fingerprints are stored (default
             every step, so diff and check see every step).
-        codec: Blob codec, see ``stepdump.store.codecs.CODEC_NAMES``.
+        codec: Blob codec, see ``stepdump.store.codecs.CODEC_NAMES`` and
+            docs/performance.md; ``delta-lz4`` / ``delta-zstd`` store params,
+            grads and optimizer state as differences from their previous blob.
+        delta_chain: With a delta codec, every ``delta_chain``-th blob of a
+            series is self-contained, so a read decodes at most that many blobs.
         queue_depth: Steps that may be in flight to the writer before training
             waits (each holds a staging copy of the recorded tensors).
         durability: ``"flush"`` (survives a killed process) or ``"fsync"``
@@ -145,6 +149,7 @@ class Recorder:
         every: Every = 1,
         stats_every: Every = 1,
         codec: str = "raw",
+        delta_chain: int = 16,
         queue_depth: int = 2,
         durability: str = "flush",
         on_error: str = "raise",
@@ -163,7 +168,7 @@ class Recorder:
     ) -> None:
         every = check_arguments(model, optimizer, scheduler, scaler, durability=durability, on_error=on_error,
                                 queue_depth=queue_depth, codec=codec, every=every, stats_every=stats_every,
-                                keyframe_every=keyframe_every, ring=ring)
+                                keyframe_every=keyframe_every, ring=ring, delta_chain=delta_chain)
         self._on_error = on_error
         self._stopped = False  # on_error="warn" after a writer failure: recording is off
         self._keyframes = keyframe_every is not None
@@ -212,7 +217,7 @@ class Recorder:
             self._ring = Ring(ring, self._pool) if ring is not None else None
             self._stager = Stager()
             self._writer = Writer(self.path, self._pool, codec, durability, self._target.segment_bytes(segment_bytes),
-                                  max_queue=queue_depth + 64)
+                                  max_queue=queue_depth + 64, delta_chain=delta_chain)
             self._writer.start()
             self._writer.wait_ready()
             self._raise_if_writer_failed(starting=True)

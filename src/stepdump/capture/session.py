@@ -77,7 +77,7 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
 
 def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, durability: str, on_error: str,
                     queue_depth: int, codec: str, every: Any, stats_every: Any, keyframe_every: int | None,
-                    ring: int | None) -> Any:
+                    ring: int | None, delta_chain: int = 16) -> Any:
     """Validate the Recorder's arguments; return the effective ``every`` (keyframe and ring modes set it)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -94,6 +94,8 @@ def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, 
     if queue_depth < 1:
         raise ConfigError("queue_depth must be at least 1")
     get_codec(codec)  # fail now, not in the writer
+    if isinstance(delta_chain, bool) or not isinstance(delta_chain, int) or delta_chain < 1:
+        raise ConfigError(f"delta_chain={delta_chain!r}: give a positive number of blobs (1: no deltas)")
     if keyframe_every is not None:
         if isinstance(keyframe_every, bool) or not isinstance(keyframe_every, int) or keyframe_every < 1:
             raise ConfigError(f"keyframe_every={keyframe_every!r}: give a positive number of steps")

@@ -24,6 +24,7 @@ from stepdump.capture.stats import compute_stats, fingerprint_bytes, raw_bytes
 from stepdump.errors import WriterError
 from stepdump.store.catalog import CatalogWriter
 from stepdump.store.codecs import get_codec
+from stepdump.store.delta import DeltaChains, DeltaCodec
 from stepdump.store.format import SEGMENT_DIR, dtype_name, format_shape
 from stepdump.store.storage import LocalStorage
 
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 # Kinds whose tensors get health stats; ``state`` blobs (RNG, scheduler internals)
 # get only a fingerprint, since their "mean" means nothing.
 _NO_STATS = frozenset({"state"})
+# Kinds stored as deltas against their previous blob by a delta codec: state that
+# persists across steps. Activations and batches change wholesale from step to step.
+_DELTA_KINDS = frozenset({"params", "grads", "optimizer", "buffers"})
 # Blobs at least this large go straight to the file; smaller ones are batched.
 _DIRECT_WRITE = 1 << 20
 
@@ -61,11 +65,15 @@ class Writer(threading.Thread):
         durability: str,
         segment_bytes: int,
         max_queue: int,
+        delta_chain: int = 16,
     ) -> None:
         super().__init__(name="stepdump-writer", daemon=True)
         self.run_dir = run_dir
         self.pool = pool
         self.codec = get_codec(codec)
+        # Blobs a delta codec does not delta-encode are stored with its keyframe codec.
+        self._plain = self.codec.keyframe if isinstance(self.codec, DeltaCodec) else self.codec
+        self._deltas = DeltaChains(self.codec, delta_chain) if isinstance(self.codec, DeltaCodec) else None
         self.durable = durability == "fsync"
         self.segment_bytes = segment_bytes
         self.queue: queue.Queue[StepMessage | None] = queue.Queue(maxsize=max_queue)
@@ -120,6 +128,8 @@ class Writer(threading.Thread):
 
     def _rollback(self) -> None:
         """Forget the failed step's rows, so that _shutdown's commit makes none of it visible."""
+        if self._deltas is not None:
+            self._deltas.forget()
         try:
             if self._catalog is not None:
                 self._catalog.rollback()
@@ -185,14 +195,19 @@ class Writer(threading.Thread):
             stats = _from_device_stats(item.device_stats)
         else:
             stats = compute_stats(t)
+        sid = cat.series_id(item.kind, item.name, item.param, item.key)
         blob = None
         if item.full:
-            blob = self._append_blob(cat, data, t.element_size(), fp)
-        sid = cat.series_id(item.kind, item.name, item.param, item.key)
+            blob = self._append_blob(cat, data, t.element_size(), fp, sid if item.kind in _DELTA_KINDS else None)
         return (sid, step, dtype_name(t.dtype), format_shape(t.shape), blob, *stats, fp)
 
-    def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int) -> int:
-        encoded = self.codec.encode(data, itemsize)
+    def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int,
+                     series: int | None = None) -> int:
+        base: int | None = None
+        if self._deltas is not None and series is not None:
+            encoded, base, codec_name = self._deltas.encode(series, data, itemsize)
+        else:
+            encoded, codec_name = self._plain.encode(data, itemsize), self._plain.name
         # For the raw codec the stored bytes are the raw bytes: reuse the fingerprint.
         checksum = fp if encoded is data else fingerprint_bytes(encoded)
         length = len(memoryview(encoded).cast("B"))
@@ -209,8 +224,10 @@ class Writer(threading.Thread):
         self._segment_size = offset + length
         self.bytes_written += length
         blob_id = cat.new_blob_id()
+        if self._deltas is not None and series is not None:
+            self._deltas.stored(series, blob_id)
         self._blob_rows.append(
-            (blob_id, cat.segment_id(key), offset, length, self.codec.name, len(data), checksum, None)
+            (blob_id, cat.segment_id(key), offset, length, codec_name, len(data), checksum, base)
         )
         return blob_id
 

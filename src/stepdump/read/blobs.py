@@ -13,6 +13,7 @@ read outside the run directory, or hand back wrong values without an error.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 import re
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from stepdump.capture.stats import fingerprint_bytes
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.catalog import BlobRow, ReadConnection
 from stepdump.store.codecs import get_codec
+from stepdump.store.delta import DeltaCodec
 from stepdump.store.format import DTYPES
 from stepdump.store.storage import LocalStorage
 
@@ -32,6 +34,10 @@ MAX_BLOB_BYTES = 1 << 40
 # blocks, Blosc 1 well under that); a blob claiming more is damaged or hostile, and
 # is refused before anything of its claimed size is allocated.
 MAX_EXPANSION = 1 << 16
+# Longest chain of delta blobs a reader follows (the writer's default is 16).
+MAX_CHAIN = 4096
+# Decoded delta-chain blobs kept for the next read of the same series.
+CACHE_BYTES = 256 << 20
 _SHAPE = re.compile(r"(?:[0-9]{1,19}(?:,[0-9]{1,19})*)?")
 
 
@@ -58,6 +64,8 @@ class BlobReader:
     def __init__(self, run_dir: Path, con: ReadConnection) -> None:
         self.storage = LocalStorage(run_dir)
         self.con = con
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cache_bytes = 0
 
     def blob_row(self, blob_id: int) -> BlobRow:
         if not _is_int(blob_id):
@@ -82,12 +90,56 @@ class BlobReader:
         return b
 
     def raw(self, blob_id: int, b: BlobRow | None = None) -> bytes | bytearray | memoryview:
-        """The decoded (raw tensor) bytes of a blob, checksum verified."""
+        """The decoded (raw tensor) bytes of a blob, checksum verified; a delta blob's
+        chain of bases is decoded first (recently decoded bases are cached)."""
         b = b or self.blob_row(blob_id)
+        hit = self._cache.get(b.id)
+        if hit is not None:
+            self._cache.move_to_end(b.id)
+            return hit
+        chain = [b]
+        while chain[-1].base is not None and chain[-1].base not in self._cache:
+            last = chain[-1]
+            # Bases are written before the blobs built on them, so ids strictly
+            # decrease along a chain: a damaged catalog cannot make it loop.
+            if not _is_int(last.base) or not 0 < last.base < last.id:
+                raise CorruptDataError(f"blob {last.id} names base {last.base!r}, which is not an earlier blob")
+            if len(chain) > MAX_CHAIN:
+                raise CorruptDataError(f"blob {b.id} sits on a chain of more than {MAX_CHAIN} delta blobs")
+            chain.append(self.blob_row(last.base))
+        base = self._cache.get(chain[-1].base) if chain[-1].base is not None else None
+        for i, row in enumerate(reversed(chain)):
+            try:
+                base = self._decode(row, base)
+            except CorruptDataError as e:
+                if row is b:
+                    raise
+                raise CorruptDataError(f"blob {b.id} is stored as a delta on blob {row.id}, which is damaged: {e}") from e
+            if row.base is not None or i < len(chain) - 1:  # part of a delta chain: likely needed again
+                base = self._remember(row.id, base)
+        return base  # type: ignore[return-value]
+
+    def _remember(self, blob_id: int, raw: bytes | bytearray | memoryview) -> bytes:
+        data = bytes(raw)  # immutable: tensors handed out never share the cache's memory
+        if len(data) <= CACHE_BYTES:
+            self._cache[blob_id] = data
+            self._cache_bytes += len(data)
+            while self._cache_bytes > CACHE_BYTES:
+                self._cache_bytes -= len(self._cache.popitem(last=False)[1])
+        return data
+
+    def _decode(self, b: BlobRow, base: bytes | None) -> bytes | bytearray | memoryview:
+        blob_id = b.id
         try:
             codec = get_codec(b.codec)
         except ConfigError:
             raise CorruptDataError(f"blob {blob_id} uses codec {b.codec!r}, which this stepdump does not know") from None
+        is_delta = isinstance(codec, DeltaCodec)
+        if is_delta != (b.base is not None):
+            raise CorruptDataError(
+                f"blob {blob_id} uses codec {b.codec!r} " + ("but names no base blob" if is_delta else
+                                                             f"yet names base blob {b.base}: the catalog is damaged")
+            )
         if codec.name == "raw" and b.length != b.raw_length:
             raise CorruptDataError(f"blob {blob_id} is stored raw but its lengths differ ({b.length} != {b.raw_length})")
         if b.raw_length > b.length * MAX_EXPANSION + 4096:
@@ -102,7 +154,10 @@ class BlobReader:
                 "damaged. `stepdump verify` lists every damaged blob."
             )
         try:
-            out = codec.decode(data, b.raw_length)
+            if is_delta:
+                out = codec.decode_delta(data, b.raw_length, base if base is not None else b"")  # type: ignore[attr-defined]
+            else:
+                out = codec.decode(data, b.raw_length)
         except MemoryError:
             raise CorruptDataError(
                 f"blob {blob_id} claims to decode to {b.raw_length} bytes, more than this machine can allocate"

@@ -99,7 +99,7 @@ class BloscCodec:
     def decode(self, data: bytes, raw_length: int) -> bytes:
         if raw_length == 0:  # blosc encodes b"" but refuses to decode its own output
             return b""
-        _check_blosc_header(data, raw_length)
+        check_blosc_header(data, raw_length)
         try:
             out = self._blosc().decode(data)
         except Exception as e:  # numcodecs raises RuntimeError on bad input
@@ -119,7 +119,7 @@ def _bounded_read(reader: object, raw_length: int) -> bytes:
     return b"".join(chunks)
 
 
-def _check_blosc_header(data: bytes, raw_length: int) -> None:
+def check_blosc_header(data: bytes, raw_length: int) -> None:
     """Check a Blosc 1 chunk's 16-byte header against what the catalog expects.
 
     c-blosc trusts the sizes in the header (it is given no buffer length), so a
@@ -152,7 +152,18 @@ def _registry() -> dict[str, object]:
         "blosc-zstd": lambda: BloscCodec("zstd", 1, "byte"),
         "blosc-lz4": lambda: BloscCodec("lz4", 1, "byte"),
         "blosc-zstd-bit": lambda: BloscCodec("zstd", 1, "bit"),
+        "blosc-lz4-bit": lambda: BloscCodec("lz4", 1, "bit"),
+        # Delta codecs (stepdump.store.delta) need a base blob; their keyframes use
+        # the plain bit-shuffled Blosc codec of the same compressor.
+        "delta-lz4": lambda: _delta("lz4"),
+        "delta-zstd": lambda: _delta("zstd"),
     }
+
+
+def _delta(cname: str) -> object:
+    from stepdump.store.delta import DeltaCodec  # imports this module
+
+    return DeltaCodec(cname)
 
 
 CODEC_NAMES = tuple(_registry())
