@@ -28,7 +28,8 @@ def _status_kb(field: str) -> int:
     return -1
 
 
-def record_child(mode: str, steps: int, out: Path, d: int, samples: list[int], threads: int) -> dict[str, Any]:
+def record_child(mode: str, steps: int, out: Path, d: int, samples: list[int], threads: int,
+                 codec: str = "raw") -> dict[str, Any]:
     """Record ``steps`` steps of a Linear(d, d) + Adam; sample VmRSS / VmHWM on the way."""
     sys.path.insert(0, str(HERE))
     import torch
@@ -41,6 +42,7 @@ def record_child(mode: str, steps: int, out: Path, d: int, samples: list[int], t
     for _ in range(2):
         w.step(None)
     kwargs = {"every": 1, "stats_every": 1} if mode == "full" else {"every": None, "stats_every": 1}
+    kwargs["codec"] = codec
     mem = [{"step": "before Recorder", "rss_kb": _status_kb("VmRSS"), "hwm_kb": _status_kb("VmHWM")}]
     t0 = time.perf_counter()
     rec = stepdump.Recorder(out, w.model, w.optimizer, **kwargs)
@@ -53,14 +55,16 @@ def record_child(mode: str, steps: int, out: Path, d: int, samples: list[int], t
     rec.close()
     seconds = time.perf_counter() - t0
     mem.append({"step": "after close", "rss_kb": _status_kb("VmRSS"), "hwm_kb": _status_kb("VmHWM")})
-    return {"mode": mode, "steps": steps, "d": d, "seconds": seconds, "memory": mem,
+    return {"mode": mode, "steps": steps, "d": d, "codec": codec, "seconds": seconds, "memory": mem,
             "tensors_per_step": sum(1 for _ in w.tensors()),
             "bytes_per_full_step": sum(t.numel() * t.element_size() for _, t in w.tensors())}
 
 
-def run_child(mode: str, steps: int, out: Path, d: int, samples: list[int], threads: int) -> dict[str, Any]:
+def run_child(mode: str, steps: int, out: Path, d: int, samples: list[int], threads: int,
+              codec: str = "raw") -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "record", "--mode", mode, "--steps", str(steps),
-           "--out", str(out), "--d", str(d), "--samples", ",".join(map(str, samples)), "--threads", str(threads)]
+           "--out", str(out), "--d", str(d), "--samples", ",".join(map(str, samples)), "--threads", str(threads),
+           "--codec", codec]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -120,8 +124,10 @@ def main() -> None:
     r.add_argument("--d", type=int, default=512)
     r.add_argument("--samples", default="100,500,1000")
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--codec", default="raw")
     a = ap.parse_args()
-    res = record_child(a.mode, a.steps, a.out, a.d, [int(s) for s in a.samples.split(",") if s], a.threads)
+    res = record_child(a.mode, a.steps, a.out, a.d, [int(s) for s in a.samples.split(",") if s], a.threads,
+                       a.codec)
     print(json.dumps(res))
 
 

@@ -113,6 +113,14 @@ def plan(args: argparse.Namespace, codecs: list[str]) -> list[tuple[str, str, st
     if repeat:
         add("copy", "floor: copy_ into preallocated buffers", "floor", baselines.CopyIntoBuffers)
         add("torch.save", "torch.save (clone + dict per step)", "seed", baselines.TorchSave)
+        # The rows the full-every-step targets compare are I/O-bound, and this disk's
+        # write speed drifts by 2x within minutes: run them again, interleaved.
+        add("sd-full-raw", "stepdump full every step, raw", "stepdump", functools.partial(sd, **sw.full("raw")))
+        add("plain-write", "floor: plain write() of stepdump-raw's bytes, in the loop", "floor", None)
+        for codec in ("delta-lz4", "blosc-lz4"):
+            if codec in codecs:
+                add(f"sd-full-{codec}", f"stepdump full every step, {codec}", "stepdump",
+                    functools.partial(sd, **sw.full(codec)))
     if repeat and args.repeat_stepdump:
         add("sd-tiered", "stepdump tiered (every=100, stats_every=1)", "stepdump",
             functools.partial(sd, **sw.TIERED))
@@ -216,6 +224,17 @@ def bench_readside(args: argparse.Namespace) -> dict[str, Any]:
         rr = out["random_reads"]
         print(f"  run.tensor at random steps: median {rr['median_ms']:.2f} ms, p95 {rr['p95_ms']:.2f} ms", flush=True)
         shutil.rmtree(full_dir, ignore_errors=True)
+        settle()
+
+        # The same run with a delta codec: a read may decode a chain of up to 16 blobs.
+        delta_dir = work / "delta"
+        out["delta_run"] = readside.run_child("full", args.read_steps, delta_dir, args.read_d, [], env_threads,
+                                              codec="delta-lz4")
+        out["random_reads_delta"] = readside.time_random_reads(delta_dir, picks=50)
+        rr = out["random_reads_delta"]
+        print(f"  delta-lz4: recorded in {out['delta_run']['seconds']:.1f} s; run.tensor at random steps: median "
+              f"{rr['median_ms']:.2f} ms, p95 {rr['p95_ms']:.2f} ms", flush=True)
+        shutil.rmtree(delta_dir, ignore_errors=True)
         settle()
 
         print(f"== read side: {args.stats_steps}-step stats-only run of Linear(16,16)", flush=True)

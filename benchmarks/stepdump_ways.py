@@ -34,4 +34,4 @@ TIERED: dict[str, Any] = {"every": 100, "stats_every": 1}
 STATS_ONLY: dict[str, Any] = {"every": None, "stats_every": 1}
 
 # Codecs timed by default; --all-codecs adds the rest of CODEC_NAMES.
-DEFAULT_CODECS = ("raw", "zstd", "blosc-lz4", "blosc-zstd")
+DEFAULT_CODECS = ("raw", "zstd", "blosc-lz4", "blosc-zstd", "delta-lz4", "delta-zstd")

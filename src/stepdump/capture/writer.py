@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from stepdump.capture.appender import Appender
 from stepdump.capture.staging import Item, Slot, StagingPool
 from stepdump.capture.stats import compute_stats, fingerprint_bytes, raw_bytes
 from stepdump.errors import WriterError
@@ -79,6 +80,7 @@ class Writer(threading.Thread):
         self.queue: queue.Queue[StepMessage | None] = queue.Queue(maxsize=max_queue)
         self.error: BaseException | None = None
         self.storage = LocalStorage(run_dir)
+        self._appender = Appender(self.storage)
         self.bytes_written = 0
         self.steps_written = 0
         self._catalog: CatalogWriter | None = None
@@ -94,6 +96,7 @@ class Writer(threading.Thread):
         try:
             self._catalog = CatalogWriter(self.run_dir, synchronous="FULL" if self.durable else "NORMAL")
             self._segment_seq = self._next_segment_seq()
+            self._appender.start()
         except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
             self.error = e
             self._ready.set()
@@ -112,6 +115,7 @@ class Writer(threading.Thread):
                 log.debug("stepdump writer failed at step %s: %s", msg.step, e)
                 self.error = e
                 self._rollback()
+                self._quiesce()  # no append may still read the slot that is handed back next
                 self._done_with(msg)
                 self._drain()
                 break
@@ -125,6 +129,13 @@ class Writer(threading.Thread):
             if msg is None:
                 return
             self._done_with(msg)
+
+    def _quiesce(self) -> None:
+        try:
+            if self._appender.is_alive():
+                self._appender.wait()
+        except BaseException as e:  # noqa: BLE001 - the first error is the one to report
+            log.debug("stepdump: an append failed after a writer error: %s", e)
 
     def _rollback(self) -> None:
         """Forget the failed step's rows, so that _shutdown's commit makes none of it visible."""
@@ -146,9 +157,15 @@ class Writer(threading.Thread):
 
     def _shutdown(self) -> None:
         try:
+            if self._appender.is_alive():
+                self._appender.stop()  # every queued append is done before files close
+                if self.error is None and self._appender.error is not None:
+                    raise self._appender.error
             if self._catalog is not None:
                 if self._segment is not None:
-                    self.storage.sync(self._segment, durable=True)
+                    # With durability="flush" the bytes are the OS's to write back,
+                    # as for every step before (docs/reliability.md).
+                    self.storage.sync(self._segment, durable=self.durable)
                 self._catalog.close()
         except BaseException as e:  # noqa: BLE001
             self.error = self.error or e
@@ -180,6 +197,7 @@ class Writer(threading.Thread):
             cat.add_scalars((s, n, _to_float(v)) for s, n, v in msg.scalars)
         if wrote and self._segment is not None:
             # Bytes first, then the commit that points at them.
+            self._appender.wait()
             self.storage.sync(self._segment, durable=self.durable)
         cat.commit()
         if msg.level is not None:
@@ -215,7 +233,9 @@ class Writer(threading.Thread):
         offset = self._segment_size
         if length >= _DIRECT_WRITE:
             self._flush_buffer()
-            self.storage.append(key, encoded)
+            # On the appender thread; ``encoded`` (often a view of the staging slot)
+            # stays untouched until the wait() before this step's commit.
+            self._appender.append(key, encoded)
         else:
             # Small blobs are gathered and written with one syscall per step.
             self._buffer += encoded
@@ -233,13 +253,14 @@ class Writer(threading.Thread):
 
     def _flush_buffer(self) -> None:
         if self._buffer and self._segment is not None:
-            self.storage.append(self._segment, self._buffer)
-            self._buffer = bytearray()
+            self._appender.append(self._segment, self._buffer)
+            self._buffer = bytearray()  # the old one now belongs to the appender
 
     def _segment_for(self, length: int) -> str:
         if self._segment is None or (self._segment_size and self._segment_size + length > self.segment_bytes):
             if self._segment is not None:
                 self._flush_buffer()
+                self._appender.wait()
                 self.storage.sync(self._segment, durable=self.durable)
                 self.storage.close_writer(self._segment)
             self._segment_seq += 1
