@@ -289,7 +289,7 @@ def readside_markdown(rs: dict[str, Any]) -> list[str]:
         L.append("")
         dd, dr = rs.get("delta_run"), rs.get("random_reads_delta")
         if dd and dr:
-            L.append(f"- the same run with `codec=\"delta-lz4\"` (delta_chain 16: a read decodes up to 16 blobs; "
+            L.append(f"- the same run with `codec=\"delta-lz4\"` (delta_chain 8: a read decodes up to 8 blobs; "
                      f"recording took {dd['seconds'] / dd['steps'] * 1e3:.1f} ms/step): median "
                      f"{dr['median_ms']:.2f} ms, p95 {dr['p95_ms']:.2f} ms, max {dr['max_ms']:.2f} ms")
             L.append("")

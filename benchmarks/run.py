@@ -226,7 +226,7 @@ def bench_readside(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(full_dir, ignore_errors=True)
         settle()
 
-        # The same run with a delta codec: a read may decode a chain of up to 16 blobs.
+        # The same run with a delta codec: a read may decode a chain of up to 8 blobs.
         delta_dir = work / "delta"
         out["delta_run"] = readside.run_child("full", args.read_steps, delta_dir, args.read_d, [], env_threads,
                                               codec="delta-lz4")

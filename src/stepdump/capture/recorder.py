@@ -149,7 +149,7 @@ class Recorder:
         every: Every = 1,
         stats_every: Every = 1,
         codec: str = "raw",
-        delta_chain: int = 16,
+        delta_chain: int = 8,
         queue_depth: int = 2,
         durability: str = "flush",
         on_error: str = "raise",

@@ -77,7 +77,7 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
 
 def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, durability: str, on_error: str,
                     queue_depth: int, codec: str, every: Any, stats_every: Any, keyframe_every: int | None,
-                    ring: int | None, delta_chain: int = 16) -> Any:
+                    ring: int | None, delta_chain: int = 8) -> Any:
     """Validate the Recorder's arguments; return the effective ``every`` (keyframe and ring modes set it)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -66,7 +66,7 @@ class Writer(threading.Thread):
         durability: str,
         segment_bytes: int,
         max_queue: int,
-        delta_chain: int = 16,
+        delta_chain: int = 8,
     ) -> None:
         super().__init__(name="stepdump-writer", daemon=True)
         self.run_dir = run_dir

@@ -34,7 +34,7 @@ MAX_BLOB_BYTES = 1 << 40
 # blocks, Blosc 1 well under that); a blob claiming more is damaged or hostile, and
 # is refused before anything of its claimed size is allocated.
 MAX_EXPANSION = 1 << 16
-# Longest chain of delta blobs a reader follows (the writer's default is 16).
+# Longest chain of delta blobs a reader follows (the writer's default is 8).
 MAX_CHAIN = 4096
 # Decoded delta-chain blobs kept for the next read of the same series.
 CACHE_BYTES = 256 << 20
