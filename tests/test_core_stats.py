@@ -116,3 +116,17 @@ def test_device_stats_agree_property(values, dtype):
 @given(values=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=30))
 def test_device_stats_agree_on_ints(values):
     _assert_agree(torch.tensor(values, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 70000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_and_large_paths_agree_with_device_stats(n, dtype):
+    """compute_stats takes a numpy path up to 4096 elements and torch above: both match."""
+    g = torch.Generator().manual_seed(n)
+    t = torch.randn(n, generator=g, dtype=dtype) * 3 + 1
+    t[::7] = 0.0
+    if n > 2:
+        t[1] = -0.0
+    _assert_agree(t)
+    t[0] = NAN
+    _assert_agree(t)

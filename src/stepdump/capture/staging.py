@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stepdump.capture.distributed import local_part
+from stepdump.capture.stats import raw_bytes
 from stepdump.errors import WriterError
 
 
@@ -37,6 +38,7 @@ class Item:
     param: str | None = None
     key: str | None = None
     device_stats: torch.Tensor | None = None  # stats computed on the device, on host once the event fires
+    raw: memoryview | None = None  # the staging buffer's bytes, made once per buffer (see Slot.raw_for)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Slot:
 
     index: int
     buffers: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    views: dict[tuple[str, str], memoryview] = field(default_factory=dict)
     event: object | None = None  # torch.cuda.Event when a device copy is pending
     # Set by the writer when it has processed a message whose slot is held (ring mode).
     written: threading.Event = field(default_factory=threading.Event)
@@ -55,7 +58,14 @@ class Slot:
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             self.buffers[key] = buf
+            self.views[key] = raw_bytes(buf)
         return buf
+
+    def raw_for(self, kind: str, name: str) -> memoryview:
+        """The bytes of a buffer, made when the buffer was: building a memoryview
+        through numpy costs more than the writer's other per-tensor work on small
+        tensors, and the buffer is reused step after step."""
+        return self.views[(kind, name)]
 
 
 class StagingPool:
@@ -106,7 +116,7 @@ class Stager:
                     continue
                 buf = slot.buffer_for(kind, name, t, pin=False)
                 buf.copy_(t)
-                out.append(Item(kind, name, buf, full, param, key))
+                out.append(Item(kind, name, buf, full, param, key, raw=slot.raw_for(kind, name)))
             if cuda_entries:
                 out.extend(self._stage_cuda(slot, cuda_entries))
         return out

@@ -205,7 +205,7 @@ class Writer(threading.Thread):
 
     def _item_row(self, cat: CatalogWriter, step: int | None, item: Item) -> tuple[Any, ...]:
         t = item.tensor
-        data = raw_bytes(t)
+        data = item.raw if item.raw is not None else raw_bytes(t)
         fp = fingerprint_bytes(data)
         if item.kind in _NO_STATS:
             stats: tuple[Any, ...] = (t.numel(),) + (None,) * 9
