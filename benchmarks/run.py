@@ -48,8 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-b", type=int, default=2, help="batch size of workload B (default 2)")
     ap.add_argument("--json-steps", type=int, default=1,
                     help="steps timed for JSON of tolist() (taken as its per-step figure; default 1, it is slow)")
-    ap.add_argument("--repeat-stepdump", action="store_true",
-                    help="run stepdump tiered and stats-only twice too (by default only the cheap baselines repeat)")
     ap.add_argument("--all-codecs", action="store_true", help="time every codec in CODEC_NAMES, not only "
                     + ", ".join(sw.DEFAULT_CODECS))
     ap.add_argument("--threads", type=int, default=1,
@@ -121,13 +119,22 @@ def plan(args: argparse.Namespace, codecs: list[str]) -> list[tuple[str, str, st
             if codec in codecs:
                 add(f"sd-full-{codec}", f"stepdump full every step, {codec}", "stepdump",
                     functools.partial(sd, **sw.full(codec)))
-    if repeat and args.repeat_stepdump:
-        add("sd-tiered", "stepdump tiered (every=100, stats_every=1)", "stepdump",
-            functools.partial(sd, **sw.TIERED))
-        add("sd-stats", "stepdump stats only (every=None, stats_every=1)", "stepdump",
-            functools.partial(sd, **sw.STATS_ONLY))
+    if repeat:  # tiered and stats-only are cheap: always three runs each
+        for _ in range(2):
+            add("sd-tiered", "stepdump tiered (every=100, stats_every=1)", "stepdump",
+                functools.partial(sd, **sw.TIERED))
+            add("sd-stats", "stepdump stats only (every=None, stats_every=1)", "stepdump",
+                functools.partial(sd, **sw.STATS_ONLY))
     add("json", "JSON of tolist() (clone + dict per step)", "seed", baselines.JsonTolist, args.json_steps)
     if repeat:
+        add("none", "no recording", "baseline", baselines.NoRecording)
+        # third runs of the I/O-bound rows, so their medians shrug off one slow minute
+        add("sd-full-raw", "stepdump full every step, raw", "stepdump", functools.partial(sd, **sw.full("raw")))
+        add("plain-write", "floor: plain write() of stepdump-raw's bytes, in the loop", "floor", None)
+        if "delta-lz4" in codecs:
+            add("sd-full-delta-lz4", "stepdump full every step, delta-lz4", "stepdump",
+                functools.partial(sd, **sw.full("delta-lz4")))
+        add("copy", "floor: copy_ into preallocated buffers", "floor", baselines.CopyIntoBuffers)
         add("none", "no recording", "baseline", baselines.NoRecording)
     return p
 
