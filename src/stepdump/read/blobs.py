@@ -64,7 +64,7 @@ class BlobReader:
     def __init__(self, run_dir: Path, con: ReadConnection) -> None:
         self.storage = LocalStorage(run_dir)
         self.con = con
-        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cache: OrderedDict[int, bytes | memoryview] = OrderedDict()
         self._cache_bytes = 0
 
     def blob_row(self, blob_id: int) -> BlobRow:
@@ -119,8 +119,9 @@ class BlobReader:
                 base = self._remember(row.id, base)
         return base  # type: ignore[return-value]
 
-    def _remember(self, blob_id: int, raw: bytes | bytearray | memoryview) -> bytes:
-        data = bytes(raw)  # immutable: tensors handed out never share the cache's memory
+    def _remember(self, blob_id: int, raw: bytes | bytearray | memoryview) -> bytes | memoryview:
+        # Immutable, so tensors handed out never share the cache's memory (tensor() copies).
+        data = raw if isinstance(raw, bytes) or (isinstance(raw, memoryview) and raw.readonly) else bytes(raw)
         if len(data) <= CACHE_BYTES:
             self._cache[blob_id] = data
             self._cache_bytes += len(data)
@@ -128,7 +129,7 @@ class BlobReader:
                 self._cache_bytes -= len(self._cache.popitem(last=False)[1])
         return data
 
-    def _decode(self, b: BlobRow, base: bytes | None) -> bytes | bytearray | memoryview:
+    def _decode(self, b: BlobRow, base: bytes | memoryview | None) -> bytes | bytearray | memoryview:
         blob_id = b.id
         try:
             codec = get_codec(b.codec)

@@ -21,6 +21,8 @@ any tensor decodes at most ``chain`` blobs.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from stepdump.errors import CorruptDataError
@@ -48,17 +50,34 @@ def zigzag_delta(cur: memoryview | bytes, base: memoryview | bytes, width: int) 
     return d.view(_UNSIGNED[width])
 
 
-def undo_zigzag_delta(z: np.ndarray, base: memoryview | bytes | bytearray, width: int) -> bytearray:
-    """Inverse of :func:`zigzag_delta`: base + unzigzag(z), as raw bytes."""
-    u = _UNSIGNED[width]
+def undo_zigzag_delta(z: np.ndarray, base: memoryview | bytes | bytearray, width: int) -> memoryview:
+    """Inverse of :func:`zigzag_delta`: base + unzigzag(z), as read-only raw bytes.
+
+    One allocation (the result) plus a scratch array reused per thread: fresh
+    megabyte arrays cost more in page faults than the arithmetic on them.
+    """
+    u, sgn = _UNSIGNED[width], _SIGNED[width]
     z = z.view(u)
-    d = np.right_shift(z, 1)  # logical shift on unsigned
-    mask = np.bitwise_and(z, 1)
-    np.negative(mask.view(_SIGNED[width]), out=mask.view(_SIGNED[width]))  # 1 -> all ones
-    np.bitwise_xor(d, mask, out=d)
-    out = bytearray(len(base))
-    np.add(np.frombuffer(base, dtype=u), d, out=np.frombuffer(out, dtype=u))
-    return out
+    out = np.right_shift(z, 1)  # logical shift on unsigned
+    sign = _scratch(len(z), u)
+    np.bitwise_and(z, 1, out=sign)
+    np.negative(sign.view(sgn), out=sign.view(sgn))  # 1 -> all ones
+    np.bitwise_xor(out, sign, out=out)
+    np.add(out, np.frombuffer(base, dtype=u), out=out)
+    out.flags.writeable = False  # it may be cached and handed to several readers
+    return memoryview(out).cast("B")
+
+
+_local = threading.local()
+
+
+def _scratch(n: int, dtype: type) -> np.ndarray:
+    buf = getattr(_local, "buf", None)
+    nbytes = n * np.dtype(dtype).itemsize
+    if buf is None or len(buf) < nbytes:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        _local.buf = buf
+    return buf[:nbytes].view(dtype)
 
 
 class DeltaCodec:
@@ -86,12 +105,12 @@ class DeltaCodec:
         z = zigzag_delta(raw, base, width)
         return self.keyframe.encode(memoryview(z).cast("B"), width)
 
-    def decode_delta(self, data: bytes, raw_length: int, base: bytes | bytearray | memoryview) -> bytearray:
+    def decode_delta(self, data: bytes, raw_length: int, base: bytes | bytearray | memoryview) -> memoryview:
         """Raw bytes from a delta blob and its base's raw bytes."""
         if len(base) != raw_length:
             raise CorruptDataError(f"a {self.name} blob of {raw_length} bytes names a base of {len(base)} bytes")
         if raw_length == 0:
-            return bytearray()
+            return memoryview(b"")
         check_blosc_header(data, raw_length)
         width = data[3]  # Blosc's typesize: the integer width the delta was taken at
         if width not in _SIGNED or raw_length % width:
