@@ -252,6 +252,15 @@ def bench_readside(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(delta_dir, ignore_errors=True)
         settle()
 
+        # Memory: a longer full run of a smaller model, so the RSS curve can flatten out.
+        mem_dir = work / "mem"
+        mem_steps = args.read_steps if args.quick else 4 * args.read_steps
+        samples = sorted({s for s in (100, 500, 1000, 2000, 3000, mem_steps) if s <= mem_steps})
+        print(f"== memory: {mem_steps}-step full run of Linear(128,128)", flush=True)
+        out["mem_full_run"] = readside.run_child("full", mem_steps, mem_dir, 128, samples, env_threads)
+        shutil.rmtree(mem_dir, ignore_errors=True)
+        settle()
+
         print(f"== read side: {args.stats_steps}-step stats-only run of Linear(16,16)", flush=True)
         stats_dir = work / "stats"
         samples = sorted({s for s in (100, 500, 1000, 2000, 5000, 10000, args.stats_steps) if s <= args.stats_steps})
@@ -287,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     reports = [bench_workload(n.strip(), args, codecs) for n in args.workloads.split(",") if n.strip()]
     verdicts = [v for rep in reports for v in report.evaluate_targets(rep, codecs)]
     readres = None if args.no_read else bench_readside(args)
+    if readres:
+        verdicts += report.readside_targets(readres)
     duration = time.perf_counter() - t_start
     shutil.rmtree(args.work, ignore_errors=True)
 
