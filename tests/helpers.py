@@ -148,3 +148,22 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+def train_recorded(path: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0,
+                   **rec_kwargs: Any) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """Train on regression_batch(t) (8 in, 4 out) for steps start..start+steps-1 under a
+    Recorder (resuming the run when start > 0); return a snapshot taken at each pre-step moment."""
+    import stepdump
+
+    snaps = []
+    with stepdump.Recorder(path, model, opt, resume=start > 0, **rec_kwargs) as rec:
+        for t in range(start, start + steps):
+            x, y = regression_batch(t, d_in=8, d_out=4)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            snaps.append(snapshot(model, opt))
+            opt.step()
+            rec.log(loss=loss)
+    return snaps

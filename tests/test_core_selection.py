@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MLP, assert_run_matches, assert_same, regression_batch, snapshot
+from helpers import MLP, assert_run_matches, assert_same, snapshot, train_recorded
 from torch import nn
 
 import stepdump
@@ -17,17 +17,7 @@ def _train(path, steps=N, model=None, **rec_kwargs):
     torch.manual_seed(0)
     model = model if model is not None else MLP(8, 16, 4)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    snaps = []
-    with stepdump.Recorder(path, model, opt, **rec_kwargs) as rec:
-        for t in range(steps):
-            x, y = regression_batch(t, d_in=8, d_out=4)
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            snaps.append(snapshot(model, opt))
-            opt.step()
-            rec.log(loss=loss)
-    return snaps
+    return train_recorded(path, model, opt, steps, **rec_kwargs)
 
 
 def _only(snap, keep):

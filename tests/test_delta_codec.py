@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import MLP, assert_run_matches, regression_batch, snapshot
+from helpers import MLP, assert_run_matches, train_recorded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -20,17 +20,7 @@ from stepdump.store.delta import undo_zigzag_delta, zigzag_delta
 
 def _train(path: Path, model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0,
            **kwargs) -> list[dict]:
-    snaps = []
-    with stepdump.Recorder(path, model, opt, resume=start > 0, **kwargs) as rec:
-        for t in range(start, start + steps):
-            x, y = regression_batch(t, d_in=8, d_out=4)
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            snaps.append(snapshot(model, opt))
-            opt.step()
-            rec.log(loss=loss)
-    return snaps
+    return train_recorded(path, model, opt, steps, start, **kwargs)
 
 
 def _blobs(path: Path) -> list[tuple]:
@@ -101,7 +91,7 @@ def test_delta_codec_stores_fewer_bytes_than_its_keyframe_codec(tmp_path):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
         opt = torch.optim.Adam(model.parameters(), lr=1e-5)
-        with stepdump.Recorder(tmp_path / codec, model, opt, codec=codec, capture=("params", "optimizer")) as rec:
+        with stepdump.Recorder(tmp_path / codec, model, opt, codec=codec, capture=("params", "optimizer")):
             for t in range(8):
                 x = torch.randn(32, 64, generator=torch.Generator().manual_seed(t))
                 loss = model(x).pow(2).mean()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
-from helpers import MLP, regression_batch
-from torch import nn
+from helpers import MLP, train_recorded
 
 import stepdump
 
@@ -14,14 +13,7 @@ def test_one_series_stats_equal_the_filtered_general_query(tmp_path):
     torch.manual_seed(0)
     model = MLP(d_in=8, hidden=16, d_out=4)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with stepdump.Recorder(tmp_path / "run", model, opt, every=3) as rec:
-        for t in range(10):
-            x, y = regression_batch(t, d_in=8, d_out=4)
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.log(loss=loss)
+    train_recorded(tmp_path / "run", model, opt, 10, every=3)
     with stepdump.open(tmp_path / "run") as run:
         everything = run.stats()
         for kind, name, steps in [("grads", "fc1.weight", None), ("params", "fc2.bias", range(2, 9, 3)),

@@ -20,17 +20,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 import os
-import platform
 import time
 import weakref
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-import stepdump
 from stepdump.capture.naming import Layout, build_layout, full_state, tensor_entries
 from stepdump.capture.rng import get_rng_state
 from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, check_kinds
@@ -45,10 +42,10 @@ from stepdump.capture.staging import Item, StagingPool, Stager
 from stepdump.capture.triggers import Trigger
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
-from stepdump.errors import ConfigError, RunExistsError, RunLockedError, WriterError
-from stepdump.store import catalog, tjson
-from stepdump.store.format import CATALOG_FILE, LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
-from stepdump.store.lock import RunLock, is_locked
+from stepdump.errors import ConfigError, WriterError
+from stepdump.store import tjson
+from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
+from stepdump.store.lock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -367,12 +364,13 @@ class Recorder:
             scalars = scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
             self._prev_open = False
             self._auto_scalars(t)
-            self._remember(scalars)
+            if self._ring is not None:
+                remember(self._history, scalars)
             level = self._level(t)
             msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars)
             captured = self._modules.take()
             if self._ring is not None and level == LEVEL_STATS:
-                self._ring_step(msg, captured)
+                ring_step(self, msg, captured)
             elif level != LEVEL_NONE:
                 msg.slot = self._pool.acquire(lambda: self._writer.error)
                 full = level == LEVEL_FULL
@@ -389,13 +387,6 @@ class Recorder:
             self._batch = None
             self._put(msg)
         self._overhead += time.perf_counter() - started
-
-    def _remember(self, scalars: list[tuple[int, str, Any]]) -> None:
-        if self._ring is not None:
-            remember(self._history, scalars)
-
-    def _ring_step(self, msg: StepMessage, captured: list[tuple[str, str, torch.Tensor]]) -> None:
-        ring_step(self, msg, captured)
 
     def _on_step_done(self) -> None:
         if self._stopped:
