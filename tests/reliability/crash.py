@@ -31,7 +31,7 @@ from typing import Any
 
 from reliability.procs import Zygote, alive, read_side, tensor_hash
 
-CODECS = ("raw", "raw", "zstd", "blosc-lz4")
+CODECS = ("raw", "zstd", "blosc-lz4", "delta-lz4", "delta-lz4")  # delta: chains must survive kills too
 
 
 class SoakFailure(AssertionError):
