@@ -7,16 +7,16 @@ numbers of either sign; zigzag coding (``d << 1 ^ d >> (w - 1)``) turns them int
 small unsigned numbers whose high bits are zero, and Blosc's bit shuffle then
 groups those zero bits so that lz4 / zstd squeeze them out. Integer arithmetic
 wraps, so this is exact for any bytes (NaN payloads, -0.0, integer tensors).
-Measured on benchmark workload A (Adam, 8.4M params): params 1.09x -> 1.50x,
-optimizer state 1.08x -> 1.24-1.32x, whole record 1.14x -> 1.30x
-(benchmarks/RESULTS.md). Integer difference beat XOR of the bit patterns
-(1.24x) because a carry across a byte boundary flips many XOR bits but changes
+Measured on benchmark workload A (Adam, 8.4M params, zstd): params 1.09x ->
+1.50x smaller than raw, Adam moments 1.08-1.10x -> 1.24-1.27x (docs/performance.md).
+Integer difference beat XOR of the bit patterns (whole record 1.30x against
+1.24x) because a carry across a byte boundary flips many XOR bits but changes
 the difference by one.
 
 A delta blob names its ``base`` (an earlier blob of the same series) in the
 catalog. The writer stores a self-contained keyframe (with the plain Blosc
-codec of the same compressor) every ``chain`` blobs per series, so reading
-any tensor decodes at most ``chain`` blobs.
+codec of the same compressor) every ``chain`` blobs per series (Recorder's
+``delta_chain``, default 8), so reading any tensor decodes at most that many.
 """
 
 from __future__ import annotations
