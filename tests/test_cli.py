@@ -52,6 +52,7 @@ def test_info_ls_show(runs):
     a, _, base = runs
     out = cli("info", a).stdout
     assert "Sequential" in out and "8 (0..7)" in out
+    assert "raw (1.00×)" in out  # the fixture's runs use the raw codec: stored == raw
     assert "0.weight" in cli("ls", a).stdout
     assert cli("ls", a, "--steps").stdout.split() == [str(i) for i in range(8)]
     out = cli("show", a, "0.weight", "--step", "3", "--kind", "grads").stdout

@@ -99,6 +99,13 @@ def test_delta_codec_stores_fewer_bytes_than_its_keyframe_codec(tmp_path):
                 loss.backward()
                 opt.step()
         sizes[codec] = sum(r[5] for r in _blobs(tmp_path / codec))
+        with stepdump.open(tmp_path / codec) as run:  # what `stepdump info` shows as "tensor data"
+            stored, raw = run.blob_bytes()
+        con = sqlite3.connect(tmp_path / codec / "catalog.sqlite")
+        raw_total = con.execute("SELECT sum(raw_length) FROM blobs").fetchone()[0]
+        con.close()
+        assert stored == sizes[codec] and raw == raw_total
+        assert raw > 7 * 3 * sum(p.numel() * 4 for p in model.parameters())  # params + Adam moments, 7+ steps
     assert sizes["delta-lz4"] < 0.9 * sizes["blosc-lz4-bit"], sizes
 
 

@@ -41,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
         t.add_row("capture", f"{', '.join(m.get('capture', []))}; full {m.get('every')}, stats {m.get('stats_every')}")
         t.add_row("codec", str(m.get("codec")))
         t.add_row("size on disk", human_bytes(run_bytes(r.path)))
+        stored, raw = r.blob_bytes()
+        if raw:
+            t.add_row("tensor data", f"{human_bytes(stored)} stored, {human_bytes(raw)} raw ({stored / raw:.2f}×)")
         console.print(t)
     return Exit.OK
 

@@ -93,6 +93,16 @@ class Run:
         """Steps the GradScaler skipped (inf/NaN gradients, no update)."""
         return self._ints("SELECT step FROM steps WHERE skipped = 1 ORDER BY step", ())
 
+    def blob_bytes(self) -> tuple[int, int]:
+        """(stored, raw): bytes of tensor data in the segments, and what they decode to.
+
+        Their ratio is what the run's codec saved (1.0 for ``raw``)."""
+        stored, raw = self._con.execute("SELECT total(length), total(raw_length) FROM blobs").fetchone()
+        try:
+            return int(stored), int(raw)
+        except (TypeError, ValueError):
+            raise CorruptDataError(f"the blob sizes in the catalog of {self.path} are not numbers") from None
+
     def kinds(self) -> list[str]:
         """Kinds of tensors present in the run (params, grads, optimizer, ...)."""
         rows = {k for (k,) in self._con.execute("SELECT DISTINCT kind FROM series")}
