@@ -205,3 +205,47 @@ def test_a_base_of_another_size_is_refused(tmp_path):
     with stepdump.open(path) as run:
         report = stepdump.verify(run)
     assert any("base of" in p.detail for p in report.problems), report.problems
+
+
+def test_delta_chain_longer_than_readers_follow_is_refused(tmp_path):
+    from stepdump.store.delta import MAX_DELTA_CHAIN
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(stepdump.ConfigError, match=str(MAX_DELTA_CHAIN)):
+        stepdump.Recorder(tmp_path / "r", model, opt, codec="delta-lz4", delta_chain=MAX_DELTA_CHAIN + 1)
+
+
+def test_cache_stays_consistent_when_threads_read_one_run(tmp_path):
+    """Several threads reading delta chains through one Run: same bytes, no cache errors."""
+    import threading
+
+    path, snaps = _delta_run(tmp_path)
+    errors: list[BaseException] = []
+    with stepdump.open(path) as run:
+        blobs = run._blobs
+        blobs_cache_limit = 64 << 10  # tiny, so evictions happen all the time
+        import stepdump.read.blobs as blobs_mod
+
+        old = blobs_mod.CACHE_BYTES
+        blobs_mod.CACHE_BYTES = blobs_cache_limit
+        try:
+            def reader(seed: int) -> None:
+                order = [(t, n) for t in range(5) for n in snaps[t]["params"]]
+                order = order[seed:] + order[:seed]
+                try:
+                    for _ in range(3):
+                        for t, n in order:
+                            assert torch.equal(run.tensor(n, t, kind="params"), snaps[t]["params"][n])
+                except BaseException as e:  # noqa: BLE001 - collected and re-raised below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        finally:
+            blobs_mod.CACHE_BYTES = old
+        assert not errors, errors[:1]
+        assert blobs._cache_bytes == sum(len(v) for v in blobs._cache.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 import torch
 from helpers import MLP, train_recorded
 
@@ -28,5 +29,11 @@ def test_one_series_stats_equal_the_filtered_general_query(tmp_path):
         # a glob matching several series takes the general query, same rows
         several = run.stats(kind="grads", name="fc1.*")
         assert set(several.name) == {"fc1.weight", "fc1.bias"} and len(several) == 20
+        # steps as a generator: read once, whichever query runs
+        gen = run.stats(kind="grads", name="fc1.*", steps=(s for s in (2, 4)))
+        assert sorted(gen.step.tolist()) == [2, 2, 4, 4]
+        assert run.stats(kind="grads", name="fc1.weight", steps=(s for s in (2, 4))).step.tolist() == [2, 4]
+        with pytest.raises(stepdump.StepdumpError):  # a bad steps= is an error even when no tensor matches
+            run.stats(kind="grads", name="no.such.tensor", steps="x")
         none = run.stats(kind="grads", name="no.such.tensor")
         assert none.empty and list(none.columns) == list(everything.columns)

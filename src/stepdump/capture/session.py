@@ -14,6 +14,7 @@ import stepdump
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError
 from stepdump.store import catalog
 from stepdump.store.codecs import get_codec
+from stepdump.store.delta import MAX_DELTA_CHAIN
 from stepdump.store.format import CATALOG_FILE, LOCK_FILE
 from stepdump.store.lock import is_locked
 
@@ -94,8 +95,9 @@ def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, 
     if queue_depth < 1:
         raise ConfigError("queue_depth must be at least 1")
     get_codec(codec)  # fail now, not in the writer
-    if isinstance(delta_chain, bool) or not isinstance(delta_chain, int) or delta_chain < 1:
-        raise ConfigError(f"delta_chain={delta_chain!r}: give a positive number of blobs (1: no deltas)")
+    if isinstance(delta_chain, bool) or not isinstance(delta_chain, int) or not 1 <= delta_chain <= MAX_DELTA_CHAIN:
+        raise ConfigError(f"delta_chain={delta_chain!r}: give a number of blobs from 1 (no deltas) to "
+                          f"{MAX_DELTA_CHAIN} (readers follow no longer chains)")
     if keyframe_every is not None:
         if isinstance(keyframe_every, bool) or not isinstance(keyframe_every, int) or keyframe_every < 1:
             raise ConfigError(f"keyframe_every={keyframe_every!r}: give a positive number of steps")

@@ -13,6 +13,7 @@ read outside the run directory, or hand back wrong values without an error.
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 import re
 from pathlib import Path
@@ -23,7 +24,7 @@ from stepdump.capture.stats import fingerprint_bytes
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.catalog import BlobRow, ReadConnection
 from stepdump.store.codecs import get_codec
-from stepdump.store.delta import DeltaCodec
+from stepdump.store.delta import MAX_DELTA_CHAIN, DeltaCodec
 from stepdump.store.format import DTYPES
 from stepdump.store.storage import LocalStorage
 
@@ -34,8 +35,8 @@ MAX_BLOB_BYTES = 1 << 40
 # blocks, Blosc 1 well under that); a blob claiming more is damaged or hostile, and
 # is refused before anything of its claimed size is allocated.
 MAX_EXPANSION = 1 << 16
-# Longest chain of delta blobs a reader follows (the writer's default is 8).
-MAX_CHAIN = 4096
+# Longest chain of delta blobs a reader follows (the writer's default is 8, its limit the same).
+MAX_CHAIN = MAX_DELTA_CHAIN
 # Decoded delta-chain blobs kept for the next read of the same series.
 CACHE_BYTES = 256 << 20
 _SHAPE = re.compile(r"(?:[0-9]{1,19}(?:,[0-9]{1,19})*)?")
@@ -66,6 +67,7 @@ class BlobReader:
         self.con = con
         self._cache: OrderedDict[int, bytes | memoryview] = OrderedDict()
         self._cache_bytes = 0
+        self._cache_lock = threading.Lock()
 
     def blob_row(self, blob_id: int) -> BlobRow:
         if not _is_int(blob_id):
@@ -93,21 +95,23 @@ class BlobReader:
         """The decoded (raw tensor) bytes of a blob, checksum verified; a delta blob's
         chain of bases is decoded first (recently decoded bases are cached)."""
         b = b or self.blob_row(blob_id)
-        hit = self._cache.get(b.id)
+        hit = self._cached(b.id)
         if hit is not None:
-            self._cache.move_to_end(b.id)
             return hit
         chain = [b]
-        while chain[-1].base is not None and chain[-1].base not in self._cache:
+        base: bytes | bytearray | memoryview | None = None
+        while chain[-1].base is not None:
             last = chain[-1]
             # Bases are written before the blobs built on them, so ids strictly
             # decrease along a chain: a damaged catalog cannot make it loop.
             if not _is_int(last.base) or not 0 < last.base < last.id:
                 raise CorruptDataError(f"blob {last.id} names base {last.base!r}, which is not an earlier blob")
+            base = self._cached(last.base)
+            if base is not None:
+                break
             if len(chain) > MAX_CHAIN:
                 raise CorruptDataError(f"blob {b.id} sits on a chain of more than {MAX_CHAIN} delta blobs")
             chain.append(self.blob_row(last.base))
-        base = self._cache.get(chain[-1].base) if chain[-1].base is not None else None
         for i, row in enumerate(reversed(chain)):
             try:
                 base = self._decode(row, base)
@@ -119,14 +123,25 @@ class BlobReader:
                 base = self._remember(row.id, base)
         return base  # type: ignore[return-value]
 
+    def _cached(self, blob_id: int) -> bytes | memoryview | None:
+        with self._cache_lock:
+            hit = self._cache.get(blob_id)
+            if hit is not None:
+                self._cache.move_to_end(blob_id)
+            return hit
+
     def _remember(self, blob_id: int, raw: bytes | bytearray | memoryview) -> bytes | memoryview:
         # Immutable, so tensors handed out never share the cache's memory (tensor() copies).
         data = raw if isinstance(raw, bytes) or (isinstance(raw, memoryview) and raw.readonly) else bytes(raw)
         if len(data) <= CACHE_BYTES:
-            self._cache[blob_id] = data
-            self._cache_bytes += len(data)
-            while self._cache_bytes > CACHE_BYTES:
-                self._cache_bytes -= len(self._cache.popitem(last=False)[1])
+            with self._cache_lock:  # a Run may be read from several threads
+                old = self._cache.pop(blob_id, None)
+                if old is not None:
+                    self._cache_bytes -= len(old)
+                self._cache[blob_id] = data
+                self._cache_bytes += len(data)
+                while self._cache_bytes > CACHE_BYTES and self._cache:
+                    self._cache_bytes -= len(self._cache.popitem(last=False)[1])
         return data
 
     def _decode(self, b: BlobRow, base: bytes | memoryview | None) -> bytes | bytearray | memoryview:

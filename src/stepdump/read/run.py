@@ -100,7 +100,7 @@ class Run:
         stored, raw = self._con.execute("SELECT total(length), total(raw_length) FROM blobs").fetchone()
         try:
             return int(stored), int(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise CorruptDataError(f"the blob sizes in the catalog of {self.path} are not numbers") from None
 
     def kinds(self) -> list[str]:
@@ -281,6 +281,8 @@ class Run:
             series_where.append("s.name GLOB ?")
             series_args.append(name)
         columns = ["step", "kind", "name", "dtype", "shape", *STAT_COLUMNS, "fingerprint", "stored"]
+        if steps is not None and not isinstance(steps, (slice, range)) and not hasattr(steps, "__index__"):
+            steps = list(steps)  # a generator would be used up by the first of two queries
         df = self._one_series_stats(" AND ".join(series_where), series_args, steps, columns)
         if df is None:
             where, args = _step_filter("t.step", steps)
@@ -306,6 +308,7 @@ class Run:
         The query walks the (series, step) key in order: no join and no sort in
         SQLite, and kind and name are not fetched with every row (10,000 steps:
         34 -> 27 ms, best of 20, on the bench machine). No match: an empty frame."""
+        where, args = _step_filter("step", steps)  # first: a bad steps= is an error even if nothing matches
         series = self._con.execute(f"SELECT s.id, s.kind, s.name FROM series s WHERE {series_where} LIMIT 2",
                                    series_args).fetchall()
         if not series:
@@ -313,7 +316,6 @@ class Run:
         if len(series) > 1:
             return None
         (sid, kind, name), = series
-        where, args = _step_filter("step", steps)
         rows = self._con.execute(
             f"SELECT step, dtype, shape, {', '.join(STAT_COLUMNS)}, fingerprint, blob IS NOT NULL FROM tensors "
             f"WHERE series = ? AND {where} ORDER BY step", [sid, *args]).fetchall()

@@ -28,6 +28,9 @@ import numpy as np
 from stepdump.errors import CorruptDataError
 from stepdump.store.codecs import BloscCodec, check_blosc_header
 
+# The longest chain a writer may build and a reader follows (Recorder's delta_chain).
+MAX_DELTA_CHAIN = 4096
+
 # Integer views for the subtraction: an element of 16 bytes (complex128) is
 # differenced as two int64 halves, which is just as exact.
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
