@@ -18,6 +18,7 @@ from helpers import (
     classification_batch,
     regression_batch,
     snapshot,
+    train_recorded,
 )
 from torch import nn
 
@@ -369,16 +370,7 @@ def test_slow_writer_backpressure_loses_and_mixes_nothing(tmp_path, monkeypatch)
     monkeypatch.setattr(LocalStorage, "append", slow_append)
     model = MLP(8, 16, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    snaps = []
-    with stepdump.Recorder(tmp_path / "run", model, opt, queue_depth=1) as rec:
-        for t in range(12):
-            x, y = regression_batch(t, d_in=8, d_out=4)
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            snaps.append(snapshot(model, opt))
-            opt.step()
-            rec.log(loss=loss)
+    snaps = train_recorded(tmp_path / "run", model, opt, 12, queue_depth=1)
     with stepdump.open(tmp_path / "run") as run:
         assert run.steps == list(range(12))
         for t in range(12):

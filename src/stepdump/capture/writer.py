@@ -221,9 +221,10 @@ class Writer(threading.Thread):
 
     def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int,
                      series: int | None = None) -> int:
+        blob_id = cat.new_blob_id()
         base: int | None = None
         if self._deltas is not None and series is not None:
-            encoded, base, codec_name = self._deltas.encode(series, data, itemsize)
+            encoded, base, codec_name = self._deltas.encode(series, blob_id, data, itemsize)
         else:
             encoded, codec_name = self._plain.encode(data, itemsize), self._plain.name
         # For the raw codec the stored bytes are the raw bytes: reuse the fingerprint.
@@ -243,9 +244,6 @@ class Writer(threading.Thread):
                 self._flush_buffer()
         self._segment_size = offset + length
         self.bytes_written += length
-        blob_id = cat.new_blob_id()
-        if self._deltas is not None and series is not None:
-            self._deltas.stored(series, blob_id)
         self._blob_rows.append(
             (blob_id, cat.segment_id(key), offset, length, codec_name, len(data), checksum, base)
         )

@@ -35,8 +35,6 @@ MAX_BLOB_BYTES = 1 << 40
 # blocks, Blosc 1 well under that); a blob claiming more is damaged or hostile, and
 # is refused before anything of its claimed size is allocated.
 MAX_EXPANSION = 1 << 16
-# Longest chain of delta blobs a reader follows (the writer's default is 8, its limit the same).
-MAX_CHAIN = MAX_DELTA_CHAIN
 # Decoded delta-chain blobs kept for the next read of the same series.
 CACHE_BYTES = 256 << 20
 _SHAPE = re.compile(r"(?:[0-9]{1,19}(?:,[0-9]{1,19})*)?")
@@ -109,8 +107,8 @@ class BlobReader:
             base = self._cached(last.base)
             if base is not None:
                 break
-            if len(chain) > MAX_CHAIN:
-                raise CorruptDataError(f"blob {b.id} sits on a chain of more than {MAX_CHAIN} delta blobs")
+            if len(chain) > MAX_DELTA_CHAIN:
+                raise CorruptDataError(f"blob {b.id} sits on a chain of more than {MAX_DELTA_CHAIN} delta blobs")
             chain.append(self.blob_row(last.base))
         for i, row in enumerate(reversed(chain)):
             try:

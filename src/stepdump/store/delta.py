@@ -106,7 +106,6 @@ class DeltaCodec:
     def __init__(self, cname: str) -> None:
         self.name = f"delta-{cname}"
         self.keyframe = BloscCodec(cname, 1, "bit")
-        self._cname = cname
 
     def encode(self, raw: memoryview, itemsize: int) -> bytes:
         """A keyframe: the plain Blosc encoding (stored under ``keyframe.name``)."""
@@ -140,9 +139,9 @@ class _Last:
 
     __slots__ = ("raw", "blob", "itemsize", "links")
 
-    def __init__(self, raw: bytearray, itemsize: int, links: int) -> None:
+    def __init__(self, raw: bytearray, blob: int, itemsize: int, links: int) -> None:
         self.raw = raw
-        self.blob: int | None = None
+        self.blob = blob
         self.itemsize = itemsize
         self.links = links
 
@@ -162,12 +161,13 @@ class DeltaChains:
         self.chain = chain
         self._last: dict[int, _Last] = {}
 
-    def encode(self, series: int, raw: memoryview, itemsize: int) -> tuple[bytes, int | None, str]:
-        """Encode ``raw``; return (stored bytes, base blob id or None, codec name for the catalog)."""
+    def encode(self, series: int, blob_id: int, raw: memoryview, itemsize: int) -> tuple[bytes, int | None, str]:
+        """Encode ``raw``, the blob ``blob_id`` of ``series``; return (stored bytes, base blob
+        id or None, codec name for the catalog)."""
         last = self._last.get(series)
         n = len(raw)
-        if last is not None and last.blob is not None and len(last.raw) == n and last.itemsize == itemsize \
-                and last.links + 1 < self.chain and n:
+        if last is not None and len(last.raw) == n and last.itemsize == itemsize and last.links + 1 < self.chain \
+                and n:
             out, base, name, links = self.codec.encode_delta(raw, last.raw, itemsize), last.blob, self.codec.name, \
                 last.links + 1
         else:
@@ -175,12 +175,8 @@ class DeltaChains:
         buf = last.raw if last is not None and len(last.raw) == n else bytearray(n)
         if n:
             np.copyto(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
-        self._last[series] = _Last(buf, itemsize, links)
+        self._last[series] = _Last(buf, blob_id, itemsize, links)
         return out, base, name
-
-    def stored(self, series: int, blob_id: int) -> None:
-        """The blob just encoded for ``series`` got id ``blob_id``."""
-        self._last[series].blob = blob_id
 
     def forget(self) -> None:
         """After a failed step: its blobs were never committed, so nothing may build on them."""
