@@ -407,7 +407,7 @@ def test_default_rules_and_names() -> None:
     names = rule_names()
     assert names[: len(DEFAULT_RULES)] == [
         "nan_inf", "exploding_gradient", "vanishing_gradient", "loss_spike", "loss_not_decreasing",
-        "update_ratio", "unchanged_tensor", "dead_units", "weight_norm_growth", "optimizer_state",
+        "update_ratio", "unchanged_tensor", "dead_units", "weight_norm_growth", "optimizer_state", "recording_stopped",
     ]
     rules = resolve_rules()
     assert [r.name for r in rules] == names[: len(DEFAULT_RULES)]

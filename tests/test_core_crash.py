@@ -200,7 +200,7 @@ def test_writer_failure_surfaces_on_log_step_and_close(tmp_path, monkeypatch):
     disk = _DiskFull(monkeypatch)
     model, opt = _model_opt()
     snaps = []
-    rec = stepdump.Recorder(tmp_path / "run", model, opt)
+    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise")
     reader = stepdump.open(tmp_path / "run")
     for t in range(3):
         loss = _iteration(model, opt, t)
@@ -248,7 +248,7 @@ def test_writer_failure_surfaces_on_log_step_and_close(tmp_path, monkeypatch):
 def test_writer_failure_surfaces_on_close(tmp_path, monkeypatch):
     disk = _DiskFull(monkeypatch)
     model, opt = _model_opt()
-    rec = stepdump.Recorder(tmp_path / "run", model, opt)
+    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise")
     with stepdump.open(tmp_path / "run") as reader:
         for t in range(2):
             _iteration(model, opt, t)
@@ -276,7 +276,7 @@ def test_writer_failure_on_first_step_leaves_an_empty_run(tmp_path, monkeypatch,
     torch.manual_seed(0)
     model = nn.Linear(600, 600)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = stepdump.Recorder(tmp_path / "run", model, opt)
+    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise")
     model(torch.randn(2, 600)).square().mean().backward()
     opt.step()
     with pytest.raises(stepdump.WriterError) as ei:

@@ -143,7 +143,21 @@ def test_failed_upload_raises_at_close_and_keeps_the_staging_run(monkeypatch: py
     monkeypatch.setattr(FsspecStorage, "put_file", refuse)
     staging = tmp_path / "stage"
     with pytest.raises(WriterError, match="could not upload .*bucket is read-only.*staging directory"):
-        record(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1))
+        record(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1), on_error="raise")
+    with stepdump.open(staging) as local:
+        assert local.steps == [0, 1, 2]
+
+
+def test_failed_upload_warns_by_default_and_the_training_script_goes_on(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path, caplog) -> None:
+    def refuse(self, key, local):  # noqa: ANN001
+        raise OSError("bucket is read-only")
+
+    monkeypatch.setattr(FsspecStorage, "put_file", refuse)
+    staging = tmp_path / "stage"
+    with caplog.at_level("WARNING", logger="stepdump"):
+        record(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1))  # close() does not raise
+    assert any("could not upload" in r.getMessage() and str(staging) in r.getMessage() for r in caplog.records)
     with stepdump.open(staging) as local:
         assert local.steps == [0, 1, 2]
 

@@ -47,9 +47,11 @@ class ModuleCapture:
     """Forward hooks on the selected modules and the root; collects one step's entries."""
 
     def __init__(self, model: nn.Module, kinds: tuple[str, ...], modules: str | list[str],
-                 active: Callable[[], bool]) -> None:
+                 active: Callable[[], bool], on_error: Callable[[Exception, str], None] | None = None) -> None:
         self.kinds = kinds
         self._active = active
+        # Do no harm: a failure inside a hook goes to the Recorder's policy, not out of forward/backward.
+        self._on_error = on_error
         self._entries: list[Entry] = []
         self._calls: dict[tuple[str, str], int] = {}
         self._handles: list[Any] = []
@@ -78,28 +80,47 @@ class ModuleCapture:
 
     def _make_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled() or not self._active():
+            if not torch.is_grad_enabled() or not self._handles or not self._active():
                 return
-            with torch.profiler.record_function("stepdump.activations"):
-                base = self._indexed("activations", name)
-                for path, t in flatten(output, base):
-                    if "activations" in self.kinds:
-                        self._entries.append(("activations", path, t.detach().clone()))
-                    if "activation_grads" in self.kinds and t.requires_grad:
-                        t.register_hook(self._grad_hook(path))
+            try:
+                with torch.profiler.record_function("stepdump.activations"):
+                    base = self._indexed("activations", name)
+                    for path, t in flatten(output, base):
+                        if "activations" in self.kinds:
+                            self._keep("activations", path, t)
+                        if "activation_grads" in self.kinds and t.requires_grad:
+                            t.register_hook(self._grad_hook(path))
+            except Exception as e:  # noqa: BLE001 - do no harm
+                self._failed(e, f"forward hook of module {name!r}")
 
         return hook
 
+    def _failed(self, err: Exception, where: str) -> None:
+        if self._on_error is None:
+            raise err
+        self._on_error(err, where)
+
     def _grad_hook(self, path: str) -> Callable[[torch.Tensor], None]:
         def on_grad(grad: torch.Tensor) -> None:
-            if self._active():
-                self._entries.append(("activation_grads", path, grad.detach().clone()))
+            # None keeps the gradient as it is: a tensor hook's return value replaces it.
+            if not self._handles or not self._active():
+                return
+            try:
+                self._keep("activation_grads", path, grad)
+            except Exception as e:  # noqa: BLE001 - do no harm
+                self._failed(e, f"gradient hook of {path!r}")
 
         return on_grad
 
     def _on_root_input(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.is_grad_enabled() or not self._active():
+        if not torch.is_grad_enabled() or not self._handles or not self._active():
             return
+        try:
+            self._root_input(args, kwargs)
+        except Exception as e:  # noqa: BLE001 - do no harm
+            self._failed(e, "forward pre-hook of the model")
+
+    def _root_input(self, args: Any, kwargs: Any) -> None:
         call = self._indexed("inputs", "root")
         suffix = "" if call == "root" else call[len("root"):]
         for path, t in flatten(args, "args"):
@@ -109,7 +130,11 @@ class ModuleCapture:
 
     # -- used by the Recorder ------------------------------------------------
     def add_input(self, name: str, t: torch.Tensor) -> None:
-        self._entries.append(("inputs", name, t.detach().clone()))
+        self._keep("inputs", name, t)
+
+    def _keep(self, kind: str, name: str, t: torch.Tensor) -> None:
+        # A private copy now: the training may change the tensor in place before the record is taken.
+        self._entries.append((kind, name, t.detach().clone()))
 
     def log_batch(self, batch: Any) -> Any:
         """Record ``batch`` under ``batch/<path>``; return its skeleton for replay on the first call.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,3 +110,30 @@ def tensor_entries(layout: Layout, optimizer: torch.optim.Optimizer, kinds: tupl
                     out.append(("optimizer", f"{n}.{k}", v, full, n, k))
     out.extend(("buffers", n, b, True, None, None) for n, b in buffers.items())
     return out
+
+
+def begin_state(layout: Layout, buffers: Callable[[str], bool] | None) -> dict[str, Any]:
+    """What a record takes at the start of its iteration: the RNG state, and private
+    copies of the module buffers ``buffers`` selects (None: no buffers)."""
+    from stepdump.capture.rng import get_rng_state
+
+    with torch.no_grad():
+        return {
+            "rng": get_rng_state(),
+            "buffers": {n: b.detach().clone() for n, b in layout.buffers.items() if buffers is not None and buffers(n)},
+        }
+
+
+def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, entries: list[tuple]) -> str:
+    """The record's typed-JSON state (FORMAT.md); its tensors are appended to ``entries`` as kind ``state``."""
+    from stepdump.store import tjson
+
+    if begin is not None:
+        state["rng"] = begin["rng"]
+    if batch is not None:
+        state["batch"] = batch
+
+    def put(ref: str, tensor: torch.Tensor) -> None:
+        entries.append(("state", ref, tensor, True, None, None))
+
+    return tjson.dumps(tjson.encode(state, put))

@@ -18,8 +18,8 @@ records the step as skipped.
 from __future__ import annotations
 
 import logging
-from collections import deque
 import os
+from dataclasses import replace
 import time
 import weakref
 from collections.abc import Iterable
@@ -28,22 +28,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepdump.capture.naming import Layout, build_layout, full_state, tensor_entries
-from stepdump.capture.rng import get_rng_state
+from stepdump.capture.guard import Failure, Guard, mark_run
+from stepdump.capture.hooks import group_sizes, record_after_closure, watch_scaler
+from stepdump.capture.naming import Layout, begin_state, build_layout, full_state, state_json, tensor_entries
 from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, check_kinds
 from stepdump.capture.activations import ModuleCapture
-from stepdump.capture.scalars import check_scalar, scalar_rows
-from stepdump.capture.session import check_arguments, init_catalog, prepare_dir
+from stepdump.capture.scalars import auto_scalars, checked_scalar, profile_scalars, scalar_rows
+from stepdump.capture.session import check_arguments, init_catalog, prepare_dir, run_meta
 from stepdump.capture import target as _target
 from stepdump.capture.distributed import Ranks
-from stepdump.capture.profiling import peak_memory_mb
 from stepdump.capture.ring import Ring, remember, ring_step
 from stepdump.capture.staging import Item, StagingPool, Stager
 from stepdump.capture.triggers import Trigger
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.errors import ConfigError, WriterError
-from stepdump.store import tjson
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
 from stepdump.store.lock import RunLock
 
@@ -81,14 +80,16 @@ class Recorder:
             waits (each holds a staging copy of the recorded tensors).
         durability: ``"flush"`` (survives a killed process) or ``"fsync"``
             (also survives power loss, slower); docs/reliability.md has numbers.
-        on_error: What a failure to write (disk full, I/O error) does once
-            recording has started. ``"raise"`` (default): the next
-            ``optimizer.step()``, :meth:`log` or :meth:`close` raises
-            :class:`stepdump.WriterError` naming the cause. ``"warn"``: one warning
-            is logged with the cause, recording stops, training goes on and
-            :meth:`close` does not raise. Either way every step committed before
-            the failure stays readable. Errors while the Recorder is being
-            created always raise.
+        on_error: What a failure inside the Recorder (disk full, an I/O error, a
+            tensor it cannot handle, a bug) does once recording has started.
+            ``"warn"`` (default, do no harm): one warning names the cause, the
+            run is marked (``run.meta["recording_stopped"]``, ``stepdump info``),
+            recording stops and training goes on exactly as without stepdump;
+            :meth:`close` does not raise. ``"raise"`` (strict, for tests): the
+            failure raises out of ``optimizer.step()`` / :meth:`log` /
+            :meth:`close` (a write failure as :class:`stepdump.WriterError`).
+            Either way every step committed before the failure stays readable.
+            Errors while the Recorder is being created always raise.
         resume: Append to an existing run, continuing its step numbers.
         start_step: Number of the first recorded step (default 0, or the step
             after the last recorded one when resuming).
@@ -149,7 +150,7 @@ class Recorder:
         delta_chain: int = 8,
         queue_depth: int = 2,
         durability: str = "flush",
-        on_error: str = "raise",
+        on_error: str = "warn",
         resume: bool = False,
         start_step: int | None = None,
         metadata: dict[str, Any] | None = None,
@@ -167,12 +168,7 @@ class Recorder:
                                 queue_depth=queue_depth, codec=codec, every=every, stats_every=stats_every,
                                 keyframe_every=keyframe_every, ring=ring, delta_chain=delta_chain)
         self._on_error = on_error
-        self._stopped = False  # on_error="warn" after a writer failure: recording is off
         self._keyframes = keyframe_every is not None
-        self._trigger = resolve_trigger(trigger) if ring is not None else None
-        self._after = ring if after is None else after
-        self._after_left = 0
-        self._history: dict[str, deque[float]] = {}
         self._target = _target.resolve(path, ranks=ranks, remote=remote, resume=resume)
         self.path = self._target.local  # this rank's store; a local staging directory for a URL
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
@@ -183,7 +179,7 @@ class Recorder:
         self._layout: Layout = build_layout(model, optimizer)
         first = next(iter(self._layout.params.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
-        self._names = {id(p): n for n, p in self._layout.params.items()}
+        self._group_sizes = group_sizes(optimizer)
         self._closed = False
         self._hooks: list[Any] = []
         self._pending: dict[int, dict[str, Any]] = {}
@@ -191,27 +187,16 @@ class Recorder:
         self._begin: dict[str, Any] | None = None
         self._pre_fired = 0
         self._batch: Any = None
+        self._forward_seen = False  # a training forward ran since the last update: logs go to it
 
+        self._guard = Guard(on_error, self.path, self._step_aside)
         self._lock = RunLock(prepare_dir(self.path, resume))
         self._lock.acquire()
         try:
-            meta = {
-                "model_class": type(model).__name__,
-                "optimizer_class": type(optimizer).__name__,
-                "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
-                "scaler": scaler is not None,
-                "capture": list(self.kinds),
-                "every": self._full.description,
-                "keyframe_every": keyframe_every,
-                "stats_every": self._stats.description,
-                "codec": codec,
-                "layout": self._layout.to_meta(),
-                "user": metadata or {},
-                **self._target.meta(self._layout.params),
-            }
+            meta = run_meta(self, keyframe_every=keyframe_every, codec=codec, metadata=metadata)
             self._step = init_catalog(self.path, meta, resume, start_step)
             self._pool = StagingPool(queue_depth + (ring or 0))
-            self._ring = Ring(ring, self._pool) if ring is not None else None
+            self._ring = Ring(ring, self._pool, resolve_trigger(trigger), after) if ring is not None else None
             self._stager = Stager()
             self._writer = Writer(self.path, self._pool, codec, durability, self._target.segment_bytes(segment_bytes),
                                   max_queue=queue_depth + 64, delta_chain=delta_chain)
@@ -226,8 +211,12 @@ class Recorder:
         self._overhead = 0.0
         self._iter_start = time.perf_counter()
         self._modules = ModuleCapture(model, self.kinds, list(modules) if not isinstance(modules, str) else modules,
-                                      active=lambda: self._level(self._step) != LEVEL_NONE)
+                                      active=lambda: self._level(self._step) != LEVEL_NONE,
+                                      on_error=lambda e, where: self._fail(e, where))
         self._attach()
+        root = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
+        if not isinstance(root, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
+            self._hooks.append(root.register_forward_pre_hook(self._saw_forward))
         self._begin_iteration(self._step)
         # If the user forgets close(), still flush and release the lock at exit.
         self._finalizer = weakref.finalize(self, _close_quietly, weakref.ref(self))
@@ -235,22 +224,10 @@ class Recorder:
     # -- setup -------------------------------------------------------------
     def _attach(self) -> None:
         opt = self.optimizer
-        self._hooks.append(opt.register_step_pre_hook(lambda o, a, k: self._on_pre_step()))
+        self._hooks.append(opt.register_step_pre_hook(lambda o, a, k: self._on_pre_hook(a, k)))
         self._hooks.append(opt.register_step_post_hook(lambda o, a, k: self._on_step_done()))
         if self.scaler is not None:
-            original = self.scaler.step
-
-            def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-                before = self._pre_fired
-                out = original(optimizer, *args, **kwargs)
-                if optimizer is self.optimizer and self._pre_fired == before:
-                    # inf/NaN found: optimizer.step() never ran, so no hook fired.
-                    self._on_pre_step(skipped=True)
-                    self._on_step_done()
-                return out
-
-            self.scaler.step = step  # instance attribute shadows the method
-            self._scaler_original = original
+            self.scaler.step = watch_scaler(self.scaler, self)  # instance attribute shadows the method
 
     # -- public API --------------------------------------------------------
     @property
@@ -261,24 +238,22 @@ class Recorder:
     def log(self, **scalars: Any) -> None:
         """Record scalars (loss, accuracy, ...) for the current iteration.
 
-        A name logged right after ``optimizer.step()`` that the just-finished step
-        has not got yet is given to that step, so ``rec.log(loss=loss)`` after
-        the step lands on the step that computed the loss.
+        Once the model has run forward (with grad) in this iteration, scalars go to
+        it. Before that, a name logged right after ``optimizer.step()`` that the
+        just-finished step has not got yet is given to that step, so
+        ``rec.log(loss=loss)`` after the step lands on the step that computed it.
+        A value that is not one real number raises :class:`stepdump.ConfigError`.
         """
-        if self._raise_if_writer_failed():
-            return
         if self._closed:
             raise ConfigError("this Recorder is closed; create a new one to record more")
-        for name, value in scalars.items():
-            check_scalar(name, value)
+        values = {name: checked_scalar(name, value) for name, value in scalars.items()}  # all, before any is kept
+        if self._guard.stopped or self._raise_if_writer_failed():
+            return
+        for name, value in values.items():
             step = self._step
-            if self._prev_open and name not in self._pending.get(step - 1, {}):
+            if self._prev_open and not self._forward_seen and name not in self._pending.get(step - 1, {}):
                 step -= 1
-            # clone: the writer reads the value later, and training may change the tensor in place
-            # by then (a logged parameter, Adam's step); a 1-element copy needs no device sync.
-            self._pending.setdefault(step, {})[name] = (
-                value.detach().clone() if isinstance(value, torch.Tensor) else value
-            )
+            self._pending.setdefault(step, {})[name] = value
 
     def log_batch(self, batch: Any) -> None:
         """Record the batch of the current iteration (any nest of tensors) as kind ``inputs``.
@@ -287,11 +262,17 @@ class Recorder:
         step can be replayed; call it once per iteration (again for micro-batches:
         later calls get ``#1``, ``#2``...).
         """
-        if self._raise_if_writer_failed():
+        if self._guard.stopped or self._raise_if_writer_failed():
             return
         if self._level(self._step) == LEVEL_NONE:
             return
-        skeleton = self._modules.log_batch(batch)
+        try:
+            skeleton = self._modules.log_batch(batch)
+        except ConfigError:  # the caller's mistake (no tensors in it): say so
+            raise
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "log_batch()")
+            return
         if skeleton is not None:  # what replay hands back to train_step
             self._batch = skeleton
 
@@ -311,17 +292,26 @@ class Recorder:
         try:
             scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
             self._pending.clear()
-            if scalars and self._writer.error is None:
+            if scalars and self._writer.error is None and not self._guard.stopped:
                 self._put(StepMessage(step=None, scalars=scalars))
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "close()")
         finally:
             self._writer.queue.put(None)
             self._writer.join()
+            if self._guard.failure is not None:  # with the last step that really was committed
+                mark_run(self.path, replace(self._guard.failure, last_committed=self._writer.last_step))
             self._lock.release()
             self._finalizer.detach()
         try:
             self._raise_if_writer_failed()
         finally:
-            self._target.finish()  # a URL run: publish the final state
+            try:
+                self._target.finish()  # a URL run: publish the final state
+            except WriterError as e:  # the complete run is still in the local staging directory
+                if self._guard.strict:
+                    raise
+                log.warning("stepdump: %s", e)
         log.info("stepdump: closed %s (%d steps, %d bytes)", self.path, self._writer.steps_written,
                  self._writer.bytes_written)
 
@@ -346,66 +336,114 @@ class Recorder:
     def _level(self, t: int) -> int:
         return LEVEL_FULL if self._full(t) else LEVEL_STATS if self._stats(t) else LEVEL_NONE
 
-    def _on_pre_step(self, skipped: bool = False) -> None:
+    def _saw_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():  # a training forward, not an evaluation under no_grad
+            self._forward_seen = True
+
+    def _on_pre_hook(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The optimizer's step pre-hook. With a closure (LBFGS), grads exist only once the
+        optimizer has called it: the record is taken after its first call instead."""
         self._pre_fired += 1
-        if self._raise_if_writer_failed():
+        new_args = None if self._guard.stopped else record_after_closure(args, kwargs, self._on_pre_step)
+        if new_args is None:  # no closure: the grads are final now
+            self._on_pre_step()
+        return new_args
+
+    def _on_pre_step(self, skipped: bool = False) -> None:
+        if self._guard.stopped or self._raise_if_writer_failed():
             return
         try:
             self._record_step(skipped)
-        except WriterError:  # the writer died while this step was being staged
-            if self._on_error != "warn":
-                raise
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "optimizer.step() pre-hook")
+
+    def _fail(self, err: BaseException, where: str) -> None:
+        """A failure inside a hook: strict re-raises (a write failure as WriterError), else step aside."""
+        if self._guard.strict:
             self._raise_if_writer_failed()
+            raise err
+        if self._writer.error is not None:  # the writer failed first: that is the cause
+            self._raise_if_writer_failed()
+            return
+        self._guard.fail(err, where, self._step, self._writer.last_step)
+
+    def _step_aside(self, failure: Failure) -> None:
+        """The guard's first failure: no more hooks, nothing held, the run marked."""
+        self._modules.remove()  # no more activations piling up for a record that never comes
+        if self._ring is not None:
+            self._ring.release_all()
+        self._pending.clear()
+        self._begin = None
 
     def _record_step(self, skipped: bool) -> None:
         t = self._step
         started = time.perf_counter()
+        meta = self._refresh_layout()
         with torch.profiler.record_function("stepdump.capture"):
             scalars = scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
             self._prev_open = False
-            self._auto_scalars(t)
+            auto_scalars(self._pending.setdefault(t, {}), self.optimizer, self.scaler)
             if self._ring is not None:
-                remember(self._history, scalars)
+                remember(self._ring.history, scalars)
             level = self._level(t)
-            msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars)
+            msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars, meta=meta)
             captured = self._modules.take()
             if self._ring is not None and level == LEVEL_STATS:
                 ring_step(self, msg, captured)
             elif level != LEVEL_NONE:
                 msg.slot = self._pool.acquire(lambda: self._writer.error)
-                full = level == LEVEL_FULL
-                entries = self._entries(full)
-                if full or self._keyframes:
-                    msg.state_json = self._state_json(t, entries, full)
-                msg.items = self._stager.stage(msg.slot, entries)
-                # Hook values are private copies already; no second staging copy. In
-                # keyframe mode the batch is stored at every step, for replay.
-                msg.items.extend(
-                    Item(kind, name, tensor, full or (self._keyframes and kind == "inputs"))
-                    for kind, name, tensor in captured
-                )
+                try:
+                    self._stage(msg, t, level == LEVEL_FULL, captured)
+                except BaseException:
+                    self._pool.release(msg.slot)  # never sent: the writer will not hand it back
+                    raise
             self._batch = None
             self._put(msg)
         self._overhead += time.perf_counter() - started
 
+    def _stage(self, msg: StepMessage, t: int, full: bool, captured: list[tuple[str, str, torch.Tensor]]) -> None:
+        entries = self._entries(full)
+        if full or self._keyframes:
+            msg.state_json = self._state_json(t, entries, full)
+        msg.items = self._stager.stage(msg.slot, entries)
+        # Hook values are private copies already; no second staging copy. In
+        # keyframe mode the batch is stored at every step, for replay.
+        msg.items.extend(
+            Item(kind, name, tensor, full or (self._keyframes and kind == "inputs"))
+            for kind, name, tensor in captured
+        )
+
+    def _refresh_layout(self) -> dict[str, Any] | None:
+        """``optimizer.add_param_group`` since the last step: name the new params, and
+        return the catalog meta that says so (resume checks the groups against it)."""
+        sizes = group_sizes(self.optimizer)
+        if sizes == self._group_sizes:
+            return None
+        self._layout = build_layout(self.model, self.optimizer)
+        self._group_sizes = sizes
+        log.info("stepdump: the optimizer's param groups changed at step %d; recording %d groups from here",
+                 self._step, len(sizes))
+        return {"layout": self._layout.to_meta()}
+
     def _on_step_done(self) -> None:
-        if self._stopped:
+        if self._guard.stopped:
             return
+        try:
+            self._end_update()
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "optimizer.step() post-hook")
+
+    def _end_update(self) -> None:
         started = time.perf_counter()
         if self._profile:
-            self._profile_scalars(self._step, started)
+            profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
+                            self._device)
         self._step += 1
         self._prev_open = True
+        self._forward_seen = False
         self._begin_iteration(self._step)
         self._iter_start = time.perf_counter()
         self._overhead = self._iter_start - started
-
-    def _profile_scalars(self, t: int, now: float) -> None:
-        """Iteration wall time, the recorder's share of it on this thread, peak memory."""
-        slot = self._pending.setdefault(t, {})
-        slot["sys/iter_ms"] = (now - self._iter_start) * 1000
-        slot["sys/recorder_ms"] = self._overhead * 1000
-        slot["sys/peak_mem_mb"] = peak_memory_mb(self._device)
 
     def _begin_iteration(self, t: int) -> None:
         """Start of iteration t: keep what a full record t needs from this moment."""
@@ -415,12 +453,8 @@ class Recorder:
         if not full and not (self._keyframes and self._level(t) != LEVEL_NONE):
             self._begin = None
             return
-        with torch.profiler.record_function("stepdump.begin"), torch.no_grad():
-            self._begin = {
-                "rng": get_rng_state(),
-                "buffers": {n: b.detach().clone() for n, b in self._layout.buffers.items()
-                            if full and "params" in self.kinds and self._filter(n)},
-            }
+        with torch.profiler.record_function("stepdump.begin"):
+            self._begin = begin_state(self._layout, self._filter if full and "params" in self.kinds else None)
 
     # -- building a record -------------------------------------------------
     def _entries(self, full: bool) -> list[_Entry]:
@@ -428,28 +462,10 @@ class Recorder:
         return tensor_entries(self._layout, self.optimizer, self.kinds, self._filter, full, buffers)
 
     def _state_json(self, t: int, entries: list[_Entry], full: bool = True) -> str:
-        state: dict[str, Any] = self._full_state() if full else {}
-        if self._begin is not None:
-            state["rng"] = self._begin["rng"]
-        if self._batch is not None:
-            state["batch"] = self._batch
-
-        def put(ref: str, tensor: torch.Tensor) -> None:
-            entries.append(("state", ref, tensor, True, None, None))
-
-        return tjson.dumps(tjson.encode(state, put))
+        return state_json(self._full_state() if full else {}, self._begin, self._batch, entries)
 
     def _full_state(self) -> dict[str, Any]:
         return full_state(self._layout, self.optimizer, self.scheduler, self.scaler)
-
-    def _auto_scalars(self, t: int) -> None:
-        slot = self._pending.setdefault(t, {})
-        for i, group in enumerate(self.optimizer.param_groups):
-            lr = group.get("lr")
-            if lr is not None:
-                slot.setdefault("lr" if i == 0 else f"lr/{i}", float(lr))
-        if self.scaler is not None and self.scaler.is_enabled():
-            slot.setdefault("grad_scale", float(self.scaler.get_scale()))
 
     # -- plumbing ----------------------------------------------------------
     def _put(self, msg: StepMessage) -> None:
@@ -469,20 +485,11 @@ class Recorder:
         err = self._writer.error if hasattr(self, "_writer") else None
         if err is None:
             return False
-        if self._on_error == "warn" and not starting:
-            self._stop_recording(err)
+        if not self._guard.strict and not starting:
+            failed = self._writer.failed_step
+            self._guard.fail(err, "writing the run", self._step if failed is None else failed, self._writer.last_step)
             return True
         raise WriterError(f"stepdump could not write {self.path}: {err}") from err
-
-    def _stop_recording(self, err: BaseException) -> None:
-        """on_error="warn": say once why recording stopped; from now on the hooks do nothing."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self._modules.remove()  # no more activations piling up for a writer that is gone
-        self._pending.clear()
-        log.warning("stepdump: recording into %s stopped at step %d (training goes on unrecorded; steps "
-                    "before it are intact): %s: %s", self.path, self._step, type(err).__name__, err)
 
 
 def _close_quietly(ref: weakref.ref[Recorder]) -> None:

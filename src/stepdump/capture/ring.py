@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from stepdump.capture.staging import Item, Slot, StagingPool
-from stepdump.capture.triggers import TriggerInfo
+from stepdump.capture.triggers import Trigger, TriggerInfo
 from stepdump.capture.writer import StepMessage
 from stepdump.store.format import LEVEL_FULL
 
@@ -34,10 +34,16 @@ class Held:
 
 
 class Ring:
-    def __init__(self, size: int, pool: StagingPool) -> None:
+    """The held steps, and when to write them: ``trigger`` fires, then ``after`` more steps in full."""
+
+    def __init__(self, size: int, pool: StagingPool, trigger: Trigger, after: int | None = None) -> None:
         self.size = size
         self._pool = pool
         self._held: deque[Held] = deque()
+        self.trigger = trigger
+        self.after = size if after is None else after
+        self.after_left = 0
+        self.history: dict[str, deque[float]] = {}  # recent scalar values, for the trigger
 
     def push(self, held: Held) -> None:
         self._held.append(held)
@@ -71,30 +77,31 @@ def remember(history: dict[str, deque[float]], scalars: list[tuple[int, str, Any
 def ring_step(rec: Any, msg: StepMessage, captured: list[tuple[str, str, torch.Tensor]]) -> None:
     """Stats now; the full copy into the ring, or everything to disk if the trigger fires."""
     t = msg.step
-    if rec._after_left > 0:
-        rec._after_left -= 1
+    ring: Ring = rec._ring
+    if ring.after_left > 0:
+        ring.after_left -= 1
         fired = False
         msg.level = LEVEL_FULL
     else:
-        latest = {n: h[-1] for n, h in rec._history.items() if h}
+        latest = {n: h[-1] for n, h in ring.history.items() if h}
         grads = [p.grad for p in rec._layout.params.values() if p.grad is not None]
-        fired = bool(rec._trigger(TriggerInfo(t, latest, grads, rec._history)))
+        fired = bool(ring.trigger(TriggerInfo(t, latest, grads, ring.history)))
     msg.slot = rec._pool.acquire(lambda: rec._writer.error)
     entries = rec._entries(True)
     msg.state_json = rec._state_json(t, entries, True)
     full_items = rec._stager.stage(msg.slot, entries)
     full_items.extend(Item(kind, name, tensor, True) for kind, name, tensor in captured)
     if fired or msg.level == LEVEL_FULL:
-        held = rec._ring.drain()
+        held = ring.drain()
         for h in held:
             rec._put(StepMessage(step=h.step, level=LEVEL_FULL, skipped=h.skipped, items=h.items,
                                   state_json=h.state_json, slot=h.slot))
         msg.level, msg.items = LEVEL_FULL, full_items
         if fired:
-            rec._after_left = rec._after
+            ring.after_left = ring.after
             log.warning("stepdump: trigger fired at step %d; writing it and the %d steps before it", t, len(held))
         return
     msg.items = [dataclasses.replace(i, full=False) for i in full_items if i.kind != "state"]
     msg.hold_slot = True
-    rec._ring.push(Held(t, msg.skipped, msg.slot, full_items, msg.state_json))
+    ring.push(Held(t, msg.skipped, msg.slot, full_items, msg.state_json))
     msg.state_json = None

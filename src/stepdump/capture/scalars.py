@@ -4,21 +4,64 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from stepdump.errors import ConfigError
 
 
-def check_scalar(name: str, value: Any) -> None:
+def checked_scalar(name: str, value: Any) -> Any:
+    """The value ``log(name=value)`` queues, or a ConfigError naming the key (issue 16).
+
+    Checked here, at the call, so that a value the writer could not store never
+    reaches it: a failure there would stop the recording for good. Tensors stay
+    tensors (a private 1-element copy: no device sync on the training thread;
+    the writer reads it later and training may change the original in place);
+    everything else becomes a Python float now.
+    """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ConfigError(f"log({name}=...) got a tensor of shape {tuple(value.shape)}; log a single number")
-        return
-    if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        if value.is_complex():
+            raise ConfigError(f"log({name}=...) got a complex tensor; log a real number (.real, .imag or .abs())")
+        if value.device.type == "meta" or value.is_quantized:
+            raise ConfigError(f"log({name}=...) got a {value.device.type} tensor with no value to store; log a number")
+        value = value.detach()
+        return (value.to_dense() if value.layout != torch.strided else value).reshape(()).clone()
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.size != 1:
+            raise ConfigError(f"log({name}=...) got a numpy array of shape {value.shape}; log a single number")
+        value = value.reshape(-1)[0].item()
+    if isinstance(value, complex):
+        raise ConfigError(f"log({name}=...) got a complex number; log a real number")
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise ConfigError(f"log({name}=...) got {type(value).__name__}; log numbers (float, int, 1-element tensor)")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(f"log({name}=...) got {type(value).__name__} that is not a 64-bit float: {e}") from None
 
 
 def scalar_rows(step: int, values: dict[str, Any]) -> list[tuple[int, str, Any]]:
     # Values stay as logged (maybe CUDA tensors): the writer thread turns them
     # into floats, so the training thread never waits on a device sync for them.
     return [(step, name, v) for name, v in values.items()]
+
+
+def auto_scalars(slot: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    """Scalars every record gets without asking: the lr of each param group, the AMP scale."""
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if lr is not None:
+            slot.setdefault("lr" if i == 0 else f"lr/{i}", float(lr))
+    if scaler is not None and scaler.is_enabled():
+        slot.setdefault("grad_scale", float(scaler.get_scale()))
+
+
+def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, device: torch.device) -> None:
+    """Iteration wall time, the recorder's share of it on the training thread, peak memory."""
+    from stepdump.capture.profiling import peak_memory_mb
+
+    slot["sys/iter_ms"] = iter_s * 1000
+    slot["sys/recorder_ms"] = overhead_s * 1000
+    slot["sys/peak_mem_mb"] = peak_memory_mb(device)

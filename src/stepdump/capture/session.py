@@ -76,6 +76,24 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
         raise ConfigError(f"start_step={start_step} but the run already has steps up to {last}")
     return nxt if start_step is None else start_step
 
+def run_meta(rec: Any, *, keyframe_every: int | None, codec: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """What a new run's catalog says about how it was recorded (FORMAT.md, ``meta``)."""
+    return {
+        "model_class": type(rec.model).__name__,
+        "optimizer_class": type(rec.optimizer).__name__,
+        "scheduler_class": type(rec.scheduler).__name__ if rec.scheduler is not None else None,
+        "scaler": rec.scaler is not None,
+        "capture": list(rec.kinds),
+        "every": rec._full.description,
+        "keyframe_every": keyframe_every,
+        "stats_every": rec._stats.description,
+        "codec": codec,
+        "layout": rec._layout.to_meta(),
+        "user": metadata or {},
+        **rec._target.meta(rec._layout.params),
+    }
+
+
 def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, durability: str, on_error: str,
                     queue_depth: int, codec: str, every: Any, stats_every: Any, keyframe_every: int | None,
                     ring: int | None, delta_chain: int = 8) -> Any:

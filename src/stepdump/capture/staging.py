@@ -15,6 +15,7 @@ tensor.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -25,6 +26,8 @@ import torch
 from stepdump.capture.distributed import local_part
 from stepdump.capture.stats import raw_bytes
 from stepdump.errors import WriterError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,12 +95,34 @@ class StagingPool:
         self._free.put(slot)
 
 
+def storable(kind: str, name: str, t: torch.Tensor, warned: set[tuple[str, str]]) -> torch.Tensor | None:
+    """The tensor as stepdump stores it, or None (with one warning) for a kind it cannot store.
+
+    Sparse tensors (``nn.Embedding(sparse=True)`` grads, SparseAdam) are stored dense:
+    ``to_dense()`` sums duplicate indices, which is the gradient the update applies, and
+    a dense blob reads back with the ordinary tensor API. Quantized and meta tensors
+    have no plain bytes to store: recording narrows to the tensors it can store
+    instead of failing the step (docs/concepts.md, "What is supported").
+    """
+    if t.layout != torch.strided:
+        return t.to_dense()
+    if t.is_quantized or t.device.type == "meta":
+        if (kind, name) not in warned:
+            warned.add((kind, name))
+            what = "quantized" if t.is_quantized else "meta (no data)"
+            log.warning("stepdump: %s %r is a %s tensor, which stepdump cannot store; it is left out of "
+                        "the record", kind, name, what)
+        return None
+    return t
+
+
 class Stager:
     """Copies tensors of one step into a slot, on the CPU or from a CUDA device."""
 
     def __init__(self) -> None:
         self._stream: object | None = None
         self._lock = threading.Lock()
+        self._warned: set[tuple[str, str]] = set()  # tensors left out, warned about once
 
     def _side_stream(self, device: torch.device) -> object:
         if self._stream is None:
@@ -110,7 +135,9 @@ class Stager:
         cuda_entries = []
         with torch.no_grad():
             for kind, name, t, full, param, key in items:
-                t = local_part(t.detach())  # a DTensor (FSDP2, tensor parallel): this rank's shard
+                t = storable(kind, name, local_part(t.detach()), self._warned)  # a DTensor: this rank's shard
+                if t is None:
+                    continue
                 if t.device.type == "cuda":
                     cuda_entries.append((kind, name, t, full, param, key))
                     continue

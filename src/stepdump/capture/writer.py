@@ -53,6 +53,7 @@ class StepMessage:
     scalars: list[tuple[int, str, Any]] = field(default_factory=list)
     slot: Slot | None = None
     hold_slot: bool = False  # ring mode: the recorder keeps the slot after this message
+    meta: dict[str, Any] | None = None  # catalog meta to set in the same transaction (a new layout)
 
 
 class Writer(threading.Thread):
@@ -83,6 +84,8 @@ class Writer(threading.Thread):
         self._appender = Appender(self.storage)
         self.bytes_written = 0
         self.steps_written = 0
+        self.last_step: int | None = None  # the last step committed (a failure's warning names it)
+        self.failed_step: int | None = None  # the step whose write failed
         self._catalog: CatalogWriter | None = None
         self._segment: str | None = None
         self._segment_size = 0
@@ -95,6 +98,7 @@ class Writer(threading.Thread):
     def run(self) -> None:
         try:
             self._catalog = CatalogWriter(self.run_dir, synchronous="FULL" if self.durable else "NORMAL")
+            self.last_step = self._catalog.last_step()  # a resumed run has steps already
             self._segment_seq = self._next_segment_seq()
             self._appender.start()
         except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
@@ -113,6 +117,7 @@ class Writer(threading.Thread):
                 # Not logged as an error here: the training thread reports it, as a
                 # WriterError or (on_error="warn") as the one warning it logs.
                 log.debug("stepdump writer failed at step %s: %s", msg.step, e)
+                self.failed_step = msg.step if msg.step is not None else (self.last_step or -1) + 1
                 self.error = e
                 self._rollback()
                 self._quiesce()  # no append may still read the slot that is handed back next
@@ -195,6 +200,8 @@ class Writer(threading.Thread):
             cat.add_step(msg.step, msg.level, msg.skipped, msg.state_json)
         if msg.scalars:
             cat.add_scalars((s, n, _to_float(v)) for s, n, v in msg.scalars)
+        for key, value in (msg.meta or {}).items():
+            cat.set_meta(key, value)
         if wrote and self._segment is not None:
             # Bytes first, then the commit that points at them.
             self._appender.wait()
@@ -202,6 +209,7 @@ class Writer(threading.Thread):
         cat.commit()
         if msg.level is not None:
             self.steps_written += 1
+            self.last_step = msg.step
 
     def _item_row(self, cat: CatalogWriter, step: int | None, item: Item) -> tuple[Any, ...]:
         t = item.tensor

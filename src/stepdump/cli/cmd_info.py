@@ -36,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
         t.add_row("steps stored in full", _span(steps))
         t.add_row("steps with stats", _span(r.stats_steps))
         t.add_row("skipped steps", ", ".join(map(str, r.skipped_steps[:10])) or "none")
+        stopped = m.get("recording_stopped")
+        if isinstance(stopped, dict):  # the Recorder stepped aside (on_error="warn"): say so first
+            t.add_row("[bold red]recording stopped[/]", f"at step {stopped.get('step')} ({stopped.get('where')}): "
+                      f"{stopped.get('error')}; training went on unrecorded")
         for kind in r.kinds():
             t.add_row(f"{kind} tensors", str(len(r.names(kind))))
         t.add_row("capture", f"{', '.join(m.get('capture', []))}; full {m.get('every')}, stats {m.get('stats_every')}")

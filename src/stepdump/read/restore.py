@@ -6,13 +6,14 @@ mismatch leaves the caller's objects exactly as they were.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stepdump.capture.rng import set_rng_state
 from stepdump.errors import ConfigError, RestoreMismatchError
-from stepdump.store.format import parse_shape
+from stepdump.read.state import layout_entries as _state_dict_entries
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
@@ -30,15 +31,18 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
     sd = run.state_dict(step)
     _check_model(run, model, sd)
     osd = None
+    plan = OptimizerPlan()
     if optimizer is not None:
         _check_class("optimizer", optimizer, meta.get("optimizer_class"))
         osd = run.optimizer_state_dict(step)
-        _check_optimizer(run, step, optimizer, osd)
+        plan = _check_optimizer(run, step, model, optimizer)
     if scheduler is not None:
         _check_class("scheduler", scheduler, meta.get("scheduler_class"))
     state = side_state(run, step, scheduler, scaler, rng)
     # All checks passed: apply.
+    plan.add_groups(optimizer)
     apply(model, sd, optimizer, osd, scheduler, scaler, state, rng)
+    plan.write_outside_params()
 
 
 def side_state(run: Run, step: int, scheduler: Any, scaler: Any, rng: bool) -> dict[str, Any]:
@@ -94,30 +98,86 @@ def _check_model(run: Run, model: torch.nn.Module, sd: dict[str, torch.Tensor]) 
             )
 
 
-def _check_optimizer(run: Run, step: int, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
-    groups = osd["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
+@dataclass
+class OptimizerPlan:
+    """What restoring the optimizer changes beyond ``load_state_dict``, decided before anything is.
+
+    ``new_groups``: param groups added after the run started (``add_param_group``,
+    unfreezing) that the live optimizer does not have yet: they are added back, from
+    the model's parameters of the recorded names. ``outside``: parameters the
+    optimizer steps that the model does not own (a learnable temperature): the model's
+    ``load_state_dict`` does not reach them, so their recorded values are copied in.
+    """
+
+    new_groups: list[dict[str, Any]] = field(default_factory=list)
+    outside: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def add_groups(self, optimizer: Any) -> None:
+        for group in self.new_groups:
+            optimizer.add_param_group(group)
+
+    def write_outside_params(self) -> None:
+        with torch.no_grad():
+            for live, recorded in self.outside:
+                live.copy_(recorded)
+
+
+def _check_optimizer(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerPlan:
+    """Match the live optimizer's parameters to the recorded ones by name, group by group."""
+    from stepdump.capture.naming import build_layout
+
+    recorded = run.step_state(step)["groups"]
+    live_groups = build_layout(model, optimizer).groups
+    plan = OptimizerPlan()
+    if len(live_groups) > len(recorded):
         raise RestoreMismatchError(
-            f"the run's optimizer had {len(groups)} param groups, this one has {len(optimizer.param_groups)}; "
-            "build the optimizer with the same groups"
+            f"the run's optimizer had {len(recorded)} param groups at step {step}, this one has "
+            f"{len(live_groups)}; build the optimizer with the groups it had at that step"
         )
-    names = [g["params"] for g in run.step_state(step)["groups"]]
-    shapes = dict(
-        run._con.execute(
-            "SELECT s.name, t.shape FROM tensors t JOIN series s ON s.id = t.series "
-            "WHERE t.step = ? AND s.kind = 'params'",
-            (step,),
-        ).fetchall()
-    )
-    for i, (recorded, live) in enumerate(zip(names, optimizer.param_groups, strict=True)):
-        if len(recorded) != len(live["params"]):
+    by_name = dict(model.named_parameters())
+    for i in range(len(live_groups), len(recorded)):
+        missing = [n for n in recorded[i]["params"] if n not in by_name]
+        if missing:
             raise RestoreMismatchError(
-                f"param group {i}: the run had {len(recorded)} parameters, this optimizer has {len(live['params'])}"
+                f"the run's optimizer had {len(recorded)} param groups at step {step}, this one has "
+                f"{len(live_groups)}, and group {i} holds {missing[0]!r}, which is not a parameter of the model; "
+                "build the optimizer with the groups it had at that step"
             )
-        for j, (name, p) in enumerate(zip(recorded, live["params"], strict=True)):
-            shape = shapes.get(name)
-            if shape is not None and parse_shape(shape) != tuple(p.shape):
+        plan.new_groups.append({**recorded[i]["hyper"], "params": [by_name[n] for n in recorded[i]["params"]]})
+        live_groups.append(list(recorded[i]["params"]))
+    stored = {name for (name,) in run._con.execute(
+        "SELECT s.name FROM tensors t JOIN series s ON s.id = t.series "
+        "WHERE t.step = ? AND s.kind = 'params' AND t.blob IS NOT NULL",
+        (step,),
+    )}
+    in_model = {name for _, kind, name in _state_dict_entries(run) if kind == "params"}
+    live_params = [g["params"] for g in optimizer.param_groups]
+    for i, (rec_names, live_names) in enumerate(zip((g["params"] for g in recorded), live_groups, strict=True)):
+        if len(rec_names) != len(live_names):
+            raise RestoreMismatchError(
+                f"param group {i}: the run had {len(rec_names)} parameters at step {step}, this optimizer has "
+                f"{len(live_names)}; build the optimizer with the same parameters"
+            )
+        for j, (name, live_name) in enumerate(zip(rec_names, live_names, strict=True)):
+            if name != live_name:
                 raise RestoreMismatchError(
-                    f"param group {i}, parameter {j} ({name!r}): the run has shape {parse_shape(shape)}, "
-                    f"the optimizer's parameter has {tuple(p.shape)}; pass parameters in the same order"
+                    f"param group {i}, parameter {j}: the run has {name!r} there, this optimizer has "
+                    f"{live_name!r}; pass the parameters to the optimizer in the same order as the recorded run"
                 )
+            if name not in stored and name not in in_model:
+                raise RestoreMismatchError(
+                    f"step {step} did not record {name!r}, a parameter the optimizer steps that is not part of "
+                    "the model, so restore cannot set it; record it (include= / capture='params') or restore "
+                    "into an optimizer without it"
+                )
+            if i >= len(live_params) or name in in_model:
+                continue  # a group restore adds (params from the model), or set by model.load_state_dict
+            live = live_params[i][j]
+            value = run.tensor(name, step, kind="params")
+            if tuple(value.shape) != tuple(live.shape) or value.dtype != live.dtype:
+                raise RestoreMismatchError(
+                    f"param group {i}, parameter {j} ({name!r}): the run has {value.dtype} {tuple(value.shape)}, "
+                    f"the optimizer's parameter is {live.dtype} {tuple(live.shape)}; pass the same parameters"
+                )
+            plan.outside.append((live, value))
+    return plan

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from stepdump.read.run import Run
 
 
-def _layout_entries(run: Run) -> list[tuple[str, str, str]]:
+def layout_entries(run: Run) -> list[tuple[str, str, str]]:
     layout = run.meta.get("layout")
     entries = layout.get("state_dict") if isinstance(layout, dict) else None
     if entries is None:
@@ -32,7 +32,7 @@ def _layout_entries(run: Run) -> list[tuple[str, str, str]]:
 def model_state_dict(run: Run, step: int) -> OrderedDict[str, torch.Tensor]:
     """Params (before update ``step``) and buffers (start of iteration ``step``), by state_dict key."""
     run._require_full(step)
-    entries = _layout_entries(run)
+    entries = layout_entries(run)
     stored = {
         (k, n): (b, d, sh, fp)
         for k, n, b, d, sh, fp in run._con.execute(

@@ -4,7 +4,10 @@ Plain JSON loses tuples, non-string dict keys and tensors. Typed JSON tags them:
 
 * ``{"$tuple": [...]}`` a tuple,
 * ``{"$dict": [[key, value], ...]}`` a dict whose keys are not all strings,
-* ``{"$tensor": "ref"}`` a tensor stored as a blob of kind ``state`` named ``ref``,
+* ``{"$counter": [[key, count], ...]}`` a ``collections.Counter`` (``MultiStepLR.milestones``:
+  a resumed scheduler calls ``.elements()`` on it),
+* ``{"$tensor": "ref"}`` a tensor stored as a blob of kind ``state`` named ``ref``;
+  ``{"$tensor": "ref", "$device": "cuda:0"}`` one that lived on another device than the CPU,
 * ``{"$repr": "..."}`` an object stepdump cannot store; kept for display only.
 
 Decoding never constructs anything but these plain types and tensors, so a store
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_TAGS = ("$tuple", "$dict", "$tensor", "$repr", "$float")
+_TAGS = ("$tuple", "$dict", "$counter", "$tensor", "$device", "$repr", "$float")
 
 
 def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str = "") -> Any:
@@ -65,10 +69,14 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str)
     if isinstance(obj, np.ndarray):
         obj = torch.from_numpy(np.ascontiguousarray(obj))
     if isinstance(obj, torch.Tensor):
-        return {"$tensor": put_tensor(path or "value", obj)}
+        ref = put_tensor(path or "value", obj)
+        return {"$tensor": ref} if obj.device.type == "cpu" else {"$tensor": ref, "$device": str(obj.device)}
     if isinstance(obj, (list, tuple)):
         items = [_encode(v, put_tensor, f"{path}/{i}") for i, v in enumerate(obj)]
         return {"$tuple": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, Counter):
+        return {"$counter": [[_encode(k, put_tensor, f"{path}/key{i}"), _encode(v, put_tensor, f"{path}/{k}")]
+                             for i, (k, v) in enumerate(obj.items())]}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and k not in _TAGS for k in obj):
             return {k: _encode(v, put_tensor, f"{path}/{k}") for k, v in obj.items()}
@@ -93,14 +101,29 @@ def decode(tree: Any, get_tensor: Callable[[str], torch.Tensor]) -> Any:
                 return tuple(decode(v, get_tensor) for v in val)
             if tag == "$dict":
                 return {_hashable(decode(k, get_tensor)): decode(v, get_tensor) for k, v in val}
+            if tag == "$counter":
+                return Counter({_hashable(decode(k, get_tensor)): decode(v, get_tensor) for k, v in val})
             if tag == "$tensor":
                 return get_tensor(str(val))
             if tag == "$float":
                 return float(val)
             if tag == "$repr":
                 return None
+        if set(tree) == {"$tensor", "$device"}:
+            return _on_device(get_tensor(str(tree["$tensor"])), tree["$device"])
         return {k: decode(v, get_tensor) for k, v in tree.items()}
     return tree
+
+
+def _on_device(t: torch.Tensor, device: Any) -> torch.Tensor:
+    """Move a state tensor back to the device it was recorded on, when this machine has it."""
+    try:
+        dev = torch.device(str(device))
+    except (RuntimeError, ValueError):
+        return t  # a damaged device name: the values are still right on the CPU
+    if dev.type == "cuda" and torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count():
+        return t.to(dev)
+    return t
 
 
 def _hashable(key: Any) -> Any:

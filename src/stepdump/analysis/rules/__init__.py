@@ -5,6 +5,7 @@
 * :mod:`.loss` -- ``loss_spike``, ``loss_not_decreasing``
 * :mod:`.params` -- ``unchanged_tensor``, ``weight_norm_growth``, ``update_ratio``
 * :mod:`.optimizer` -- ``optimizer_state``
+* :mod:`.recording` -- ``recording_stopped``
 
 Importing this package registers them (see :func:`.base.register_rule`).
 """
@@ -17,6 +18,7 @@ from stepdump.analysis.rules.loss import LossNotDecreasing, LossSpike
 from stepdump.analysis.rules.nonfinite import NanInf
 from stepdump.analysis.rules.optimizer import OptimizerState
 from stepdump.analysis.rules.params import UnchangedTensor, UpdateRatio, WeightNormGrowth
+from stepdump.analysis.rules.recording import RecordingStopped
 
 # The rules stepdump.check runs when none are named, in this order.
 DEFAULT_RULES: tuple[type[Rule], ...] = (
@@ -30,6 +32,7 @@ DEFAULT_RULES: tuple[type[Rule], ...] = (
     DeadUnits,
     WeightNormGrowth,
     OptimizerState,
+    RecordingStopped,
 )
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "LossSpike",
     "NanInf",
     "OptimizerState",
+    "RecordingStopped",
     "Rule",
     "RuleLike",
     "UnchangedTensor",
