@@ -259,3 +259,47 @@ def test_closure_optimizer_records_the_first_closure_gradients(tmp_path):
         train(fresh, fopt, 2, None)
         for p, q in zip(fresh.parameters(), model.parameters()):
             assert_same(p.detach(), q.detach(), "restored LBFGS continues")
+
+
+class WithExtraState(nn.Module):
+    """A module with non-tensor extra state in its state_dict (as TransformerEngine layers have)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x)
+
+    def get_extra_state(self) -> dict:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+
+def test_non_tensor_extra_state_is_left_out_with_a_warning_and_restore_keeps_it(tmp_path, caplog):
+    import logging
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = WithExtraState()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    model, opt = build(0)
+    caplog.set_level(logging.WARNING, logger="stepdump")
+    with stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise"):  # used to refuse the model
+        for t in range(3):
+            g = gen(t)
+            opt.zero_grad()
+            model(torch.randn(3, 4, generator=g)).square().mean().backward()
+            opt.step()
+    assert any("'_extra_state'" in r.getMessage() and "not a tensor" in r.getMessage() for r in caplog.records)
+    with stepdump.open(tmp_path / "run") as run:
+        fresh, fopt = build(1)
+        fresh.calls = 7
+        run.restore(2, fresh, fopt)
+        assert fresh.calls == 7  # left as it was
+        assert_same(fresh.fc.weight.detach(), run.tensor("fc.weight", 2), "params restored")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,16 +21,22 @@ class Layout:
     ``group{i}.param{j}``). ``groups``: parameter names per optimizer param group,
     in the optimizer's order (which defines state_dict indices). ``state_dict``:
     (key, kind, name) for every entry of ``model.state_dict()``, so tied weights
-    and buffers come back under all their keys.
+    and buffers come back under all their keys. ``not_recorded``: state_dict keys
+    whose value is not a tensor (a module's ``get_extra_state()``): stepdump stores
+    tensors only, and restore leaves these as they are in the model it restores into.
     """
 
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     groups: list[list[str]]
     state_dict: list[tuple[str, str, str]]
+    not_recorded: list[str] = field(default_factory=list)
 
     def to_meta(self) -> dict[str, object]:
-        return {"groups": self.groups, "state_dict": [list(e) for e in self.state_dict]}
+        meta: dict[str, object] = {"groups": self.groups, "state_dict": [list(e) for e in self.state_dict]}
+        if self.not_recorded:
+            meta["not_recorded"] = self.not_recorded
+        return meta
 
 
 def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
@@ -56,19 +62,18 @@ def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
         buffer_names[id(b)] = name
         buffers[name] = b
     entries: list[tuple[str, str, str]] = []
+    not_recorded: list[str] = []
     for key, value in model.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor):
-            raise ConfigError(
-                f"model.state_dict() entry {key!r} is not a tensor ({type(value).__name__}); "
-                "stepdump records tensor state only"
-            )
+        if not isinstance(value, torch.Tensor):  # extra state (get_extra_state): not a tensor
+            not_recorded.append(key)
+            continue
         if id(value) in names:
             entries.append((key, "params", names[id(value)]))
         elif id(value) in buffer_names:
             entries.append((key, "buffers", buffer_names[id(value)]))
         else:
             raise ConfigError(f"model.state_dict() entry {key!r} is neither a parameter nor a buffer")
-    return Layout(params=params, buffers=buffers, groups=groups, state_dict=entries)
+    return Layout(params=params, buffers=buffers, groups=groups, state_dict=entries, not_recorded=not_recorded)
 
 
 def param_name_map(layout: Layout) -> dict[int, str]:

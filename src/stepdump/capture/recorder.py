@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 import time
 import weakref
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -167,7 +167,6 @@ class Recorder:
         every = check_arguments(model, optimizer, scheduler, scaler, durability=durability, on_error=on_error,
                                 queue_depth=queue_depth, codec=codec, every=every, stats_every=stats_every,
                                 keyframe_every=keyframe_every, ring=ring, delta_chain=delta_chain)
-        self._on_error = on_error
         self._keyframes = keyframe_every is not None
         self._target = _target.resolve(path, ranks=ranks, remote=remote, resume=resume)
         self.path = self._target.local  # this rank's store; a local staging directory for a URL
@@ -214,9 +213,9 @@ class Recorder:
                                       active=lambda: self._level(self._step) != LEVEL_NONE,
                                       on_error=lambda e, where: self._fail(e, where))
         self._attach()
-        root = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
-        if not isinstance(root, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
-            self._hooks.append(root.register_forward_pre_hook(self._saw_forward))
+        # On the module given (a torch.compile wrapper runs its own hooks eagerly: no graph break).
+        if not isinstance(model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
+            self._hooks.append(model.register_forward_pre_hook(self._saw_forward))
         self._begin_iteration(self._step)
         # If the user forgets close(), still flush and release the lock at exit.
         self._finalizer = weakref.finalize(self, _close_quietly, weakref.ref(self))

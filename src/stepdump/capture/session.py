@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import platform
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ from stepdump.store.codecs import get_codec
 from stepdump.store.delta import MAX_DELTA_CHAIN
 from stepdump.store.format import CATALOG_FILE, LOCK_FILE
 from stepdump.store.lock import is_locked
+
+log = logging.getLogger(__name__)
 
 
 def prepare_dir(p: Path, resume: bool) -> Path:
@@ -78,6 +81,9 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
 
 def run_meta(rec: Any, *, keyframe_every: int | None, codec: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
     """What a new run's catalog says about how it was recorded (FORMAT.md, ``meta``)."""
+    for key in rec._layout.not_recorded:
+        log.warning("stepdump: model.state_dict() entry %r is not a tensor; stepdump records tensors only, "
+                    "and restore leaves it as it is in the model restored into", key)
     return {
         "model_class": type(rec.model).__name__,
         "optimizer_class": type(rec.optimizer).__name__,

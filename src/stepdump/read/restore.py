@@ -79,15 +79,22 @@ def _check_class(what: str, obj: Any, recorded: str | None) -> None:
         )
 
 
-def _check_model(run: Run, model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+def _check_model(run: Run, model: torch.nn.Module, sd: dict[str, Any]) -> None:
     live = model.state_dict()
+    layout = run.meta.get("layout")
+    kept = layout.get("not_recorded", []) if isinstance(layout, dict) else []
     for key in live:
+        if key in kept and key not in sd:  # extra state stepdump could not store: left as it is
+            sd[key] = live[key]
+            continue
         if key not in sd:
             raise RestoreMismatchError(
                 f"the model has {key!r}, which the run did not record (recorded model: "
                 f"{run.meta.get('model_class')}); restore into the same architecture"
             )
     for key, t in sd.items():
+        if key in kept:
+            continue
         if key not in live:
             raise RestoreMismatchError(f"the run has {key!r}, which the model does not; restore into the same architecture")
         lt = live[key]
