@@ -214,12 +214,17 @@ def test_compiled_model_records_params_grads_and_activations(tmp_path):
             clones.append(model.fc1.weight.grad.clone())
             opt.step()
     run = stepdump.open(tmp_path / "r")
-    names = run.names("grads")
-    assert any(n.endswith("fc1.weight") for n in names)
-    name = next(n for n in names if n.endswith("fc1.weight"))
+    # The same names as the plain model's, for params and activations alike (no "_orig_mod.").
+    assert run.names("grads") == [n for n, _ in model.named_parameters()]
+    assert run.names("params") == [n for n, _ in model.named_parameters()]
     for step in range(3):
-        assert torch.equal(run.tensor(name, step, kind="grads"), clones[step])
+        assert torch.equal(run.tensor("fc1.weight", step, kind="grads"), clones[step])
     assert "fc1" in run.names("activations")
+    # A record of the compiled model restores into the plain model, and into a compiled one.
+    for target in (SimpleMLP(), torch.compile(SimpleMLP(), backend="eager")):
+        run.restore(1, target, rng=False)
+        plain = getattr(target, "_orig_mod", target)
+        assert torch.equal(plain.fc1.weight, run.tensor("fc1.weight", 1))
 
 
 def test_scripted_module_records_the_rest_and_says_why(tmp_path, caplog):

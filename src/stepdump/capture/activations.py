@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stepdump.capture.naming import unwrap
+
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, str, torch.Tensor]  # kind, name, tensor (a private copy)
@@ -57,7 +59,7 @@ class ModuleCapture:
         self._handles: list[Any] = []
         self.unsupported: str | None = None
         patterns = [modules] if isinstance(modules, str) else list(modules)
-        root = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
+        root = unwrap(model)  # torch.compile wraps the module
         if isinstance(root, torch.jit.ScriptModule):
             self.unsupported = (
                 "activation and input capture need Python forward hooks, which TorchScript modules do not run; "

@@ -39,7 +39,21 @@ class Layout:
         return meta
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose names a run uses: a ``torch.compile`` wrapper's inner module.
+
+    A compiled model names its params ``_orig_mod.fc1.weight`` while its modules'
+    hooks see ``fc1``; recording the inner names keeps params, grads and activations
+    under one spelling, and lets a record restore into the plain or the compiled model.
+    """
+    seen = 0
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module) and seen < 8:
+        model, seen = model._orig_mod, seen + 1  # type: ignore[assignment]
+    return model
+
+
 def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
+    model = unwrap(model)
     names: dict[int, str] = {}
     params: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():

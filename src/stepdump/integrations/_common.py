@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stepdump.capture.naming import unwrap as unwrap_module
 from stepdump.capture.recorder import Recorder
 from stepdump.errors import ConfigError
 from stepdump.store.format import CATALOG_FILE
@@ -80,7 +81,7 @@ def check_resume(path: Path, start_step: int) -> None:
 def param_globs(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """fnmatch patterns that match exactly the parameters ``optimizer`` steps, by model name."""
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [_escape(n) for n, p in model.named_parameters() if id(p) in mine]
+    return [_escape(n) for n, p in unwrap_module(model).named_parameters() if id(p) in mine]
 
 
 def _escape(name: str) -> str:

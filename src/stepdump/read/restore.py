@@ -23,7 +23,10 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
             scaler: Any = None, *, rng: bool = True) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"restore needs the model (a torch.nn.Module), got {type(model).__name__}")
+    from stepdump.capture.naming import unwrap
     from stepdump.read.distributed import has_dtensors, restore_sharded
+
+    model = unwrap(model)  # a torch.compile wrapper: the run names the inner module's tensors
 
     if has_dtensors(model):  # FSDP2 / tensor parallel: this rank's shards go into its DTensors
         return restore_sharded(run, step, model, optimizer, scheduler, scaler, rng=rng)
