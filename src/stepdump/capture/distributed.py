@@ -11,6 +11,7 @@ that a reader can put the full tensor back together.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +22,6 @@ from stepdump.errors import ConfigError
 
 Ranks = Iterable[int] | str | None
 
-try:  # DTensor exists wherever torch.distributed does; some builds lack both
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover - torch built without distributed
-    _DTensor = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,11 @@ def this_rank_records(ranks: Ranks) -> bool:
 
 
 def is_dtensor(t: Any) -> bool:
-    return _DTensor is not None and isinstance(t, _DTensor)
+    # Not imported here: torch.distributed.tensor costs ~0.5 s at import (sympy), and a
+    # DTensor can only exist once its module has been imported by whoever made it.
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
