@@ -150,3 +150,10 @@ def test_ring_with_user_trigger_and_validation(tmp_path):
         stepdump.Recorder(tmp_path / "x", model, opt, ring=2, every=5)
     with pytest.raises(stepdump.ConfigError, match="trigger"):
         stepdump.Recorder(tmp_path / "y", model, opt, ring=2, trigger=42)
+    # trigger= / after= without ring= did nothing, silently; a misspelt trigger name too
+    for bad in ({"trigger": "nan_in"}, {"trigger": "nan_inf"}, {"after": 3}):
+        with pytest.raises(stepdump.ConfigError, match="ring=N"):
+            stepdump.Recorder(tmp_path / "z", model, opt, **bad)
+    with pytest.raises(stepdump.ConfigError, match="trigger='nan_in'"):
+        stepdump.Recorder(tmp_path / "z", model, opt, ring=2, trigger="nan_in")
+    assert not (tmp_path / "z").exists()  # refused before anything was created

@@ -166,7 +166,7 @@ class Recorder:
     ) -> None:
         every = check_arguments(model, optimizer, scheduler, scaler, durability=durability, on_error=on_error,
                                 queue_depth=queue_depth, codec=codec, every=every, stats_every=stats_every,
-                                keyframe_every=keyframe_every, ring=ring, delta_chain=delta_chain)
+                                keyframe_every=keyframe_every, ring=ring, delta_chain=delta_chain, ring_options=(trigger, after))
         self._keyframes = keyframe_every is not None
         self._target = _target.resolve(path, ranks=ranks, remote=remote, resume=resume)
         self.path = self._target.local  # this rank's store; a local staging directory for a URL

@@ -102,7 +102,7 @@ def run_meta(rec: Any, *, keyframe_every: int | None, codec: str, metadata: dict
 
 def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, durability: str, on_error: str,
                     queue_depth: int, codec: str, every: Any, stats_every: Any, keyframe_every: int | None,
-                    ring: int | None, delta_chain: int = 8) -> Any:
+                    ring: int | None, delta_chain: int = 8, ring_options: tuple[Any, Any] = (None, None)) -> Any:
     """Validate the Recorder's arguments; return the effective ``every`` (keyframe and ring modes set it)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -128,7 +128,13 @@ def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, 
         if every != 1 or stats_every != 1:
             raise ConfigError("keyframe_every sets every= and stats_every= itself; pass only keyframe_every")
         every = keyframe_every
+    if ring is None and any(v is not None for v in ring_options):
+        raise ConfigError("trigger= and after= apply to the flight-recorder ring only; pass ring=N (steps kept in "
+                          "memory) with them, or leave them out")
     if ring is not None:
+        from stepdump.capture.triggers import resolve
+
+        resolve(ring_options[0])  # a misspelt trigger name fails here, before anything is created
         if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
             raise ConfigError(f"ring={ring!r}: give the number of steps to keep in memory")
         if every != 1 or keyframe_every is not None:
