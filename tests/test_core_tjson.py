@@ -112,3 +112,29 @@ _trees = st.recursive(
 def test_round_trip_property(obj):
     back, _ = _round_trip(obj)
     assert_same_tree(back, obj)
+
+
+def test_counter_and_uncoalesced_sparse_tensors_come_back_as_they_were():
+    import collections
+
+    sparse = torch.sparse_coo_tensor(torch.tensor([[3, 1, 3]]), torch.tensor([1.0, 2.0, 0.5]), (5,))
+    assert not sparse.is_coalesced()
+    back, _ = _round_trip({"milestones": collections.Counter([2, 4, 4]), "buf": sparse})
+    assert type(back["milestones"]) is collections.Counter and back["milestones"] == collections.Counter([2, 4, 4])
+    got = back["buf"]
+    assert got.layout == torch.sparse_coo and not got.is_coalesced() and got.shape == (5,)
+    assert torch.equal(got._indices(), sparse._indices()) and torch.equal(got._values(), sparse._values())
+
+
+@pytest.mark.parametrize("hostile", [
+    {"indices": {"$tensor": "i"}, "values": {"$tensor": "v"}, "size": [2], "coalesced": False},  # index 3 >= 2
+    {"indices": {"$tensor": "i"}, "values": {"$tensor": "v"}, "size": [-1], "coalesced": False},
+    {"indices": {"$tensor": "i"}, "values": {"$tensor": "v"}, "size": "5", "coalesced": False},
+    {"indices": 7, "values": {"$tensor": "v"}, "size": [5], "coalesced": False},
+])
+def test_a_hostile_sparse_tensor_is_a_corrupt_data_error(hostile):
+    import stepdump
+
+    stored = {"i": torch.tensor([[3, 1, 3]]), "v": torch.tensor([1.0, 2.0, 0.5])}
+    with pytest.raises(stepdump.CorruptDataError, match="sparse tensor is malformed"):
+        tjson.decode({"$sparse_coo": hostile}, stored.__getitem__)

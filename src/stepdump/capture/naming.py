@@ -103,7 +103,9 @@ def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: obje
     extra: dict[str, dict[str, object]] = {}
     for n, p in layout.params.items():
         for k, v in optimizer.state.get(p, {}).items():
-            if not isinstance(v, torch.Tensor):
+            # Sparse state goes here as well, kept sparse (indices + values in their order):
+            # its dense series serves reading; restore needs the exact sparse tensor.
+            if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
                 extra.setdefault(n, {})[k] = v
     state: dict[str, object] = {"groups": groups, "optimizer_extra": extra}
     if scheduler is not None:

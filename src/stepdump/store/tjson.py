@@ -8,6 +8,9 @@ Plain JSON loses tuples, non-string dict keys and tensors. Typed JSON tags them:
   a resumed scheduler calls ``.elements()`` on it),
 * ``{"$tensor": "ref"}`` a tensor stored as a blob of kind ``state`` named ``ref``;
   ``{"$tensor": "ref", "$device": "cuda:0"}`` one that lived on another device than the CPU,
+* ``{"$sparse_coo": {"indices": T, "values": T, "size": [...], "coalesced": bool}}`` a sparse
+  COO tensor as it was, duplicates and order kept (SGD's momentum of sparse grads: the
+  order in which duplicate rows are added decides the rounding of the next update),
 * ``{"$repr": "..."}`` an object stepdump cannot store; kept for display only.
 
 Decoding never constructs anything but these plain types and tensors, so a store
@@ -28,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_TAGS = ("$tuple", "$dict", "$counter", "$tensor", "$device", "$repr", "$float")
+_TAGS = ("$tuple", "$dict", "$counter", "$tensor", "$device", "$sparse_coo", "$repr", "$float")
 
 
 def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str = "") -> Any:
@@ -68,6 +71,10 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str)
         return _encode(float(obj), put_tensor, path)
     if isinstance(obj, np.ndarray):
         obj = torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
+        return {"$sparse_coo": {"indices": _encode(obj._indices(), put_tensor, f"{path}/indices"),
+                                "values": _encode(obj._values(), put_tensor, f"{path}/values"),
+                                "size": list(obj.shape), "coalesced": obj.is_coalesced()}}
     if isinstance(obj, torch.Tensor):
         ref = put_tensor(path or "value", obj)
         return {"$tensor": ref} if obj.device.type == "cpu" else {"$tensor": ref, "$device": str(obj.device)}
@@ -107,12 +114,33 @@ def decode(tree: Any, get_tensor: Callable[[str], torch.Tensor]) -> Any:
                 return get_tensor(str(val))
             if tag == "$float":
                 return float(val)
+            if tag == "$sparse_coo":
+                return _sparse(val, get_tensor)
             if tag == "$repr":
                 return None
         if set(tree) == {"$tensor", "$device"}:
             return _on_device(get_tensor(str(tree["$tensor"])), tree["$device"])
         return {k: decode(v, get_tensor) for k, v in tree.items()}
     return tree
+
+
+def _sparse(val: Any, get_tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """Rebuild a sparse COO tensor, checking what a hostile store could put there."""
+    from stepdump.errors import CorruptDataError
+
+    bad = CorruptDataError(f"a stored sparse tensor is malformed: {str(val)[:200]}")
+    if not (isinstance(val, dict) and isinstance(val.get("size"), list) and isinstance(val.get("coalesced"), bool)):
+        raise bad
+    indices, values = decode(val.get("indices"), get_tensor), decode(val.get("values"), get_tensor)
+    size = val["size"]
+    if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size)):
+        raise bad
+    try:  # check_invariants: indices inside size, shapes consistent (never trusted blindly)
+        return torch.sparse_coo_tensor(indices, values, tuple(size), is_coalesced=val["coalesced"],
+                                       check_invariants=True)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CorruptDataError(f"a stored sparse tensor is malformed: {e}") from None
 
 
 def _on_device(t: torch.Tensor, device: Any) -> torch.Tensor:
