@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import time
 import weakref
 from collections.abc import Iterable
@@ -166,7 +167,8 @@ class Recorder:
     ) -> None:
         every = check_arguments(model, optimizer, scheduler, scaler, durability=durability, on_error=on_error,
                                 queue_depth=queue_depth, codec=codec, every=every, stats_every=stats_every,
-                                keyframe_every=keyframe_every, ring=ring, delta_chain=delta_chain, ring_options=(trigger, after))
+                                keyframe_every=keyframe_every, ring=ring, delta_chain=delta_chain,
+                                ring_options=(trigger, after))
         self._keyframes = keyframe_every is not None
         self._target = _target.resolve(path, ranks=ranks, remote=remote, resume=resume)
         self.path = self._target.local  # this rank's store; a local staging directory for a URL
@@ -468,13 +470,11 @@ class Recorder:
 
     # -- plumbing ----------------------------------------------------------
     def _put(self, msg: StepMessage) -> None:
-        import queue as _q
-
         while True:
             try:
                 self._writer.queue.put(msg, timeout=0.05)
                 return
-            except _q.Full:
+            except queue.Full:
                 if self._raise_if_writer_failed():
                     return
 
