@@ -71,7 +71,7 @@ def build(kind: str, seed: int = 0):  # noqa: ANN201
     elif kind == "adam-capturable":
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
     elif kind == "sgd-sparse":
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # sparse momentum state
     elif kind == "lbfgs":
         opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
     else:  # amp
