@@ -142,8 +142,10 @@ def test_failure_in_the_closure_path_and_close(tmp_path, monkeypatch, caplog):
 
     x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 1)
 
-    def train(m, o, rec=None):
+    def train(m, o, before_step=lambda: None):
         for _ in range(4):
+            before_step()
+
             def closure():
                 o.zero_grad()
                 loss = nn.functional.mse_loss(m(x), y)
@@ -159,15 +161,7 @@ def test_failure_in_the_closure_path_and_close(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(recorder, "scalar_rows", _failing(recorder.scalar_rows, lambda: closing[0]))
     caplog.set_level(logging.WARNING, logger="stepdump")
     with stepdump.Recorder(tmp_path / "run", model, opt) as rec:
-        for _ in range(4):
-            step[0] = rec.step
-
-            def closure():
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                return loss
-            opt.step(closure)
+        train(model, opt, before_step=lambda: step.__setitem__(0, rec.step))
         closing[0] = True  # close() fails too: still no exception, the first failure stays the mark
     for p, q in zip(model.parameters(), plain.parameters()):
         assert_same(p.detach(), q.detach(), "LBFGS params")
