@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
         "python_version": platform.python_version(),
         "host": platform.node(),
         "created": time.time(),
+        # Identifies this run among runs recorded at the same path (a URL reader's cache keys on it).
+        "run_id": uuid.uuid4().hex,
         "num_threads": torch.get_num_threads(),
         **meta,
     }
