@@ -170,3 +170,21 @@ def test_tensors_stepdump_cannot_store_are_left_out_with_one_warning(tmp_path, k
         assert "odd" not in run.names("buffers")
         with pytest.raises(stepdump.StepNotFoundError, match="odd"):
             run.state_dict(2)
+
+
+def test_a_writer_that_fails_to_start_leaves_no_thread_behind(tmp_path, monkeypatch):
+    import threading
+
+    from stepdump.capture import writer
+
+    def refuse(*args, **kwargs):
+        raise OSError("catalog refused")
+
+    monkeypatch.setattr(writer, "CatalogWriter", refuse)
+    model = MLP(8, 8, 4)
+    with pytest.raises(stepdump.WriterError, match="catalog refused"):
+        stepdump.Recorder(tmp_path / "run", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not [t for t in threading.enumerate() if t.name == "stepdump-writer"]
+    monkeypatch.undo()
+    with stepdump.Recorder(tmp_path / "run", model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True):
+        pass  # the lock was released

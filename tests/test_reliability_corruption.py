@@ -7,7 +7,7 @@
   gives stepdump errors, on open or later, never sqlite3 / Python errors.
 * Hypothesis mutates copies of a small store (segment bytes, catalog rows via
   sqlite3 with absurd values, hostile segment keys, JSON state, blobs whose
-  garbage carries a valid checksum) and runs every reader entry point: only
+  garbage carries a valid checksum, schema objects that compute) and runs every reader entry point: only
   StepdumpError subclasses may escape, each example within a time limit.
 """
 
@@ -358,12 +358,17 @@ seg_edit = st.tuples(
 )
 forged = st.tuples(st.just("forge"), st.integers(0, 10**6), st.floats(0, 1), st.binary(min_size=1, max_size=64))
 cat_file = st.tuples(st.just("catfile"), st.sampled_from(["flip", "truncate"]), st.floats(0, 1), st.integers(0, 7))
-MUTATION = st.one_of(row_edit, row_delete, table_drop, meta_edit, seg_edit, forged, cat_file)
+# Schema objects that compute (tests/test_reliability_hostile_catalog.py fuzzes these on their own).
+SCHEMA_EDITS = ["ALTER TABLE {t} ADD COLUMN g AS (length(hex(zeroblob(30000000)))) VIRTUAL",
+                "CREATE TRIGGER tr AFTER INSERT ON {t} BEGIN SELECT 1; END", "CREATE INDEX ix ON {t}(abs({c}))",
+                "ALTER TABLE {t} ADD COLUMN extra TEXT DEFAULT 'x'"]
+schema_edit = st.tuples(st.just("schema"), st.sampled_from(sorted(COLUMNS)), st.sampled_from(SCHEMA_EDITS))
+MUTATION = st.one_of(row_edit, row_delete, table_drop, meta_edit, seg_edit, forged, cat_file, schema_edit)
 
 
 def _apply(path: Path, m) -> None:
     kind = m[0]
-    if kind in ("row", "delete", "drop", "meta", "forge"):
+    if kind in ("row", "delete", "drop", "meta", "forge", "schema"):
         con = sqlite3.connect(path / "catalog.sqlite", isolation_level=None)
         try:
             if con.execute("SELECT count(*) FROM sqlite_master WHERE type = 'view'").fetchone()[0]:
@@ -399,6 +404,8 @@ def _apply(path: Path, m) -> None:
                                 f"(SELECT 0 UNION ALL SELECT x + 1 FROM c) SELECT {cols} FROM c")
             elif kind == "meta":
                 con.execute("UPDATE meta SET value = ? WHERE key = ?", (m[2], m[1]))
+            elif kind == "schema":
+                con.execute(m[2].format(t=m[1], c=COLUMNS[m[1]][0]))
             elif kind == "forge":  # garbage that carries a valid checksum: reaches the decoders
                 _, pick, where, junk = m
                 rows = con.execute("SELECT b.id, s.key, b.offset, b.length FROM blobs b "

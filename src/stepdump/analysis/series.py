@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stepdump.errors import CorruptDataError
 from stepdump.read.run import Run
 from stepdump.store.catalog import STAT_COLUMNS
 
@@ -45,6 +46,16 @@ def _connection(run: Run) -> sqlite3.Connection:
     return run._con  # noqa: SLF001
 
 
+def _floats(run: Run, rows: list[tuple[object, ...]], width: int, what: str) -> np.ndarray:
+    """Catalog rows as a float64 array ``[n, width]`` (None -> NaN). A value that is not a
+    number (text or a blob where SQLite stored whatever it was given) is damage."""
+    try:
+        return np.array(rows, dtype=np.float64).reshape(-1, width)
+    except (ValueError, TypeError) as e:
+        raise CorruptDataError(f"the {what} in the catalog of {run.path} are not all numbers ({e}): the catalog "
+                               "is damaged (`stepdump verify` checks a run)") from e
+
+
 def stat_matrix(run: Run, kind: str, column: str = "norm", name_glob: str | None = None) -> StatMatrix:
     """``column`` of every ``kind`` tensor (optionally matching ``name_glob``) over steps."""
     if column not in STAT_COLUMNS:
@@ -62,7 +73,7 @@ def stat_matrix(run: Run, kind: str, column: str = "norm", name_glob: str | None
         f"(SELECT id FROM series WHERE {where})",
         args,
     ).fetchall()
-    table = np.array(rows, dtype=np.float64).reshape(-1, 3)  # None -> NaN
+    table = _floats(run, rows, 3, f"{column} stats")  # None -> NaN
     ids = np.array([sid for sid, _ in series], dtype=np.float64)  # sorted: ORDER BY id
     steps = np.unique(table[:, 1]).astype(np.int64)
     values = np.full((len(series), steps.size), np.nan)
@@ -81,9 +92,8 @@ def scalar_series(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     ``Run.scalars()`` frame, where both read NaN).
     """
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    rows = _connection(run).execute("SELECT name, step, value FROM scalars ORDER BY name, step").fetchall()
     by_name: dict[str, list[tuple[int, float | None]]] = {}
-    for name, step, value in rows:
+    for step, name, value in run.scalar_rows():  # checked: integer steps, text names, numbers
         by_name.setdefault(name, []).append((step, value))
     for name, pairs in by_name.items():
         arr = np.array(pairs, dtype=np.float64).reshape(-1, 2)
@@ -107,7 +117,7 @@ def combined_norm(run: Run, kind: str, name_glob: str) -> tuple[np.ndarray, np.n
         "(SELECT id FROM series WHERE kind = ? AND name GLOB ?) AND t.norm IS NOT NULL GROUP BY t.step ORDER BY t.step",
         (kind, name_glob),
     ).fetchall()
-    arr = np.array(rows, dtype=np.float64).reshape(-1, 2)  # sqrt here: SQLite may lack math functions
+    arr = _floats(run, rows, 2, f"{kind} norms")  # sqrt here: SQLite may lack math functions
     return arr[:, 0].astype(np.int64), np.sqrt(arr[:, 1]), int(n)
 
 

@@ -87,3 +87,13 @@ def mark_run(path: Path, failure: Failure) -> None:
             cat.close()
     except Exception as e:  # noqa: BLE001 - the one warning already named the cause (often this full disk)
         log.info("stepdump: could not mark %s as stopped at step %d: %s", path, failure.step, describe(e))
+
+
+def close_quietly(ref: Callable[[], Any]) -> None:
+    """Close a Recorder the user forgot to close, at interpreter exit: nowhere to raise to."""
+    rec = ref()
+    if rec is not None:
+        try:
+            rec.close()
+        except Exception as e:  # noqa: BLE001 - interpreter exit
+            log.error("stepdump: closing at exit failed: %s", describe(e))

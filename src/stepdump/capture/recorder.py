@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepdump.capture.guard import Failure, Guard, mark_run
+from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
 from stepdump.capture.hooks import group_sizes, record_after_closure, watch_scaler
 from stepdump.capture.naming import Layout, begin_state, build_layout, full_state, state_json, tensor_entries
 from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, check_kinds
@@ -206,6 +206,9 @@ class Recorder:
             self._raise_if_writer_failed(starting=True)
             self._target.start(lambda: self._writer.steps_written)
         except BaseException:
+            if getattr(self, "_writer", None) is not None and self._writer.is_alive():  # failed at start: end it
+                self._writer.queue.put(None)
+                self._writer.join()
             self._lock.release()
             raise
         self._profile = profile
@@ -220,7 +223,7 @@ class Recorder:
             self._hooks.append(model.register_forward_pre_hook(self._saw_forward))
         self._begin_iteration(self._step)
         # If the user forgets close(), still flush and release the lock at exit.
-        self._finalizer = weakref.finalize(self, _close_quietly, weakref.ref(self))
+        self._finalizer = weakref.finalize(self, close_quietly, weakref.ref(self))
 
     # -- setup -------------------------------------------------------------
     def _attach(self) -> None:
@@ -489,12 +492,3 @@ class Recorder:
             self._guard.fail(err, "writing the run", self._step if failed is None else failed, self._writer.last_step)
             return True
         raise WriterError(f"stepdump could not write {self.path}: {err}") from err
-
-
-def _close_quietly(ref: weakref.ref[Recorder]) -> None:
-    rec = ref()
-    if rec is not None:
-        try:
-            rec.close()
-        except Exception as e:  # noqa: BLE001 - interpreter exit, nowhere to raise to
-            log.error("stepdump: closing at exit failed: %s", e)

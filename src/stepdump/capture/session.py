@@ -65,6 +65,7 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
     if not (path / CATALOG_FILE).exists():
         catalog.create(path, meta)
         return 0 if start_step is None else start_step
+    catalog.check_writable_layout(path)  # links / FIFOs planted in a shared run dir: refused before writing
     con = catalog.connect_reader(path)
     try:
         old = catalog.read_meta(con)

@@ -8,14 +8,24 @@ inside a regular segment file of the run, their checksum, then decoding into
 exactly the expected number of bytes, and finally the tensor's fingerprint.
 So a hostile or damaged catalog cannot make the reader allocate absurd sizes,
 read outside the run directory, or hand back wrong values without an error.
+
+Each read call (``Run.tensor``, ``tensors``, ``step_state``, ``state_dict``...)
+also runs in a :class:`ReadScope` that bounds what the catalog can make it cost
+beyond the per-blob checks: a blob that several rows point at is decoded once per
+call (its tensors share memory), and the bytes decoded, delta-chain bases
+included, are bounded by what the call returns (docs/reliability.md, "Resource
+bounds per read").
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 import threading
 from collections import OrderedDict
-import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,6 +47,16 @@ MAX_BLOB_BYTES = 1 << 40
 MAX_EXPANSION = 1 << 16
 # Decoded delta-chain blobs kept for the next read of the same series.
 CACHE_BYTES = 256 << 20
+# A read call decodes at most this many bytes per byte it returns, plus the
+# allowance below. A cold read of a delta blob decodes its whole chain; writers
+# keep chains at 8 blobs by default, so an honest read stays far below 16x. Without
+# this, a 4,096-link chain of 64 MiB blobs (a few hundred KB of catalog rows) cost
+# 256 GiB of decoding, 858 s, for one tensor.
+DECODE_FACTOR = 16
+# ... plus this many bytes whatever the call returns (small tensors on long chains).
+DECODE_ALLOWANCE = 1 << 30
+# Environment variable that sets the allowance, in bytes, for stores you trust.
+BUDGET_ENV = "STEPDUMP_DECODE_BUDGET"
 _SHAPE = re.compile(r"(?:[0-9]{1,19}(?:,[0-9]{1,19})*)?")
 
 
@@ -59,6 +79,61 @@ def check_layout(dtype: object, shape: object) -> tuple[torch.dtype, tuple[int, 
     return tdtype, dims, math.prod(dims) * itemsize
 
 
+def _human(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} bytes"
+
+
+def decode_allowance() -> int:
+    """The fixed part of a read call's decode budget: ``$STEPDUMP_DECODE_BUDGET`` bytes, else 1 GiB."""
+    text = os.environ.get(BUDGET_ENV, "").strip()
+    if not text:
+        return DECODE_ALLOWANCE
+    try:
+        value = int(float(text))  # "4e9" as well as "4000000000"
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{BUDGET_ENV}={text!r} is not a number of bytes") from None
+    if value < 0:
+        raise ConfigError(f"{BUDGET_ENV}={text!r} is negative; give a number of bytes")
+    return value
+
+
+class ReadScope:
+    """What one read call has cost so far, and the blobs it has decoded.
+
+    ``returned`` counts each distinct stored blob the call hands out once;
+    ``decoded`` counts every byte a codec produced for it, delta-chain bases
+    included. ``shared`` maps a blob's stored identity to its decoded buffer, so a
+    blob that many tensor rows point at (which no writer produces, but a catalog
+    can claim) costs its size once per call instead of once per row.
+    """
+
+    __slots__ = ("allowance", "decoded", "returned", "shared", "verified")
+
+    def __init__(self, allowance: int) -> None:
+        self.allowance = allowance
+        self.decoded = 0
+        self.returned = 0
+        self.shared: dict[tuple[object, ...], bytearray | bytes] = {}
+        self.verified: set[tuple[tuple[object, ...], int]] = set()
+
+    def check(self, blob_id: int, links: int, decode: int, returns: int) -> None:
+        """Refuse, before any of it is done, decoding ``decode`` more bytes (``links`` blobs)
+        to return ``returns`` more bytes, if that goes over the call's budget."""
+        limit = DECODE_FACTOR * (self.returned + returns) + self.allowance
+        if self.decoded + decode > limit:
+            raise CorruptDataError(
+                f"reading blob {blob_id} means decoding a chain of {links}+ delta blobs: the read would decode "
+                f"{_human(self.decoded + decode)} to return {_human(self.returned + returns)}, over its decode "
+                f"budget of {_human(limit)} ({DECODE_FACTOR} x what it returns + {_human(self.allowance)}). The "
+                f"store is damaged or hostile, or was recorded with a very long delta_chain; if you trust it, "
+                f"raise the allowance: {BUDGET_ENV}=<bytes> (now {self.allowance})."
+            )
+
+
 class BlobReader:
     def __init__(self, run_dir: Path, con: ReadConnection) -> None:
         self.storage = LocalStorage(run_dir)
@@ -66,6 +141,21 @@ class BlobReader:
         self._cache: OrderedDict[int, bytes | memoryview] = OrderedDict()
         self._cache_bytes = 0
         self._cache_lock = threading.Lock()
+        self._local = threading.local()  # the ReadScope of the call each thread is in
+
+    @contextmanager
+    def call(self) -> Iterator[ReadScope]:
+        """The scope of one read call; calls made inside it (``step_state`` inside
+        ``optimizer_state_dict``) share it. Its decoded blobs are dropped at the end."""
+        scope = getattr(self._local, "scope", None)
+        if scope is not None:
+            yield scope
+            return
+        scope = self._local.scope = ReadScope(decode_allowance())
+        try:
+            yield scope
+        finally:
+            self._local.scope = None
 
     def blob_row(self, blob_id: int) -> BlobRow:
         if not _is_int(blob_id):
@@ -93,10 +183,16 @@ class BlobReader:
         """The decoded (raw tensor) bytes of a blob, checksum verified; a delta blob's
         chain of bases is decoded first (recently decoded bases are cached)."""
         b = b or self.blob_row(blob_id)
+        with self.call() as scope:
+            return self._raw(b, scope)
+
+    def _raw(self, b: BlobRow, scope: ReadScope) -> bytes | bytearray | memoryview:
         hit = self._cached(b.id)
         if hit is not None:
+            scope.returned += b.raw_length
             return hit
         chain = [b]
+        work = b.raw_length  # what decoding the chain found so far costs, checked as it grows
         base: bytes | bytearray | memoryview | None = None
         while chain[-1].base is not None:
             last = chain[-1]
@@ -110,6 +206,10 @@ class BlobReader:
             if len(chain) > MAX_DELTA_CHAIN:
                 raise CorruptDataError(f"blob {b.id} sits on a chain of more than {MAX_DELTA_CHAIN} delta blobs")
             chain.append(self.blob_row(last.base))
+            work += chain[-1].raw_length
+            scope.check(b.id, len(chain), work, b.raw_length)  # before decoding any of it
+        scope.decoded += work
+        scope.returned += b.raw_length
         for i, row in enumerate(reversed(chain)):
             try:
                 base = self._decode(row, base)
@@ -162,7 +262,14 @@ class BlobReader:
                 "can expand; the catalog is damaged"
             )
         data = self.storage.read(b.segment_key, b.offset, b.length)
-        if fingerprint_bytes(data) != b.checksum:
+        intact = fingerprint_bytes(data) == b.checksum
+        refetch = getattr(self.storage, "refetch", None)
+        if not intact and refetch is not None:
+            # A URL's range cache may hold bytes of another run (or a damaged cache file):
+            # ask the object itself once more before calling the segment damaged.
+            data = refetch(b.segment_key, b.offset, b.length)
+            intact = fingerprint_bytes(data) == b.checksum
+        if not intact:
             raise CorruptDataError(
                 f"blob {blob_id} in {b.segment_key} (offset {b.offset}) fails its checksum: the segment file is "
                 "damaged. `stepdump verify` lists every damaged blob."
@@ -189,20 +296,37 @@ class BlobReader:
             raise CorruptDataError(
                 f"blob {blob_id} holds {b.raw_length} bytes but a {dtype} tensor of shape {dims} needs {want}"
             )
-        raw = self.raw(blob_id, b)
+        # Rows naming the same stored bytes decode to the same bytes: decode them once per call
+        # and let their tensors share the buffer, so aliasing cannot multiply a call's memory.
+        key = (b.segment_key, b.offset, b.length, b.codec, b.raw_length, b.checksum, b.base)
+        with self.call() as scope:
+            buf = scope.shared.get(key)
+            if buf is None:
+                raw = self._raw(b, scope)
+                self._check_fingerprint(b, raw, fingerprint)
+                try:
+                    buf = bytearray(raw) if not isinstance(raw, bytearray) else raw
+                except MemoryError:
+                    raise CorruptDataError(
+                        f"blob {blob_id} ({want} bytes) is more than this machine can allocate"
+                    ) from None
+                scope.shared[key] = buf
+            elif fingerprint is not None and (key, fingerprint) not in scope.verified:
+                self._check_fingerprint(b, buf, fingerprint)
+            if fingerprint is not None:
+                scope.verified.add((key, fingerprint))
+        if want == 0:
+            return torch.empty(dims, dtype=tdtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(tdtype).reshape(dims)
+
+    @staticmethod
+    def _check_fingerprint(b: BlobRow, raw: bytes | bytearray | memoryview, fingerprint: int | None) -> None:
         # For the raw codec the checksum just verified *is* the fingerprint.
         if fingerprint is not None and not (b.codec == "raw" and b.checksum == fingerprint):
             if fingerprint_bytes(raw) != fingerprint:
                 raise CorruptDataError(
-                    f"blob {blob_id} decodes to bytes that do not match the tensor's recorded fingerprint"
+                    f"blob {b.id} decodes to bytes that do not match the tensor's recorded fingerprint"
                 )
-        if want == 0:
-            return torch.empty(dims, dtype=tdtype)
-        try:
-            buf = bytearray(raw) if not isinstance(raw, bytearray) else raw
-        except MemoryError:
-            raise CorruptDataError(f"blob {blob_id} ({want} bytes) is more than this machine can allocate") from None
-        return torch.frombuffer(buf, dtype=torch.uint8).view(tdtype).reshape(dims)
 
     def close(self) -> None:
         self.storage.close()

@@ -170,6 +170,11 @@ class DistributedRun:
         """Scalars logged on ``rank`` (default the primary rank)."""
         return self.rank(self.primary if rank is None else rank).scalars(names, steps)
 
+    def scalar_rows(self, steps: StepRange = None, *, nan_only: bool = False,
+                    rank: int | None = None) -> list[tuple[int, str, float | None]]:
+        """:meth:`Run.scalar_rows` of ``rank`` (default the primary rank)."""
+        return self.rank(self.primary if rank is None else rank).scalar_rows(steps, nan_only=nan_only)
+
     def profile(self, steps: StepRange = None, *, rank: int | None = None) -> pd.DataFrame:
         return self.rank(self.primary if rank is None else rank).profile(steps)
 

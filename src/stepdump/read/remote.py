@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from stepdump.read.run import Run
+from stepdump.read.state import check_meta
 from stepdump.store import catalog
-from stepdump.store.remote import FsspecStorage, default_cache_dir, fetch_catalog
+from stepdump.store.format import CATALOG_FILE
+from stepdump.store.remote import FsspecStorage, default_cache_dir, fetch_catalog, run_tag
 
 
 class RemoteRun(Run):
@@ -44,6 +46,12 @@ class RemoteRun(Run):
     def _use_remote_blobs(self) -> None:
         self._blobs.storage.close()
         self._blobs.storage = self._remote  # type: ignore[assignment]
+        self._tag_ranges()
+
+    def _tag_ranges(self) -> None:
+        # The range cache is shared by every reader of the URL, and the URL may have been
+        # emptied and recorded into again: keep ranges per run, never serve another run's.
+        self._remote.use_run(run_tag(self.meta, self.path / CATALOG_FILE))
 
     def refresh(self) -> None:
         """Download the latest published catalog snapshot (steps uploaded since opening become visible)."""
@@ -51,7 +59,9 @@ class RemoteRun(Run):
         old = self._con
         self._con = catalog.connect_reader(self.path)
         self.meta = catalog.read_meta(self._con)
+        check_meta(self.meta, self.path)
         self._blobs.con = self._con
+        self._tag_ranges()
         old.close()
 
     @property

@@ -23,6 +23,7 @@ from stepdump.errors import (
     nearest_steps,
 )
 from stepdump.read.blobs import BlobReader
+from stepdump.read.state import check_meta
 from stepdump.store import catalog, tjson
 from stepdump.store.catalog import STAT_COLUMNS
 from stepdump.store.format import ALL_KINDS, LEVEL_FULL
@@ -46,12 +47,14 @@ class Run:
         self._con = catalog.connect_reader(self.path)
         try:
             self.meta: dict[str, Any] = catalog.read_meta(self._con)
+            check_meta(self.meta, self.path)
         except BaseException:
             self._con.close()
             raise
         self.format_version: int = int(self.meta["format_version"])
         self._blobs = BlobReader(self.path, self._con)
         self._replayed: dict[int, Any] = {}  # step -> ReplayResult, filled by stepdump.replay
+        self._series_checked = False  # see _check_series
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
@@ -142,7 +145,9 @@ class Run:
             "WHERE t.step = ? AND s.kind = ? AND t.blob IS NOT NULL ORDER BY s.id",
             (step, kind),
         ).fetchall()
-        return {n: self._blobs.tensor(b, d, sh, _fingerprint(fp)) for n, b, d, sh, fp in rows}
+        self._check_series()
+        with self._blobs.call():  # one budget, and rows naming one blob share its tensor memory
+            return {n: self._blobs.tensor(b, d, sh, _fingerprint(fp)) for n, b, d, sh, fp in rows}
 
     def fingerprints(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], int]:
         """(kind, name) -> fingerprint of every tensor with stats at ``step``."""
@@ -152,6 +157,7 @@ class Run:
             "WHERE t.step = ? AND s.kind != 'state'",
             (step,),
         ).fetchall()
+        self._check_series()
         wanted = None if kinds is None else set(kinds)
         return {(k, n): fp for k, n, fp in rows if wanted is None or k in wanted}
 
@@ -165,7 +171,8 @@ class Run:
             self._require_full(step)  # raises with the nearest steps
             raise StepNotFoundError(f"step {step} of {self.path} has no recorded state")
         try:
-            state = tjson.decode(tjson.loads(row[0]), lambda ref: self.tensor(ref, step, kind="state"))
+            with self._blobs.call():  # every $tensor of the state in one read budget
+                state = tjson.decode(tjson.loads(row[0]), lambda ref: self.tensor(ref, step, kind="state"))
         except StepdumpError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError) as e:
@@ -179,14 +186,16 @@ class Run:
         step = _as_step(step)
         from stepdump.read.state import model_state_dict
 
-        return model_state_dict(self, step)
+        with self._blobs.call():
+            return model_state_dict(self, step)
 
     def optimizer_state_dict(self, step: int) -> dict[str, Any]:
         """``optimizer.state_dict()`` as it was before update ``step``."""
         step = _as_step(step)
         from stepdump.read.state import optimizer_state_dict
 
-        return optimizer_state_dict(self, step)
+        with self._blobs.call():
+            return optimizer_state_dict(self, step)
 
     def scheduler_state_dict(self, step: int) -> dict[str, Any] | None:
         """The LR scheduler's state_dict before update ``step`` (None if none was given)."""
@@ -220,13 +229,15 @@ class Run:
         step = _as_step(step)
         from stepdump.read.restore import restore
 
-        restore(self, step, model, optimizer, scheduler, scaler, rng=rng)
+        with self._blobs.call():
+            restore(self, step, model, optimizer, scheduler, scaler, rng=rng)
 
     def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False) -> Path:
         """Write step ``step`` as a checkpoint file; see :func:`stepdump.read.export.export`."""
         from stepdump.read.export import export
 
-        return export(self, step, path, format=format, grads=grads)
+        with self._blobs.call():
+            return export(self, step, path, format=format, grads=grads)
 
     # -- frames ----------------------------------------------------------------
     def scalars(self, names: str | Iterable[str] | None = None, steps: StepRange = None) -> pd.DataFrame:
@@ -241,7 +252,7 @@ class Run:
         pats = None if names is None else [names] if isinstance(names, str) else list(names)
         if pats is not None and not all(isinstance(p, str) for p in pats):
             raise ConfigError(f"names= takes glob strings, got {names!r}")
-        rows = self._con.execute(f"SELECT step, name, value FROM scalars WHERE {where}", args).fetchall()
+        rows = self.scalar_rows(steps)
         skipped = self._con.execute(f"SELECT step, skipped FROM steps WHERE {where}", args).fetchall()
         try:
             df = pd.DataFrame(rows, columns=["step", "name", "value"])
@@ -259,6 +270,20 @@ class Run:
         except (ValueError, TypeError) as e:  # rows of the wrong types: a damaged catalog
             raise CorruptDataError(f"the scalars in the catalog of {self.path} are malformed ({e})") from e
 
+    def scalar_rows(self, steps: StepRange = None, *, nan_only: bool = False) -> list[tuple[int, str, float | None]]:
+        """(step, name, value) of every logged scalar, by name then step, checked to be numbers.
+
+        ``value`` is None for a logged NaN (SQLite stores a NaN as NULL), so unlike in
+        :meth:`scalars` a logged NaN is told apart from a name not logged at a step.
+        ``nan_only``: just those rows.
+        """
+        where, args = _step_filter("step", steps)
+        rows = self._con.execute(f"SELECT step, name, value FROM scalars WHERE {where}"
+                                 f"{' AND value IS NULL' if nan_only else ''} ORDER BY name, step", args)
+        for step, name, value in rows:
+            _check_scalar(step, name, value, self.path)
+        return rows
+
     def profile(self, steps: StepRange = None) -> pd.DataFrame:
         """Per-step ``sys/iter_ms`` (iteration wall time), ``sys/recorder_ms`` (time the
         recorder spent on the training thread) and ``sys/peak_mem_mb``."""
@@ -272,6 +297,7 @@ class Run:
             name: Glob over tensor names (``"fc1.*"``).
             steps: A step, range, slice or iterable of steps.
         """
+        self._check_series()
         series_where, series_args = ["s.kind != 'state'"], []
         if kind is not None:
             self._check_kind(kind)
@@ -295,6 +321,8 @@ class Run:
             df = pd.DataFrame(self._con.execute(sql, [*args, *series_args]).fetchall(), columns=columns)
         try:
             df["stored"] = df["stored"].astype(bool)
+            for c in ("step", "numel", "nan", "posinf", "neginf"):  # text here would fail in every analysis
+                df[c] = pd.to_numeric(df[c])
             for c in ("min", "max", "mean", "std", "norm", "zero_frac"):
                 df[c] = df[c].astype(float)
         except (ValueError, TypeError) as e:
@@ -325,6 +353,22 @@ class Run:
         return df
 
     # -- helpers ---------------------------------------------------------------
+    def _check_series(self) -> None:
+        """Series kinds and names must be text: they become dict keys, names in exported
+        checkpoints and TensorBoard tags, where bytes or numbers would fail far from here.
+        One query over the (small) series table, once per Run: a live writer adds only text."""
+        if self._series_checked:
+            return
+        bad = self._con.execute(
+            "SELECT kind, name FROM series WHERE typeof(kind) != 'text' OR typeof(name) != 'text' "
+            "OR typeof(param) NOT IN ('text', 'null') OR typeof(key) NOT IN ('text', 'null') LIMIT 1")
+        if bad:
+            kind, name = bad[0]
+            raise CorruptDataError(f"the catalog of {self.path} has a {kind!r} tensor named {name!r} (or with a "
+                                   "param or key) which is not text: the catalog is damaged "
+                                   "(`stepdump verify` checks a run)")
+        self._series_checked = True
+
     def _ints(self, sql: str, args: tuple[Any, ...]) -> list[int]:
         return [r[0] for r in self._con.execute(sql, args)]
 
@@ -372,6 +416,21 @@ class Run:
 def _check_level(level: Any, step: int) -> None:
     if not isinstance(level, int) or isinstance(level, bool):
         raise CorruptDataError(f"step {step} has level {level!r} in the catalog, not a number")
+
+
+def _check_scalar(step: Any, name: Any, value: Any, path: Path) -> None:
+    """A scalars row must be (integer step, text name, number or NULL); SQLite keeps whatever
+    a damaged or hostile catalog put there, and a string would fail far from here."""
+    what = None
+    if not isinstance(name, str):
+        what = f"a scalar at step {step!r} is named {name!r}, which is not text"
+    elif not isinstance(step, int) or isinstance(step, bool):
+        what = f"scalar {name!r} has step {step!r}, which is not an integer"
+    elif value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        what = f"scalar {name!r} at step {step} is {value!r}, which is not a number"
+    if what is not None:
+        raise CorruptDataError(f"in the catalog of {path}, {what}: the catalog is damaged "
+                               "(`stepdump verify` checks a run)")
 
 
 def _fingerprint(v: Any) -> int:

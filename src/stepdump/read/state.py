@@ -7,6 +7,7 @@ damaged or hostile: anything not shaped as FORMAT.md says is a CorruptDataError.
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +16,32 @@ from stepdump.errors import CorruptDataError, StepNotFoundError
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
+
+
+def check_meta(meta: dict[str, Any], path: Path) -> None:
+    """Refuse, on open, meta values of the wrong type that readers use as FORMAT.md says
+    they are (a time, a list of kinds, lists of parameter names): a damaged or hostile
+    catalog would otherwise fail deep inside ``info``, ``check`` or a report."""
+    created = meta.get("created")
+    # Unix times a datetime can hold: what time.time() gave when the run was created.
+    if created is not None and (not isinstance(created, (int, float)) or isinstance(created, bool)
+                                or not 0 <= created < 1e11):
+        _bad_meta(path, "created", created, "is not a unix time")
+    capture = meta.get("capture")
+    if "capture" in meta and not (isinstance(capture, list) and all(isinstance(c, str) for c in capture)):
+        _bad_meta(path, "capture", capture, "is not a list of kinds")
+    layout = meta.get("layout")
+    if "layout" in meta:
+        groups = layout.get("groups", []) if isinstance(layout, dict) else None
+        if not (isinstance(groups, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g)
+                                                 for g in groups)):
+            _bad_meta(path, "layout", layout, "does not list the parameter names of each optimizer group")
+
+
+def _bad_meta(path: Path, key: str, value: Any, what: str) -> None:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise CorruptDataError(f"meta {key!r} in the catalog of {path} {what} ({shown}): the catalog is damaged")
 
 
 def layout_entries(run: Run) -> list[tuple[str, str, str]]:

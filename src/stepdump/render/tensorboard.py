@@ -169,11 +169,10 @@ def _scalar_rows(run: Run, profile: bool) -> list[tuple[int, str, float]]:
     """(step, name, value) of every logged scalar. Read from the catalog rather than
     ``run.scalars()``, whose frame cannot tell a logged NaN (kept: a NaN loss matters)
     from a name not logged at that step (left out)."""
-    rows = run._con.execute("SELECT step, name, value FROM scalars ORDER BY name, step").fetchall()  # noqa: SLF001
     return [
-        (int(step), str(name), math.nan if value is None else float(value))
-        for step, name, value in rows
-        if profile or not str(name).startswith("sys/")
+        (step, name, math.nan if value is None else float(value))
+        for step, name, value in run.scalar_rows()  # checked: integer steps, text names, numbers
+        if profile or not name.startswith("sys/")
     ]
 
 
@@ -183,4 +182,6 @@ def _step_times(run: Run) -> dict[int, float]:
         rows = run._con.execute("SELECT step, time FROM steps").fetchall()  # noqa: SLF001
     except Exception:  # noqa: BLE001 - wall times are cosmetic; fall back to now
         return {}
-    return {int(s): float(t) for s, t in rows}
+    # A time that is not a number (a damaged catalog) is left out like a missing one.
+    return {s: float(t) for s, t in rows
+            if isinstance(s, int) and isinstance(t, (int, float)) and not isinstance(t, bool)}

@@ -4,21 +4,36 @@ One writer (the recorder's writer thread) and any number of readers. WAL mode
 lets readers see every committed step while the writer goes on; a step's rows
 are written in one transaction after its blobs are on disk, so a step is either
 entirely visible or not at all.
+
+A Recorder that closes cleanly switches the catalog back to a rollback journal,
+so that a finished run is a plain SQLite file that reads with read permission
+only (WAL mode needs a writable ``-shm`` file beside it, even for a reader).
+
+Catalogs are untrusted input: a reader refuses any schema object the writer does
+not create (``_check_schema``), since SQLite evaluates generated columns, and the
+like, on every read.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stepdump.errors import CorruptDataError, FormatVersionError, NotARunError
-from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION
+from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION, SEGMENT_DIR
+from stepdump.store.lock import is_locked
+from stepdump.store.plainfile import check_plain, describe, refusal
+
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -99,6 +114,25 @@ def catalog_path(run_dir: str | Path) -> Path:
 
 
 PARTIAL_SUFFIX = ".partial"
+SIDE_SUFFIXES = ("-wal", "-shm", "-journal")  # the files SQLite keeps beside a database
+
+
+def check_side_files(cat: Path, *, single_link: bool) -> None:
+    """SQLite opens the catalog's -wal, -shm and -journal for writing: each must be absent
+    or a regular file (a link could aim those writes elsewhere, a FIFO would block)."""
+    for suffix in SIDE_SUFFIXES:
+        check_plain(cat.with_name(cat.name + suffix), "SQLite's files beside the catalog", single_link=single_link)
+
+
+def check_writable_layout(run_dir: Path) -> None:
+    """What a Recorder writes into must be what a Recorder made: the catalog and its side
+    files regular files with one name, ``segments`` a directory (not a link out of the run)."""
+    if not check_plain(catalog_path(run_dir), "the catalog"):
+        raise NotARunError(f"{run_dir} has no {CATALOG_FILE}; it is not a stepdump run")
+    check_side_files(catalog_path(run_dir), single_link=True)
+    seg = run_dir / SEGMENT_DIR
+    if seg.is_symlink() or (seg.exists() and not seg.is_dir()):
+        raise refusal(seg, describe(os.lstat(seg)), "the folder of segment files", "a directory")
 
 
 def create(run_dir: Path, meta: dict[str, Any]) -> None:
@@ -199,15 +233,13 @@ def connect_reader(run_dir: str | Path) -> ReadConnection:
         )
     if path.resolve().parent != Path(run_dir).resolve():
         raise CorruptDataError(f"refusing {path}: it is a link to a file outside the run directory")
-    try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
-    except sqlite3.DatabaseError as e:
-        raise CorruptDataError(f"{path} is not a readable stepdump catalog: {e}") from e
+    check_side_files(path, single_link=False)
+    con = _connect_read_only(path, Path(run_dir))
     reader = ReadConnection(con, path)
     try:
         reader.execute("PRAGMA query_only=ON")
         reader.execute("PRAGMA trusted_schema=OFF")  # nothing in a store's schema runs with side effects
-        _check_tables(reader, path)
+        _check_schema(reader, path)
         rows = dict(reader.execute("SELECT key, value FROM meta"))
         _check_version(rows, path)
     except BaseException:
@@ -216,17 +248,128 @@ def connect_reader(run_dir: str | Path) -> ReadConnection:
     return reader
 
 
+def _connect_read_only(path: Path, run_dir: Path) -> sqlite3.Connection:
+    """Open the catalog read-only, needing read permission only.
+
+    In WAL mode SQLite creates ``-shm`` beside the catalog even for a reader, which
+    fails on a read-only mount or in another user's directory. Such a catalog with
+    nothing in ``-wal`` and no Recorder writing it (a run from before clean closes
+    left WAL mode) is opened ``immutable``: no locks, no side files, a snapshot that
+    does not follow later writes. Immutable would ignore data in ``-wal``: an error.
+    """
+    uri = "file:" + urllib.parse.quote(os.fsencode(path.absolute()))  # a '?' or '#' would end the name
+    try:
+        return _probe(sqlite3.connect(uri + "?mode=ro", uri=True, check_same_thread=False))
+    except sqlite3.OperationalError as e:
+        if e.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY):
+            raise _unreadable(path, e) from e
+        cause = e
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # the latter: a message quoting bad bytes
+        raise _unreadable(path, e) from e
+    wal = path.with_name(path.name + "-wal")
+    try:
+        with open(path, "rb") as f:
+            in_wal = f.read(20)[18:20] == b"\x02\x02"  # the header's read/write versions: 2 is WAL
+    except OSError as e:
+        raise CorruptDataError(f"cannot read {path}: {e}") from e
+    if not in_wal and not path.with_name(path.name + "-journal").exists():
+        raise _unreadable(path, cause) from cause
+    if not in_wal:  # a hot journal: SQLite must roll it back into the catalog first
+        raise CorruptDataError(
+            f"{path} cannot be opened without write access to {run_dir} ({cause}): a write to it was cut off "
+            "and SQLite must roll it back. Open the run once where its directory is writable, or copy the run "
+            "directory somewhere writable and open the copy"
+        ) from cause
+    if wal.exists() and wal.stat().st_size > 0:
+        raise CorruptDataError(
+            f"{path}: committed steps are still in {wal.name}, which SQLite can read only by creating "
+            f"{path.name}-shm, and {run_dir} is not writable ({cause}). The run was not closed cleanly or was "
+            "copied without its -shm file: copy the run directory somewhere writable and open the copy"
+        ) from cause
+    if is_locked(run_dir):
+        raise CorruptDataError(
+            f"{run_dir} is being recorded, and its catalog cannot be opened without write access to the "
+            f"directory ({cause}); open it as the user who records it, or once the Recorder has closed"
+        ) from cause
+    log.debug("stepdump: %s is not writable here; reading its catalog as an immutable snapshot", run_dir)
+    try:
+        return _probe(sqlite3.connect(uri + "?mode=ro&immutable=1", uri=True, check_same_thread=False))
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+        raise _unreadable(path, e) from e
+
+
+def _probe(con: sqlite3.Connection) -> sqlite3.Connection:
+    """``con``, once SQLite has really opened the file (connect alone does not)."""
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchall()
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def _unreadable(path: Path, e: BaseException) -> CorruptDataError:
+    return CorruptDataError(
+        f"{path} is not a readable stepdump catalog: {e} (the file is damaged, or not a "
+        "stepdump catalog; `stepdump verify` checks a run)"
+    )
+
+
 TABLES = ("meta", "series", "segments", "blobs", "steps", "tensors", "scalars")
 
 
-def _check_tables(con: ReadConnection, path: Path) -> None:
-    """Our names must be plain tables: a store could define ``steps`` as a view (say, an
-    endless recursive one) that every query would then run."""
-    marks = ",".join("?" * len(TABLES))
-    odd = con.execute(f"SELECT type, name FROM sqlite_master WHERE name IN ({marks}) AND type != 'table'", TABLES)
-    if odd:
-        kind, name = odd[0]
-        raise CorruptDataError(f"{path} is not a stepdump catalog: {name!r} is a {kind}, not a table")
+@functools.lru_cache(maxsize=1)
+def _expected_schema() -> tuple[frozenset[tuple[str, str, str, str | None]], dict[str, set[str]]]:
+    """sqlite_master of a catalog the writer creates: (type, name, table, SQL text); and each table's columns."""
+    con = sqlite3.connect(":memory:")
+    try:
+        con.executescript(SCHEMA)
+        columns = {t: {c for (c,) in con.execute("SELECT name FROM pragma_table_xinfo(?)", (t,))} for t in TABLES}
+        return frozenset(con.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")), columns
+    finally:
+        con.close()
+
+
+def _check_schema(con: ReadConnection, path: Path) -> None:
+    """The schema must be exactly the writer's, object by object and to the letter.
+
+    SQLite evaluates schema expressions while reading: a generated column (``level``
+    computed as ``hex(zeroblob(200000000))``) on every row a query touches, a view
+    (an endless recursive one) on every query. ``trusted_schema=OFF`` does not stop
+    pure functions. Comparing the SQL text of every object refuses each of these,
+    and triggers, indexes on expressions, CHECKs, defaults and collations with
+    them, before any of it is evaluated: reading sqlite_master evaluates nothing.
+    """
+    expected = _expected_schema()[0]
+    found = {tuple(r) for r in con.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")}
+    odd = sorted(found - expected, key=repr)
+    missing = sorted({r[1] for r in expected if r[0] == "table"} - {r[1] for r in found if r[0] == "table"})
+    if not odd and not missing:
+        return
+    what = _describe_object(con, odd[0]) if odd else f"it has no {missing[0]!r} table"
+    raise CorruptDataError(
+        f"{path} is not a stepdump catalog: {what}. stepdump is refusing to open it: a catalog stepdump wrote "
+        "holds exactly stepdump's tables and indexes, and other schema objects could make SQLite compute (or "
+        "allocate) without bound on every read. Treat the run as hostile, or record it again"
+    )
+
+
+def _describe_object(con: ReadConnection, row: tuple[Any, ...]) -> str:
+    kind, name, table = row[0], row[1], row[2]
+    if kind == "table" and name in TABLES:
+        cols = con.execute("SELECT name, hidden FROM pragma_table_xinfo(?)", (name,))
+        generated = [c for c, hidden in cols if hidden in (2, 3)]  # 2: virtual, 3: stored
+        if generated:
+            return f"table {name!r} has a generated column {generated[0]!r}"
+        extra = [c for c, _ in cols if c not in _expected_schema()[1][name]]
+        if extra:
+            return f"table {name!r} has a column {extra[0]!r} that stepdump does not write"
+        return f"table {name!r} is defined differently (a constraint, default or collation stepdump does not use)"
+    if kind == "view" and name in TABLES:
+        return f"{name!r} is a view, not a table"
+    if kind in ("trigger", "index") and table in TABLES:
+        return f"it has a {kind} {name!r} on {table!r} that stepdump does not create"
+    return f"it has a {kind} {name!r} that stepdump does not create"
 
 
 def _check_version(meta_rows: dict[str, str], path: Path) -> int:
@@ -258,6 +401,7 @@ class CatalogWriter:
     """The writer thread's connection. Not thread-safe: one thread owns it."""
 
     def __init__(self, run_dir: Path, synchronous: str = "NORMAL") -> None:
+        check_writable_layout(run_dir)
         self.con = sqlite3.connect(catalog_path(run_dir), check_same_thread=False, isolation_level=None)
         self.con.execute("PRAGMA journal_mode=WAL")
         self.con.execute(f"PRAGMA synchronous={synchronous}")
@@ -335,7 +479,19 @@ class CatalogWriter:
         self.con.execute("BEGIN")
 
     def close(self) -> None:
+        """Commit, and leave the catalog in rollback-journal mode if no reader has it open.
+
+        In WAL mode even a read-only reader must create ``-shm`` beside the catalog: a
+        finished run could not be read from a read-only mount or by another user. A
+        reader that has the catalog open (in WAL mode) keeps it there, and the switch
+        is skipped rather than waited for; such a run keeps its -wal and -shm files.
+        """
         try:
             self.con.execute("COMMIT")
+            self.con.execute("PRAGMA busy_timeout=0")
+            try:
+                self.con.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.DatabaseError as e:  # "database is locked" (a live reader), a full disk: keep WAL
+                log.debug("stepdump: catalog stays in WAL mode (%s)", e)
         finally:
             self.con.close()

@@ -3,6 +3,11 @@
 ``flock`` locks die with the process that holds them, so a lock left by a
 crashed or killed recorder never blocks a new one: a stale LOCK file is just a
 file, and the pid written in it only serves the error message.
+
+``LOCK`` is opened without following links and without blocking, and must be a
+regular file with one name: the directory may be shared, and a ``LOCK`` planted
+as a link would have the Recorder truncate the file it points at, a FIFO would
+hang every Recorder and reader that opens it (``store/plainfile.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from pathlib import Path
 
 from stepdump.errors import RunLockedError
 from stepdump.store.format import LOCK_FILE
+from stepdump.store.plainfile import open_plain
+
+_ROLE = "the run's LOCK file (flock()ed by the Recorder writing the run)"
 
 
 class RunLock:
@@ -22,7 +30,7 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_plain(self.path, os.O_RDWR | os.O_CREAT, _ROLE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -48,11 +56,16 @@ class RunLock:
 
 
 def is_locked(run_dir: Path) -> bool:
-    """True while some Recorder holds the run's lock (a reader's hint that it is live)."""
-    path = run_dir / LOCK_FILE
-    if not path.exists():
+    """True while some Recorder holds the run's lock (a reader's hint that it is live).
+
+    A ``LOCK`` that is not a regular file raises CorruptDataError (a reader only reads
+    it, so a hard link is fine here)."""
+    try:
+        fd = open_plain(run_dir / LOCK_FILE, os.O_RDONLY, _ROLE, single_link=False)
+    except FileNotFoundError:
         return False
-    fd = os.open(path, os.O_RDONLY)
+    except PermissionError:  # another user's LOCK we may not read: no way to tell, say not live
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:

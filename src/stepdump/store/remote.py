@@ -9,8 +9,16 @@ snapshot into a local cache and fetch blob byte ranges on demand
 
 Every object a reader fetches is immutable in the part it reads: a segment
 object is only ever replaced by a longer one with the same prefix, and a
-catalog snapshot only points at bytes uploaded before it. So a cached range
-never goes stale and a reader never sees a step whose bytes are missing.
+catalog snapshot only points at bytes uploaded before it. So, within one run, a
+cached range never goes stale and a reader never sees a step whose bytes are
+missing. A URL can be emptied and recorded into again, though, and the cache
+is shared by every reader of the URL: ranges are kept under the identity of the
+run they were fetched for (:func:`run_tag`), and a cached range that fails its
+checksum is fetched again before the blob is called damaged.
+
+``file://`` URLs are read through :class:`~stepdump.store.storage.LocalStorage`,
+with its checks (regular files inside the run, sizes checked before reading);
+other backends check a range against the object's size before fetching it.
 
 fsspec (and s3fs / gcsfs for their schemes) are optional: ``pip install
 'stepdump[remote]'``.
@@ -19,6 +27,7 @@ fsspec (and s3fs / gcsfs for their schemes) are optional: ``pip install
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sqlite3
 import tempfile
@@ -29,7 +38,7 @@ from typing import Any
 
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.format import CATALOG_FILE
-from stepdump.store.storage import safe_key
+from stepdump.store.storage import LocalStorage, check_span, safe_key
 
 
 def is_url(path: Any) -> bool:
@@ -64,7 +73,8 @@ class FsspecStorage:
         url: The run's location (``s3://bucket/runs/exp1``).
         storage_options: Passed to fsspec (``{"endpoint_url": ..., "key": ...}``
             for s3fs, ``{"token": ...}`` for gcsfs).
-        cache_dir: Local directory for fetched byte ranges (none: no cache) and,
+        cache_dir: Local directory for fetched byte ranges (none: no cache; ranges are
+            cached once a reader says which run they belong to, :meth:`use_run`) and,
             for :meth:`append`, the staged bytes not yet uploaded.
     """
 
@@ -81,6 +91,10 @@ class FsspecStorage:
             raise ConfigError(f"cannot open {self.url}: {e} (for s3:// pip install s3fs, for gs:// gcsfs)") from None
         self.root = self.root.rstrip("/")
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        # Which run the cached ranges belong to (set by the reader from the catalog):
+        # ranges are only cached, and only served, under a known run identity.
+        self.run_tag: str | None = None
+        self._sizes: dict[str, int] = {}  # object sizes seen, to check ranges before fetching them
         self._appended: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -116,18 +130,29 @@ class FsspecStorage:
         if durable and key in self._appended:
             self.put_file(key, self._staged(key))
 
-    def read(self, key: str, offset: int, length: int) -> bytes:
-        """``length`` bytes of ``key`` from ``offset``: from the range cache, else one ranged GET."""
+    def read(self, key: str, offset: int, length: int, *, cached: bool = True) -> bytes:
+        """``length`` bytes of ``key`` from ``offset``: from the range cache, else one ranged GET
+        (``cached=False``: always from the object, refreshing the cache)."""
+        for what, v in (("offset", offset), ("length", length)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CorruptDataError(f"refusing to read segment {key!r}: {what} {v!r} is not a byte count")
+        if self._local_fs:  # the local checks (links, FIFOs, sizes) hold for file:// too
+            local = LocalStorage(self.root)  # opened per read: the uploader replaces files as they grow
+            try:
+                return local.read(key, offset, length)
+            finally:
+                local.close()
         if length == 0:
             return b""
-        cached = self._range_path(key, offset, length)
-        if cached is not None:
+        cache = self._range_path(key, offset, length)
+        if cache is not None and cached:
             try:
-                data = cached.read_bytes()
+                data = cache.read_bytes()
                 if len(data) == length:
                     return data
             except FileNotFoundError:
                 pass
+        self._check_size(key, offset, length)
         try:
             data = self.fs.cat_file(self.path(key), start=offset, end=offset + length)
         except FileNotFoundError:
@@ -136,9 +161,39 @@ class FsspecStorage:
             raise CorruptDataError(
                 f"segment {key!r} of {self.url} is short: wanted {length} bytes at offset {offset}, got {len(data)}"
             )
-        if cached is not None:
-            _write_atomic(cached, data)
+        if cache is not None:
+            _write_atomic(cache, data)
         return bytes(data)
+
+    def use_run(self, tag: str) -> None:
+        """Read for the run ``tag`` (:func:`run_tag` of the catalog just fetched): cache ranges
+        under it, and look object sizes up afresh (the objects may have been replaced)."""
+        self.run_tag = tag
+        self._sizes.clear()
+
+    def refetch(self, key: str, offset: int, length: int) -> bytes:
+        """Read a range again from the object, not the cache: a cached copy failed its checksum
+        (a cache entry damaged, or left by another run at this URL)."""
+        return self.read(key, offset, length, cached=False)
+
+    def _check_size(self, key: str, offset: int, length: int) -> None:
+        """Refuse a range the object does not hold (and anything that is not a file) before
+        fetching it; sizes are looked up once per object, again when a range goes past."""
+        size = self._sizes.get(key)
+        if size is None or offset + length > size:
+            self.invalidate(key)  # a listing cached by fsspec may predate the object's last upload
+            try:
+                info = self.fs.info(self.path(key))
+            except FileNotFoundError:
+                raise CorruptDataError(
+                    f"segment {key!r} is missing from {self.url}; the upload is incomplete"
+                ) from None
+            if info.get("type", "file") != "file":
+                raise CorruptDataError(f"refusing segment {key!r} of {self.url}: it is not a regular file")
+            if not isinstance(info.get("size"), int):  # a server that does not say: the GET is checked after
+                return
+            size = self._sizes[key] = int(info["size"])
+        check_span(key, offset, length, size, f" of {self.url}")
 
     def size(self, key: str) -> int:
         try:
@@ -154,6 +209,8 @@ class FsspecStorage:
     def get_bytes(self, key: str) -> bytes | None:
         """The whole object ``key``, or None if there is none."""
         self.invalidate(key)
+        if self._local_fs:  # a regular file inside the run: no FIFO, no link out of it
+            return LocalStorage(self.root).read_file(key)
         try:
             return bytes(self.fs.cat_file(self.path(key)))
         except FileNotFoundError:
@@ -215,9 +272,24 @@ class FsspecStorage:
         return self.cache_dir / "staged" / safe_key(key)
 
     def _range_path(self, key: str, offset: int, length: int) -> Path | None:
-        if self.cache_dir is None:
+        if self.cache_dir is None or self.run_tag is None:
             return None
-        return self.cache_dir / "ranges" / safe_key(key) / f"{int(offset)}-{int(length)}"
+        return self.cache_dir / "ranges" / self.run_tag / safe_key(key) / f"{int(offset)}-{int(length)}"
+
+
+def run_tag(meta: Mapping[str, Any], catalog_file: Path) -> str:
+    """A name for the run a catalog snapshot belongs to, that differs for a run recorded
+    again at the same URL: its ``run_id`` if the catalog has one, else its creation time
+    (``time.time()`` at creation, to the microsecond) and host, else a hash of the catalog
+    itself (its ranges are then cached per snapshot)."""
+    run_id, created = meta.get("run_id"), meta.get("created")
+    if isinstance(run_id, str) and run_id:
+        basis: list[Any] = ["run_id", run_id]
+    elif isinstance(created, (int, float)) and not isinstance(created, bool):
+        basis = ["created", repr(created), str(meta.get("host"))]
+    else:
+        basis = ["catalog", hashlib.sha256(catalog_file.read_bytes()).hexdigest()]
+    return hashlib.sha256(json.dumps(basis).encode()).hexdigest()[:20]
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -7,6 +7,7 @@ through fsspec) can be plugged in without touching the writer or the reader.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from stepdump.errors import CorruptDataError, NotARunError
+from stepdump.store.plainfile import open_plain, refusal
 
 
 class Storage(Protocol):
@@ -69,9 +71,7 @@ class LocalStorage:
     def append(self, key: str, data: bytes | memoryview) -> int:
         f = self._writers.get(key)
         if f is None:
-            path = self._path(key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            f = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open for the run
+            f = os.fdopen(self._open_for_append(key), "ab", buffering=0)
             self._writers[key] = f
         offset = f.seek(0, os.SEEK_END)  # type: ignore[attr-defined]
         view = memoryview(data).cast("B")
@@ -79,6 +79,37 @@ class LocalStorage:
         while written < len(view):  # raw file objects may write short
             written += f.write(view[written:])  # type: ignore[attr-defined]
         return offset
+
+    def _open_for_append(self, key: str) -> int:
+        """Create or open ``key`` for appending, inside the run directory and nowhere else.
+
+        The run directory may be shared: each folder of the key is entered with
+        ``O_NOFOLLOW`` relative to the one before (a ``segments`` that is a link
+        would put segment files elsewhere), and the file must be a regular file
+        with one name (``open_plain``)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        parts = safe_key(key).split("/")
+        dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, part in enumerate(parts[:-1]):
+                try:
+                    os.mkdir(part, 0o755, dir_fd=dir_fd)
+                except FileExistsError:
+                    pass
+                try:
+                    sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                except OSError as e:  # a link (ELOOP or ENOTDIR) is refused; a file there is an OSError as ever
+                    if e.errno not in (errno.ELOOP, errno.ENOTDIR) or not stat.S_ISLNK(
+                            os.stat(part, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                        raise
+                    where = self.root / "/".join(parts[: i + 1])
+                    raise refusal(where, "a symbolic link", "the folder of segment files", "a directory") from None
+                os.close(dir_fd)
+                dir_fd = sub
+            return open_plain(parts[-1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, "segment files", dir_fd=dir_fd,
+                              shown=self.root / key)
+        finally:
+            os.close(dir_fd)
 
     def sync(self, key: str, durable: bool) -> None:
         f = self._writers.get(key)
@@ -96,12 +127,7 @@ class LocalStorage:
                 self._readers[key] = fd
         # Checked before reading: pread allocates ``length`` bytes up front, and a
         # damaged or hostile catalog may claim any length.
-        size = os.fstat(fd).st_size
-        if offset + length > size:
-            raise CorruptDataError(
-                f"segment {key!r} is truncated: wanted {length} bytes at offset {offset}, "
-                f"the file has {size}; run `stepdump verify` on the run"
-            )
+        check_span(key, offset, length, os.fstat(fd).st_size)
         try:
             data = os.pread(fd, length, offset)
         except OSError as e:
@@ -113,7 +139,7 @@ class LocalStorage:
             )
         return data
 
-    def _open_segment(self, key: str) -> int:
+    def _open_segment(self, key: str, what: str = "segment") -> int:
         """Open a segment for reading: a regular file inside the run directory, nothing else.
 
         Keys come from the catalog, which is untrusted input: ``safe_key`` refuses
@@ -124,19 +150,33 @@ class LocalStorage:
         root = os.path.realpath(self.root)
         real = os.path.realpath(path)
         if os.path.commonpath([root, real]) != root:
-            raise CorruptDataError(f"refusing segment {key!r}: it leads outside the run directory (to {real})")
+            raise CorruptDataError(f"refusing {what} {key!r}: it leads outside the run directory (to {real})")
         try:
             fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             raise CorruptDataError(
-                f"segment file {key!r} is missing from the run; the store is incomplete"
+                f"{what} file {key!r} is missing from the run; the store is incomplete"
             ) from None
         except OSError as e:
-            raise CorruptDataError(f"segment {key!r} cannot be opened: {e}") from e
+            raise CorruptDataError(f"{what} {key!r} cannot be opened: {e}") from e
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise CorruptDataError(f"refusing segment {key!r}: it is not a regular file")
+            raise CorruptDataError(f"refusing {what} {key!r}: it is not a regular file")
         return fd
+
+    def read_file(self, key: str) -> bytes | None:
+        """The whole file ``key`` (None if there is none), with the checks of :meth:`read`:
+        a regular file inside the root, so a FIFO cannot block and a link cannot lead out."""
+        if not os.path.lexists(self._path(key)):
+            return None
+        fd = self._open_segment(key, "file")
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+        except OSError as e:
+            raise CorruptDataError(f"file {key!r} cannot be read: {e}") from e
+        finally:
+            os.close(fd)
 
     def size(self, key: str) -> int:
         try:
@@ -156,6 +196,16 @@ class LocalStorage:
             for fd in self._readers.values():
                 os.close(fd)
             self._readers.clear()
+
+
+def check_span(key: str, offset: int, length: int, size: int, where: str = "") -> None:
+    """Refuse a read of ``length`` bytes at ``offset`` from a segment of ``size`` bytes that does
+    not hold them, before anything of ``length`` is allocated (every backend checks this)."""
+    if offset + length > size:
+        raise CorruptDataError(
+            f"segment {key!r}{where} is truncated, too short: wanted {length} bytes at offset {offset}, "
+            f"it has {size}; run `stepdump verify` on the run"
+        )
 
 
 def open_storage(root: str | os.PathLike[str]) -> LocalStorage:

@@ -156,10 +156,10 @@ def _logged_nans(run: Any) -> set[tuple[int, str]]:
     SQLite stores a NaN REAL as NULL, so in ``run.scalars()`` a logged NaN looks
     like "not logged at this step"; the catalog still has the row, so ask it.
     """
-    con = getattr(run, "_con", None)
-    if con is None:
+    rows = getattr(run, "scalar_rows", None)
+    if rows is None:
         return set()
-    return {(int(s), n) for s, n in con.execute("SELECT step, name FROM scalars WHERE value IS NULL")}
+    return {(s, n) for s, n, _ in rows(nan_only=True)}  # checked: integer steps, text names
 
 
 def _order(e: dict[str, Any]) -> tuple[int, int, int]:
