@@ -167,3 +167,16 @@ def train_recorded(path: Any, model: nn.Module, opt: torch.optim.Optimizer, step
             opt.step()
             rec.log(loss=loss)
     return snaps
+
+
+def peak_traced_bytes(fn: Any) -> int:
+    """Peak Python-traced allocation while ``fn()`` runs (tracemalloc: numpy and torch CPU buffers too)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

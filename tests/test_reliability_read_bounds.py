@@ -23,7 +23,6 @@ import sys
 import textwrap
 import threading
 import time
-import tracemalloc
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 import zstandard
-from helpers import assert_same
+from helpers import assert_same, peak_traced_bytes
 from recording import record
 from torch import nn
 
@@ -51,14 +50,6 @@ def _sql(path: Path, sql: str, args: Any = ()) -> list[Any]:
         con.close()
 
 
-def _peak_bytes(fn: Callable[[], Any]) -> int:
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def _small(path: Path) -> Path:
@@ -163,11 +154,11 @@ def aliased_state(tmp_path: Path) -> Path:
 def test_a_blob_used_many_times_is_decoded_once_per_call(aliased_state: Path) -> None:
     with stepdump.open(aliased_state) as run:
         out: dict[str, Any] = {}
-        peak_state = _peak_bytes(lambda: out.update(state=run.step_state(0)))
+        peak_state = peak_traced_bytes(lambda: out.update(state=run.step_state(0)))
         got = out.pop("state")["aliases"]
         assert len(got) == ALIASES and all(t.shape == (ALIAS_BYTES,) and not t.any() for t in got)
         del got
-        peak_tensors = _peak_bytes(lambda: out.update(tensors=run.tensors(0, "state")))
+        peak_tensors = peak_traced_bytes(lambda: out.update(tensors=run.tensors(0, "state")))
         aliases = [t for n, t in out.pop("tensors").items() if n.startswith("alias")]
         assert len(aliases) == ALIASES and all(t.shape == (ALIAS_BYTES,) and not t.any() for t in aliases)
     # One decoded copy and one tensor's worth of buffer, not 20 of them.
@@ -271,7 +262,7 @@ def test_a_40_gb_claim_at_a_file_url_is_refused_before_allocating(file_url_run: 
             except BaseException as e:  # noqa: BLE001 - a MemoryError must fail the test, not the run
                 outcome["error"] = e
 
-        peak = _peak_bytes(read)
+        peak = peak_traced_bytes(read)
     assert isinstance(outcome.get("error"), stepdump.CorruptDataError), outcome
     assert "truncated" in str(outcome["error"])
     assert peak < 32 << 20, f"the reader allocated {peak} bytes for a 40 GB claim"

@@ -13,13 +13,14 @@ import sqlite3
 import stat
 import threading
 import time
-import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
 import zstandard
 from torch import nn
+
+from helpers import peak_traced_bytes
 
 import stepdump
 from stepdump.capture.stats import fingerprint_bytes
@@ -271,14 +272,6 @@ def test_a_segment_that_is_not_a_regular_file_is_refused_without_blocking(small_
 # -- absurd sizes: refused before allocating ------------------------------------------------------------
 
 
-def _peak_bytes(fn) -> int:
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 ABSURD = [
@@ -314,7 +307,7 @@ def test_absurd_shapes_and_sizes_are_refused_before_allocating(small_run, shape,
             except stepdump.StepdumpError as e:
                 outcome["error"] = e
 
-        peak = _peak_bytes(read)
+        peak = peak_traced_bytes(read)
         report = stepdump.verify(run)
     assert peak < 32 << 20, f"the reader allocated {peak} bytes for a damaged row"
     assert "error" in outcome, outcome
@@ -339,7 +332,7 @@ def test_a_zstd_frame_that_lies_about_its_size_is_refused_before_decoding(small_
             with pytest.raises(stepdump.CorruptDataError, match="zstd frame says it holds 67108864 bytes"):
                 run.tensor("weight", 0)
 
-        assert _peak_bytes(read) < 32 << 20
+        assert peak_traced_bytes(read) < 32 << 20
 
 
 def test_a_zstd_frame_without_a_size_decodes_only_what_it_holds(small_run):
@@ -358,7 +351,7 @@ def test_a_zstd_frame_without_a_size_decodes_only_what_it_holds(small_run):
             with pytest.raises(stepdump.CorruptDataError, match="decodes to 49 bytes, expected 48"):
                 run.tensor("weight", 0)
 
-        assert _peak_bytes(read) < 64 << 20
+        assert peak_traced_bytes(read) < 64 << 20
 
 
 def test_a_catalog_whose_tables_are_views_is_refused_before_they_run(small_run):
