@@ -122,6 +122,8 @@ def test_a_failure_inside_the_recorder_leaves_training_bitwise_unchanged(tmp_pat
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "stopped at step" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert "Injected: planted failure" in warnings[0].getMessage()
+    if point == "writer thread":  # issue 16 #11: it names the last step really committed, not the one before
+        assert f"steps up to {first_lost - 1} are intact" in warnings[0].getMessage(), warnings[0].getMessage()
     with stepdump.open(tmp_path / "run") as run:
         mark = run.meta["recording_stopped"]
         assert mark["step"] == first_lost, mark
