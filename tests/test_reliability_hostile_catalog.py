@@ -411,7 +411,10 @@ def test_another_user_without_write_permission_reads_a_finished_run(clean):
         for p in [top, run, *run.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)  # readable by all, writable by root only
         code = ("import stepdump; r = stepdump.open(%r); print(r.all_steps, r.live, stepdump.verify(r).ok)" % str(run))
-        out = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
+        # CAP_DAC_READ_SEARCH: `nobody` may read (and traverse to) anything, this checkout and its
+        # .venv too wherever they live (a 0700 temp dir in a fresh clone), but write nothing.
+        out = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                              "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", sys.executable,
                               "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split("\n")[0] == f"{truth['all_steps']} False True"
