@@ -112,19 +112,28 @@ def _side_late_iteration(setup: Setup, t: int, capture: Callable[[], None]) -> N
 SKIP_AT = (1, 3)  # iterations whose loss is made inf: the GradScaler skips the update
 
 
-def _amp_iteration(setup: Setup, t: int, capture: Callable[[], None]) -> None:
-    """bf16 autocast, explicit unscale_ (the grads are final before scaler.step)."""
+def _amp_step(setup: Setup, t: int, capture: Callable[[], None], *, dtype: torch.dtype, poison: dict[int, float],
+              unscale: bool, clip: float | None = None) -> None:
+    """One AMP iteration: autocast in ``dtype``, the loss made ``poison[t]`` (inf/NaN: the GradScaler
+    skips), then either an explicit ``unscale_`` (and clipping) or scaler.step unscaling on its own."""
     x, y = data(t)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         loss = mse(setup.model(x), y)
-    if t == 2:
-        loss = loss * float("inf")
+    if t in poison:
+        loss = loss * poison[t]
     setup.opt.zero_grad()
     setup.scaler.scale(loss).backward()
-    setup.scaler.unscale_(setup.opt)
-    capture()
+    if unscale:
+        setup.scaler.unscale_(setup.opt)
+        if clip is not None:
+            nn.utils.clip_grad_norm_(setup.model.parameters(), clip)
+        capture()
+    else:
+        _capture_unscaled(setup, capture)
     setup.scaler.step(setup.opt)
     setup.scaler.update()
+    if setup.sched is not None:
+        setup.sched.step()
     setup.loss = float(loss.detach())
 
 
@@ -144,37 +153,19 @@ def _capture_unscaled(setup: Setup, capture: Callable[[], None]) -> None:
             p.grad = g
 
 
+def _amp_iteration(setup: Setup, t: int, capture: Callable[[], None]) -> None:
+    """bf16 autocast, explicit unscale_ (the grads are final before scaler.step)."""
+    _amp_step(setup, t, capture, dtype=torch.bfloat16, poison={2: float("inf")}, unscale=True)
+
+
 def _amp_fp16_iteration(setup: Setup, t: int, capture: Callable[[], None]) -> None:
     """fp16 autocast, no explicit unscale_: scaler.step unscales (or skips) on its own."""
-    x, y = data(t)
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = mse(setup.model(x), y)
-    if t in SKIP_AT:
-        loss = loss * float("inf")
-    setup.opt.zero_grad()
-    setup.scaler.scale(loss).backward()
-    _capture_unscaled(setup, capture)
-    setup.scaler.step(setup.opt)
-    setup.scaler.update()
-    setup.loss = float(loss.detach())
+    _amp_step(setup, t, capture, dtype=torch.float16, poison={t: float("inf") for t in SKIP_AT}, unscale=False)
 
 
 def _amp_clip_sched_iteration(setup: Setup, t: int, capture: Callable[[], None]) -> None:
     """Everything at once: fp16 autocast, GradScaler (skips), unscale_ + clipping, a scheduler."""
-    x, y = data(t)
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = mse(setup.model(x), y)
-    if t == 2:
-        loss = loss * float("nan")
-    setup.opt.zero_grad()
-    setup.scaler.scale(loss).backward()
-    setup.scaler.unscale_(setup.opt)
-    nn.utils.clip_grad_norm_(setup.model.parameters(), 0.05)
-    capture()
-    setup.scaler.step(setup.opt)
-    setup.scaler.update()
-    setup.sched.step()
-    setup.loss = float(loss.detach())
+    _amp_step(setup, t, capture, dtype=torch.float16, poison={2: float("nan")}, unscale=True, clip=0.05)
 
 
 # -- others -------------------------------------------------------------------------

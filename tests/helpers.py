@@ -180,3 +180,15 @@ def peak_traced_bytes(fn: Any) -> int:
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+def catalog_sql(run_dir: Any, sql: str, args: Any = ()) -> list[Any]:
+    """Run ``sql`` on a run's catalog directly (autocommit): how tests build damaged or hostile stores."""
+    import sqlite3
+    from pathlib import Path
+
+    con = sqlite3.connect(Path(run_dir) / "catalog.sqlite", isolation_level=None)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()

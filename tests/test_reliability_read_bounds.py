@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 import zstandard
-from helpers import assert_same, peak_traced_bytes
+from helpers import assert_same, catalog_sql, peak_traced_bytes
 from recording import record
 from torch import nn
 
@@ -40,16 +40,6 @@ from stepdump.capture.stats import fingerprint_bytes
 from stepdump.store.delta import DeltaCodec
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _sql(path: Path, sql: str, args: Any = ()) -> list[Any]:
-    con = sqlite3.connect(path / "catalog.sqlite", isolation_level=None)
-    try:
-        return con.execute(sql, args).fetchall()
-    finally:
-        con.close()
-
-
 
 
 def _small(path: Path) -> Path:
@@ -66,13 +56,13 @@ def _small(path: Path) -> Path:
 
 
 def _weight_blob(path: Path) -> int:
-    return _sql(path, "SELECT t.blob FROM tensors t JOIN series s ON s.id = t.series "
+    return catalog_sql(path, "SELECT t.blob FROM tensors t JOIN series s ON s.id = t.series "
                       "WHERE s.name = 'weight' AND t.step = 0")[0][0]
 
 
 def _append(path: Path, data: bytes) -> tuple[int, int]:
     """Append ``data`` to the run's segment; return (segment id, offset)."""
-    seg_id, key = _sql(path, "SELECT id, key FROM segments")[0]
+    seg_id, key = catalog_sql(path, "SELECT id, key FROM segments")[0]
     seg = path / key
     offset = seg.stat().st_size
     with open(seg, "ab") as f:
@@ -136,18 +126,18 @@ def aliased_state(tmp_path: Path) -> Path:
     path = _small(tmp_path / "run")
     frame = zstandard.ZstdCompressor(level=3).compress(bytes(ALIAS_BYTES))
     seg_id, offset = _append(path, frame)
-    (blob,) = _sql(path, "SELECT max(id) + 1 FROM blobs")[0]
-    _sql(path, "INSERT INTO blobs(id, segment, offset, length, codec, raw_length, checksum, base) "
+    (blob,) = catalog_sql(path, "SELECT max(id) + 1 FROM blobs")[0]
+    catalog_sql(path, "INSERT INTO blobs(id, segment, offset, length, codec, raw_length, checksum, base) "
                "VALUES (?, ?, ?, ?, 'zstd', ?, ?, NULL)",
          (blob, seg_id, offset, len(frame), ALIAS_BYTES, fingerprint_bytes(frame)))
     fp = fingerprint_bytes(bytes(ALIAS_BYTES))
     refs = []
     for i in range(ALIASES):
-        (sid,) = _sql(path, "INSERT INTO series(kind, name) VALUES ('state', ?) RETURNING id", (f"alias{i}",))[0]
-        _sql(path, "INSERT INTO tensors(series, step, dtype, shape, blob, numel, fingerprint) "
+        (sid,) = catalog_sql(path, "INSERT INTO series(kind, name) VALUES ('state', ?) RETURNING id", (f"alias{i}",))[0]
+        catalog_sql(path, "INSERT INTO tensors(series, step, dtype, shape, blob, numel, fingerprint) "
                    "VALUES (?, 0, 'uint8', ?, ?, ?, ?)", (sid, str(ALIAS_BYTES), blob, ALIAS_BYTES, fp))
         refs.append({"$tensor": f"alias{i}"})
-    _sql(path, "UPDATE steps SET state = ? WHERE step = 0", (json.dumps({"aliases": refs}),))
+    catalog_sql(path, "UPDATE steps SET state = ? WHERE step = 0", (json.dumps({"aliases": refs}),))
     return path
 
 
@@ -185,7 +175,7 @@ def file_url_run(tmp_path: Path) -> tuple[str, Path]:
 
 
 def _segment(path: Path) -> Path:
-    return path / _sql(path, "SELECT key FROM segments")[0][0]
+    return path / catalog_sql(path, "SELECT key FROM segments")[0][0]
 
 
 def test_a_fifo_segment_at_a_file_url_is_refused_without_blocking(file_url_run: tuple[str, Path],
@@ -228,9 +218,9 @@ def test_a_segment_linking_out_of_a_file_url_run_is_not_read(file_url_run: tuple
     seg.unlink()
     seg.symlink_to(secret)
     blob = _weight_blob(path)
-    _sql(path, "UPDATE blobs SET offset = 0, length = ?, raw_length = ?, checksum = ? WHERE id = ?",
+    catalog_sql(path, "UPDATE blobs SET offset = 0, length = ?, raw_length = ?, checksum = ? WHERE id = ?",
          (len(data), len(data), fp, blob))
-    _sql(path, "UPDATE tensors SET dtype = 'uint8', shape = ?, fingerprint = ? WHERE blob = ?",
+    catalog_sql(path, "UPDATE tensors SET dtype = 'uint8', shape = ?, fingerprint = ? WHERE blob = ?",
          (str(len(data)), fp, blob))
     with stepdump.open(where, cache_dir=tmp_path / "cache") as run:
         with pytest.raises(stepdump.CorruptDataError, match="outside the run directory"):
@@ -251,8 +241,8 @@ def test_a_40_gb_claim_at_a_file_url_is_refused_before_allocating(file_url_run: 
                                                                    tmp_path: Path) -> None:
     where, path = file_url_run
     blob = _weight_blob(path)
-    _sql(path, "UPDATE tensors SET shape = '100000,100000' WHERE blob = ?", (blob,))
-    _sql(path, "UPDATE blobs SET raw_length = ?, length = ?, codec = 'raw' WHERE id = ?", (4 * 10**10, 4 * 10**10, blob))
+    catalog_sql(path, "UPDATE tensors SET shape = '100000,100000' WHERE blob = ?", (blob,))
+    catalog_sql(path, "UPDATE blobs SET raw_length = ?, length = ?, codec = 'raw' WHERE id = ?", (4 * 10**10, 4 * 10**10, blob))
     with stepdump.open(where, cache_dir=tmp_path / "cache") as run:
         outcome: dict[str, BaseException] = {}
 
@@ -281,7 +271,7 @@ def _chain(path: Path, links: int) -> Path:
     key = codec.encode(memoryview(zeros), 4)
     delta = codec.encode_delta(memoryview(zeros), zeros, 4)
     seg_id, offset = _append(path, key + delta)
-    (first,) = _sql(path, "SELECT max(id) + 1 FROM blobs")[0]
+    (first,) = catalog_sql(path, "SELECT max(id) + 1 FROM blobs")[0]
     rows = [(first, seg_id, offset, len(key), codec.keyframe.name, CHAIN_BYTES, fingerprint_bytes(key), None)]
     rows += [(first + i, seg_id, offset + len(key), len(delta), codec.name, CHAIN_BYTES, fingerprint_bytes(delta),
               first + i - 1) for i in range(1, links + 1)]
@@ -344,7 +334,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _hostile(recorded: Path, where: Path, *sql: str) -> Path:
     path = shutil.copytree(recorded, where)
     for s in sql:
-        _sql(path, s)
+        catalog_sql(path, s)
     return path
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import os
-import sqlite3
 import stat
 import threading
 import time
@@ -20,7 +19,7 @@ import torch
 import zstandard
 from torch import nn
 
-from helpers import peak_traced_bytes
+from helpers import catalog_sql, peak_traced_bytes
 
 import stepdump
 from stepdump.capture.stats import fingerprint_bytes
@@ -180,16 +179,8 @@ def small_run(tmp_path):
     return path
 
 
-def _sql(path: Path, sql: str, args=()):
-    con = sqlite3.connect(path / "catalog.sqlite", isolation_level=None)
-    try:
-        return con.execute(sql, args).fetchall()
-    finally:
-        con.close()
-
-
 def _weight_blob(path: Path) -> int:
-    return _sql(path, "SELECT t.blob FROM tensors t JOIN series s ON s.id = t.series "
+    return catalog_sql(path, "SELECT t.blob FROM tensors t JOIN series s ON s.id = t.series "
                       "WHERE s.name = 'weight' AND t.step = 0")[0][0]
 
 
@@ -211,7 +202,7 @@ def opened_paths(monkeypatch):
                                  "segments\\..\\..\\x", "segments/000001.seg\x00.txt", "", ".", "segments/./x",
                                  "segments//x"])
 def test_segment_keys_that_leave_the_run_are_refused_before_anything_is_opened(small_run, key, opened_paths):
-    _sql(small_run, "UPDATE segments SET key = ?", (key,))
+    catalog_sql(small_run, "UPDATE segments SET key = ?", (key,))
     with stepdump.open(small_run) as run:
         with pytest.raises(stepdump.CorruptDataError, match="refusing storage key"):
             run.tensor("weight", 0)
@@ -231,9 +222,9 @@ def test_a_segment_linking_outside_the_run_is_not_read_even_with_matching_checks
     seg.unlink()
     seg.symlink_to(secret)
     blob = _weight_blob(small_run)
-    _sql(small_run, "UPDATE blobs SET offset = 0, length = ?, raw_length = ?, checksum = ? WHERE id = ?",
+    catalog_sql(small_run, "UPDATE blobs SET offset = 0, length = ?, raw_length = ?, checksum = ? WHERE id = ?",
          (len(data), len(data), fp, blob))
-    _sql(small_run, "UPDATE tensors SET dtype = 'uint8', shape = ?, fingerprint = ? WHERE blob = ?",
+    catalog_sql(small_run, "UPDATE tensors SET dtype = 'uint8', shape = ?, fingerprint = ? WHERE blob = ?",
          (str(len(data)), fp, blob))
     with stepdump.open(small_run) as run:
         with pytest.raises(stepdump.CorruptDataError, match="outside the run directory"):
@@ -272,8 +263,6 @@ def test_a_segment_that_is_not_a_regular_file_is_refused_without_blocking(small_
 # -- absurd sizes: refused before allocating ------------------------------------------------------------
 
 
-
-
 ABSURD = [
     # shape claims 10**15 float32 elements; sizes claimed to match
     ("1000000000,1000000", 4 * 10**15, 4 * 10**15, "raw", "implausibly large"),
@@ -294,9 +283,9 @@ ABSURD = [
 def test_absurd_shapes_and_sizes_are_refused_before_allocating(small_run, shape, raw_length, length, codec, match):
     blob = _weight_blob(small_run)
     if length is None:
-        (length,) = _sql(small_run, "SELECT length FROM blobs WHERE id = ?", (blob,))[0]
-    _sql(small_run, "UPDATE tensors SET shape = ? WHERE blob = ?", (shape, blob))
-    _sql(small_run, "UPDATE blobs SET raw_length = ?, length = ?, codec = ? WHERE id = ?",
+        (length,) = catalog_sql(small_run, "SELECT length FROM blobs WHERE id = ?", (blob,))[0]
+    catalog_sql(small_run, "UPDATE tensors SET shape = ? WHERE blob = ?", (shape, blob))
+    catalog_sql(small_run, "UPDATE blobs SET raw_length = ?, length = ?, codec = ? WHERE id = ?",
          (raw_length, length, codec, blob))
     with stepdump.open(small_run) as run:
         outcome = {}
@@ -325,7 +314,7 @@ def test_a_zstd_frame_that_lies_about_its_size_is_refused_before_decoding(small_
     offset = seg.stat().st_size
     with open(seg, "ab") as f:
         f.write(bomb)
-    _sql(small_run, "UPDATE blobs SET offset = ?, length = ?, codec = 'zstd', checksum = ? WHERE id = ?",
+    catalog_sql(small_run, "UPDATE blobs SET offset = ?, length = ?, codec = 'zstd', checksum = ? WHERE id = ?",
          (offset, len(bomb), fingerprint_bytes(bomb), blob))
     with stepdump.open(small_run) as run:
         def read():
@@ -344,7 +333,7 @@ def test_a_zstd_frame_without_a_size_decodes_only_what_it_holds(small_run):
     offset = seg.stat().st_size
     with open(seg, "ab") as f:
         f.write(bomb)
-    _sql(small_run, "UPDATE blobs SET offset = ?, length = ?, codec = 'zstd', checksum = ? WHERE id = ?",
+    catalog_sql(small_run, "UPDATE blobs SET offset = ?, length = ?, codec = 'zstd', checksum = ? WHERE id = ?",
          (offset, len(bomb), fingerprint_bytes(bomb), blob))
     with stepdump.open(small_run) as run:
         def read():
@@ -356,8 +345,8 @@ def test_a_zstd_frame_without_a_size_decodes_only_what_it_holds(small_run):
 
 def test_a_catalog_whose_tables_are_views_is_refused_before_they_run(small_run):
     """An endless recursive view in place of ``steps`` would hang every query that reads it."""
-    _sql(small_run, "DROP TABLE steps")
-    _sql(small_run, "CREATE VIEW steps AS WITH RECURSIVE c(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM c) "
+    catalog_sql(small_run, "DROP TABLE steps")
+    catalog_sql(small_run, "CREATE VIEW steps AS WITH RECURSIVE c(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM c) "
                     "SELECT x AS step, 2 AS level, 0 AS skipped, 0.0 AS time, NULL AS state FROM c")
     started = time.monotonic()
     with pytest.raises(stepdump.CorruptDataError, match="'steps' is a view, not a table"):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import stepdump
+from stepdump.capture.guard import ON_ERROR
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError
 from stepdump.store import catalog
 from stepdump.store.codecs import get_codec
@@ -118,7 +119,7 @@ def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, 
         raise ConfigError("scaler must be a torch.amp.GradScaler")
     if durability not in ("flush", "fsync"):
         raise ConfigError(f"durability={durability!r}: choose 'flush' or 'fsync'")
-    if on_error not in ("raise", "warn"):
+    if on_error not in ON_ERROR:
         raise ConfigError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
     if queue_depth < 1:
         raise ConfigError("queue_depth must be at least 1")

@@ -117,7 +117,9 @@ class Writer(threading.Thread):
                 # Not logged as an error here: the training thread reports it, as a
                 # WriterError or (on_error="warn") as the one warning it logs.
                 log.debug("stepdump writer failed at step %s: %s", msg.step, e)
-                self.failed_step = msg.step if msg.step is not None else (self.last_step or -1) + 1
+                # A scalars-only message (close()) fails "after" the last committed step.
+                last = -1 if self.last_step is None else self.last_step
+                self.failed_step = msg.step if msg.step is not None else last + 1
                 self.error = e
                 self._rollback()
                 self._quiesce()  # no append may still read the slot that is handed back next
