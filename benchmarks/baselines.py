@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-
 from workloads import Workload
 
 

@@ -27,9 +27,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import stepdump  # noqa: E402
 from helpers import assert_same, snapshot  # noqa: E402
-from stepdump.capture.stats import compute_stats  # noqa: E402
+
+import stepdump  # noqa: E402
+from stepdump.core.stats import compute_stats  # noqa: E402
 
 DEV = torch.device("cuda")
 FAILED: list[str] = []

@@ -26,7 +26,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-
 import workloads  # noqa: E402
 
 TOTALS: dict[tuple[str, str], float] = collections.defaultdict(float)
@@ -76,7 +75,8 @@ def instrument() -> None:
 
 def stats_kernels(w: workloads.Workload) -> dict[str, float]:
     """Seconds per full set of the workload's tensors for compute_stats and cheaper equivalents."""
-    from stepdump.capture.stats import compute_stats, fingerprint_bytes, raw_bytes
+    from stepdump.core.hashing import fingerprint_bytes, raw_bytes
+    from stepdump.core.stats import compute_stats
 
     ts = [t.detach().clone() for _, t in w.tensors()]
     cands = {

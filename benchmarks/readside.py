@@ -33,9 +33,9 @@ def record_child(mode: str, steps: int, out: Path, d: int, samples: list[int], t
     """Record ``steps`` steps of a Linear(d, d) + Adam; sample VmRSS / VmHWM on the way."""
     sys.path.insert(0, str(HERE))
     import torch
+    from workloads import tiny_linear
 
     import stepdump
-    from workloads import tiny_linear
 
     torch.set_num_threads(threads)
     w = tiny_linear(d_in=d, d_out=d)

@@ -264,7 +264,7 @@ def results_markdown(
     L.append(f"- stepdump {info['stepdump']}")
     L.append(f"- load average before / after: {load_before} / {load_after} (the machine is shared; expect noise)")
     L.append(f"- command: `{command}` (the full run is `make bench`)")
-    L.append(f"- settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    L.append("- settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     L.append(f"- wall time of the whole benchmark: {duration_s / 60:.1f} min")
     L.append("")
     L.append("ms/step: wall time from the first timed step until after the recorder's `close()` (so deferred "

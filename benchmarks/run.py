@@ -25,12 +25,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import torch  # noqa: E402
-
 import baselines  # noqa: E402
 import readside  # noqa: E402
 import report  # noqa: E402
 import stepdump_ways as sw  # noqa: E402
+import torch  # noqa: E402
 import workloads  # noqa: E402
 from measure import Result, settle, spare_core_check, time_recording  # noqa: E402
 

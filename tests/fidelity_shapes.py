@@ -13,7 +13,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from fidelity_cases import Bag, Case, Setup, Small, closure_iteration, data, mse, plain_iteration, seed_all
+from fidelity_cases import (
+    Bag,
+    Case,
+    Setup,
+    Small,
+    closure_iteration,
+    data,
+    mse,
+    plain_iteration,
+    seed_all,
+)
 from torch import nn
 from torch.optim import lr_scheduler
 

@@ -12,7 +12,13 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import MLP, assert_same, assert_same_tree, optimizer_state_clone, regression_batch
+from helpers import (
+    MLP,
+    assert_same,
+    assert_same_tree,
+    optimizer_state_clone,
+    regression_batch,
+)
 from torch import nn
 
 import stepdump

@@ -8,7 +8,8 @@ from helpers import MLP, assert_run_matches, assert_same, snapshot, train_record
 from torch import nn
 
 import stepdump
-from stepdump.capture.stats import compute_stats, fingerprint
+from stepdump.core.hashing import fingerprint
+from stepdump.core.stats import compute_stats
 
 N = 12
 

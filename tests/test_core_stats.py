@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepdump.capture.staging import STATS_LEN, device_stats
-from stepdump.capture.stats import compute_stats, fingerprint
+from stepdump.core.hashing import fingerprint
+from stepdump.core.stats import STATS_LEN, compute_stats, device_stats
 
 NAN, INF = float("nan"), float("inf")
 

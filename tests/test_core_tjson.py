@@ -12,7 +12,7 @@ from helpers import assert_same_tree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepdump.store import tjson
+from stepdump.core import tjson
 
 
 def _round_trip(obj):

@@ -22,7 +22,13 @@ from torch import nn
 
 import stepdump
 from stepdump.analysis.cross_rank import cross_rank
-from stepdump.errors import ConfigError, CorruptDataError, FormatVersionError, RunExistsError, TensorNotFoundError
+from stepdump.errors import (
+    ConfigError,
+    CorruptDataError,
+    FormatVersionError,
+    RunExistsError,
+    TensorNotFoundError,
+)
 
 HERE = Path(__file__).parent
 WORLD = 2

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 import stepdump
-from stepdump.capture.stats import fingerprint
-from stepdump.store import tjson
+from stepdump.core import tjson
+from stepdump.core.hashing import fingerprint
 from stepdump.store.catalog import SCHEMA
 from stepdump.store.codecs import get_codec
 from stepdump.store.delta import zigzag_delta

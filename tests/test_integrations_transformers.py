@@ -11,7 +11,13 @@ from helpers import assert_same
 import stepdump
 
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from stepdump.integrations.transformers import StepdumpTrainerCallback  # noqa: E402
 

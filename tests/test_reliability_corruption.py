@@ -30,7 +30,7 @@ from recording import make_model
 from reliability.procs import tensor_hash
 
 import stepdump
-from stepdump.capture.stats import fingerprint_bytes
+from stepdump.core.hashing import fingerprint_bytes
 from stepdump.errors import StepdumpError
 
 pytestmark = pytest.mark.timeout(300)

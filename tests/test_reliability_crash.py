@@ -12,7 +12,15 @@ import time
 import pytest
 import torch
 from reliability.crash import run_chain
-from reliability.procs import Zygote, alive, iteration, make_model_opt, read_side, step_hashes, tensor_hash
+from reliability.procs import (
+    Zygote,
+    alive,
+    iteration,
+    make_model_opt,
+    read_side,
+    step_hashes,
+    tensor_hash,
+)
 
 import stepdump
 

@@ -24,7 +24,6 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from recording import record
 from torch import nn
 
 import stepdump
-from stepdump.capture.stats import fingerprint_bytes
+from stepdump.core.hashing import fingerprint_bytes
 from stepdump.store.delta import DeltaCodec
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
+from helpers import catalog_sql, peak_traced_bytes
 from torch import nn
 
-from helpers import catalog_sql, peak_traced_bytes
-
 import stepdump
-from stepdump.capture.stats import fingerprint_bytes
+from stepdump.core.hashing import fingerprint_bytes
 from stepdump.store import storage as storage_mod
 
 SRC = Path(stepdump.__file__).parent

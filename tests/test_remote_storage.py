@@ -14,8 +14,14 @@ from recording import make_model, record
 from torch import nn
 
 import stepdump
-from stepdump.errors import ConfigError, CorruptDataError, NotARunError, RunExistsError, WriterError
-from stepdump.store.remote import FsspecStorage
+from stepdump.errors import (
+    ConfigError,
+    CorruptDataError,
+    NotARunError,
+    RunExistsError,
+    WriterError,
+)
+from stepdump.store.fsspec_storage import FsspecStorage
 
 STEPS = 6
 

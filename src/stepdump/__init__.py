@@ -9,7 +9,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from stepdump.analysis.checks import check
-from stepdump.analysis.cross_rank import cross_rank  # also registers the cross_rank check rule
+from stepdump.analysis.cross_rank import (
+    cross_rank,  # also registers the cross_rank check rule
+)
 from stepdump.analysis.diff import DiffResult, diff
 from stepdump.analysis.verify import verify
 from stepdump.capture.recorder import Recorder
@@ -28,9 +30,9 @@ from stepdump.errors import (
     TensorNotFoundError,
     WriterError,
 )
-from stepdump.read.replay import ReplayResult, replay
-from stepdump.read.distributed import DistributedRun
+from stepdump.read.ranked import DistributedRun
 from stepdump.read.remote import RemoteRun
+from stepdump.read.replay import ReplayResult, replay
 from stepdump.read.run import Run, open
 from stepdump.store.format import FORMAT_VERSION
 

@@ -167,7 +167,7 @@ def cross_rank(run: Any, *, kinds: Iterable[str] = ("params", "grads", "optimize
     """Compare fingerprints across the ranks of a multi-rank run (see the module docstring).
 
     Args:
-        run: A :class:`stepdump.read.distributed.DistributedRun` (``stepdump.open`` of a
+        run: A :class:`stepdump.read.ranked.DistributedRun` (``stepdump.open`` of a
             multi-rank run). Any other run has no ranks to compare: no findings.
         kinds: Kinds whose replicas must agree.
         max_findings: Tensors reported at the first divergent step.

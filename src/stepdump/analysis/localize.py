@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from stepdump.analysis.diff import TensorDiff, compare_tensors
-from stepdump.capture.activations import flatten
-from stepdump.capture.rng import set_rng_state
+from stepdump.core import tjson
+from stepdump.core.nested import flatten
+from stepdump.core.rng import set_rng_state
 from stepdump.errors import ConfigError
-from stepdump.store import tjson
 
 TrainStep = Callable[[nn.Module, torch.optim.Optimizer, Any], Any]
 

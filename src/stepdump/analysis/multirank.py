@@ -1,6 +1,6 @@
 """Single-store analyses over a multi-rank run: ``check`` and ``verify`` on every rank's store.
 
-A :class:`~stepdump.read.distributed.DistributedRun` is one store per rank.
+A :class:`~stepdump.read.ranked.DistributedRun` is one store per rank.
 Rules and integrity checks are about one store, so they run on each rank's;
 what several ranks report alike is reported once, naming the ranks. Rules
 about the ranks together (``cross_rank``) see the whole run.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from stepdump.capture.stats import fingerprint_bytes
+from stepdump.core.hashing import fingerprint_bytes
 from stepdump.errors import CorruptDataError
 from stepdump.read.blobs import check_layout
 

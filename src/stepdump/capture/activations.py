@@ -17,32 +17,18 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from stepdump.capture.naming import unwrap
+from stepdump.core.layout import unwrap
+from stepdump.core.nested import flatten
 
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, str, torch.Tensor]  # kind, name, tensor (a private copy)
-
-
-def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in a nest of tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from flatten(v, f"{prefix}/{i}")
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from flatten(v, f"{prefix}/{k}")
-    elif hasattr(obj, "__dataclass_fields__"):
-        for k in obj.__dataclass_fields__:
-            yield from flatten(getattr(obj, k), f"{prefix}/{k}")
 
 
 class ModuleCapture:
@@ -144,8 +130,8 @@ class ModuleCapture:
         The skeleton is the batch's structure with tensors as ``$tensor`` references
         to their ``inputs`` names; later calls (micro-batches) get ``#k`` and no skeleton.
         """
+        from stepdump.core import tjson
         from stepdump.errors import ConfigError
-        from stepdump.store import tjson
 
         call = self._indexed("inputs", "batch")
         suffix = "" if call == "batch" else call[len("batch"):]

@@ -29,20 +29,37 @@ from typing import Any
 import torch
 from torch import nn
 
+from stepdump.capture import target as _target
+from stepdump.capture.activations import ModuleCapture
 from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
 from stepdump.capture.hooks import group_sizes, record_after_closure, watch_scaler
-from stepdump.capture.naming import Layout, begin_state, build_layout, full_state, state_json, tensor_entries
-from stepdump.capture.selection import CORE_KINDS, Every, NameFilter, Schedule, check_kinds
-from stepdump.capture.activations import ModuleCapture
-from stepdump.capture.scalars import auto_scalars, checked_scalar, profile_scalars, scalar_rows
-from stepdump.capture.session import check_arguments, init_catalog, prepare_dir, run_meta
-from stepdump.capture import target as _target
-from stepdump.capture.distributed import Ranks
+from stepdump.capture.naming import begin_state, full_state, state_json, tensor_entries
 from stepdump.capture.ring import Ring, remember, ring_step
-from stepdump.capture.staging import Item, StagingPool, Stager
+from stepdump.capture.scalars import (
+    auto_scalars,
+    checked_scalar,
+    profile_scalars,
+    scalar_rows,
+)
+from stepdump.capture.selection import (
+    CORE_KINDS,
+    Every,
+    NameFilter,
+    Schedule,
+    check_kinds,
+)
+from stepdump.capture.session import (
+    check_arguments,
+    init_catalog,
+    prepare_dir,
+    run_meta,
+)
+from stepdump.capture.sharding import Ranks
+from stepdump.capture.staging import Item, Stager, StagingPool
 from stepdump.capture.triggers import Trigger
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
+from stepdump.core.layout import Layout, build_layout
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
 from stepdump.store.lock import RunLock
@@ -126,7 +143,7 @@ class Recorder:
     recording = True  # False for the stand-in that ranks= gives the ranks it leaves out
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Recorder:
-        from stepdump.capture.distributed import this_rank_records
+        from stepdump.capture.sharding import this_rank_records
 
         if cls is Recorder and not this_rank_records(kwargs.get("ranks", "all")):
             from stepdump.capture.inactive import InactiveRecorder

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stepdump.capture.distributed import local_part
-from stepdump.capture.stats import raw_bytes
+from stepdump.core.dtensor import local_part
+from stepdump.core.hashing import raw_bytes
+from stepdump.core.stats import device_stats
 from stepdump.errors import WriterError
 
 log = logging.getLogger(__name__)
@@ -170,53 +171,3 @@ class Stager:
         main.wait_stream(stream)
         slot.event = event
         return out
-
-
-STATS_LEN = 10
-
-
-def device_stats(t: torch.Tensor) -> torch.Tensor:
-    """The ten health stats as one float64 tensor, computed without a host sync.
-
-    Same definitions as :func:`stepdump.capture.stats.compute_stats` (stats over
-    finite elements), written without data-dependent branches so it can be
-    queued on a CUDA stream. Missing values (no finite element) are NaN.
-    """
-    x = t.detach().reshape(-1)
-    if x.is_complex():
-        x = x.abs()
-    x = x.to(torch.float64) if not x.dtype.is_floating_point or x.dtype == torch.float64 else x.to(torch.float32)
-    n = x.numel()
-    if n == 0:
-        return torch.full((STATS_LEN,), float("nan"), dtype=torch.float64, device=t.device).index_fill_(
-            0, torch.tensor([0, 1, 2, 3], device=t.device), 0.0
-        )
-    finite = torch.isfinite(x)
-    nfin = finite.sum()
-    nan = torch.isnan(x).sum()
-    posinf = torch.isposinf(x).sum()
-    neginf = torch.isneginf(x).sum()
-    zeros = (x == 0).sum()
-    xz = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    mn = torch.where(finite, x, torch.full((), float("inf"), dtype=x.dtype, device=x.device)).min()
-    mx = torch.where(finite, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device)).max()
-    cnt = nfin.to(torch.float64)
-    mean = xz.sum(dtype=torch.float64) / cnt
-    dev = torch.where(finite, x.to(torch.float64) - mean, torch.zeros((), dtype=torch.float64, device=x.device))
-    std = torch.sqrt((dev * dev).sum() / cnt)
-    norm = torch.linalg.vector_norm(xz.to(torch.float64))
-    none = nfin == 0
-    nanv = torch.full((), float("nan"), dtype=torch.float64, device=x.device)
-    vals = [
-        torch.tensor(float(n), dtype=torch.float64, device=x.device),
-        nan.to(torch.float64),
-        posinf.to(torch.float64),
-        neginf.to(torch.float64),
-        torch.where(none, nanv, mn.to(torch.float64)),
-        torch.where(none, nanv, mx.to(torch.float64)),
-        torch.where(none, nanv, mean),
-        torch.where(none, nanv, std),
-        torch.where(none, nanv, norm),
-        zeros.to(torch.float64) / n,
-    ]
-    return torch.stack(vals)

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from stepdump.capture import distributed
-from stepdump.capture.distributed import RankInfo, Ranks
+from stepdump.capture import sharding
+from stepdump.capture.sharding import RankInfo, Ranks
 from stepdump.capture.upload import Remote, Uploader
 from stepdump.errors import ConfigError, RunExistsError
 from stepdump.store import ranks as ranks_file
 from stepdump.store.format import CATALOG_FILE
-from stepdump.store.remote import FsspecStorage, is_url
+from stepdump.store.fsspec_storage import FsspecStorage, is_url
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Target:
 def resolve(path: str | os.PathLike[str], *, ranks: Ranks, remote: Remote | Mapping[str, Any] | None,
             resume: bool) -> Target:
     """Work out the Target for ``Recorder(path, ..., ranks=, remote=, resume=)`` and prepare it."""
-    info = distributed.resolve(ranks)
+    info = sharding.resolve(ranks)
     if info is not None and not info.records:  # pragma: no cover - Recorder.__new__ handles excluded ranks
         raise ConfigError(f"rank {info.rank} is not among ranks={list(info.ranks)}")
     doc = ranks_file.ranks_document(info.world_size, list(info.ranks), info.backend) if info else None

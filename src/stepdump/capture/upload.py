@@ -32,7 +32,7 @@ from typing import Any
 
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import CATALOG_FILE, SEGMENT_DIR
-from stepdump.store.remote import FsspecStorage, snapshot_catalog
+from stepdump.store.fsspec_storage import FsspecStorage, snapshot_catalog
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,14 @@ import torch
 
 from stepdump.capture.appender import Appender
 from stepdump.capture.staging import Item, Slot, StagingPool
-from stepdump.capture.stats import compute_stats, fingerprint_bytes, raw_bytes
+from stepdump.core.dtypes import dtype_name
+from stepdump.core.hashing import fingerprint_bytes, raw_bytes
+from stepdump.core.stats import compute_stats
 from stepdump.errors import WriterError
 from stepdump.store.catalog import CatalogWriter
 from stepdump.store.codecs import get_codec
 from stepdump.store.delta import DeltaChains, DeltaCodec
-from stepdump.store.format import SEGMENT_DIR, dtype_name, format_shape
+from stepdump.store.format import SEGMENT_DIR, format_shape
 from stepdump.store.storage import LocalStorage
 
 log = logging.getLogger(__name__)

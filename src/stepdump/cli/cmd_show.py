@@ -7,9 +7,9 @@ import argparse
 import torch
 from rich.table import Table
 
-from stepdump.capture.stats import compute_stats
 from stepdump.cli.common import add_run_arg, console, open_run
 from stepdump.cli.exitcodes import Exit
+from stepdump.core.stats import compute_stats
 from stepdump.errors import StepNotFoundError
 from stepdump.store.catalog import STAT_COLUMNS
 

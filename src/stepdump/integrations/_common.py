@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepdump.capture.naming import unwrap as unwrap_module
 from stepdump.capture.recorder import Recorder
+from stepdump.core.layout import unwrap as unwrap_module
 from stepdump.errors import ConfigError
 from stepdump.store.format import CATALOG_FILE
 

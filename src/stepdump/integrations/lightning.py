@@ -22,7 +22,12 @@ from typing import Any
 import torch
 
 from stepdump.errors import ConfigError
-from stepdump.integrations._common import ManualRecorder, check_resume, found_inf, param_globs
+from stepdump.integrations._common import (
+    ManualRecorder,
+    check_resume,
+    found_inf,
+    param_globs,
+)
 
 try:
     import lightning.pytorch as pl

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from stepdump.capture.stats import fingerprint_bytes
+from stepdump.core.dtypes import DTYPES
+from stepdump.core.hashing import fingerprint_bytes
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.catalog import BlobRow, ReadConnection
 from stepdump.store.codecs import get_codec
 from stepdump.store.delta import MAX_DELTA_CHAIN, DeltaCodec
-from stepdump.store.format import DTYPES
 from stepdump.store.storage import LocalStorage
 
 # Refuse blobs whose catalog entry claims more than this; a real tensor this

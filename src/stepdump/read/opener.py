@@ -1,7 +1,7 @@
 """``stepdump.open``: pick the reader for what is at a path or URL.
 
 * a directory with ``catalog.sqlite``: :class:`~stepdump.read.run.Run`;
-* a directory with ``ranks.json`` (a multi-rank run): :class:`~stepdump.read.distributed.DistributedRun`;
+* a directory with ``ranks.json`` (a multi-rank run): :class:`~stepdump.read.ranked.DistributedRun`;
 * a URL (``s3://``, ``gs://``, ``memory://``, ``file://``): the same two, read through fsspec
   (:class:`~stepdump.read.remote.RemoteRun` for a single store).
 """
@@ -16,8 +16,8 @@ from typing import Any
 from stepdump.errors import ConfigError
 from stepdump.read.run import Run
 from stepdump.store.format import CATALOG_FILE
+from stepdump.store.fsspec_storage import FsspecStorage, default_cache_dir, is_url
 from stepdump.store.ranks import RANKS_FILE
-from stepdump.store.remote import FsspecStorage, default_cache_dir, is_url
 
 
 def open_run(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None,
@@ -25,7 +25,7 @@ def open_run(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any]
     """Open a recorded run for reading; see :func:`stepdump.open`."""
     if is_url(path):
         url = str(path).rstrip("/")
-        from stepdump.read.distributed import DistributedRun
+        from stepdump.read.ranked import DistributedRun
         from stepdump.read.remote import RemoteRun
 
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(url)
@@ -38,7 +38,7 @@ def open_run(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any]
                           f"{os.fspath(path)!r} is a local path")
     p = Path(path)
     if (p / RANKS_FILE).is_file() and not (p / CATALOG_FILE).exists():
-        from stepdump.read.distributed import DistributedRun
+        from stepdump.read.ranked import DistributedRun
 
         return DistributedRun(p)
     return Run(p)

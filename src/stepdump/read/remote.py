@@ -17,7 +17,12 @@ from stepdump.read.run import Run
 from stepdump.read.state import check_meta
 from stepdump.store import catalog
 from stepdump.store.format import CATALOG_FILE
-from stepdump.store.remote import FsspecStorage, default_cache_dir, fetch_catalog, run_tag
+from stepdump.store.fsspec_storage import (
+    FsspecStorage,
+    default_cache_dir,
+    fetch_catalog,
+    run_tag,
+)
 
 
 class RemoteRun(Run):

@@ -23,11 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepdump.capture.naming import build_layout
-from stepdump.capture.rng import set_rng_state
-from stepdump.capture.stats import fingerprint
-from stepdump.errors import ConfigError, ReplayDiverged, StepNotFoundError, nearest_steps
-from stepdump.store import tjson
+from stepdump.core import tjson
+from stepdump.core.hashing import fingerprint
+from stepdump.core.layout import build_layout
+from stepdump.core.rng import set_rng_state
+from stepdump.errors import (
+    ConfigError,
+    ReplayDiverged,
+    StepNotFoundError,
+    nearest_steps,
+)
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run

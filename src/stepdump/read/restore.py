@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepdump.capture.rng import set_rng_state
+from stepdump.core.rng import set_rng_state
 from stepdump.errors import ConfigError, RestoreMismatchError
 from stepdump.read.state import layout_entries as _state_dict_entries
 
@@ -23,8 +23,8 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
             scaler: Any = None, *, rng: bool = True) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"restore needs the model (a torch.nn.Module), got {type(model).__name__}")
-    from stepdump.capture.naming import unwrap
-    from stepdump.read.distributed import has_dtensors, restore_sharded
+    from stepdump.core.layout import unwrap
+    from stepdump.read.ranked import has_dtensors, restore_sharded
 
     model = unwrap(model)  # a torch.compile wrapper: the run names the inner module's tensors
 
@@ -134,7 +134,7 @@ class OptimizerPlan:
 
 def _check_optimizer(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerPlan:
     """Match the live optimizer's parameters to the recorded ones by name, group by group."""
-    from stepdump.capture.naming import build_layout
+    from stepdump.core.layout import build_layout
 
     recorded = run.step_state(step)["groups"]
     live_groups = build_layout(model, optimizer).groups

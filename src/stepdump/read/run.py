@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
+from stepdump.core import tjson
 from stepdump.errors import (
     ConfigError,
     CorruptDataError,
@@ -24,13 +25,13 @@ from stepdump.errors import (
 )
 from stepdump.read.blobs import BlobReader
 from stepdump.read.state import check_meta
-from stepdump.store import catalog, tjson
+from stepdump.store import catalog
 from stepdump.store.catalog import STAT_COLUMNS
 from stepdump.store.format import ALL_KINDS, LEVEL_FULL
 from stepdump.store.lock import is_locked
 
 if TYPE_CHECKING:
-    from stepdump.read.distributed import DistributedRun
+    from stepdump.read.ranked import DistributedRun
 
 StepRange = int | range | slice | Iterable[int] | None
 
@@ -477,7 +478,7 @@ def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None
 
     Args:
         path: A run directory, a multi-rank run directory (``ranks.json``: gives a
-            :class:`~stepdump.read.distributed.DistributedRun`), or an fsspec URL
+            :class:`~stepdump.read.ranked.DistributedRun`), or an fsspec URL
             (``s3://bucket/run``, ``gs://...``, ``memory://...``) of either.
         storage_options: fsspec options for a URL (endpoint, credentials).
         cache_dir: Local cache for a URL's catalog snapshot and fetched bytes.

@@ -13,11 +13,19 @@ Importing this package registers them (see :func:`.base.register_rule`).
 from __future__ import annotations
 
 from stepdump.analysis.rules.base import Rule, RuleLike, register_rule, registered_rules
-from stepdump.analysis.rules.gradients import DeadUnits, ExplodingGradient, VanishingGradient
+from stepdump.analysis.rules.gradients import (
+    DeadUnits,
+    ExplodingGradient,
+    VanishingGradient,
+)
 from stepdump.analysis.rules.loss import LossNotDecreasing, LossSpike
 from stepdump.analysis.rules.nonfinite import NanInf
 from stepdump.analysis.rules.optimizer import OptimizerState
-from stepdump.analysis.rules.params import UnchangedTensor, UpdateRatio, WeightNormGrowth
+from stepdump.analysis.rules.params import (
+    UnchangedTensor,
+    UpdateRatio,
+    WeightNormGrowth,
+)
 from stepdump.analysis.rules.recording import RecordingStopped
 
 # The rules stepdump.check runs when none are named, in this order.

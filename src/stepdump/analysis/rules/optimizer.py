@@ -9,8 +9,20 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._series import fmt, nonfinite, optimizer_param, param_hypers, sustained
-from stepdump.analysis.rules.base import Rule, check_globs, check_int, check_positive, register_rule
+from stepdump.analysis.rules._series import (
+    fmt,
+    nonfinite,
+    optimizer_param,
+    param_hypers,
+    sustained,
+)
+from stepdump.analysis.rules.base import (
+    Rule,
+    check_globs,
+    check_int,
+    check_positive,
+    register_rule,
+)
 
 DEFAULT_EPS = 1e-8  # torch.optim.Adam/AdamW/RMSprop's default
 

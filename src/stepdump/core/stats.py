@@ -1,9 +1,9 @@
-"""Per-tensor health stats and fingerprints.
+"""Per-tensor health stats, on the host (:func:`compute_stats`) and on the device
+(:func:`device_stats`, no host sync).
 
 Stats are computed over the *finite* elements (so one NaN does not turn min,
 max, mean, std and norm into NaN); the NaN/+Inf/-Inf counts say how many
-elements were left out. The fingerprint is xxh3-64 of the exact little-endian
-bytes, so equal fingerprints mean bitwise-equal tensors (to 2**-64).
+elements were left out.
 """
 
 from __future__ import annotations
@@ -12,39 +12,11 @@ import math
 
 import numpy as np
 import torch
-import xxhash
 
 # Tensors up to this many elements take the numpy path in compute_stats.
 _SMALL = 4096
 
 StatsTuple = tuple[int, int, int, int, float | None, float | None, float | None, float | None, float | None, float | None]
-
-
-def raw_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, C-contiguous, little-endian, without a copy when possible."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def signed64(u: int) -> int:
-    """SQLite integers are signed 64-bit; store unsigned hashes in that range."""
-    return u - (1 << 64) if u >= (1 << 63) else u
-
-
-def fingerprint_bytes(data: memoryview | bytes) -> int:
-    return signed64(xxhash.xxh3_64_intdigest(data))
-
-
-def fingerprint(t: torch.Tensor) -> int:
-    """Fingerprint of a tensor's exact bytes (dtype and shape are compared separately)."""
-    return fingerprint_bytes(raw_bytes(t))
 
 
 def compute_stats(t: torch.Tensor) -> StatsTuple:
@@ -118,3 +90,53 @@ def _stats_nonfinite(x: torch.Tensor, n: int) -> StatsTuple:
 def _clean(v: float) -> float:
     # std of a constant tensor can come out as nan on some backends; it is 0.
     return 0.0 if math.isnan(v) else v
+
+
+STATS_LEN = 10
+
+
+def device_stats(t: torch.Tensor) -> torch.Tensor:
+    """The ten health stats as one float64 tensor, computed without a host sync.
+
+    Same definitions as :func:`compute_stats` (stats over
+    finite elements), written without data-dependent branches so it can be
+    queued on a CUDA stream. Missing values (no finite element) are NaN.
+    """
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = x.abs()
+    x = x.to(torch.float64) if not x.dtype.is_floating_point or x.dtype == torch.float64 else x.to(torch.float32)
+    n = x.numel()
+    if n == 0:
+        return torch.full((STATS_LEN,), float("nan"), dtype=torch.float64, device=t.device).index_fill_(
+            0, torch.tensor([0, 1, 2, 3], device=t.device), 0.0
+        )
+    finite = torch.isfinite(x)
+    nfin = finite.sum()
+    nan = torch.isnan(x).sum()
+    posinf = torch.isposinf(x).sum()
+    neginf = torch.isneginf(x).sum()
+    zeros = (x == 0).sum()
+    xz = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    mn = torch.where(finite, x, torch.full((), float("inf"), dtype=x.dtype, device=x.device)).min()
+    mx = torch.where(finite, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device)).max()
+    cnt = nfin.to(torch.float64)
+    mean = xz.sum(dtype=torch.float64) / cnt
+    dev = torch.where(finite, x.to(torch.float64) - mean, torch.zeros((), dtype=torch.float64, device=x.device))
+    std = torch.sqrt((dev * dev).sum() / cnt)
+    norm = torch.linalg.vector_norm(xz.to(torch.float64))
+    none = nfin == 0
+    nanv = torch.full((), float("nan"), dtype=torch.float64, device=x.device)
+    vals = [
+        torch.tensor(float(n), dtype=torch.float64, device=x.device),
+        nan.to(torch.float64),
+        posinf.to(torch.float64),
+        neginf.to(torch.float64),
+        torch.where(none, nanv, mn.to(torch.float64)),
+        torch.where(none, nanv, mx.to(torch.float64)),
+        torch.where(none, nanv, mean),
+        torch.where(none, nanv, std),
+        torch.where(none, nanv, norm),
+        zeros.to(torch.float64) / n,
+    ]
+    return torch.stack(vals)

@@ -11,13 +11,13 @@ that a reader can put the full tensor back together.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from stepdump.core.dtensor import is_dtensor
 from stepdump.errors import ConfigError
 
 Ranks = Iterable[int] | str | None
@@ -93,19 +93,6 @@ def this_rank_records(ranks: Ranks) -> bool:
     return info is None or info.records
 
 
-def is_dtensor(t: Any) -> bool:
-    # Not imported here: torch.distributed.tensor costs ~0.5 s at import (sympy), and a
-    # DTensor can only exist once its module has been imported by whoever made it.
-    module = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(module, "DTensor", None)
-    return cls is not None and isinstance(t, cls)
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this process holds: a DTensor's local shard, any other tensor itself."""
-    return t.to_local() if is_dtensor(t) else t  # type: ignore[union-attr]
-
-
 # -- describing shards ---------------------------------------------------------
 
 
@@ -152,7 +139,9 @@ def sharding_meta(params: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
 def _global_offset(p: Any, mesh: Any, placements: tuple[Any, ...], local: tuple[int, ...]) -> list[int] | None:
     """Offset of the local shard in the global tensor (torch's own computation when available)."""
     try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
 
         shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, placements)
         if tuple(shape) == local:

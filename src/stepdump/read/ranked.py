@@ -28,10 +28,15 @@ from typing import Any
 import pandas as pd
 import torch
 
-from stepdump.errors import ConfigError, RestoreMismatchError, StepNotFoundError, TensorNotFoundError
+from stepdump.errors import (
+    ConfigError,
+    RestoreMismatchError,
+    StepNotFoundError,
+    TensorNotFoundError,
+)
 from stepdump.read.run import Run, StepRange, _as_step
 from stepdump.store import ranks as ranks_file
-from stepdump.store.remote import FsspecStorage, default_cache_dir, is_url
+from stepdump.store.fsspec_storage import FsspecStorage, default_cache_dir, is_url
 
 
 class DistributedRun:
@@ -344,7 +349,7 @@ class DistributedRun:
 
 
 def has_dtensors(model: torch.nn.Module) -> bool:
-    from stepdump.capture.distributed import is_dtensor
+    from stepdump.core.dtensor import is_dtensor
 
     return any(is_dtensor(p) for p in model.parameters())
 
@@ -358,7 +363,7 @@ def restore_sharded(run: Run, step: int, model: torch.nn.Module, optimizer: Any 
     the live model must be sharded as the recorded one was (same world size,
     mesh and placements). Everything is checked before anything changes.
     """
-    from stepdump.capture.distributed import is_dtensor
+    from stepdump.core.dtensor import is_dtensor
     from stepdump.read.restore import _check_class, apply, side_state
 
     sd = run.state_dict(step)
