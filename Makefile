@@ -30,11 +30,13 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/stepdump demo --out demo-run --steps 200
 
 test: $(VENV)/.installed-test
+	$(PY) -m mypy
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/keyframes.py
+	$(PY) benchmarks/startup.py
 
 # Not part of `make test`: 54 SIGKILLs of a recording process (each followed by
 # open / verify / bit-exact reads / resume) and 10,000-step load runs (~5 min).

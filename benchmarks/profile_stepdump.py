@@ -5,7 +5,7 @@
 Wraps (in this process only; src/ is not touched) the functions the training
 thread runs in the optimizer pre-hook and those the writer thread runs per
 step, and prints milliseconds per recorded step for each. Nested timers are
-inclusive (``Recorder._on_pre_step`` contains ``Stager.stage`` and so on).
+inclusive (``Recorder.capture`` contains ``Stager.stage`` and so on).
 Also times the same loop without recording, and the stats kernels alone on the
 workload's tensors, so the numbers can be read against each other.
 """
@@ -55,7 +55,7 @@ def instrument() -> None:
     from stepdump.store import catalog, codecs, storage
 
     R, W = recorder.Recorder, writer.Writer
-    for name in ("_on_pre_step", "_begin_iteration", "_entries", "_state_json", "_put", "_auto_scalars"):
+    for name in ("capture", "_begin_iteration", "_stage", "_full_state", "_put"):
         _wrap(R, name, f"Recorder.{name}")
     _wrap(staging.StagingPool, "acquire", "StagingPool.acquire (wait for a free slot)")
     _wrap(staging.Stager, "stage", "Stager.stage (copy_ into staging)")

@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,21 +16,38 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-@pytest.fixture(autouse=True)
-def _seed_and_no_leaked_writers(request):
-    """Seed every core test, and fail one that leaves a Recorder's writer thread running."""
-    if not request.node.path.name.startswith("test_core_"):
-        yield
+def _scratch_in_memory(root: str = "/dev/shm", need: int = 2 << 30) -> None:
+    """Put pytest's tmp_path directories on tmpfs when there is room (``PYTEST_DEBUG_TEMPROOT``,
+    which pytest reads when a test first asks for a tmp_path; one set by the caller wins).
+
+    The tests record hundreds of throwaway runs: a 5-step run takes ~20 ms on tmpfs and ~120 ms
+    on this machine's disk, where SQLite's and the catalog's fsyncs dominate. What the tests
+    check is the same on either; the disk-full tests mount a tmpfs of their own anyway.
+    """
+    if "PYTEST_DEBUG_TEMPROOT" in os.environ:
         return
-    # Tiny models on a 2-core machine that also runs the writer thread: one intra-op
-    # thread is faster, and keeps numerics independent of the core count.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
     try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+        free = os.statvfs(root)
+    except OSError:
+        return
+    if os.access(root, os.W_OK) and free.f_bavail * free.f_frsize >= need:
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = root
+
+
+_scratch_in_memory()
+
+
+# Tiny models on a 2-core machine that also runs the writer thread: one intra-op thread
+# is faster, and keeps numerics independent of the core count (module-scoped fixtures too).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_no_leaked_writers():
+    """Seed every test (one intra-op thread), and fail one that leaves a Recorder's writer thread running."""
+    torch.set_num_threads(1)  # as above, whatever the test before set
+    torch.manual_seed(0)
+    yield
     deadline = time.monotonic() + 5
     while True:
         alive = [t for t in threading.enumerate() if t.name == "stepdump-writer" and t.is_alive()]
@@ -39,3 +57,38 @@ def _seed_and_no_leaked_writers(request):
         if time.monotonic() > deadline:
             pytest.fail(f"{len(alive)} stepdump writer thread(s) still running after the test: close your Recorders")
         time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class CliResult:
+    """What one ``stepdump`` command line gave: its exit code and everything it printed."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``cli(*args, ok=0)`` runs ``stepdump ARGS`` in this process through ``stepdump.cli.main.main``
+    and returns a CliResult, failing the test unless the exit code is ``ok`` (``ok=None``: any).
+
+    In-process is ~1 s faster per call than a subprocess; tests/test_cli.py keeps one subprocess
+    smoke test of the installed entry point. The console is 200 columns wide, as in a wide terminal.
+    """
+    from stepdump.cli.main import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def run(*args: object, ok: int | None = 0) -> CliResult:
+        capsys.readouterr()  # only this command's output
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse: --help, --version and usage errors exit
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        out, err = capsys.readouterr()
+        if ok is not None:
+            assert code == ok, f"stepdump {' '.join(map(str, args))}: exit {code}, not {ok}\n{out}{err}"
+        return CliResult(int(code), out, err)
+
+    return run

@@ -7,7 +7,7 @@ comparing a run with a snapshot checks stepdump's naming too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -150,22 +150,95 @@ class MLP(nn.Module):
         return self.fc2(self.drop(self.act(self.fc1(x))))
 
 
-def train_recorded(path: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0,
-                   **rec_kwargs: Any) -> list[dict[str, dict[str, torch.Tensor]]]:
-    """Train on regression_batch(t) (8 in, 4 out) for steps start..start+steps-1 under a
-    Recorder (resuming the run when start > 0); return a snapshot taken at each pre-step moment."""
+# -- the recorded-run factory ----------------------------------------------------------
+
+Hook = Callable[[int, nn.Module, torch.optim.Optimizer], None]
+
+
+def tiny_model(seed: int = 0, act: nn.Module | None = None) -> nn.Sequential:
+    """The 8 -> 16 -> 4 MLP (names ``0.weight`` ... ``2.bias``) most recorded-run tests train; seeded."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), act or nn.GELU(), nn.Linear(16, 4))
+
+
+def tiny_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """16 samples of 8 inputs and 4 targets, seeded by the step: the same data in every run."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def record_run(path: Any, *, steps: int = 5, start: int = 0, model: nn.Module | None = None,
+               opt: torch.optim.Optimizer | None = None, scheduler: Any = None, scaler: Any = None,
+               batch: Callable[[int], Any] = tiny_batch,
+               loss_fn: Callable[[int, nn.Module, Any], torch.Tensor] | None = None,
+               before_step: Hook | None = None, after_step: Hook | None = None,
+               log: Callable[[int, torch.Tensor], dict[str, Any]] | None = None,
+               **recorder_kwargs: Any) -> Any:
+    """Train under a ``stepdump.Recorder(path, model, opt, ...)`` for iterations start..start+steps-1;
+    return ``path``. Every test that needs a recorded run builds it here.
+
+    Without ``model`` and ``opt``: ``tiny_model()`` with Adam (lr 1e-2) and a StepLR(5, 0.5)
+    scheduler, so the run holds scheduler state too. One iteration ``t``::
+
+        b = batch(t); opt.zero_grad(); loss = loss_fn(t, model, b)  # default: MSE of model(x) vs y
+        (scaler.scale(loss) if scaler else loss).backward(); before_step(t, model, opt)
+        scaler.step(opt); scaler.update()  # or opt.step()
+        scheduler.step(); after_step(t, model, opt); rec.log(**log(t, loss))  # default: loss=loss
+
+    ``start > 0`` resumes the run at ``path``. Hooks plant problems or take snapshots;
+    ``recorder_kwargs`` go to the Recorder as they are.
+    """
     import stepdump
 
-    snaps = []
-    with stepdump.Recorder(path, model, opt, resume=start > 0, **rec_kwargs) as rec:
+    if model is None:
+        model = tiny_model()
+    if opt is None:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if scheduler is None:
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    if start > 0:
+        recorder_kwargs.setdefault("resume", True)
+    for key, value in (("scheduler", scheduler), ("scaler", scaler)):
+        if value is not None:
+            recorder_kwargs[key] = value
+    with stepdump.Recorder(path, model, opt, **recorder_kwargs) as rec:
         for t in range(start, start + steps):
-            x, y = regression_batch(t, d_in=8, d_out=4)
-            loss = nn.functional.mse_loss(model(x), y)
+            b = batch(t)
             opt.zero_grad()
-            loss.backward()
-            snaps.append(snapshot(model, opt))
-            opt.step()
-            rec.log(loss=loss)
+            loss = loss_fn(t, model, b) if loss_fn is not None else nn.functional.mse_loss(model(b[0]), b[1])
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if before_step is not None:
+                before_step(t, model, opt)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            if scheduler is not None:
+                scheduler.step()
+            if after_step is not None:
+                after_step(t, model, opt)
+            rec.log(**(log(t, loss) if log is not None else {"loss": loss}))
+    return path
+
+
+def one_step_run(path: Any) -> Any:
+    """The smallest store: one SGD step of a seeded ``nn.Linear(4, 3)`` (tensors ``weight``
+    and ``bias``), params only, raw codec; for tests that damage a store. ``path`` may be a URL."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    return record_run(path, steps=1, model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1),
+                      batch=lambda t: torch.randn(2, 4), loss_fn=lambda t, m, x: m(x).sum(), capture=("params",))
+
+
+def train_recorded(path: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0,
+                   **rec_kwargs: Any) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """``record_run`` on regression_batch(t) (8 in, 4 out), returning a snapshot of the model and
+    optimizer taken at each pre-step moment (what record t must hold)."""
+    snaps: list[dict[str, dict[str, torch.Tensor]]] = []
+    record_run(path, steps=steps, start=start, model=model, opt=opt,
+               batch=lambda t: regression_batch(t, d_in=8, d_out=4),
+               before_step=lambda t, m, o: snaps.append(snapshot(m, o)), **rec_kwargs)
     return snaps
 
 

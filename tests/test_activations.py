@@ -43,7 +43,7 @@ def test_fc1_outputs_and_grads_equal_hand_registered_hooks(tmp_path):
             out.register_hook(lambda g: seen_grad.append(g.detach().clone()))
 
     model.fc1.register_forward_hook(hand_hook)
-    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS, modules="fc*") as rec:
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS, modules="fc*"):
         for step in range(5):
             x, y = data(step)
             opt.zero_grad()
@@ -129,7 +129,7 @@ def test_nan_in_module_output_is_found_by_check_at_that_module(tmp_path):
 
     plant.step = 0
     model.fc2.register_forward_hook(plant)
-    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS) as rec:
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS):
         for step in range(6):
             plant.step = step
             x, y = data(step)
@@ -166,7 +166,7 @@ def test_memory_bounded_over_500_steps(tmp_path):
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     opt = torch.optim.Adam(model.parameters())
     rss = {}
-    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS, every=None) as rec:
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS, every=None):
         for step in range(500):
             x = torch.randn(32, 64)
             opt.zero_grad()
@@ -184,7 +184,7 @@ def test_memory_bounded_over_500_steps(tmp_path):
 def test_profiler_sees_recorder_ranges_and_sys_scalars(tmp_path):
     model = SimpleMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS) as rec:
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for step in range(3):
                 x, y = data(step)
@@ -201,25 +201,31 @@ def test_profiler_sees_recorder_ranges_and_sys_scalars(tmp_path):
 
 
 def test_compiled_model_records_params_grads_and_activations(tmp_path):
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    compiled = torch.compile(model, backend="eager")
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    clones = []
-    with stepdump.Recorder(tmp_path / "r", compiled, opt, capture=KINDS) as rec:
-        for step in range(3):
-            x, y = data(step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(compiled(x), y).backward()
-            clones.append(model.fc1.weight.grad.clone())
-            opt.step()
-    run = stepdump.open(tmp_path / "r")
-    # The same names as the plain model's, for params and activations alike (no "_orig_mod.").
-    assert run.names("grads") == [n for n, _ in model.named_parameters()]
+    def record(path, compile_it):
+        torch.manual_seed(0)
+        model = SimpleMLP()
+        target = torch.compile(model, backend="eager") if compile_it else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        clones = []
+        with stepdump.Recorder(path, target, opt, capture=KINDS):
+            for step in range(3):
+                x, y = data(step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(target(x), y).backward()
+                clones.append(model.fc1.weight.grad.clone())
+                opt.step()
+        return model, clones
+
+    model, clones = record(tmp_path / "r", compile_it=True)
+    record(tmp_path / "plain", compile_it=False)
+    run, plain = stepdump.open(tmp_path / "r"), stepdump.open(tmp_path / "plain")
+    # Exactly the plain model's names, for every kind (no "_orig_mod." prefix anywhere).
     assert run.names("params") == [n for n, _ in model.named_parameters()]
+    for kind in KINDS:
+        assert run.names(kind) == plain.names(kind), kind
+    assert run.names("activations") == ["fc1", "relu", "fc2"]
     for step in range(3):
         assert torch.equal(run.tensor("fc1.weight", step, kind="grads"), clones[step])
-    assert "fc1" in run.names("activations")
     # A record of the compiled model restores into the plain model, and into a compiled one.
     for target in (SimpleMLP(), torch.compile(SimpleMLP(), backend="eager")):
         run.restore(1, target, rng=False)
@@ -231,7 +237,7 @@ def test_scripted_module_records_the_rest_and_says_why(tmp_path, caplog):
     model = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="stepdump"):
-        with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS) as rec:
+        with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS):
             for _ in range(2):
                 opt.zero_grad()
                 model(torch.randn(2, 4)).sum().backward()

@@ -16,10 +16,12 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from helpers import record_run
 from torch import nn
 
 import stepdump
-from stepdump.analysis.checks import (
+from stepdump.analysis.checks import resolve_rules
+from stepdump.checks import (
     DEFAULT_RULES,
     ExplodingGradient,
     Finding,
@@ -29,7 +31,6 @@ from stepdump.analysis.checks import (
     Severity,
     UpdateRatio,
     register_rule,
-    resolve_rules,
     rule_names,
 )
 from stepdump.errors import ConfigError
@@ -54,7 +55,9 @@ def train(
     capture: tuple[str, ...] = ("params", "grads", "optimizer"),
     **opt_kwargs: Any,
 ) -> stepdump.Run:
-    """Record a small regression run; the hooks plant problems at chosen steps."""
+    """Record a small regression run (``record_run``); the hooks plant problems at chosen steps.
+    ``backward()`` sees ``loss_fn(t, model, mse)``, and ``rec.log`` gets ``log(t, mse)`` (default:
+    ``loss=mse``), the plain MSE."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(dtype)
     params: Any = groups(model) if groups is not None else model.parameters()
@@ -64,27 +67,19 @@ def train(
         optimizer = torch.optim.SGD(params, lr=lr, **opt_kwargs)
     gen = torch.Generator().manual_seed(seed + 1)
     w_true = torch.randn(8, 1, generator=gen, dtype=dtype)
-    with stepdump.Recorder(path, model, optimizer, scaler=scaler, capture=capture) as rec:
-        for t in range(steps):
-            x = torch.randn(32, 8, generator=gen, dtype=dtype)
-            y = x @ w_true + 0.1 * torch.randn(32, 1, generator=gen, dtype=dtype)
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            total = loss_fn(t, model, loss) if loss_fn is not None else loss
-            if scaler is not None:
-                scaler.scale(total).backward()
-            else:
-                total.backward()
-            if before_step is not None:
-                before_step(t, model, optimizer)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            if after_step is not None:
-                after_step(t, model, optimizer)
-            rec.log(**(log(t, loss) if log is not None else {"loss": loss}))
+    mse: dict[int, torch.Tensor] = {}
+
+    def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(32, 8, generator=gen, dtype=dtype)
+        return x, x @ w_true + 0.1 * torch.randn(32, 1, generator=gen, dtype=dtype)
+
+    def total_loss(t: int, model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        mse[t] = nn.functional.mse_loss(model(b[0]), b[1])
+        return loss_fn(t, model, mse[t]) if loss_fn is not None else mse[t]
+
+    record_run(path, steps=steps, model=model, opt=optimizer, scaler=scaler, batch=batch, loss_fn=total_loss,
+               before_step=before_step, after_step=after_step, capture=capture,
+               log=lambda t, _: log(t, mse[t]) if log is not None else {"loss": mse[t]})
     return stepdump.open(path)
 
 

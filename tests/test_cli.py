@@ -1,38 +1,48 @@
-"""Every CLI command, run as a subprocess, on its happy path and an error path."""
+"""Every CLI command on its happy path and an error path, run in this process through
+``stepdump.cli.main.main`` (the ``cli`` fixture), plus one subprocess smoke test of the
+installed ``stepdump`` entry point."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from recording import record
+from helpers import record_run
 
 import stepdump
 
 
-def cli(*args: str, ok: int | None = 0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "stepdump", *map(str, args)], capture_output=True, text=True,
-                          timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
-    if ok is not None:
-        assert proc.returncode == ok, proc.stdout + proc.stderr
-    return proc
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """(a, b, base): two 8-step runs of the same training; b has one weight bit flipped at step 4."""
     base = tmp_path_factory.mktemp("cli")
 
     def flip(step, model, opt):
         if step == 4:
             with torch.no_grad():
                 model[0].weight.view(torch.int32)[0, 0] ^= 1
-    return record(base / "a", steps=8), record(base / "b", steps=8, before_step=flip), base
+    return record_run(base / "a", steps=8), record_run(base / "b", steps=8, before_step=flip), base
 
 
-def test_help_lists_every_command():
+def test_installed_entry_point_smoke(runs):
+    """The one subprocess test: the ``stepdump`` script that pip installed runs a real command
+    whose output goes into a pipe (every other CLI test calls ``main()`` in this process)."""
+    a, _, _ = runs
+    exe = Path(sys.executable).with_name("stepdump")
+    assert exe.exists(), f"no console script at {exe}: pip install -e ."
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; '{exe}' ls '{a}' --steps | cat"], capture_output=True,
+                          text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == [str(i) for i in range(8)]
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
+def test_help_lists_every_command(cli):
     out = cli("--help").stdout
     for cmd in ("demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "report", "verify"):
         assert f"    {cmd} " in out
@@ -40,7 +50,7 @@ def test_help_lists_every_command():
     assert "examples:" in cli("diff", "--help").stdout
 
 
-def test_demo_records_and_summarises(tmp_path):
+def test_demo_records_and_summarises(cli, tmp_path):
     out = cli("demo", "--out", tmp_path / "demo", "--steps", "30", "--no-report").stdout
     assert "steps recorded" in out and "ms/step with recording" in out
     run = stepdump.open(tmp_path / "demo")
@@ -48,7 +58,7 @@ def test_demo_records_and_summarises(tmp_path):
     assert cli("demo", "--out", tmp_path / "demo", "--steps", "0", ok=5).stderr.startswith("error:")
 
 
-def test_info_ls_show(runs):
+def test_info_ls_show(cli, runs):
     a, _, base = runs
     out = cli("info", a).stdout
     assert "Sequential" in out and "8 (0..7)" in out
@@ -61,10 +71,16 @@ def test_info_ls_show(runs):
     assert "0.weight" in err and "Traceback" not in err
     err = cli("info", base / "nope", ok=3).stderr
     assert err.startswith("error:") and "Traceback" not in err
-    assert "Traceback" in cli("--traceback", "info", base / "nope", ok=1).stderr
 
 
-def test_stats_and_scalars_formats(runs):
+def test_traceback_flag_lets_the_error_out(cli, runs):
+    """``--traceback`` re-raises the library's error (Python then prints it and exits 1)."""
+    _, _, base = runs
+    with pytest.raises(stepdump.NotARunError):
+        cli("--traceback", "info", base / "nope")
+
+
+def test_stats_and_scalars_formats(cli, runs):
     a, _, _ = runs
     rows = json.loads(cli("stats", a, "--kind", "grads", "--name", "2.*", "--steps", "2:4", "--json").stdout)
     assert {(r["step"], r["name"]) for r in rows} == {(s, n) for s in (2, 3) for n in ("2.weight", "2.bias")}
@@ -77,7 +93,7 @@ def test_stats_and_scalars_formats(runs):
     assert "not a stepdump run" in cli("scalars", a / "segments", ok=3).stderr
 
 
-def test_diff_exit_codes(runs, tmp_path):
+def test_diff_exit_codes(cli, runs, tmp_path):
     a, b, _ = runs
     assert "identical" in cli("diff", a, a).stdout
     out = cli("diff", a, b, ok=1).stdout
@@ -87,15 +103,14 @@ def test_diff_exit_codes(runs, tmp_path):
     assert cli("diff", a, tmp_path / "missing", ok=3).stderr.startswith("error:")
 
 
-def test_export_and_verify(runs, tmp_path):
-    a, _, base = runs
+def test_export_and_verify(cli, runs, tmp_path):
+    a, _, _ = runs
     cli("export", a, "--step", "5", "-o", tmp_path / "c.pt")
     assert torch.load(tmp_path / "c.pt", weights_only=True)["step"] == 5
     cli("export", a, "--step", "5", "-o", tmp_path / "c.safetensors", "--format", "safetensors")
     assert "nearest" in cli("export", a, "--step", "50", "-o", tmp_path / "d.pt", ok=3).stderr
     assert cli("verify", a).stdout.strip().startswith("ok:")
-    import shutil
-    broken = base / "broken"
+    broken = tmp_path / "broken"
     shutil.copytree(a, broken)
     seg = next((broken / "segments").glob("*.seg"))
     data = bytearray(seg.read_bytes())
@@ -105,17 +120,17 @@ def test_export_and_verify(runs, tmp_path):
     assert "problem" in out and "checksum" in out
 
 
-def test_check_exit_codes(runs, tmp_path):
+def test_check_exit_codes(cli, runs, tmp_path):
     a, _, _ = runs
     proc = cli("check", a, "--json", ok=None)
-    assert proc.returncode in (0, 1)
+    assert proc.code in (0, 1)
     findings = json.loads(proc.stdout)
     assert isinstance(findings, list)
     # a planted NaN gradient is an error: exit 1 at --fail-on error, and the finding names it
     def plant(step, model, opt):
         if step == 3:
             model[0].weight.grad[0, 0] = float("nan")
-    bad = record(tmp_path / "bad", steps=6, before_step=plant)
+    bad = record_run(tmp_path / "bad", steps=6, before_step=plant)
     out = cli("check", bad, "--fail-on", "error", ok=1).stdout
     assert "nan_inf" in out and "0.weight" in out
     assert "unknown" in cli("check", bad, "--rules", "no_such_rule", ok=5).stderr.lower()

@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 from helpers import assert_run_matches, assert_same, regression_batch, snapshot
+from reliability.faults import FullDisk
 from torch import nn
 
 import stepdump
-from stepdump.store.storage import LocalStorage
 
 CHILD = textwrap.dedent(
     """
@@ -148,27 +148,6 @@ def test_sigkill_mid_run_keeps_a_readable_prefix_and_resumes(tmp_path):
 # -- writer failures ---------------------------------------------------------------------
 
 
-class _DiskFull:
-    """Patches LocalStorage.append to fail with ENOSPC once armed (after ``room`` more appends)."""
-
-    def __init__(self, monkeypatch, room=0):
-        self.armed = False
-        self.room = room
-        self.calls = 0
-        original = LocalStorage.append
-
-        def append(storage, key, data):
-            if self.armed:
-                if self.room > 0:
-                    self.room -= 1
-                    return original(storage, key, data)
-                self.calls += 1
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return original(storage, key, data)
-
-        monkeypatch.setattr(LocalStorage, "append", append)
-
-
 def _model_opt():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
@@ -196,11 +175,11 @@ def _check_enospc(exc):
     assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
 
 
-def test_writer_failure_surfaces_on_log_step_and_close(tmp_path, monkeypatch):
-    disk = _DiskFull(monkeypatch)
+def test_writer_failure_surfaces_on_log_step_and_close(tmp_path):
+    disk = FullDisk()
     model, opt = _model_opt()
     snaps = []
-    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise")
+    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise", storage=disk.storage)
     reader = stepdump.open(tmp_path / "run")
     for t in range(3):
         loss = _iteration(model, opt, t)
@@ -241,14 +220,14 @@ def test_writer_failure_surfaces_on_log_step_and_close(tmp_path, monkeypatch):
     reader.close()
     # The lock was released: recording can go on once the disk has room again.
     disk.armed = False
-    with stepdump.Recorder(tmp_path / "run", model, opt, resume=True) as rec2:
+    with stepdump.Recorder(tmp_path / "run", model, opt, resume=True, storage=disk.storage) as rec2:
         assert rec2.step == 3
 
 
-def test_writer_failure_surfaces_on_close(tmp_path, monkeypatch):
-    disk = _DiskFull(monkeypatch)
+def test_writer_failure_surfaces_on_close(tmp_path):
+    disk = FullDisk()
     model, opt = _model_opt()
-    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise")
+    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise", storage=disk.storage)
     with stepdump.open(tmp_path / "run") as reader:
         for t in range(2):
             _iteration(model, opt, t)
@@ -265,18 +244,17 @@ def test_writer_failure_surfaces_on_close(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("room", [0, 1])
-def test_writer_failure_on_first_step_leaves_an_empty_run(tmp_path, monkeypatch, room):
+def test_writer_failure_on_first_step_leaves_an_empty_run(tmp_path, room):
     """The disk fills up at the first write of step 0, or after some of its bytes went out.
 
     The tensors are large (1.4 MB each) so that a step takes more than one write
     whatever the writer batches.
     """
-    disk = _DiskFull(monkeypatch, room=room)
-    disk.armed = True
+    disk = FullDisk(armed=True, room=room)
     torch.manual_seed(0)
     model = nn.Linear(600, 600)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise")
+    rec = stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise", storage=disk.storage)
     model(torch.randn(2, 600)).square().mean().backward()
     opt.step()
     with pytest.raises(stepdump.WriterError) as ei:
@@ -292,11 +270,11 @@ def test_writer_failure_on_first_step_leaves_an_empty_run(tmp_path, monkeypatch,
             run.state_dict(0)
 
 
-def test_writer_error_does_not_hide_the_users_exception(tmp_path, monkeypatch):
-    disk = _DiskFull(monkeypatch)
+def test_writer_error_does_not_hide_the_users_exception(tmp_path):
+    disk = FullDisk()
     model, opt = _model_opt()
     with pytest.raises(ZeroDivisionError):
-        with stepdump.Recorder(tmp_path / "run", model, opt):
+        with stepdump.Recorder(tmp_path / "run", model, opt, storage=disk.storage):
             disk.armed = True
             _iteration(model, opt, 0)
             opt.step()

@@ -357,20 +357,13 @@ def test_run_is_readable_while_being_written(tmp_path):
     run.close()
 
 
-def test_slow_writer_backpressure_loses_and_mixes_nothing(tmp_path, monkeypatch):
+def test_slow_writer_backpressure_loses_and_mixes_nothing(tmp_path):
     """With one staging slot and a slow disk, training waits; no step is lost or overwritten."""
-    from stepdump.store.storage import LocalStorage
+    from reliability.faults import slow_disk
 
-    original = LocalStorage.append
-
-    def slow_append(self, key, data):
-        time.sleep(0.005)
-        return original(self, key, data)
-
-    monkeypatch.setattr(LocalStorage, "append", slow_append)
     model = MLP(8, 16, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    snaps = train_recorded(tmp_path / "run", model, opt, 12, queue_depth=1)
+    snaps = train_recorded(tmp_path / "run", model, opt, 12, queue_depth=1, storage=slow_disk(0.005))
     with stepdump.open(tmp_path / "run") as run:
         assert run.steps == list(range(12))
         for t in range(12):

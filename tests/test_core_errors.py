@@ -7,24 +7,18 @@ import sqlite3
 
 import pytest
 import torch
-from helpers import MLP, assert_same, regression_batch
+from helpers import MLP, assert_same, record_run, regression_batch
 from torch import nn
 
 import stepdump
 
 
 def _record(path, steps=5, every=1, model=None, opt=None):
+    """``record_run`` of a 10 -> 5 -> 1 MLP with SGD + momentum on regression_batch(t); returns (model, opt)."""
     torch.manual_seed(0)
     model = model if model is not None else nn.Sequential(nn.Linear(10, 5), nn.ReLU(), nn.Linear(5, 1))
     opt = opt if opt is not None else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with stepdump.Recorder(path, model, opt, every=every) as rec:
-        for t in range(steps):
-            x, y = regression_batch(t)
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.log(loss=loss)
+    record_run(path, steps=steps, model=model, opt=opt, batch=regression_batch, every=every)
     return model, opt
 
 

@@ -38,7 +38,8 @@ def test_round_trip_of_typical_state():
         "betas": (0.9, 0.999),
         "nested": ((1, 2), [3, (4.5, "x")]),
         "by_index": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}, 1: {"momentum_buffer": None}},
-        "mixed_keys": {1: "a", "1": "b", 2.5: "c", None: "d", True: "e", (1, 2): "f"},
+        "mixed_keys": {1: "a", "1": "b", 2.5: "c", None: "d", (1, 2): "f"},
+        "bool_keys": {True: "e", False: "g"},  # not in mixed_keys: True == 1 would replace key 1's value
         "floats": [math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-300, 1.7976931348623157e308],
         "flags": [True, False, None],
         "lr": 0.1 * 3,

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import torch
-from recording import record
+from helpers import record_run, tiny_model
 from torch import nn
 
 import stepdump
 
 
 def test_identical_runs_are_identical(tmp_path):
-    a = stepdump.open(record(tmp_path / "a"))
-    b = stepdump.open(record(tmp_path / "b"))
+    a = stepdump.open(record_run(tmp_path / "a", steps=12))
+    b = stepdump.open(record_run(tmp_path / "b", steps=12))
     res = stepdump.diff(a, b)
     assert res.identical and res.first_step is None and res.tensors == []
     assert res.steps_compared == 12
@@ -28,8 +28,8 @@ def test_single_flipped_bit_found_at_its_step_and_tensor(tmp_path):
             with torch.no_grad():
                 bits = w.view(torch.int32)
                 bits[1, 3] ^= 1  # lowest mantissa bit of one element
-    a = stepdump.open(record(tmp_path / "a"))
-    b = stepdump.open(record(tmp_path / "b", before_step=flip))
+    a = stepdump.open(record_run(tmp_path / "a", steps=12))
+    b = stepdump.open(record_run(tmp_path / "b", steps=12, before_step=flip))
     res = stepdump.diff(a, b)
     assert res.first_step == k
     first = res.first_tensor
@@ -47,30 +47,30 @@ def test_tolerance_hides_small_differences(tmp_path):
         if step == 3:
             with torch.no_grad():
                 model[0].bias.view(torch.int32)[0] ^= 1
-    a = stepdump.open(record(tmp_path / "a", steps=4))
-    b = stepdump.open(record(tmp_path / "b", steps=4, before_step=flip))
+    a = stepdump.open(record_run(tmp_path / "a", steps=4))
+    b = stepdump.open(record_run(tmp_path / "b", steps=4, before_step=flip))
     assert stepdump.diff(a, b).first_step == 3
     assert stepdump.diff(a, b, atol=1e-5).identical
 
 
 def test_different_lengths_and_stats_only_steps(tmp_path):
-    a = stepdump.open(record(tmp_path / "a", steps=10, every=5))
-    b = stepdump.open(record(tmp_path / "b", steps=6, every=5, act=nn.Tanh()))
+    a = stepdump.open(record_run(tmp_path / "a", steps=10, every=5))
+    b = stepdump.open(record_run(tmp_path / "b", steps=6, every=5, model=tiny_model(act=nn.Tanh())))
     res = stepdump.diff(a, b)
     assert res.steps_only_in_a == [6, 7, 8, 9] and res.steps_only_in_b == []
     # Step 0: params equal (same seed), grads differ: GELU vs Tanh. Step 0 is full.
     assert res.first_step == 0
     assert {t.kind for t in res.tensors} == {"grads"}
-    c = stepdump.open(record(tmp_path / "c", steps=3, every=None))
-    d = stepdump.open(record(tmp_path / "d", steps=3, every=None, act=nn.Tanh()))
+    c = stepdump.open(record_run(tmp_path / "c", steps=3, every=None))
+    d = stepdump.open(record_run(tmp_path / "d", steps=3, every=None, model=tiny_model(act=nn.Tanh())))
     res = stepdump.diff(c, d)
     assert res.first_step == 0 and res.tensors[0].reason == "fingerprint"
     assert res.tensors[0].max_abs is None
 
 
 def test_names_only_in_one_run(tmp_path):
-    a = stepdump.open(record(tmp_path / "a", steps=3))
-    b = stepdump.open(record(tmp_path / "b", steps=3, exclude="2.*"))
+    a = stepdump.open(record_run(tmp_path / "a", steps=3))
+    b = stepdump.open(record_run(tmp_path / "b", steps=3, exclude="2.*"))
     res = stepdump.diff(a, b)
     assert res.identical
     assert ("params", "2.weight") in res.names_only_in_a and res.names_only_in_b == []

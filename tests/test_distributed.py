@@ -33,6 +33,7 @@ from stepdump.errors import (
 HERE = Path(__file__).parent
 WORLD = 2
 DESYNC_STEP = 3
+PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")  # the workers' MLP; DDP prefixes "module."
 
 
 # gloo connects the ranks over the interface the hostname resolves to; keep it on loopback.
@@ -143,7 +144,7 @@ def test_cross_rank_finds_the_planted_desync(job: Path) -> None:
         assert f.rule == "cross_rank" and f.severity == stepdump.analysis.findings.Severity.ERROR
         assert "rank 0" in f.message and "rank 1" in f.message
         # Recorded bytes agree with the live tensors, the planted change included.
-        assert_matches_side(run, job, "desync")
+        assert assert_matches_side(run, job, "desync") == WORLD * (8 + 4 * 20)  # as many as the clean run
         ours = [g for g in stepdump.check(run) if g.rule == "cross_rank"]
         assert [(g.step, g.kind, g.tensor) for g in ours] == [(DESYNC_STEP, "params", "module.0.weight")]
     by_name = stepdump.check(str(job / "desync"), rules=["cross_rank"])
@@ -162,15 +163,19 @@ def test_verify_and_diff_see_every_rank(job: Path, tmp_path: Path) -> None:
     with stepdump.open(copy) as run:
         report = stepdump.verify(run)
         assert not report.ok and report.problems[0].where.startswith("rank 1: ")
-    # diff of two multi-rank runs compares their primary ranks: rank 0 diverges once rank 1's
-    # planted edit has gone through the next allreduce.
+    # diff of two multi-rank runs compares them rank by rank: rank 1 diverges at the planted
+    # edit, rank 0 once that edit has gone through the next allreduce.
     with stepdump.open(job / "ddp") as a, stepdump.open(job / "desync") as b:
-        assert stepdump.diff(a, b).first_step == DESYNC_STEP + 1
+        res = stepdump.diff(a, b)
+        assert (res.first_step, res.rank) == (DESYNC_STEP, 1)
+        assert res.tensors[0].name == "module.0.weight"
+        assert res.per_rank[1].first_step == DESYNC_STEP and res.per_rank[0].first_step == DESYNC_STEP + 1
 
 
 def test_ddp_restore_on_every_rank_continues_bitwise(job: Path) -> None:
     for r in range(WORLD):
         want, got = side(job, "ddp", r)["final"], side(job, "ddp_restored", r)["final"]
+        assert sorted(want) == sorted(got) == sorted(f"module.{n}" for n in PARAMS), f"rank {r}: {sorted(got)}"
         for n in want:
             assert_same(got[n], want[n], f"rank {r} {n} after restoring step 2 and redoing 2..4")
 
@@ -179,7 +184,7 @@ def test_only_the_chosen_ranks_record(job: Path) -> None:
     root = job / "only0"
     assert sorted(p.name for p in root.iterdir()) == ["rank00000", "ranks.json"]
     assert side(job, "only0", 0) == {"recording": True, "step": 2, "type": "Recorder"}
-    assert side(job, "only0", 1) == {"recording": False, "step": 2, "type": "InactiveRecorder"}
+    assert side(job, "only0", 1) == {"recording": False, "step": 2, "type": "Recorder"}  # inactive on this rank
     with stepdump.open(root) as run:
         assert run.ranks == [0] and run.world_size == 2 and run.steps == [0, 1]
         with pytest.raises(TensorNotFoundError, match="rank 1 was not recorded"):
@@ -220,6 +225,7 @@ def test_fsdp2_records_shards_and_reads_full_tensors(job: Path) -> None:
 def test_fsdp2_restore_loads_each_ranks_shard(job: Path) -> None:
     for r in range(WORLD):
         want, got = side(job, "fsdp", r)["final"], side(job, "fsdp_restored", r)["final"]
+        assert sorted(want) == sorted(got) == sorted(PARAMS), f"rank {r}: {sorted(got)}"
         for n in want:
             assert_same(got[n], want[n], f"rank {r} shard of {n} after restoring step 2 and redoing 2..3")
 

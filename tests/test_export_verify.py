@@ -6,18 +6,18 @@ import os
 
 import pytest
 import torch
-from recording import make_model, record
+from helpers import record_run, tiny_model
 from safetensors.torch import load_file
 
 import stepdump
 
 
 def test_export_round_trips_into_fresh_objects(tmp_path):
-    run = stepdump.open(record(tmp_path / "run"))
+    run = stepdump.open(record_run(tmp_path / "run", steps=12))
     out = run.export(6, tmp_path / "ckpt.pt")
     ckpt = torch.load(out, weights_only=True)
     assert ckpt["step"] == 6
-    model = make_model(seed=123)
+    model = tiny_model(123)
     opt = torch.optim.Adam(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     model.load_state_dict(ckpt["model"])
@@ -33,7 +33,7 @@ def test_export_round_trips_into_fresh_objects(tmp_path):
 
 
 def test_export_safetensors_with_grads(tmp_path):
-    run = stepdump.open(record(tmp_path / "run", steps=3))
+    run = stepdump.open(record_run(tmp_path / "run", steps=3))
     out = run.export(2, tmp_path / "s.safetensors", format="safetensors", grads=True)
     tensors = load_file(out)
     assert torch.equal(tensors["0.weight"], run.tensor("0.weight", 2))
@@ -46,7 +46,7 @@ def test_export_safetensors_with_grads(tmp_path):
 
 
 def test_verify_intact_then_names_every_flipped_blob(tmp_path):
-    path = record(tmp_path / "run", steps=5)
+    path = record_run(tmp_path / "run", steps=5)
     run = stepdump.open(path)
     report = stepdump.verify(run)
     assert report.ok and report.blobs_checked > 0
@@ -75,7 +75,7 @@ def test_verify_intact_then_names_every_flipped_blob(tmp_path):
 
 
 def test_truncated_segment_is_reported(tmp_path):
-    path = record(tmp_path / "run", steps=3)
+    path = record_run(tmp_path / "run", steps=3)
     seg = next((path / "segments").glob("*.seg"))
     os.truncate(seg, seg.stat().st_size // 2)
     with stepdump.open(path) as run:

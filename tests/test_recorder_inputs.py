@@ -9,8 +9,6 @@ says so in ``stepdump info`` and ``stepdump check``.
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -74,7 +72,7 @@ def test_a_scalar_logged_now_and_then_before_the_step_lands_on_its_iteration(tmp
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with stepdump.Recorder(tmp_path / "run", model, opt) as rec:
         for t in range(12):
-            loss = _step(model, opt, t)
+            _step(model, opt, t)
             if t % 5 == 0:
                 rec.log(rare=float(t))  # before optimizer.step(), only some iterations
             opt.step()
@@ -115,7 +113,7 @@ def test_restore_refuses_an_optimizer_with_params_in_another_order(tmp_path):
         assert fopt.state_dict()["state"] == {}
 
 
-def test_a_stopped_recording_shows_in_info_check_and_meta(tmp_path, monkeypatch, caplog):
+def test_a_stopped_recording_shows_in_info_check_and_meta(tmp_path, monkeypatch, caplog, cli):
     torch.manual_seed(0)
     model = MLP(8, 8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -141,10 +139,8 @@ def test_a_stopped_recording_shows_in_info_check_and_meta(tmp_path, monkeypatch,
             "step": 2, "where": "optimizer.step() pre-hook", "error": "RuntimeError: planted", "last_committed": 1}
         [finding] = [f for f in stepdump.check(run) if f.rule == "recording_stopped"]
         assert finding.step == 2 and "the run ends at step 1" in finding.message
-    out = subprocess.run([sys.executable, "-m", "stepdump", "info", str(tmp_path / "run")], capture_output=True,
-                         text=True, timeout=120, env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr
-    assert "recording stopped" in out.stdout and "RuntimeError: planted" in out.stdout
+    out = cli("info", tmp_path / "run").stdout
+    assert "recording stopped" in out and "RuntimeError: planted" in out
 
 
 @pytest.mark.parametrize("kind", ["quantized", "meta"])

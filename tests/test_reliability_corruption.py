@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import record_run, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from recording import make_model
 from reliability.procs import tensor_hash
 
 import stepdump
@@ -40,23 +40,13 @@ pytestmark = pytest.mark.timeout(300)
 
 def _build(path: Path) -> None:
     """Ten steps in three writer sessions (three segments): raw, zstd and blosc-lz4 blobs."""
-    torch.manual_seed(0)
-    model = make_model()
+    model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     t = 0
     for codec, n in (("raw", 4), ("zstd", 3), ("blosc-lz4", 3)):
-        with stepdump.Recorder(path, model, opt, scheduler=sched, codec=codec, resume=t > 0) as rec:
-            for _ in range(n):
-                g = torch.Generator().manual_seed(t)
-                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-                opt.zero_grad()
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                sched.step()
-                rec.log(loss=loss)
-                t += 1
+        record_run(path, steps=n, start=t, model=model, opt=opt, scheduler=sched, codec=codec)
+        t += n
 
 
 @pytest.fixture(scope="module")

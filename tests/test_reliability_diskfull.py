@@ -3,9 +3,11 @@
 Which disk ran: where the sandbox lets root mount, each test records onto a
 real, small tmpfs (``mount -t tmpfs -o size=...``), so the ENOSPC comes from
 the kernel, for segment appends and for SQLite's own writes alike. Where
-mounting is not allowed, the tests fall back to a simulated full disk:
-``LocalStorage.append`` raises ``OSError(ENOSPC)`` once a byte budget is spent,
-and the catalog writer's commit raises SQLite's "database or disk is full".
+mounting is not allowed, the tests fall back to a simulated full disk: the
+Recorder is given a storage (``storage=``, :class:`reliability.faults.FullDisk`)
+whose appends raise ``OSError(ENOSPC)`` once a byte budget is spent, and the
+catalog writer's commit raises SQLite's "database or disk is full" (SQLite's
+writes do not go through the storage interface, so that one is patched).
 The test's captured output (and its ``disk`` user property) says which one ran;
 ``STEPDUMP_TEST_SIMULATE_DISK_FULL=1`` forces the simulation.
 
@@ -27,12 +29,12 @@ import subprocess
 
 import pytest
 import torch
+from reliability.faults import FullDisk
 from reliability.procs import step_hashes, tensor_hash
 from torch import nn
 
 import stepdump
 from stepdump.store.catalog import CatalogWriter
-from stepdump.store.storage import LocalStorage
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,6 +47,7 @@ class SmallDisk:
         self.dir.mkdir()
         self.size = size
         self.mounted = False
+        self.storage = None  # what Recorders get as storage=: the default, or the simulated disk's
         mount = shutil.which("mount")
         if mount is not None and not os.environ.get("STEPDUMP_TEST_SIMULATE_DISK_FULL"):
             res = subprocess.run([mount, "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.dir)],
@@ -55,36 +58,28 @@ class SmallDisk:
             self._simulate(monkeypatch)
 
     def _simulate(self, monkeypatch):
-        budget = {"left": self.size}
-        append, commit = LocalStorage.append, CatalogWriter.commit
-
-        def full_append(storage, key, data):
-            n = memoryview(data).nbytes
-            if n > budget["left"]:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            budget["left"] -= n
-            return append(storage, key, data)
+        disk = self._disk = FullDisk(budget=self.size)  # segment appends and commits share the budget
+        self.storage = disk.storage
+        commit = CatalogWriter.commit
 
         def full_commit(cat):
-            budget["left"] -= 8192  # about what a WAL commit of one step writes
-            if budget["left"] < 0:
+            disk.budget -= 8192  # about what a WAL commit of one step writes
+            if disk.budget < 0:
                 raise sqlite3.OperationalError("database or disk is full")
             return commit(cat)
 
-        monkeypatch.setattr(LocalStorage, "append", full_append)
         monkeypatch.setattr(CatalogWriter, "commit", full_commit)
-        self._budget = budget
 
     def grow(self, size):
         """Make room again (a remount of the tmpfs with a larger size)."""
         if self.mounted:
             subprocess.run(["mount", "-o", f"remount,size={size}", str(self.dir)], check=True)
         else:
-            self._budget["left"] += size - self.size
+            self._disk.budget += size - self.size
         self.size = size
 
     def free_bytes(self):
-        return shutil.disk_usage(self.dir).free if self.mounted else max(self._budget["left"], 0)
+        return shutil.disk_usage(self.dir).free if self.mounted else max(self._disk.budget, 0)
 
     def close(self):
         if self.mounted:
@@ -164,7 +159,7 @@ def test_disk_full_raises_a_clear_error_and_keeps_every_committed_step(small_dis
     run_dir = disk.dir / "run"
     model, opt = _model(kind)
     every = 1 if kind == "segments" else None
-    rec = stepdump.Recorder(run_dir, model, opt, every=every, on_error="raise")
+    rec = stepdump.Recorder(run_dir, model, opt, every=every, on_error="raise", storage=disk.storage)
     hashes, err = {}, None
     for t in range(5000):
         loss = _iteration(model, opt, t)
@@ -198,7 +193,7 @@ def test_disk_full_raises_a_clear_error_and_keeps_every_committed_step(small_dis
     if kind == "segments":
         _iteration(model, opt, steps[-1])
         opt.step()
-        with stepdump.Recorder(run_dir, model, opt, resume=True) as rec:
+        with stepdump.Recorder(run_dir, model, opt, resume=True, storage=disk.storage) as rec:
             assert rec.step == steps[-1] + 1
             for t in range(rec.step, rec.step + 3):
                 loss = _iteration(model, opt, t)
@@ -219,7 +214,7 @@ def test_disk_full_with_on_error_warn_stops_recording_and_training_goes_on(small
     every = 1 if kind == "segments" else None
     hashes = {}
     with caplog.at_level(logging.WARNING, logger="stepdump"):
-        rec = stepdump.Recorder(run_dir, model, opt, every=every, on_error="warn")
+        rec = stepdump.Recorder(run_dir, model, opt, every=every, on_error="warn", storage=disk.storage)
         for t in range(steps_total):
             loss = _iteration(model, opt, t)
             hashes[t] = step_hashes(model, opt)

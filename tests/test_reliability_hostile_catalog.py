@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import record_run, tiny_model
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from recording import make_model, record
 from reliability.procs import tensor_hash
 
 import stepdump
@@ -58,7 +58,7 @@ def _truth(path: Path) -> dict:
 def clean(tmp_path_factory):
     """(path, truth) of a finished run, as its Recorder left it (the truth is read from a copy:
     reading must not be what makes the original readable)."""
-    path = record(tmp_path_factory.mktemp("clean") / "run", steps=4)
+    path = record_run(tmp_path_factory.mktemp("clean") / "run", steps=4)
     return path, _truth(_copy(path, tmp_path_factory.mktemp("truth") / "run"))
 
 
@@ -146,11 +146,9 @@ def test_a_catalog_whose_schema_computes_is_refused_on_open(clean, tmp_path, wha
     path = _copy(clean[0], tmp_path / "run")
     _hostile(path, HOSTILE_SCHEMAS[what])
     peak = _peak_rss_reset()
-    started = time.monotonic()
     with pytest.raises(stepdump.CorruptDataError, match="not a stepdump catalog") as e:
         stepdump.open(path)
-    assert time.monotonic() - started < 2
-    assert peak() < 32 << 20
+    assert peak() < 32 << 20  # every hostile expression here allocates 30 MB or more: none ran
     assert "stepdump" in str(e.value) and "refus" in str(e.value)
 
 
@@ -280,11 +278,9 @@ def test_fuzzed_schemas_read_as_the_clean_store_or_raise_within_bounds(clean, tm
     for m in edits:
         _apply_schema_edit(path, m)
     peak = _peak_rss_reset()
-    started = time.monotonic()
     _read_all(path, truth)
-    took, grew = time.monotonic() - started, peak()
-    assert took < 2, f"open + reads took {took:.1f} s: SQLite computed something"
-    assert grew < 48 << 20, f"open + reads peaked {grew >> 20} MiB above the start"
+    grew = peak()  # HEAVY, the only costly expression, allocates 90 MB each time SQLite evaluates it
+    assert grew < 48 << 20, f"open + reads peaked {grew >> 20} MiB above the start: SQLite computed something"
 
 
 # -- 2. read-only: a finished run needs read permission only --------------------------------------------
@@ -322,14 +318,11 @@ def test_a_clean_close_leaves_a_catalog_that_needs_no_side_files(clean):
     assert (clean[0] / "catalog.sqlite").read_bytes()[18:20] == b"\x01\x01"
 
 
-def test_a_finished_run_opens_on_a_read_only_mount(clean, tmp_path):
+def test_a_finished_run_opens_on_a_read_only_mount(clean, tmp_path, cli):
     src, truth = clean
     with _read_only_mount(_copy(src, tmp_path / "run"), tmp_path / "ro") as ro:
         _reads_like(ro, truth)
-        out = subprocess.run([sys.executable, "-m", "stepdump", "info", str(ro)], capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert "closed" in out.stdout
+        assert "closed" in cli("info", ro).stdout
 
 
 def test_an_older_run_left_in_wal_mode_opens_on_a_read_only_mount(tmp_path):
@@ -343,7 +336,7 @@ def test_a_run_closed_under_a_live_reader_opens_on_a_read_only_mount(tmp_path):
     """The Recorder cannot leave WAL mode while a reader has the catalog open: the run
     keeps -wal and -shm, and SQLite reads them read-only."""
     path = tmp_path / "run"
-    model = make_model()
+    model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with stepdump.Recorder(path, model, opt) as rec:
         live = stepdump.open(path)
@@ -383,10 +376,10 @@ def test_a_reader_sees_a_resumed_recording_of_a_closed_run(clean, tmp_path):
     try:
         n = len(run.all_steps)
         torch.manual_seed(0)
-        model = make_model()
+        model = tiny_model()
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
-        with stepdump.Recorder(path, model, opt, scheduler=sched, resume=True) as rec:
+        with stepdump.Recorder(path, model, opt, scheduler=sched, resume=True):
             for _ in range(2):
                 model(torch.randn(2, 8)).sum().backward()
                 opt.step()

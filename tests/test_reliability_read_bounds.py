@@ -22,7 +22,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,14 @@ from typing import Any
 import pytest
 import torch
 import zstandard
-from helpers import assert_same, catalog_sql, peak_traced_bytes
-from recording import record
-from torch import nn
+from helpers import (
+    assert_same,
+    catalog_sql,
+    one_step_run,
+    peak_traced_bytes,
+    record_run,
+    tiny_model,
+)
 
 import stepdump
 from stepdump.core.hashing import fingerprint_bytes
@@ -42,15 +46,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _small(path: Path) -> Path:
-    """One step of a 4->3 linear layer, params only, raw codec."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with stepdump.Recorder(path, model, opt, capture=("params",)) as rec:
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        assert rec.step == 1
-    sqlite3.connect(path / "catalog.sqlite").close()  # fold the WAL in: the store is one file again
+    """``one_step_run`` with its WAL folded in: the catalog is one file again."""
+    one_step_run(path)
+    sqlite3.connect(path / "catalog.sqlite").close()
     return path
 
 
@@ -82,14 +80,14 @@ def test_a_url_run_recorded_again_is_not_read_from_the_old_runs_cache(tmp_path: 
     fsspec = pytest.importorskip("fsspec")
     where = f"memory://stepdump-tests/{uuid.uuid4().hex}"
     cache = tmp_path / "cache"  # shared by every reader of the URL, as the default cache is
-    record(where, steps=2, seed=0)
+    record_run(where, steps=2, model=tiny_model(0))
     with stepdump.open(where, cache_dir=cache) as run:
         old = {k: run.tensors(1, k) for k in ("params", "grads")}
     assert list((cache / "ranges").rglob("*-*"))  # the ranges are cached
     fs, root = fsspec.core.url_to_fs(where)
     fs.rm(root, recursive=True)
-    record(where, steps=2, seed=1)  # same model shapes: same keys, offsets and lengths
-    want = record(tmp_path / "local", steps=2, seed=1)
+    record_run(where, steps=2, model=tiny_model(1))  # same model shapes: same keys, offsets and lengths
+    want = record_run(tmp_path / "local", steps=2, model=tiny_model(1))
     with stepdump.open(where, cache_dir=cache) as run, stepdump.open(want) as ref:
         for kind in ("params", "grads"):
             got = run.tensors(1, kind)
@@ -103,7 +101,7 @@ def test_a_stale_cached_range_is_fetched_again(tmp_path: Path) -> None:
     """A cached range whose bytes fail their checksum is fetched afresh, not reported as damage."""
     where = f"memory://stepdump-tests/{uuid.uuid4().hex}"
     cache = tmp_path / "cache"
-    record(where, steps=2)
+    record_run(where, steps=2)
     with stepdump.open(where, cache_dir=cache) as run:
         want = run.tensor("0.weight", 1)
     for f in (cache / "ranges").rglob("*-*"):
@@ -163,14 +161,7 @@ def file_url_run(tmp_path: Path) -> tuple[str, Path]:
     """A run published to a file:// URL: (url, its directory)."""
     pytest.importorskip("fsspec")
     published = tmp_path / "published"
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with stepdump.Recorder(published.as_uri(), model, opt, capture=("params",)) as rec:
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        assert rec.step == 1
-    return published.as_uri(), published
+    return one_step_run(published.as_uri()), published
 
 
 def _segment(path: Path) -> Path:
@@ -267,8 +258,8 @@ def _chain(path: Path, links: int) -> Path:
     delta blobs that all alias one stored delta of zeros (a few KB of catalog rows in all)."""
     codec = DeltaCodec("lz4")
     zeros = bytes(CHAIN_BYTES)
-    key = codec.encode(memoryview(zeros), 4)
-    delta = codec.encode_delta(memoryview(zeros), zeros, 4)
+    key = codec.keyframe.encode(memoryview(zeros), 4)
+    delta = codec.encode(memoryview(zeros), 4, base=zeros)
     seg_id, offset = _append(path, key + delta)
     (first,) = catalog_sql(path, "SELECT max(id) + 1 FROM blobs")[0]
     rows = [(first, seg_id, offset, len(key), codec.keyframe.name, CHAIN_BYTES, fingerprint_bytes(key), None)]
@@ -286,8 +277,7 @@ def _chain(path: Path, links: int) -> Path:
 def test_a_long_chain_of_big_deltas_is_refused_before_the_work(tmp_path: Path) -> None:
     """4,096 links of 8 MiB: 32 GiB of decoding (minutes) for one tensor. Refused up front."""
     path = _chain(_small(tmp_path / "run"), 4096)
-    started = time.monotonic()
-    try:
+    try:  # the time limit catches the work being done (minutes); it is no speed claim
         proc = _in_subprocess(f"""
             import stepdump
             with stepdump.open({str(path)!r}) as run:
@@ -302,7 +292,6 @@ def test_a_long_chain_of_big_deltas_is_refused_before_the_work(tmp_path: Path) -
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "CorruptDataError:" in out and "decode budget" in out and "STEPDUMP_DECODE_BUDGET" in out, out
-    assert time.monotonic() - started < 30
 
 
 def test_a_chain_within_the_budget_reads_and_the_budget_is_configurable(tmp_path: Path,
@@ -323,7 +312,7 @@ def test_a_chain_within_the_budget_reads_and_the_budget_is_configurable(tmp_path
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = record(tmp_path_factory.mktemp("cli") / "run", steps=3)
+    path = record_run(tmp_path_factory.mktemp("cli") / "run", steps=3)
     sqlite3.connect(path / "catalog.sqlite").close()
     for leftover in ("catalog.sqlite-wal", "catalog.sqlite-shm"):
         (path / leftover).unlink(missing_ok=True)
@@ -350,17 +339,15 @@ CLI_CASES = [
 
 @pytest.mark.parametrize("sql,args,match", CLI_CASES, ids=["report", "export-tb", "export-safetensors"])
 def test_the_cli_answers_a_hostile_catalog_with_a_stepdump_error(recorded: Path, tmp_path: Path, sql: str,
-                                                                 args: list[str], match: str) -> None:
+                                                                 args: list[str], match: str, cli) -> None:
     from stepdump.cli.exitcodes import Exit
 
     run = _hostile(recorded, tmp_path / "run", sql)
     argv = [a.format(run=run, out=tmp_path) for a in args]
-    proc = subprocess.run([sys.executable, "-m", "stepdump", *argv], capture_output=True, text=True, timeout=120,
-                          env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert proc.returncode == Exit.CORRUPT, proc.stdout + proc.stderr
-    assert proc.stderr.startswith("error:") and match in proc.stderr, proc.stderr
-    assert "damaged" in proc.stderr, proc.stderr
+    err = cli(*argv, ok=Exit.CORRUPT).stderr  # anything but a stepdump error escapes here and fails the test
+    assert "Traceback" not in err, err
+    assert err.startswith("error:") and match in err, err
+    assert "damaged" in err, err
 
 
 HOSTILE_ROWS = [

@@ -11,13 +11,12 @@ import ast
 import os
 import stat
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import zstandard
-from helpers import catalog_sql, peak_traced_bytes
+from helpers import catalog_sql, one_step_run, peak_traced_bytes
 from torch import nn
 
 import stepdump
@@ -31,7 +30,7 @@ SRC = Path(stepdump.__file__).parent
 _BANNED_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib", "yaml"}
 _BANNED_CALLS = {"eval", "exec", "__import__", "compile", "execfile"}
 # Dynamic imports that are fine: the name comes from a constant tuple in the source, never from a store.
-_ALLOWED_IMPORT_MODULE = {("cli/main.py", "COMMANDS")}
+_ALLOWED_IMPORT_MODULE = {("cli/main.py", "COMMANDS"), ("__init__.py", "_LAZY")}  # tests/test_public_api.py checks _LAZY
 
 
 def _findings(path: Path) -> list[str]:
@@ -167,15 +166,7 @@ def test_odd_parameter_names_round_trip_and_never_become_paths(tmp_path):
 
 @pytest.fixture
 def small_run(tmp_path):
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    path = tmp_path / "run"
-    with stepdump.Recorder(path, model, opt, capture=("params",)) as rec:
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        assert rec.step == 1
-    return path
+    return one_step_run(tmp_path / "run")
 
 
 def _weight_blob(path: Path) -> int:
@@ -250,11 +241,9 @@ def test_a_segment_that_is_not_a_regular_file_is_refused_without_blocking(small_
                 result["error"] = e
 
     th = threading.Thread(target=read, daemon=True)
-    started = time.monotonic()
     th.start()
     th.join(10)
     assert not th.is_alive(), f"reading a {what} segment blocked"
-    assert time.monotonic() - started < 10
     assert isinstance(result.get("error"), stepdump.CorruptDataError)
     assert "not a regular file" in str(result["error"]) or "cannot be opened" in str(result["error"])
 
@@ -347,7 +336,6 @@ def test_a_catalog_whose_tables_are_views_is_refused_before_they_run(small_run):
     catalog_sql(small_run, "DROP TABLE steps")
     catalog_sql(small_run, "CREATE VIEW steps AS WITH RECURSIVE c(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM c) "
                     "SELECT x AS step, 2 AS level, 0 AS skipped, 0.0 AS time, NULL AS state FROM c")
-    started = time.monotonic()
+    # Had the view run, open() would never return (pytest-timeout ends the test as a failure).
     with pytest.raises(stepdump.CorruptDataError, match="'steps' is a view, not a table"):
         stepdump.open(small_run)
-    assert time.monotonic() - started < 5

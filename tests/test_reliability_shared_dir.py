@@ -13,15 +13,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from recording import make_model, record
+from helpers import record_run, tiny_model
 
 import stepdump
 from stepdump.errors import StepdumpError
@@ -33,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """A finished run, as its Recorder left it."""
-    return record(tmp_path_factory.mktemp("clean") / "run", steps=2)
+    return record_run(tmp_path_factory.mktemp("clean") / "run", steps=2)
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -51,7 +49,7 @@ def _no_writer_left():
 
 
 def _recorder(path: Path, **kwargs) -> stepdump.Recorder:
-    model = make_model()
+    model = tiny_model()
     return stepdump.Recorder(path, model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
 
 
@@ -110,7 +108,7 @@ def test_a_lock_that_links_elsewhere_is_refused_and_the_target_untouched(clean, 
 
 
 @pytest.mark.parametrize("resume", [False, True])
-def test_a_lock_that_is_a_fifo_is_refused_without_hanging(clean, tmp_path, resume):
+def test_a_lock_that_is_a_fifo_is_refused_without_hanging(clean, tmp_path, resume, cli):
     path = _copy(clean, tmp_path / "run")
     (path / "LOCK").unlink()
     os.mkfifo(path / "LOCK")
@@ -118,9 +116,8 @@ def test_a_lock_that_is_a_fifo_is_refused_without_hanging(clean, tmp_path, resum
     assert isinstance(err, stepdump.CorruptDataError) and "LOCK" in str(err), err
     err = _within(30, lambda: _live(path), fifo=path / "LOCK")
     assert isinstance(err, stepdump.CorruptDataError) and "not a regular file" in str(err), err
-    out = subprocess.run([sys.executable, "-m", "stepdump", "info", str(path)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode != 0 and "LOCK" in out.stdout + out.stderr
+    out = _within(30, lambda: cli("info", path, ok=None), fifo=path / "LOCK")
+    assert out.code != 0 and "LOCK" in out.stdout + out.stderr
 
 
 def test_a_fifo_lock_in_an_empty_directory_is_refused(tmp_path):

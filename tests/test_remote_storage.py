@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same
-from recording import make_model, record
+from helpers import assert_same, record_run, tiny_model
 from torch import nn
 
 import stepdump
@@ -33,7 +32,7 @@ def url(scheme: str = "memory://") -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same training run recorded into a local directory."""
-    return record(tmp_path_factory.mktemp("ref") / "run", steps=STEPS)
+    return record_run(tmp_path_factory.mktemp("ref") / "run", steps=STEPS)
 
 
 def assert_same_run(run, ref_path: Path) -> None:
@@ -57,12 +56,12 @@ def assert_same_run(run, ref_path: Path) -> None:
 
 def test_memory_url_round_trip(reference: Path, tmp_path: Path) -> None:
     where = url()
-    record(where, steps=STEPS, remote=stepdump.Remote(upload_every=2))
+    record_run(where, steps=STEPS, remote=stepdump.Remote(upload_every=2))
     with stepdump.open(where, cache_dir=tmp_path / "cache") as run:
         assert isinstance(run, stepdump.RemoteRun) and run.url == where
         assert_same_run(run, reference)
         # Restore from the remote copy, then the next step reproduces the recorded one.
-        model = make_model(5)
+        model = tiny_model(5)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
         run.restore(3, model, opt, sched)
@@ -77,16 +76,16 @@ def test_memory_url_round_trip(reference: Path, tmp_path: Path) -> None:
 
 def test_staging_is_removed_after_upload_unless_kept(tmp_path: Path) -> None:
     staging = tmp_path / "stage"
-    record(url(), steps=2, remote=stepdump.Remote(staging=staging))
+    record_run(url(), steps=2, remote=stepdump.Remote(staging=staging))
     assert not staging.exists()
-    record(url(), steps=2, remote={"staging": str(staging), "keep_staging": True})
+    record_run(url(), steps=2, remote={"staging": str(staging), "keep_staging": True})
     with stepdump.open(staging) as local:  # the staging directory is an ordinary run
         assert local.steps == [0, 1]
 
 
 def test_published_steps_are_visible_while_recording(tmp_path: Path) -> None:
     where = url()
-    model = make_model()
+    model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seen = []
     with stepdump.Recorder(where, model, opt, remote=stepdump.Remote(upload_every=2, upload_interval=None)) as rec:
@@ -120,10 +119,10 @@ def test_published_steps_are_visible_while_recording(tmp_path: Path) -> None:
 
 
 def test_url_arguments_are_checked(tmp_path: Path) -> None:
-    model = make_model()
+    model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     where = url()
-    record(where, steps=1)
+    record_run(where, steps=1)
     with pytest.raises(RunExistsError, match="already holds"):
         stepdump.Recorder(where, model, opt)
     with pytest.raises(ConfigError, match="resume=True is not supported"):
@@ -149,7 +148,7 @@ def test_failed_upload_raises_at_close_and_keeps_the_staging_run(monkeypatch: py
     monkeypatch.setattr(FsspecStorage, "put_file", refuse)
     staging = tmp_path / "stage"
     with pytest.raises(WriterError, match="could not upload .*bucket is read-only.*staging directory"):
-        record(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1), on_error="raise")
+        record_run(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1), on_error="raise")
     with stepdump.open(staging) as local:
         assert local.steps == [0, 1, 2]
 
@@ -162,7 +161,7 @@ def test_failed_upload_warns_by_default_and_the_training_script_goes_on(monkeypa
     monkeypatch.setattr(FsspecStorage, "put_file", refuse)
     staging = tmp_path / "stage"
     with caplog.at_level("WARNING", logger="stepdump"):
-        record(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1))  # close() does not raise
+        record_run(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1))  # close() does not raise
     assert any("could not upload" in r.getMessage() and str(staging) in r.getMessage() for r in caplog.records)
     with stepdump.open(staging) as local:
         assert local.steps == [0, 1, 2]
@@ -170,7 +169,7 @@ def test_failed_upload_warns_by_default_and_the_training_script_goes_on(monkeypa
 
 def test_ranges_are_cached_and_checked(tmp_path: Path) -> None:
     where = url()
-    record(where, steps=2)
+    record_run(where, steps=2)
     cache = tmp_path / "cache"
     with stepdump.open(where, cache_dir=cache) as run:
         w = run.tensor("0.weight", 1)
@@ -190,18 +189,24 @@ def test_ranges_are_cached_and_checked(tmp_path: Path) -> None:
                 run.tensors(1, kind)
 
 
-def test_fsspec_storage_protocol(tmp_path: Path) -> None:
+def test_fsspec_storage_read_protocol(tmp_path: Path) -> None:
+    """FsspecStorage is a ReadStorage: checked ranges of objects the uploader put whole."""
     storage = FsspecStorage(url(), cache_dir=tmp_path / "c")
-    assert storage.size("segments/000001.seg") == 0
-    assert storage.append("segments/000001.seg", b"hello ") == 0
-    assert storage.append("segments/000001.seg", memoryview(b"world")) == 6
-    storage.sync("segments/000001.seg", durable=True)
-    assert storage.size("segments/000001.seg") == 11
+    storage.put_bytes("segments/000001.seg", b"hello world")
     assert storage.read("segments/000001.seg", 6, 5) == b"world"
+    assert storage.refetch("segments/000001.seg", 6, 5) is None  # no run tagged yet: nothing was cached
     with pytest.raises(CorruptDataError, match="short"):
         storage.read("segments/000001.seg", 8, 10)
+    with pytest.raises(CorruptDataError, match="missing"):
+        storage.read("segments/000002.seg", 0, 1)
     with pytest.raises(CorruptDataError, match="refusing storage key"):
         storage.read("../escape", 0, 1)
+    storage.use_run("run-a")
+    assert storage.read("segments/000001.seg", 0, 5) == b"hello"  # now kept in the range cache
+    storage.fs.pipe_file(storage.path("segments/000001.seg"), b"HELLO world")
+    assert storage.read("segments/000001.seg", 0, 5) == b"hello"  # the cached range
+    assert storage.refetch("segments/000001.seg", 0, 5) == b"HELLO"  # the object itself
+    storage.close()
 
 
 # -- file:// ---------------------------------------------------------------------------
@@ -209,7 +214,7 @@ def test_fsspec_storage_protocol(tmp_path: Path) -> None:
 
 def test_file_url(reference: Path, tmp_path: Path) -> None:
     where = (tmp_path / "published").as_uri()
-    record(where, steps=STEPS, remote=stepdump.Remote(upload_every=3))
+    record_run(where, steps=STEPS, remote=stepdump.Remote(upload_every=3))
     with stepdump.open(where, cache_dir=tmp_path / "cache") as run:
         assert_same_run(run, reference)
     assert not list((tmp_path / "published").rglob("*.part-*"))  # atomic replaces left no temporaries
@@ -244,7 +249,7 @@ def s3() -> dict:
 
 def test_s3_round_trip(s3: dict, reference: Path, tmp_path: Path) -> None:
     where = f"s3://stepdump-bucket/runs/{uuid.uuid4().hex}"
-    record(where, steps=STEPS, remote=stepdump.Remote(storage_options=s3, upload_every=2, segment_bytes=4096))
+    record_run(where, steps=STEPS, remote=stepdump.Remote(storage_options=s3, upload_every=2, segment_bytes=4096))
     storage = FsspecStorage(where, s3)
     keys = sorted(k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1] if "/segments/" in k else k.rsplit("/", 1)[-1]
                   for k in storage.fs.find(storage.root))

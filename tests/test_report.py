@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import record_run
 from torch import nn
 
 import stepdump
@@ -49,26 +50,20 @@ def _record_tiny(path: Path, steps: int) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def mlp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """60 real steps of an MLP with Adam and a GradScaler: a loss spike at 30, a skipped inf step at 45."""
-    path = tmp_path_factory.mktemp("report") / "mlp"
+    def batch(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+        return (x * 40 if s == SPIKE_STEP else x), y  # a bad batch: the loss jumps
+
+    def loss(s: int, model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        mse = nn.functional.mse_loss(model(b[0]), b[1])
+        return mse * float("inf") if s == SKIP_STEP else mse  # inf grads: the scaler skips the step
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    with stepdump.Recorder(path, model, opt, scaler=scaler) as rec:
-        for s in range(MLP_STEPS):
-            g = torch.Generator().manual_seed(s)
-            x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
-            if s == SPIKE_STEP:
-                x = x * 40  # a bad batch: the loss jumps
-            loss = nn.functional.mse_loss(model(x), y)
-            if s == SKIP_STEP:
-                loss = loss * float("inf")  # inf grads: the scaler skips the step
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            rec.log(loss=loss)
-    return path
+    return record_run(tmp_path_factory.mktemp("report") / "mlp", steps=MLP_STEPS, model=model,
+                      opt=torch.optim.Adam(model.parameters(), lr=3e-3),
+                      scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8), batch=batch, loss_fn=loss)
 
 
 def _digest(path: Path) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import record_run
 from torch import nn
 
 import stepdump
@@ -21,23 +22,19 @@ STEPS = 6
 def run_dir(tmp_path_factory):
     """Six SGD steps, full tensors every 2nd step, a NaN in one gradient at step 4 (so
     params and loss are NaN at step 5), a scalar logged only at step 1, as NaN."""
+    def nan_grad_at_4(t, model, opt):
+        if t == 4:
+            model[2].weight.grad[0, 1] = float("nan")
+
+    def scalars(t, loss):
+        return {"loss": loss, "acc": t / 10, **({"odd": float("nan")} if t == 1 else {})}
+
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tb") / "run"
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
-    with stepdump.Recorder(path, model, opt, every=2) as rec:
-        for t in range(STEPS):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if t == 4:
-                model[2].weight.grad[0, 1] = float("nan")
-            opt.step()
-            rec.log(loss=loss, acc=t / 10)
-            if t == 1:
-                rec.log(odd=float("nan"))
-    return path
+    return record_run(tmp_path_factory.mktemp("tb") / "run", steps=STEPS, model=model, opt=opt,
+                      batch=lambda t: (x, y), before_step=nan_grad_at_4, log=scalars, every=2)
 
 
 def _events(logdir):

@@ -69,7 +69,7 @@ def test_replay_rebuilds_every_step_bitwise(tmp_path):
                     want = full.tensor(name, step, kind)
                 except stepdump.StepNotFoundError:
                     continue  # optimizer state does not exist before the first update
-                assert torch.equal(kf.tensor(name, step, kind), want), (step, kind, name)
+                assert torch.equal(res.tensor(name, kind), want), (step, kind, name)
         # the live objects are left in the state of record `step`
         for name, p in model.named_parameters():
             assert torch.equal(p.detach(), full.tensor(name, step))
@@ -140,7 +140,7 @@ def test_ring_with_user_trigger_and_validation(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with stepdump.Recorder(tmp_path / "r", model, opt, ring=2, after=0, trigger=lambda info: info.step == 7) as rec:
+    with stepdump.Recorder(tmp_path / "r", model, opt, ring=2, after=0, trigger=lambda info: info.step == 7):
         for _ in range(10):
             opt.zero_grad()
             model(torch.randn(3, 4)).sum().backward()

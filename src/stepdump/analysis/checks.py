@@ -21,50 +21,16 @@ from typing import Any
 
 import pandas as pd
 
-from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.findings import Finding
 from stepdump.analysis.rules import (
     DEFAULT_RULES,
-    DeadUnits,
-    ExplodingGradient,
-    LossNotDecreasing,
-    LossSpike,
-    NanInf,
-    OptimizerState,
     Rule,
     RuleLike,
-    UnchangedTensor,
-    UpdateRatio,
-    VanishingGradient,
-    WeightNormGrowth,
-    register_rule,
     registered_rules,
 )
 from stepdump.errors import ConfigError
 
 RuleSpec = str | Rule | type[Rule] | Callable[[Any], Iterable[Finding]]
-
-__all__ = [
-    "DEFAULT_RULES",
-    "CachedRun",
-    "DeadUnits",
-    "ExplodingGradient",
-    "Finding",
-    "LossNotDecreasing",
-    "LossSpike",
-    "NanInf",
-    "OptimizerState",
-    "Rule",
-    "RuleLike",
-    "Severity",
-    "UnchangedTensor",
-    "UpdateRatio",
-    "VanishingGradient",
-    "WeightNormGrowth",
-    "check",
-    "register_rule",
-    "resolve_rules",
-    "rule_names",
-]
 
 
 def rule_names() -> list[str]:

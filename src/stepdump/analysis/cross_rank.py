@@ -26,6 +26,7 @@ import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules.base import Rule, check_int, check_kinds, register_rule
+from stepdump.read.reader import ranked_stores
 
 _KINDS = ("params", "grads", "optimizer", "buffers")
 _HINT = {
@@ -37,10 +38,6 @@ _HINT = {
                  "params or grads that this step inherited)",
     "buffers": "the module buffers differ (batch-norm running stats are per rank unless synchronised)",
 }
-
-
-def _is_distributed(run: Any) -> bool:
-    return getattr(run, "world_size", None) is not None and callable(getattr(run, "rank", None))
 
 
 @register_rule
@@ -63,16 +60,18 @@ class CrossRank(Rule):
         check_int(self.name, "max_findings", self.max_findings, 1)
 
     def __call__(self, run: Any) -> list[Finding]:
-        if not _is_distributed(run) or len(run.ranks) < 2:
+        stores = ranked_stores(run)
+        if len(stores) < 2:
             return []
+        ranks = [r for r, _ in stores]
         frames = []
         steps: dict[int, set[int]] = {}
-        for r in run.ranks:
-            rr = run.rank(r)
+        for r, rr in stores:
             steps[r] = set(rr.all_steps)
             df = rr.stats()
             df = df[df["kind"].isin(list(self.kinds))]
-            df = df.assign(rank=r, group=[_group(run, r, k, n, s) for k, n, s in
+            params: dict[str, str | None] = {}  # optimizer-state name -> its parameter, on this rank
+            df = df.assign(rank=r, group=[_group(run, rr, r, k, n, s, params) for k, n, s in
                                           zip(df["kind"], df["name"], df["shape"], strict=True)])
             frames.append(df[["step", "rank", "kind", "name", "group", "dtype", "shape", "fingerprint", "norm"]])
         findings = self._step_sets(steps)
@@ -86,7 +85,7 @@ class CrossRank(Rule):
         keys = ["step", "kind", "name", "group"]
         per = df.groupby(keys, sort=False).agg(versions=("version", "nunique"), members=("rank", "nunique"))
         # A plain (replicated) tensor must be on every rank that stats-recorded the step.
-        want = len(run.ranks)
+        want = len(ranks)
         bad = per[(per["versions"] > 1) | ((per.index.get_level_values("group") == "replica") & (per["members"] != want))]
         if bad.empty:
             return findings
@@ -100,7 +99,7 @@ class CrossRank(Rule):
         rows = df[df["step"] == first]
         for kind, name in items[: self.max_findings]:
             sub = rows[(rows["kind"] == kind) & (rows["name"] == name)]
-            findings.append(self._finding(first, kind, name, sub, run.ranks, len(items)))
+            findings.append(self._finding(first, kind, name, sub, ranks, len(items)))
         return findings
 
     def _finding(self, step: int, kind: str, name: str, rows: pd.DataFrame, ranks: Sequence[int],
@@ -136,13 +135,18 @@ class CrossRank(Rule):
         )]
 
 
-def _group(run: Any, rank: int, kind: str, name: str, shape: str) -> str:
-    """Ranks with the same group must hold identical bytes for (kind, name)."""
+def _group(run: Any, store: Any, rank: int, kind: str, name: str, shape: str,
+           params: dict[str, str | None]) -> str:
+    """Ranks with the same group must hold identical bytes for (kind, name).
+
+    ``store`` is ``rank``'s store; ``params`` caches its optimizer-state -> parameter lookups."""
     param: str | None = None
     if kind in ("params", "grads"):
         param = name
     elif kind == "optimizer":
-        param = _param_of(run, rank, name)
+        if name not in params:
+            params[name] = store.catalog.optimizer_param(name)
+        param = params[name]
     spec = run.sharding(param, rank) if param is not None else None
     if spec is None:
         return "replica"
@@ -150,16 +154,6 @@ def _group(run: Any, rank: int, kind: str, name: str, shape: str) -> str:
     if shape != local:  # shaped unlike the shard (Adam's 0-d step): replicated
         return "replica"
     return f"shard@{spec.get('offset')}:{local}"
-
-
-def _param_of(run: Any, rank: int, name: str) -> str | None:
-    cache = run.__dict__.setdefault("_cross_rank_params", {}) if hasattr(run, "__dict__") else {}
-    key = (rank, name)
-    if key not in cache:
-        row = run.rank(rank)._con.execute(
-            "SELECT param FROM series WHERE kind = 'optimizer' AND name = ?", (name,)).fetchone()
-        cache[key] = row[0] if row else None
-    return cache[key]
 
 
 def cross_rank(run: Any, *, kinds: Iterable[str] = ("params", "grads", "optimizer"),

@@ -4,6 +4,10 @@ Fingerprints (xxh3-64 of exact bytes) are compared first, a block of steps per
 query, so equal tensors are never read. Only tensors whose fingerprints differ
 are read, and only at the first divergent step (or, with a tolerance, at steps
 where a fingerprint differs, to see whether the difference is within it).
+
+Two multi-rank runs are compared rank by rank (rank r of A with rank r of B);
+the result is the rank that diverges first. Runs recorded by different ranks
+are refused rather than compared in part.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 
 from stepdump.errors import ConfigError
+from stepdump.read.reader import RunReader
 
 # Order of kinds at one step: upstream first, so the first entry points at the origin.
 KIND_ORDER = ("inputs", "activations", "activation_grads", "grads", "optimizer", "params", "buffers")
@@ -60,6 +65,10 @@ class DiffResult:
     names_only_in_a: list[Key] = field(default_factory=list)
     names_only_in_b: list[Key] = field(default_factory=list)
     first_scalar_diff: tuple[int, str] | None = None
+    #: For multi-rank runs: the rank ``first_step`` and ``tensors`` are about (None: single stores).
+    rank: int | None = None
+    #: For multi-rank runs: each rank's own result (empty for single stores).
+    per_rank: dict[int, DiffResult] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -70,11 +79,13 @@ class DiffResult:
         return self.tensors[0] if self.tensors else None
 
     def summary(self) -> str:
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        ranks = f" on each of {len(self.per_rank)} ranks" if self.per_rank else ""
         if self.identical:
-            text = f"identical over {self.steps_compared} common steps"
+            text = f"identical over {self.steps_compared} common steps{ranks}"
         else:
             first = self.tensors[0]
-            text = f"runs diverge at step {self.first_step}, first at {first.kind} {first.name}"
+            text = f"runs diverge at step {self.first_step}{where}, first at {first.kind} {first.name}"
         extras = []
         if self.steps_only_in_a or self.steps_only_in_b:
             extras.append(f"{len(self.steps_only_in_a)} steps only in A, {len(self.steps_only_in_b)} only in B")
@@ -83,14 +94,26 @@ class DiffResult:
         return text + (f" ({'; '.join(extras)})" if extras else "")
 
 
-def diff(run_a: Any, run_b: Any, atol: float = 0.0, rtol: float = 0.0, kinds: Iterable[str] | None = None) -> DiffResult:
+def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.0,
+         kinds: Iterable[str] | None = None) -> DiffResult:
     """Find the first step and tensors where two runs differ.
 
     Args:
-        run_a, run_b: ``stepdump.Run`` objects.
+        run_a, run_b: Opened runs (``stepdump.open``). Two multi-rank runs are
+            compared rank by rank, and must have been recorded by the same ranks.
         atol, rtol: Tolerances; 0 (default) means bitwise. A tensor differs when
             ``|a - b| > atol + rtol * |b|`` for some element.
         kinds: Only compare these kinds (default: all recorded kinds).
+
+    Returns:
+        For single stores, their comparison. For multi-rank runs, the comparison
+        of the rank that diverges first (lowest step, then lowest rank; ``rank``
+        says which; ``steps_compared`` and the step and name lists are the union
+        over ranks) with every rank's own result in ``per_rank``.
+
+    Raises:
+        ConfigError: Bad tolerances or kinds, or runs recorded by different
+            ranks (compare one rank of each: ``run.rank(r)``).
     """
     if atol < 0 or rtol < 0:
         raise ConfigError("atol and rtol must be >= 0")
@@ -98,6 +121,45 @@ def diff(run_a: Any, run_b: Any, atol: float = 0.0, rtol: float = 0.0, kinds: It
     for k in wanted:
         if k not in KIND_ORDER:
             raise ConfigError(f"unknown kind {k!r}; choose from {', '.join(KIND_ORDER)}")
+    stores_a, stores_b = list(run_a.stores()), list(run_b.stores())
+    ranks_a, ranks_b = [r for r, _ in stores_a], [r for r, _ in stores_b]
+    if ranks_a != ranks_b:
+        def which(ranks: list[int | None]) -> str:
+            return "a single process" if ranks == [None] else f"ranks {ranks}"
+        raise ConfigError(
+            f"run A was recorded by {which(ranks_a)} and run B by {which(ranks_b)}; diff compares runs rank by "
+            "rank. Compare one rank of each: stepdump.diff(run_a.rank(r), run_b.rank(r)) (or the single run)"
+        )
+    if ranks_a == [None]:
+        return _diff_store(stores_a[0][1], stores_b[0][1], atol, rtol, wanted)
+    per_rank = {r: _diff_store(a, b, atol, rtol, wanted)
+                for (r, a), (_, b) in zip(stores_a, stores_b, strict=True) if r is not None}
+    return _merge(per_rank)
+
+
+def _merge(per_rank: dict[int, DiffResult]) -> DiffResult:
+    """One result for a multi-rank diff: the first divergent rank's, with every rank's attached."""
+    diverged = [(res.first_step, r) for r, res in per_rank.items() if res.first_step is not None]
+    rank = min(diverged)[1] if diverged else min(per_rank)
+    first = per_rank[rank]
+
+    def union(attr: str) -> list[Any]:
+        return sorted({x for res in per_rank.values() for x in getattr(res, attr)},
+                      key=_order if attr.startswith("names") else None)
+
+    scalar_diffs = [(res.first_scalar_diff, r) for r, res in per_rank.items() if res.first_scalar_diff]
+    return DiffResult(
+        first_step=first.first_step, tensors=first.tensors,
+        steps_compared=max(res.steps_compared for res in per_rank.values()),
+        steps_only_in_a=union("steps_only_in_a"), steps_only_in_b=union("steps_only_in_b"),
+        names_only_in_a=union("names_only_in_a"), names_only_in_b=union("names_only_in_b"),
+        first_scalar_diff=min(scalar_diffs)[0] if scalar_diffs else None,
+        rank=rank if diverged else None, per_rank=per_rank,
+    )
+
+
+def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...]) -> DiffResult:
+    """:func:`diff` of two single stores (Runs: ``run.catalog`` answers the queries)."""
     steps_a, steps_b = set(run_a.stats_steps), set(run_b.stats_steps)
     common = sorted(steps_a & steps_b)
     result = DiffResult(
@@ -132,18 +194,12 @@ def _order(key: Key) -> tuple[int, str]:
 
 
 def _names(run: Any, kinds: tuple[str, ...]) -> set[Key]:
-    rows = run._con.execute("SELECT kind, name FROM series").fetchall()
-    return {(k, n) for k, n in rows if k in kinds}
+    return {(k, n) for k, n in run.catalog.series_keys() if k in kinds}
 
 
 def _fingerprints(run: Any, steps: list[int], kinds: tuple[str, ...]) -> dict[int, dict[Key, tuple[Any, ...]]]:
     out: dict[int, dict[Key, tuple[Any, ...]]] = {}
-    rows = run._con.execute(
-        "SELECT t.step, s.kind, s.name, t.dtype, t.shape, t.fingerprint, t.blob FROM tensors t "
-        "JOIN series s ON s.id = t.series WHERE t.step >= ? AND t.step <= ?",
-        (steps[0], steps[-1]),
-    ).fetchall()
-    for step, kind, name, dtype, shape, fp, blob in rows:
+    for step, kind, name, dtype, shape, fp, blob in run.catalog.fingerprint_block(steps[0], steps[-1]):
         if kind in kinds:
             out.setdefault(step, {})[(kind, name)] = (dtype, shape, fp, blob)
     return out
@@ -158,8 +214,8 @@ def _tensor_diff(run_a: Any, run_b: Any, step: int, key: Key, a: tuple[Any, ...]
         return TensorDiff(kind, name, "shape")
     if a[3] is None or b[3] is None:
         return TensorDiff(kind, name, "fingerprint")
-    ta = run_a._blobs.tensor(a[3], a[0], a[1])
-    tb = run_b._blobs.tensor(b[3], b[0], b[1])
+    ta = run_a.tensor(name, step, kind)  # stored (a blob): read by name, its fingerprint checked
+    tb = run_b.tensor(name, step, kind)
     return compare_tensors(kind, name, ta, tb, atol, rtol)
 
 

@@ -1,25 +1,26 @@
-"""Single-store analyses over a multi-rank run: ``check`` and ``verify`` on every rank's store.
+"""Single-store analyses over a multi-rank run: ``check`` on every rank's store.
 
-A :class:`~stepdump.read.ranked.DistributedRun` is one store per rank.
-Rules and integrity checks are about one store, so they run on each rank's;
+A :class:`~stepdump.read.ranked.DistributedRun` is one store per rank
+(``run.stores()``). Rules are about one store, so they run on each rank's;
 what several ranks report alike is reported once, naming the ranks. Rules
-about the ranks together (``cross_rank``) see the whole run.
+about the ranks together (``cross_rank``) see the whole run. (``verify`` and
+``diff`` walk ``run.stores()`` themselves.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from stepdump.analysis.cross_rank import CrossRank
 from stepdump.analysis.findings import Finding
 from stepdump.analysis.rules.base import RuleLike
+from stepdump.read.reader import ranked_stores
 
 
 def is_multirank(run: Any) -> bool:
-    """True for a DistributedRun (anything with ``world_size`` and ``rank(r)``)."""
-    return getattr(run, "world_size", None) is not None and callable(getattr(run, "rank", None))
+    """True for a run recorded by ranks (its ``stores()`` name ranks)."""
+    return bool(ranked_stores(run))
 
 
 def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool) -> list[Finding]:
@@ -32,11 +33,11 @@ def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool) 
 
     if add_cross_rank and not any(getattr(r, "name", None) == CrossRank.name for r in rules):
         rules = [*rules, CrossRank()]
-    whole = [r for r in rules if isinstance(r, CrossRank)]
+    whole: list[RuleLike] = [r for r in rules if isinstance(r, CrossRank)]
     per_rank = [r for r in rules if not isinstance(r, CrossRank)]
     merged: dict[tuple[Any, ...], tuple[Finding, list[int]]] = {}
-    for rank in run.ranks:
-        for f in _run_rules(CachedRun(run.rank(rank)), per_rank) if per_rank else []:
+    for rank, store in ranked_stores(run):
+        for f in _run_rules(CachedRun(store), per_rank) if per_rank else []:
             key = (f.rule, f.step, f.kind, f.tensor, f.severity)
             if key in merged:
                 merged[key][1].append(rank)
@@ -48,15 +49,3 @@ def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool) 
         out.extend(_run_rules(CachedRun(run), whole))
     return sorted(out, key=_sort_key)
 
-
-def verify_ranks(run: Any, progress: Callable[[int, int], None] | None = None) -> Any:
-    """``stepdump.verify`` of every rank's store, in one report; each problem's ``where`` names its rank."""
-    from stepdump.analysis.verify import VerifyReport, verify
-
-    report = VerifyReport()
-    for rank in run.ranks:
-        one = verify(run.rank(rank), progress)
-        report.blobs_checked += one.blobs_checked
-        report.bytes_checked += one.bytes_checked
-        report.problems.extend(replace(p, where=f"rank {rank}: {p.where}") for p in one.problems)
-    return report

@@ -6,6 +6,10 @@ ratios a bounded number of full steps) and returns plain lists and numbers that
 (see :mod:`stepdump.analysis.downsample`): lines keep each bucket's minimum and
 maximum point, heatmaps and counts keep each bucket's maximum, so spikes
 survive. The run is only read, never changed.
+
+A multi-rank run is reported over every rank's store: its heatmap rows,
+scalar curves and moment lines are named ``rank<r>/...``, its NaN/Inf counts
+summed over ranks, and its findings are ``stepdump.check``'s over every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from stepdump.analysis.downsample import bucket_max, minmax_downsample
 from stepdump.analysis.findings import Finding
-from stepdump.analysis.series import (
+from stepdump.analysis.matrices import (
     StatMatrix,
     combined_norm,
     nonfinite_counts,
@@ -30,6 +34,7 @@ from stepdump.analysis.series import (
     total_numel,
 )
 from stepdump.errors import ConfigError
+from stepdump.read.reader import RunReader, ranked_stores
 from stepdump.read.run import Run
 
 log = logging.getLogger(__name__)
@@ -41,7 +46,7 @@ REPORT_DATA_VERSION = 1
 
 
 def build_report_data(
-    run: Run,
+    run: RunReader,
     findings: Sequence[Finding] | None = None,
     max_points: int = 2000,
     *,
@@ -70,24 +75,59 @@ def build_report_data(
     found, checks = _resolve_findings(run, findings)
     all_steps = run.all_steps
     domain = [all_steps[0], all_steps[-1]] if all_steps else [0, 0]
-    kinds = run.kinds()
-    params = stat_matrix(run, "params") if "params" in kinds else None
+    stores = _stores(run)
+    kinds = {k for _, store in stores for k in store.kinds()}
+    params = _stacked(stores, "params") if "params" in kinds else None
     return {
         "version": REPORT_DATA_VERSION,
         "summary": summarize(run),
         "domain": domain,
         "max_points": max_points,
-        "scalars": _scalars(run, max_points),
-        "grad_norms": _heatmap(stat_matrix(run, "grads"), max_points, "grad L2 norm") if "grads" in kinds else None,
-        "update_ratio": _update_ratio(run, params, max_points, exact_steps, exact_budget),
-        "moments": _moments(run, max_points) if "optimizer" in kinds else [],
-        "nonfinite": _nonfinite(run, max_points),
+        "scalars": _scalars(stores, max_points),
+        "grad_norms": _heatmap(_stacked(stores, "grads"), max_points, "grad L2 norm") if "grads" in kinds else None,
+        "update_ratio": _update_ratio(stores, params, max_points, exact_steps, exact_budget),
+        "moments": _moments(stores, max_points) if "optimizer" in kinds else [],
+        "nonfinite": _nonfinite(run, stores, max_points),
         "findings": [_finding_dict(f) for f in found],
         "checks": checks,
     }
 
 
-def summarize(run: Run) -> dict[str, Any]:
+def _stores(run: RunReader) -> list[tuple[str, Run]]:
+    """(label prefix, store) of each store: ``("", run)`` for one store, ``("rank<r>/", rank's store)``."""
+    return [("" if r is None else f"rank{r}/", store) for r, store in run.stores()]
+
+
+def _stacked(stores: list[tuple[str, Run]], kind: str) -> StatMatrix:
+    """The norms of every store's ``kind`` tensors in one matrix: rows named with each store's
+    prefix, columns the union of their steps (NaN where a store has no row)."""
+    return _stack([(prefix, stat_matrix(store, kind)) for prefix, store in stores])
+
+
+def _stack(parts: list[tuple[str, StatMatrix]]) -> StatMatrix:
+    """Matrices of several stores as one: rows named with each store's prefix, columns the
+    union of their steps (NaN where a store has no value)."""
+    if len(parts) == 1 and not parts[0][0]:
+        return parts[0][1]
+    steps = np.unique(np.concatenate([m.steps for _, m in parts])).astype(np.int64)
+    names: list[str] = []
+    blocks = []
+    for prefix, m in parts:
+        block = np.full((len(m.names), steps.size), np.nan)
+        block[:, np.searchsorted(steps, m.steps)] = m.values
+        names.extend(prefix + n for n in m.names)
+        blocks.append(block)
+    return StatMatrix(names, steps, np.concatenate(blocks))
+
+
+def _disk_bytes(run: RunReader) -> int:
+    """Bytes of the run's files; for a URL (nothing local to walk) the stored tensor bytes."""
+    if isinstance(run.path, str):
+        return run.blob_bytes()[0]
+    return sum(p.stat().st_size for p in run.path.rglob("*") if p.is_file())
+
+
+def summarize(run: RunReader) -> dict[str, Any]:
     """The run's identity and size: what the report's summary table shows."""
     meta = run.meta
     steps, skipped = run.all_steps, run.skipped_steps
@@ -105,7 +145,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "stats_steps": len(run.stats_steps),
         "skipped_steps": len(skipped),
         "skipped_list": skipped[:200],
-        "bytes": sum(p.stat().st_size for p in run.path.rglob("*") if p.is_file()),
+        "bytes": _disk_bytes(run),
+        "ranks": [r for r, _ in ranked_stores(run)] or None,
         "tensors": tensors,
         "tensors_total": sum(tensors.values()),
         "created": _iso(created) if isinstance(created, (int, float)) else created,
@@ -122,16 +163,16 @@ def summarize(run: Run) -> dict[str, Any]:
 
 
 # -- sections -------------------------------------------------------------------
-def _scalars(run: Run, max_points: int) -> list[dict[str, Any]]:
+def _scalars(stores: list[tuple[str, Run]], max_points: int) -> list[dict[str, Any]]:
     out = []
-    series = scalar_series(run)
-    # loss first, then learning rates, then the rest alphabetically
-    for name in sorted(series, key=lambda n: (n != "loss", not n.startswith("lr"), n)):
-        steps, values = series[name]
+    series = {(name, prefix): v for prefix, store in stores for name, v in scalar_series(store).items()}
+    # loss first, then learning rates, then the rest alphabetically; ranks side by side
+    for name, prefix in sorted(series, key=lambda k: (k[0] != "loss", not k[0].startswith("lr"), k[0], k[1])):
+        steps, values = series[(name, prefix)]
         x, y = minmax_downsample(steps, values, max_points)
         bad = steps[~np.isfinite(values)]
         out.append({
-            "name": name,
+            "name": prefix + name,
             "x": _ints(x),
             "y": _floats(y),
             "points": int(steps.size),
@@ -157,11 +198,11 @@ def _heatmap(m: StatMatrix, max_points: int, label: str, note: str = "") -> dict
 
 
 def _update_ratio(
-    run: Run, params: StatMatrix | None, max_points: int, exact_steps: int, budget: int
+    stores: list[tuple[str, Run]], params: StatMatrix | None, max_points: int, exact_steps: int, budget: int
 ) -> dict[str, Any] | None:
     if params is None or params.empty:
         return None
-    exact = _exact_ratios(run, params.names, exact_steps, budget)
+    exact = _exact_ratios(stores, exact_steps, budget)
     pairs_total = int(np.count_nonzero(np.diff(params.steps) == 1))
     out: dict[str, Any] = {"exact": exact, "lower_bound": None}
     if exact is not None and exact["steps"] >= pairs_total:
@@ -180,21 +221,37 @@ def _update_ratio(
     return out
 
 
-def _exact_ratios(run: Run, names: list[str], max_steps: int, budget: int) -> dict[str, Any] | None:
-    """‖θ_{t+1} − θ_t‖ / ‖θ_t‖ per tensor at up to ``max_steps`` steps whose successor is also full."""
+def _exact_ratios(stores: list[tuple[str, Run]], max_steps: int, budget: int) -> dict[str, Any] | None:
+    """:func:`_store_ratios` of every store, its rows named with the store's prefix."""
+    parts = [(prefix, _store_ratios(store, max_steps, budget // len(stores))) for prefix, store in stores]
+    found = [(prefix, m, total) for prefix, (m, total) in parts if m is not None]
+    if not found:
+        return None
+    m = _stack([(prefix, m) for prefix, m, _ in found])
+    total = max(t for _, _, t in found)
+    return _heatmap(m, max_steps, "‖θ_{t+1} − θ_t‖ / ‖θ_t‖",
+                    f"Exact, from full tensors, at {m.steps.size} of {total} steps whose next step is also "
+                    "stored in full.")
+
+
+def _store_ratios(run: Run, max_steps: int, budget: int) -> tuple[StatMatrix | None, int]:
+    """‖θ_{t+1} − θ_t‖ / ‖θ_t‖ per tensor of one store at up to ``max_steps`` steps whose
+    successor is also full; and how many such steps there are."""
+    names = run.names("params")  # the rows of the params matrix: recording order
     full = run.steps
     full_set = set(full)
     pairs = [t for t in full if t + 1 in full_set]
     if not pairs or max_steps < 1:
-        return None
+        return None, len(pairs)
     per_step = max(1, total_numel(run, "params", pairs[0]))
     k = min(len(pairs), max_steps, budget // (2 * per_step))
     if k < 1:
         log.info("report: exact update ratios skipped, one step has %d elements (budget %d)", per_step, budget)
-        return None
+        return None, len(pairs)
     chosen = sorted({pairs[i] for i in np.linspace(0, len(pairs) - 1, k).round().astype(int)})
     values = np.full((len(names), len(chosen)), np.nan)
-    prev_step, prev = None, None
+    prev_step: int | None = None
+    prev: dict[str, torch.Tensor] = {}
     for j, t in enumerate(chosen):
         before = prev if prev_step == t else run.tensors(t, "params")
         after = run.tensors(t + 1, "params")
@@ -207,27 +264,28 @@ def _exact_ratios(run: Run, names: list[str], max_steps: int, budget: int) -> di
             if denom > 0:
                 values[i, j] = float(torch.linalg.vector_norm(b.double() - a64)) / denom
         prev_step, prev = t + 1, after
-    m = StatMatrix(names, np.array(chosen, dtype=np.int64), values)
-    hm = _heatmap(m, max_steps, "‖θ_{t+1} − θ_t‖ / ‖θ_t‖",
-                  f"Exact, from full tensors, at {len(chosen)} of {len(pairs)} steps whose next step is also "
-                  "stored in full.")
-    return hm
+    return StatMatrix(names, np.array(chosen, dtype=np.int64), values), len(pairs)
 
 
-def _moments(run: Run, max_points: int) -> list[dict[str, Any]]:
+def _moments(stores: list[tuple[str, Run]], max_points: int) -> list[dict[str, Any]]:
     out = []
     for key in MOMENT_KEYS:
-        steps, norms, n = combined_norm(run, "optimizer", f"*.{key}")
-        if not n or not steps.size:
-            continue
-        x, y = minmax_downsample(steps, norms, max_points)
-        out.append({"key": key, "tensors": n, "x": _ints(x), "y": _floats(y), "log": True,
-                    "label": f"‖{key}‖ over {n} tensors"})
+        for prefix, store in stores:
+            steps, norms, n = combined_norm(store, "optimizer", f"*.{key}")
+            if not n or not steps.size:
+                continue
+            x, y = minmax_downsample(steps, norms, max_points)
+            out.append({"key": prefix + key, "tensors": n, "x": _ints(x), "y": _floats(y), "log": True,
+                        "label": f"‖{prefix}{key}‖ over {n} tensors"})
     return out
 
 
-def _nonfinite(run: Run, max_points: int) -> dict[str, Any]:
-    steps, counts = nonfinite_counts(run)
+def _nonfinite(run: RunReader, stores: list[tuple[str, Run]], max_points: int) -> dict[str, Any]:
+    per_store = [nonfinite_counts(store) for _, store in stores]
+    steps = np.unique(np.concatenate([s for s, _ in per_store]))
+    counts = np.zeros(steps.size, dtype=np.int64)
+    for s, c in per_store:  # summed over ranks: tensors with NaN/Inf on any rank
+        np.add.at(counts, np.searchsorted(steps, s), c)
     all_steps = np.array(run.all_steps, dtype=np.int64)
     skipped = np.isin(all_steps, np.array(run.skipped_steps, dtype=np.int64)).astype(np.float64)
     first, last, reduced = bucket_max(counts[None, :].astype(np.float64), max_points)
@@ -244,16 +302,12 @@ def _nonfinite(run: Run, max_points: int) -> dict[str, Any]:
 
 
 # -- findings -------------------------------------------------------------------
-def _resolve_findings(run: Run, findings: Sequence[Finding] | None) -> tuple[list[Finding], str]:
+def _resolve_findings(run: RunReader, findings: Sequence[Finding] | None) -> tuple[list[Finding], str]:
     if findings is not None:
         return list(findings), "given"
-    try:
-        from stepdump import check  # type: ignore[attr-defined]
-    except (ImportError, AttributeError):
-        try:
-            from stepdump.analysis.checks import check  # type: ignore[no-redef]
-        except (ImportError, AttributeError):
-            return [], "unavailable"
+    # Imported here: the rules that checks loads are not needed when findings are given.
+    from stepdump.analysis.checks import check
+
     return list(check(run)), "ran"
 
 

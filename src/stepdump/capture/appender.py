@@ -12,6 +12,11 @@ on one thread, and the writer calls :meth:`Appender.wait` before a step's
 catalog commit, so a step is still committed only after all its bytes were
 handed to the OS. Queued buffers are not copied: the writer keeps the staging
 slot they point into until ``wait`` returned.
+
+Each append carries the offset the writer has already put in the catalog rows;
+storage returns where the bytes really landed, and a mismatch (another process
+writing into the segment, a storage that does not append) is an error, not a
+blob pointed at wrong bytes.
 """
 
 from __future__ import annotations
@@ -19,17 +24,20 @@ from __future__ import annotations
 import queue
 import threading
 
-from stepdump.store.storage import LocalStorage
+from stepdump.errors import WriterError
+from stepdump.store.storage import Storage
+
+_Job = tuple[str, bytes | bytearray | memoryview, int]
 
 
 class Appender(threading.Thread):
     """Appends ``(key, bytes)`` to storage in FIFO order; the first error stops it."""
 
-    def __init__(self, storage: LocalStorage) -> None:
+    def __init__(self, storage: Storage) -> None:
         super().__init__(name="stepdump-appender", daemon=True)
         self.storage = storage
         self.error: BaseException | None = None
-        self._queue: queue.Queue[tuple[str, bytes | bytearray | memoryview] | None] = queue.Queue()
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
 
     def run(self) -> None:
         while True:
@@ -38,16 +46,23 @@ class Appender(threading.Thread):
                 if job is None:
                     return
                 if self.error is None:  # after a failure, later bytes would land at wrong offsets
-                    self.storage.append(*job)
+                    key, data, offset = job
+                    landed = self.storage.append(key, data)
+                    if landed != offset:
+                        raise WriterError(
+                            f"bytes for segment {key!r} landed at offset {landed}, where stepdump wrote {offset} "
+                            "into the catalog: something else writes into this run's segment files"
+                        )
             except BaseException as e:  # noqa: BLE001 - handed to the writer in wait()
                 self.error = e
             finally:
                 self._queue.task_done()
 
-    def append(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Queue an append; ``data`` must stay unchanged until :meth:`wait` returns."""
+    def append(self, key: str, data: bytes | bytearray | memoryview, offset: int) -> None:
+        """Queue an append of ``data`` that must land at ``offset`` of ``key``; ``data`` must
+        stay unchanged until :meth:`wait` returns."""
         self._check()
-        self._queue.put((key, data))
+        self._queue.put((key, data, offset))
 
     def wait(self) -> None:
         """Block until every queued append is done; raise the first error any of them hit."""

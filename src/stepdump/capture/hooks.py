@@ -21,12 +21,48 @@ from typing import Any, Protocol
 import torch
 
 
-class _Steps(Protocol):
-    optimizer: torch.optim.Optimizer
-    _pre_fired: int
+class Steps(Protocol):
+    """The public capture hooks of a :class:`stepdump.Recorder` that these hooks drive."""
 
-    def _on_pre_step(self, skipped: bool = False) -> None: ...
-    def _on_step_done(self) -> None: ...
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def step(self) -> int: ...
+    def capture(self, *, skipped: bool = False) -> int: ...
+    def end_step(self) -> None: ...
+
+
+def attach(rec: Steps, scaler: Any, *, auto_capture: bool) -> list[Any]:
+    """Hook ``rec`` to its optimizer (and ``scaler``); return the handles to remove at close.
+
+    The post-hook ends every update (:meth:`Recorder.end_step`). With
+    ``auto_capture`` the pre-hook takes each record (:meth:`Recorder.capture`)
+    and ``scaler.step`` is wrapped to record the steps the scaler skips;
+    without, the caller does both (a framework callback that knows better when
+    the grads are final). A scaler wrapper is undone by :func:`detach_scaler`.
+    """
+    opt = rec.optimizer
+    handles = [opt.register_step_post_hook(lambda o, a, k: rec.end_step())]
+    if auto_capture:
+        handles.append(opt.register_step_pre_hook(lambda o, a, k: capture_at_pre_hook(rec, a, k)))
+        if scaler is not None:
+            scaler.step = watch_scaler(scaler, rec)  # an instance attribute shadows the method
+    return handles
+
+
+def detach_scaler(scaler: Any) -> None:
+    """Undo :func:`attach`'s ``scaler.step`` wrapper, if there is one."""
+    if scaler is not None and "step" in vars(scaler):
+        del scaler.step
+
+
+def capture_at_pre_hook(rec: Steps, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The optimizer's step pre-hook. With a closure (LBFGS), grads exist only once the
+    optimizer has called it: the record is taken after its first call instead."""
+    new_args = record_after_closure(args, kwargs, rec.capture)
+    if new_args is None:  # no closure: the grads are final now
+        rec.capture()
+    return new_args
 
 
 def group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
@@ -35,13 +71,13 @@ def group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
 
 
 def record_after_closure(args: tuple[Any, ...], kwargs: dict[str, Any],
-                         record: Callable[[], None]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+                         record: Callable[[], Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """For a step pre-hook: new ``(args, kwargs)`` whose closure calls ``record()`` after its
     first call, or None when ``step()`` was given no closure (record now).
 
     ``args`` are ``step()``'s own, the optimizer first. The user's closure runs
     unguarded: an exception from it is theirs and passes through unchanged;
-    ``record`` is the Recorder's guarded pre-step.
+    ``record`` is the Recorder's :meth:`~stepdump.Recorder.capture` (guarded).
     """
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if not callable(closure):
@@ -61,16 +97,16 @@ def record_after_closure(args: tuple[Any, ...], kwargs: dict[str, Any],
     return (args[0], closure_then_record, *args[2:]), kwargs
 
 
-def watch_scaler(scaler: Any, rec: _Steps) -> Callable[..., Any]:
+def watch_scaler(scaler: Any, rec: Steps) -> Callable[..., Any]:
     """A ``scaler.step`` that records a step the scaler skips (inf/NaN found: no optimizer hook fires)."""
     original = scaler.step
 
     def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        before = rec._pre_fired
+        before = rec.step
         out = original(optimizer, *args, **kwargs)
-        if optimizer is rec.optimizer and rec._pre_fired == before:
-            rec._on_pre_step(skipped=True)
-            rec._on_step_done()
+        if optimizer is rec.optimizer and rec.step == before:  # optimizer.step() never ran: no hook ended it
+            rec.capture(skipped=True)
+            rec.end_step()
         return out
 
     return step

@@ -3,12 +3,13 @@
 Step semantics (docs/concepts.md): record *t* holds params as they were before
 update *t*, the grads update *t* used, optimizer state before update *t*, the
 scalars logged in iteration *t*, and the RNG state and module buffers at the
-*start* of iteration *t* (right after update *t-1*). Two moments feed a record:
+*start* of iteration *t* (right after update *t-1*). Two moments feed a record,
+each a public capture hook (hooks.py attaches them; a framework callback may call them):
 
-* end of update *t-1* (optimizer post-hook, or a GradScaler step that skipped):
-  RNG and buffers for record *t* are taken;
-* the optimizer pre-hook of step *t* (grads are final, nothing updated yet):
-  params, grads, optimizer / scheduler / scaler state are staged and sent.
+* :meth:`Recorder.end_step` at the end of update *t-1* (optimizer post-hook, or a
+  GradScaler step that skipped): RNG and buffers for record *t* are taken;
+* :meth:`Recorder.capture` at the optimizer pre-hook of step *t* (grads final,
+  nothing updated yet): params, grads, optimizer / scheduler / scaler state are sent.
 
 A GradScaler that finds inf/NaN never calls ``optimizer.step()``, so the
 pre-hook never fires; the Recorder wraps ``scaler.step`` to notice that and
@@ -22,52 +23,42 @@ import os
 import queue
 import time
 import weakref
-from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from stepdump.capture import options as _options
 from stepdump.capture import target as _target
 from stepdump.capture.activations import ModuleCapture
 from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
-from stepdump.capture.hooks import group_sizes, record_after_closure, watch_scaler
+from stepdump.capture.hooks import attach, detach_scaler, group_sizes
 from stepdump.capture.naming import begin_state, full_state, state_json, tensor_entries
-from stepdump.capture.ring import Ring, remember, ring_step
+from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import (
     auto_scalars,
     checked_scalar,
     profile_scalars,
     scalar_rows,
 )
-from stepdump.capture.selection import (
-    CORE_KINDS,
-    Every,
-    NameFilter,
-    Schedule,
-    check_kinds,
-)
-from stepdump.capture.session import (
-    check_arguments,
-    init_catalog,
-    prepare_dir,
-    run_meta,
-)
-from stepdump.capture.sharding import Ranks
-from stepdump.capture.staging import Item, Stager, StagingPool
-from stepdump.capture.triggers import Trigger
+from stepdump.capture.selection import NameFilter, StepSet
+from stepdump.capture.session import check_objects, init_catalog, prepare_dir, run_meta
+from stepdump.capture.sharding import Ranks, this_rank_records
+from stepdump.capture.staging import Item, Slot, Stager, StagingPool
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.core.layout import Layout, build_layout
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
 from stepdump.store.lock import RunLock
+from stepdump.store.storage import LocalStorage
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
-
-
-_Entry = tuple[str, str, torch.Tensor, bool, "str | None", "str | None"]
 
 
 class Recorder:
@@ -75,81 +66,49 @@ class Recorder:
 
     Args:
         path: Directory of the run (created). It must not already hold a run
-            unless ``resume=True``.
+            unless ``resume=True``. May be an fsspec URL (``s3://bucket/run``):
+            the run is staged locally and uploaded (``remote=``, docs/remote.md).
         model: The module being trained; names come from ``named_parameters``.
         optimizer: The optimizer whose steps are recorded.
         scheduler: Optional LR scheduler (anything with ``state_dict``).
         scaler: Optional ``torch.amp.GradScaler``; steps it skips are recorded
             and marked ``skipped``.
-        capture: Kinds of tensors to record: any of ``params``, ``grads``,
-            ``optimizer`` (module buffers come with ``params``).
-        include: Glob(s) over parameter names to record (default all).
-        exclude: Glob(s) over parameter names to leave out.
-        every: Steps whose tensors are stored in full: an int n (every n-th
-            step), a range, an iterable of steps or a callable ``step -> bool``.
-        stats_every: Steps whose stats and fingerprints are stored (default
-            every step, so diff and check see every step).
-        codec: Blob codec, see ``stepdump.store.codecs.CODEC_NAMES`` and
-            docs/performance.md; ``delta-lz4`` / ``delta-zstd`` store params,
-            grads and optimizer state as differences from their previous blob.
-        delta_chain: With a delta codec, every ``delta_chain``-th blob of a
-            series is self-contained, so a read decodes at most that many blobs.
-        queue_depth: Steps that may be in flight to the writer before training
-            waits (each holds a staging copy of the recorded tensors).
-        durability: ``"flush"`` (survives a killed process) or ``"fsync"``
-            (also survives power loss, slower); docs/reliability.md has numbers.
-        on_error: What a failure inside the Recorder (disk full, an I/O error, a
-            tensor it cannot handle, a bug) does once recording has started.
-            ``"warn"`` (default, do no harm): one warning names the cause, the
-            run is marked (``run.meta["recording_stopped"]``, ``stepdump info``),
-            recording stops and training goes on exactly as without stepdump;
-            :meth:`close` does not raise. ``"raise"`` (strict, for tests): the
-            failure raises out of ``optimizer.step()`` / :meth:`log` /
-            :meth:`close` (a write failure as :class:`stepdump.WriterError`).
-            Either way every step committed before the failure stays readable.
-            Errors while the Recorder is being created always raise.
+        record: What to record (:class:`~stepdump.capture.options.RecordOptions`:
+            ``capture``, ``include``, ``exclude``, ``modules``, ``profile``).
+        schedule: When: a ``StepSchedule`` (``every``, ``stats_every``; the
+            default records everything at every step), ``KeyframeSchedule``
+            (``keyframe_every=K``) or ``RingSchedule`` (``ring=N``, ``trigger``, ``after``).
+        store: How to store it (``StoreOptions``: ``codec``, ``delta_chain``,
+            ``queue_depth``, ``durability``, ``segment_bytes``, ``remote``, ...).
+        on_error: What a failure inside the Recorder (disk full, a tensor it
+            cannot handle, a bug) does once recording has started: ``"warn"``
+            (default, do no harm: one warning, the run marked
+            ``run.meta["recording_stopped"]``, recording stops, training goes on)
+            or ``"raise"`` (strict, for tests: out of ``optimizer.step()`` /
+            :meth:`log` / :meth:`close`, a write failure as
+            :class:`stepdump.WriterError`). docs/reliability.md has the details.
         resume: Append to an existing run, continuing its step numbers.
         start_step: Number of the first recorded step (default 0, or the step
             after the last recorded one when resuming).
         metadata: JSON-able dict stored with the run.
-        segment_bytes: Size at which a new segment file is started.
-        modules: Glob(s) over module names whose outputs are recorded when
-            ``capture`` includes ``activations`` / ``activation_grads``.
-        profile: Record per-step timing and memory as ``sys/*`` scalars
-            (see :meth:`stepdump.Run.profile`).
-        keyframe_every: Keyframe mode for :func:`stepdump.replay`: full state
-            every K steps (this sets ``every=K``, ``stats_every=1``) and, at every
-            step, the RNG state and the batch given to :meth:`log_batch`, so any
-            step can be rebuilt bit-exactly by replaying from its keyframe.
-        ring: Flight-recorder mode: keep full copies of the last ``ring`` steps
-            in memory (ring x step size) and write them only when ``trigger``
-            fires; stats and fingerprints are still written every step.
-        trigger: ``"nan_inf"`` (default), ``"loss_spike"``, or a callable
-            ``(stepdump.capture.triggers.TriggerInfo) -> bool``.
-        after: Steps recorded in full after the trigger step (default ``ring``),
-            before going back to ring mode.
+        ranks: Under ``torch.distributed`` (docs/distributed.md) each rank
+            records into ``path/rank{r:05d}``; ``ranks`` picks them (``"all"``,
+            an iterable, or None to record into ``path`` itself). On the other
+            ranks the Recorder is inactive (``recording`` False): it attaches
+            nothing and writes nothing, so one script serves every rank.
+        auto_capture: True (default): records are taken at the optimizer's
+            step pre-hook. False: the caller calls :meth:`capture` when the
+            grads are final and nothing is updated yet (a framework callback,
+            docs/integrations.md).
+        **options: The fields of ``record``, ``schedule`` and ``store`` as
+            plain keywords (``every=100``, ``codec="zstd"``); the same option
+            given both ways is a :class:`stepdump.ConfigError`.
 
     Use it as a context manager or call :meth:`close`; create it right before
     the training loop so the RNG state of step 0 is the one the loop starts with.
-
-    Under ``torch.distributed`` (docs/distributed.md) each rank records into
-    ``path/rank{r:05d}``; ``ranks=`` picks the ranks (``"all"``, an iterable,
-    or None to record into ``path`` itself); on other ranks the Recorder is an
-    inactive stand-in (``recording`` False). ``path`` may be an fsspec URL
-    (``s3://bucket/run``): the run is staged locally and uploaded, see
-    :class:`stepdump.Remote` passed as ``remote=``.
     """
 
-    recording = True  # False for the stand-in that ranks= gives the ranks it leaves out
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Recorder:
-        from stepdump.capture.sharding import this_rank_records
-
-        if cls is Recorder and not this_rank_records(kwargs.get("ranks", "all")):
-            from stepdump.capture.inactive import InactiveRecorder
-
-            return super().__new__(InactiveRecorder)
-        return super().__new__(cls)
+    path: Path  # this rank's run directory (on an inactive rank: the path as given)
 
     def __init__(
         self,
@@ -159,65 +118,65 @@ class Recorder:
         scheduler: Any = None,
         scaler: Any = None,
         *,
-        capture: Iterable[str] | str = CORE_KINDS,
-        include: str | Iterable[str] | None = "*",
-        exclude: str | Iterable[str] | None = None,
-        every: Every = 1,
-        stats_every: Every = 1,
-        codec: str = "raw",
-        delta_chain: int = 8,
-        queue_depth: int = 2,
-        durability: str = "flush",
+        record: _options.RecordOptions | None = None,
+        schedule: _options.Schedule | None = None,
+        store: _options.StoreOptions | None = None,
         on_error: str = "warn",
         resume: bool = False,
         start_step: int | None = None,
         metadata: dict[str, Any] | None = None,
-        segment_bytes: int = 1 << 30,
-        modules: str | Iterable[str] = "*",
-        profile: bool = True,
-        keyframe_every: int | None = None,
-        ring: int | None = None,
-        trigger: Trigger | str | None = None,
-        after: int | None = None,
         ranks: Ranks = "all",
-        remote: Any = None,
+        auto_capture: bool = True,
+        **options: Unpack[_options.FlatOptions],
     ) -> None:
-        every = check_arguments(model, optimizer, scheduler, scaler, durability=durability, on_error=on_error,
-                                queue_depth=queue_depth, codec=codec, every=every, stats_every=stats_every,
-                                keyframe_every=keyframe_every, ring=ring, delta_chain=delta_chain,
-                                ring_options=(trigger, after))
-        self._keyframes = keyframe_every is not None
-        self._target = _target.resolve(path, ranks=ranks, remote=remote, resume=resume)
-        self.path = self._target.local  # this rank's store; a local staging directory for a URL
+        self.options: _options.RecorderOptions = _options.resolve(
+            record, schedule, store, on_error=on_error, resume=resume, start_step=start_step, metadata=metadata,
+            ranks=ranks, auto_capture=auto_capture, **options)
+        check_objects(model, optimizer, scheduler, scaler)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        self.kinds = check_kinds(capture)
-        self._filter = NameFilter(include, exclude)
-        self._full = Schedule(every, "every")
-        self._stats = Schedule(stats_every, "stats_every")
-        self._layout: Layout = build_layout(model, optimizer)
-        first = next(iter(self._layout.params.values()), None)
-        self._device = first.device if first is not None else torch.device("cpu")
-        self._group_sizes = group_sizes(optimizer)
         self._closed = False
         self._hooks: list[Any] = []
-        self._pending: dict[int, dict[str, Any]] = {}
-        self._prev_open = False
-        self._begin: dict[str, Any] | None = None
-        self._pre_fired = 0
-        self._batch: Any = None
-        self._forward_seen = False  # a training forward ran since the last update: logs go to it
+        self._step = 0 if start_step is None else start_step
+        self.recording = this_rank_records(ranks)
+        if not self.recording:  # a rank ranks= leaves out: only count steps, so rec.step agrees on every rank
+            self.path = path  # type: ignore[assignment]
+            self._hooks.append(optimizer.register_step_post_hook(lambda o, a, k: self.end_step()))
+            return
+        self._start(path)
 
-        self._guard = Guard(on_error, self.path, self._step_aside)
-        self._lock = RunLock(prepare_dir(self.path, resume))
+    def _start(self, path: str | os.PathLike[str]) -> None:
+        opts, rec, store, sched = self.options, self.options.record, self.options.store, self.options.schedule
+        self._target = _target.resolve(path, ranks=opts.ranks, remote=store.remote, resume=opts.resume)
+        self.path = self._target.local  # this rank's store; a local staging directory for a URL
+        self.kinds = tuple(rec.capture)  # RecordOptions made it a tuple of kinds
+        self._keyframes = isinstance(sched, _options.KeyframeSchedule)
+        ring = sched if isinstance(sched, _options.RingSchedule) else None
+        self._filter = NameFilter(rec.include, rec.exclude)
+        full, stats = sched.steps()
+        self._full, self._stats = StepSet(full, "every"), StepSet(stats, "stats_every")
+        self._layout: Layout = build_layout(self.model, self.optimizer)
+        first = next(iter(self._layout.params.values()), None)
+        self._device = first.device if first is not None else torch.device("cpu")
+        self._group_sizes = group_sizes(self.optimizer)
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._prev_open, self._forward_seen = False, False  # forward_seen: a training forward ran since the update
+        self._begin: dict[str, Any] | None = None
+        self._captured_at: int | None = None  # the step capture() last recorded: once per step
+        self._batch: Any = None
+
+        self._guard = Guard(opts.on_error, self.path, self._step_aside)
+        self._lock = RunLock(prepare_dir(self.path, opts.resume))
         self._lock.acquire()
         try:
-            meta = run_meta(self, keyframe_every=keyframe_every, codec=codec, metadata=metadata)
-            self._step = init_catalog(self.path, meta, resume, start_step)
-            self._pool = StagingPool(queue_depth + (ring or 0))
-            self._ring = Ring(ring, self._pool, resolve_trigger(trigger), after) if ring is not None else None
+            meta = run_meta(self.model, self.optimizer, self.scheduler, self.scaler, opts, self._layout,
+                            self._target.meta(self._layout.params))
+            self._step = init_catalog(self.path, meta, opts.resume, opts.start_step)
+            self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0))
+            self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.after) if ring else None
             self._stager = Stager()
-            self._writer = Writer(self.path, self._pool, codec, durability, self._target.segment_bytes(segment_bytes),
-                                  max_queue=queue_depth + 64, delta_chain=delta_chain)
+            self._writer = Writer(self.path, self._pool, store.codec, store.durability,
+                                  self._target.segment_bytes(store.segment_bytes), max_queue=store.queue_depth + 64,
+                                  delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path))
             self._writer.start()
             self._writer.wait_ready()
             self._raise_if_writer_failed(starting=True)
@@ -228,27 +187,17 @@ class Recorder:
                 self._writer.join()
             self._lock.release()
             raise
-        self._profile = profile
-        self._overhead = 0.0
-        self._iter_start = time.perf_counter()
-        self._modules = ModuleCapture(model, self.kinds, list(modules) if not isinstance(modules, str) else modules,
+        self._overhead, self._iter_start = 0.0, time.perf_counter()
+        self._modules = ModuleCapture(self.model, self.kinds, list(rec.modules or "*"),
                                       active=lambda: self._level(self._step) != LEVEL_NONE,
                                       on_error=lambda e, where: self._fail(e, where))
-        self._attach()
+        self._hooks.extend(attach(self, self.scaler, auto_capture=opts.auto_capture))
         # On the module given (a torch.compile wrapper runs its own hooks eagerly: no graph break).
-        if not isinstance(model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
-            self._hooks.append(model.register_forward_pre_hook(self._saw_forward))
+        if not isinstance(self.model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
+            self._hooks.append(self.model.register_forward_pre_hook(self._saw_forward))
         self._begin_iteration(self._step)
         # If the user forgets close(), still flush and release the lock at exit.
         self._finalizer = weakref.finalize(self, close_quietly, weakref.ref(self))
-
-    # -- setup -------------------------------------------------------------
-    def _attach(self) -> None:
-        opt = self.optimizer
-        self._hooks.append(opt.register_step_pre_hook(lambda o, a, k: self._on_pre_hook(a, k)))
-        self._hooks.append(opt.register_step_post_hook(lambda o, a, k: self._on_step_done()))
-        if self.scaler is not None:
-            self.scaler.step = watch_scaler(self.scaler, self)  # instance attribute shadows the method
 
     # -- public API --------------------------------------------------------
     @property
@@ -267,6 +216,8 @@ class Recorder:
         """
         if self._closed:
             raise ConfigError("this Recorder is closed; create a new one to record more")
+        if not self.recording:
+            return
         values = {name: checked_scalar(name, value) for name, value in scalars.items()}  # all, before any is kept
         if self._guard.stopped or self._raise_if_writer_failed():
             return
@@ -283,7 +234,9 @@ class Recorder:
         step can be replayed; call it once per iteration (again for micro-batches:
         later calls get ``#1``, ``#2``...).
         """
-        if self._guard.stopped or self._raise_if_writer_failed():
+        if self._closed:
+            raise ConfigError("this Recorder is closed; create a new one to record more")
+        if not self.recording or self._guard.stopped or self._raise_if_writer_failed():
             return
         if self._level(self._step) == LEVEL_NONE:
             return
@@ -302,14 +255,15 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
-        self._modules.remove()
-        if self._ring is not None:
-            self._ring.release_all()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self.scaler is not None and "step" in vars(self.scaler):
-            del self.scaler.step
+        if not self.recording:
+            return
+        self._modules.remove()
+        if self._ring is not None:
+            self._ring.release_all()
+        detach_scaler(self.scaler)
         try:
             scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
             self._pending.clear()
@@ -339,7 +293,11 @@ class Recorder:
     @property
     def bytes_written(self) -> int:
         """Bytes of tensor data appended to segment files so far."""
-        return self._writer.bytes_written
+        return self._writer.bytes_written if self.recording else 0
+
+    def __repr__(self) -> str:
+        return f"<stepdump.Recorder {self.path!s} {'closed' if self._closed else f'at step {self._step}'}" + (
+            ">" if self.recording else " (this rank is not recorded)>")
 
     def __enter__(self) -> Recorder:
         return self
@@ -353,30 +311,68 @@ class Recorder:
         except WriterError as e:
             log.error("stepdump: %s", e)
 
-    # -- hooks -------------------------------------------------------------
+    # -- capture hooks (public: the optimizer hooks and framework callbacks drive these) --
+    def capture(self, *, skipped: bool = False) -> int:
+        """Take the record of the current step now; return its number.
+
+        Call it when the grads of the step are final and nothing is updated yet.
+        With ``auto_capture`` (the default) the optimizer's step pre-hook calls it;
+        a framework callback built with ``auto_capture=False`` calls it itself.
+        A second call in the same step does nothing (LBFGS: the first closure
+        evaluation is recorded). ``skipped``: the update will not happen (a
+        GradScaler found inf/NaN); then call :meth:`end_step`, no hook will.
+        """
+        t = self._step
+        if (not self.recording or self._closed or self._captured_at == t or self._guard.stopped
+                or self._raise_if_writer_failed()):
+            return t
+        self._captured_at = t
+        try:
+            self._record_step(skipped)
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "optimizer.step() pre-hook" if self.options.auto_capture else "capture()")
+        return t
+
+    def end_step(self) -> None:
+        """The update of the current step is over: go on to the next iteration.
+
+        The optimizer's step post-hook calls it; call it yourself only for a
+        step whose ``optimizer.step()`` never ran (``capture(skipped=True)``).
+        Takes what the next record starts from (RNG state, module buffers).
+        """
+        if self._closed:
+            return
+        if not self.recording:
+            self._step += 1
+            return
+        if self._guard.stopped:
+            return
+        try:
+            self._end_update()
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "optimizer.step() post-hook")
+
+    def begin_iteration(self) -> None:
+        """Take the start-of-iteration state (RNG, buffers) of the current step again.
+
+        :meth:`end_step` takes it right after the previous update; call this when
+        something between that moment and the iteration changes it (a per-epoch
+        reseed, loading a checkpoint), so that replay starts where training did.
+        """
+        if not self.recording or self._closed or self._guard.stopped:
+            return
+        try:
+            self._begin_iteration(self._step)
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "begin_iteration()")
+
+    # -- inside the hooks ----------------------------------------------------
     def _level(self, t: int) -> int:
         return LEVEL_FULL if self._full(t) else LEVEL_STATS if self._stats(t) else LEVEL_NONE
 
     def _saw_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():  # a training forward, not an evaluation under no_grad
             self._forward_seen = True
-
-    def _on_pre_hook(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The optimizer's step pre-hook. With a closure (LBFGS), grads exist only once the
-        optimizer has called it: the record is taken after its first call instead."""
-        self._pre_fired += 1
-        new_args = None if self._guard.stopped else record_after_closure(args, kwargs, self._on_pre_step)
-        if new_args is None:  # no closure: the grads are final now
-            self._on_pre_step()
-        return new_args
-
-    def _on_pre_step(self, skipped: bool = False) -> None:
-        if self._guard.stopped or self._raise_if_writer_failed():
-            return
-        try:
-            self._record_step(skipped)
-        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-            self._fail(e, "optimizer.step() pre-hook")
 
     def _fail(self, err: BaseException, where: str) -> None:
         """A failure inside a hook: strict re-raises (a write failure as WriterError), else step aside."""
@@ -405,28 +401,33 @@ class Recorder:
             self._prev_open = False
             auto_scalars(self._pending.setdefault(t, {}), self.optimizer, self.scaler)
             if self._ring is not None:
-                remember(self._ring.history, scalars)
+                self._ring.remember(scalars)
             level = self._level(t)
             msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars, meta=meta)
             captured = self._modules.take()
-            if self._ring is not None and level == LEVEL_STATS:
-                ring_step(self, msg, captured)
-            elif level != LEVEL_NONE:
-                msg.slot = self._pool.acquire(lambda: self._writer.error)
+            first: list[StepMessage] = []  # held ring steps, written before this one
+            if level != LEVEL_NONE:
+                ring = self._ring if level == LEVEL_STATS else None  # the ring decides on a full copy
+                msg.slot = slot = self._pool.acquire(lambda: self._writer.error)
                 try:
-                    self._stage(msg, t, level == LEVEL_FULL, captured)
+                    self._stage(msg, slot, level == LEVEL_FULL or ring is not None, captured)
+                    if ring is not None:
+                        first = ring.take(msg, [p.grad for p in self._layout.params.values() if p.grad is not None])
                 except BaseException:
                     self._pool.release(msg.slot)  # never sent: the writer will not hand it back
                     raise
             self._batch = None
-            self._put(msg)
+            for m in (*first, msg):
+                self._put(m)
         self._overhead += time.perf_counter() - started
 
-    def _stage(self, msg: StepMessage, t: int, full: bool, captured: list[tuple[str, str, torch.Tensor]]) -> None:
-        entries = self._entries(full)
+    def _stage(self, msg: StepMessage, slot: Slot, full: bool, captured: list[tuple[str, str, torch.Tensor]]) -> None:
+        """Copy the step's tensors into ``slot``: all of them (``full``) or what stats need."""
+        buffers = self._begin["buffers"] if full and self._begin is not None else {}
+        entries = tensor_entries(self._layout, self.optimizer, self.kinds, self._filter, full, buffers)
         if full or self._keyframes:
-            msg.state_json = self._state_json(t, entries, full)
-        msg.items = self._stager.stage(msg.slot, entries)
+            msg.state_json = state_json(self._full_state() if full else {}, self._begin, self._batch, entries)
+        msg.items = self._stager.stage(slot, entries)
         # Hook values are private copies already; no second staging copy. In
         # keyframe mode the batch is stored at every step, for replay.
         msg.items.extend(
@@ -446,25 +447,19 @@ class Recorder:
                  self._step, len(sizes))
         return {"layout": self._layout.to_meta()}
 
-    def _on_step_done(self) -> None:
-        if self._guard.stopped:
-            return
-        try:
-            self._end_update()
-        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-            self._fail(e, "optimizer.step() post-hook")
-
     def _end_update(self) -> None:
         started = time.perf_counter()
-        if self._profile:
+        if self.options.record.profile:
             profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
                             self._device)
         self._step += 1
         self._prev_open = True
         self._forward_seen = False
         self._begin_iteration(self._step)
-        self._iter_start = time.perf_counter()
-        self._overhead = self._iter_start - started
+        # The next iteration starts where this one's accounting stopped, so the time
+        # _begin_iteration took counts both as recorder time and as iteration time.
+        self._iter_start = started
+        self._overhead = time.perf_counter() - started
 
     def _begin_iteration(self, t: int) -> None:
         """Start of iteration t: keep what a full record t needs from this moment."""
@@ -476,14 +471,6 @@ class Recorder:
             return
         with torch.profiler.record_function("stepdump.begin"):
             self._begin = begin_state(self._layout, self._filter if full and "params" in self.kinds else None)
-
-    # -- building a record -------------------------------------------------
-    def _entries(self, full: bool) -> list[_Entry]:
-        buffers = self._begin["buffers"] if full and self._begin is not None else {}
-        return tensor_entries(self._layout, self.optimizer, self.kinds, self._filter, full, buffers)
-
-    def _state_json(self, t: int, entries: list[_Entry], full: bool = True) -> str:
-        return state_json(self._full_state() if full else {}, self._begin, self._batch, entries)
 
     def _full_state(self) -> dict[str, Any]:
         return full_state(self._layout, self.optimizer, self.scheduler, self.scaler)

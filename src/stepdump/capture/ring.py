@@ -34,7 +34,12 @@ class Held:
 
 
 class Ring:
-    """The held steps, and when to write them: ``trigger`` fires, then ``after`` more steps in full."""
+    """The held steps, and when to write them: ``trigger`` fires, then ``after`` more steps in full.
+
+    The Recorder stages every step in full while a ring is on and hands the
+    staged step to :meth:`take`, which decides; the ring never reaches into the
+    Recorder (its only inputs are the step's message, the grads and the scalars).
+    """
 
     def __init__(self, size: int, pool: StagingPool, trigger: Trigger, after: int | None = None) -> None:
         self.size = size
@@ -45,7 +50,45 @@ class Ring:
         self.after_left = 0
         self.history: dict[str, deque[float]] = {}  # recent scalar values, for the trigger
 
-    def push(self, held: Held) -> None:
+    def remember(self, scalars: list[tuple[int, str, Any]]) -> None:
+        """Keep recent scalar values (``(step, name, value)`` rows) for the trigger."""
+        for _, name, v in scalars:
+            hist = self.history.setdefault(name, deque(maxlen=HISTORY))
+            hist.append(float(v.item() if isinstance(v, torch.Tensor) else v))
+
+    def take(self, msg: StepMessage, grads: list[torch.Tensor]) -> list[StepMessage]:
+        """Decide for a step staged in full (``msg``: level stats, items and state of the full copy).
+
+        Either the trigger fires (or steps after it are due): ``msg`` becomes a full
+        step and the held steps before it are returned, to be written first. Or the
+        full copy is held here: ``msg`` keeps only stats (its slot stays held) and
+        nothing is returned.
+        """
+        t, slot = msg.step, msg.slot
+        assert t is not None and slot is not None, "the Recorder stages a ring step before take()"
+        full_after = self.after_left > 0
+        if full_after:
+            self.after_left -= 1
+            fired = False
+        else:
+            latest = {n: h[-1] for n, h in self.history.items() if h}
+            fired = bool(self.trigger(TriggerInfo(t, latest, grads, self.history)))
+        if fired or full_after:
+            held = self.drain()
+            msg.level = LEVEL_FULL
+            if fired:
+                self.after_left = self.after
+                log.warning("stepdump: trigger fired at step %d; writing it and the %d steps before it", t, len(held))
+            return [StepMessage(step=h.step, level=LEVEL_FULL, skipped=h.skipped, items=h.items,
+                                state_json=h.state_json, slot=h.slot) for h in held]
+        full_items = msg.items
+        msg.items = [dataclasses.replace(i, full=False) for i in full_items if i.kind != "state"]
+        msg.hold_slot = True
+        self._push(Held(t, msg.skipped, slot, full_items, msg.state_json))
+        msg.state_json = None
+        return []
+
+    def _push(self, held: Held) -> None:
         self._held.append(held)
         if len(self._held) > self.size:
             old = self._held.popleft()
@@ -65,43 +108,3 @@ class Ring:
 
     def __len__(self) -> int:
         return len(self._held)
-
-
-def remember(history: dict[str, deque[float]], scalars: list[tuple[int, str, Any]]) -> None:
-    """Keep recent scalar values for triggers."""
-    for _, name, v in scalars:
-        hist = history.setdefault(name, deque(maxlen=HISTORY))
-        hist.append(float(v.item() if isinstance(v, torch.Tensor) else v))
-
-
-def ring_step(rec: Any, msg: StepMessage, captured: list[tuple[str, str, torch.Tensor]]) -> None:
-    """Stats now; the full copy into the ring, or everything to disk if the trigger fires."""
-    t = msg.step
-    ring: Ring = rec._ring
-    if ring.after_left > 0:
-        ring.after_left -= 1
-        fired = False
-        msg.level = LEVEL_FULL
-    else:
-        latest = {n: h[-1] for n, h in ring.history.items() if h}
-        grads = [p.grad for p in rec._layout.params.values() if p.grad is not None]
-        fired = bool(ring.trigger(TriggerInfo(t, latest, grads, ring.history)))
-    msg.slot = rec._pool.acquire(lambda: rec._writer.error)
-    entries = rec._entries(True)
-    msg.state_json = rec._state_json(t, entries, True)
-    full_items = rec._stager.stage(msg.slot, entries)
-    full_items.extend(Item(kind, name, tensor, True) for kind, name, tensor in captured)
-    if fired or msg.level == LEVEL_FULL:
-        held = ring.drain()
-        for h in held:
-            rec._put(StepMessage(step=h.step, level=LEVEL_FULL, skipped=h.skipped, items=h.items,
-                                  state_json=h.state_json, slot=h.slot))
-        msg.level, msg.items = LEVEL_FULL, full_items
-        if fired:
-            ring.after_left = ring.after
-            log.warning("stepdump: trigger fired at step %d; writing it and the %d steps before it", t, len(held))
-        return
-    msg.items = [dataclasses.replace(i, full=False) for i in full_items if i.kind != "state"]
-    msg.hold_slot = True
-    ring.push(Held(t, msg.skipped, msg.slot, full_items, msg.state_json))
-    msg.state_json = None

@@ -14,7 +14,7 @@ Every = Union[int, range, Iterable[int], Callable[[int], bool], None]
 CORE_KINDS = ("params", "grads", "optimizer")
 
 
-class Schedule:
+class StepSet:
     """Which steps an action happens at: every n-th, a range, a set, or a predicate."""
 
     def __init__(self, every: Every, what: str = "every") -> None:
@@ -63,8 +63,8 @@ class NameFilter:
     """include/exclude glob patterns over tensor names (fnmatch syntax)."""
 
     def __init__(self, include: str | Iterable[str] | None = "*", exclude: str | Iterable[str] | None = None):
-        self.include = _patterns(include, ["*"])
-        self.exclude = _patterns(exclude, [])
+        self.include = patterns(include, ["*"], "include")
+        self.exclude = patterns(exclude, [], "exclude")
 
     def __call__(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.include) and not any(
@@ -72,12 +72,16 @@ class NameFilter:
         )
 
 
-def _patterns(value: str | Iterable[str] | None, default: list[str]) -> list[str]:
+def patterns(value: str | Iterable[str] | None, default: list[str], what: str = "include/exclude") -> list[str]:
+    """Glob pattern(s) as a list (``default`` for None); ConfigError for anything but strings."""
     if value is None:
         return default
     if isinstance(value, str):
         return [value]
-    pats = list(value)
+    try:
+        pats = list(value)
+    except TypeError:
+        pats = [value]  # type: ignore[list-item]
     if not all(isinstance(p, str) for p in pats):
-        raise ConfigError("include/exclude take a glob string or a list of glob strings")
+        raise ConfigError(f"{what}= takes a glob string or a list of glob strings, got {value!r}")
     return pats

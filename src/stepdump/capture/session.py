@@ -7,19 +7,21 @@ import platform
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 import stepdump
-from stepdump.capture.guard import ON_ERROR
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError
 from stepdump.store import catalog
-from stepdump.store.codecs import get_codec
-from stepdump.store.delta import MAX_DELTA_CHAIN
 from stepdump.store.format import CATALOG_FILE, LOCK_FILE
 from stepdump.store.lock import is_locked
+from stepdump.store.queries import CatalogReader
+
+if TYPE_CHECKING:
+    from stepdump.capture.options import RecorderOptions
+    from stepdump.core.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +69,12 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
         catalog.create(path, meta)
         return 0 if start_step is None else start_step
     catalog.check_writable_layout(path)  # links / FIFOs planted in a shared run dir: refused before writing
-    con = catalog.connect_reader(path)
+    reader = CatalogReader(path)
     try:
-        old = catalog.read_meta(con)
-        last = con.execute("SELECT max(step) FROM steps").fetchone()[0]
+        old = reader.meta()
+        last = reader.last_step()
     finally:
-        con.close()
+        reader.close()
     layout = old.get("layout")
     if not isinstance(layout, dict) or layout.get("groups") != meta["layout"]["groups"]:
         raise ConfigError(
@@ -84,31 +86,31 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
         raise ConfigError(f"start_step={start_step} but the run already has steps up to {last}")
     return nxt if start_step is None else start_step
 
-def run_meta(rec: Any, *, keyframe_every: int | None, codec: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
-    """What a new run's catalog says about how it was recorded (FORMAT.md, ``meta``)."""
-    for key in rec._layout.not_recorded:
+def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+             options: RecorderOptions, layout: Layout, extra: dict[str, Any]) -> dict[str, Any]:
+    """What a new run's catalog says about how it was recorded (FORMAT.md, ``meta``); ``extra``:
+    the target's (``distributed``, ``url``)."""
+    from stepdump.capture.options import schedule_meta
+
+    for key in layout.not_recorded:
         log.warning("stepdump: model.state_dict() entry %r is not a tensor; stepdump records tensors only, "
                     "and restore leaves it as it is in the model restored into", key)
     return {
-        "model_class": type(rec.model).__name__,
-        "optimizer_class": type(rec.optimizer).__name__,
-        "scheduler_class": type(rec.scheduler).__name__ if rec.scheduler is not None else None,
-        "scaler": rec.scaler is not None,
-        "capture": list(rec.kinds),
-        "every": rec._full.description,
-        "keyframe_every": keyframe_every,
-        "stats_every": rec._stats.description,
-        "codec": codec,
-        "layout": rec._layout.to_meta(),
-        "user": metadata or {},
-        **rec._target.meta(rec._layout.params),
+        "model_class": type(model).__name__,
+        "optimizer_class": type(optimizer).__name__,
+        "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
+        "scaler": scaler is not None,
+        "capture": list(options.record.capture),
+        **schedule_meta(options.schedule),
+        "codec": options.store.codec,
+        "layout": layout.to_meta(),
+        "user": dict(options.metadata or {}),
+        **extra,
     }
 
 
-def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, durability: str, on_error: str,
-                    queue_depth: int, codec: str, every: Any, stats_every: Any, keyframe_every: int | None,
-                    ring: int | None, delta_chain: int = 8, ring_options: tuple[Any, Any] = (None, None)) -> Any:
-    """Validate the Recorder's arguments; return the effective ``every`` (keyframe and ring modes set it)."""
+def check_objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any) -> None:
+    """Check the training objects given to the Recorder (its options check themselves)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -117,33 +119,3 @@ def check_arguments(model: Any, optimizer: Any, scheduler: Any, scaler: Any, *, 
         raise ConfigError("scheduler must have state_dict()/load_state_dict() (a torch LR scheduler)")
     if scaler is not None and not all(hasattr(scaler, a) for a in ("step", "update", "state_dict")):
         raise ConfigError("scaler must be a torch.amp.GradScaler")
-    if durability not in ("flush", "fsync"):
-        raise ConfigError(f"durability={durability!r}: choose 'flush' or 'fsync'")
-    if on_error not in ON_ERROR:
-        raise ConfigError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
-    if queue_depth < 1:
-        raise ConfigError("queue_depth must be at least 1")
-    get_codec(codec)  # fail now, not in the writer
-    if isinstance(delta_chain, bool) or not isinstance(delta_chain, int) or not 1 <= delta_chain <= MAX_DELTA_CHAIN:
-        raise ConfigError(f"delta_chain={delta_chain!r}: give a number of blobs from 1 (no deltas) to "
-                          f"{MAX_DELTA_CHAIN} (readers follow no longer chains)")
-    if keyframe_every is not None:
-        if isinstance(keyframe_every, bool) or not isinstance(keyframe_every, int) or keyframe_every < 1:
-            raise ConfigError(f"keyframe_every={keyframe_every!r}: give a positive number of steps")
-        if every != 1 or stats_every != 1:
-            raise ConfigError("keyframe_every sets every= and stats_every= itself; pass only keyframe_every")
-        every = keyframe_every
-    if ring is None and any(v is not None for v in ring_options):
-        raise ConfigError("trigger= and after= apply to the flight-recorder ring only; pass ring=N (steps kept in "
-                          "memory) with them, or leave them out")
-    if ring is not None:
-        from stepdump.capture.triggers import resolve
-
-        resolve(ring_options[0])  # a misspelt trigger name fails here, before anything is created
-        if isinstance(ring, bool) or not isinstance(ring, int) or ring < 1:
-            raise ConfigError(f"ring={ring!r}: give the number of steps to keep in memory")
-        if every != 1 or keyframe_every is not None:
-            raise ConfigError("ring= decides which steps are stored in full; do not combine it with every= "
-                              "or keyframe_every=")
-        every = None
-    return every

@@ -76,7 +76,7 @@ def resolve(ranks: Ranks) -> RankInfo | None:
         return None
     dist = torch.distributed
     world, rank = dist.get_world_size(), dist.get_rank()
-    chosen = tuple(range(world)) if ranks == "all" else tuple(sorted(set(ranks)))  # type: ignore[arg-type]
+    chosen: tuple[int, ...] = tuple(range(world)) if ranks == "all" else tuple(sorted({int(r) for r in ranks}))  # type: ignore[union-attr]
     outside = [r for r in chosen if r >= world]
     if outside:
         raise ConfigError(f"ranks= names rank {outside[0]}, but the job has world_size={world} (ranks 0..{world - 1})")
@@ -143,15 +143,15 @@ def _global_offset(p: Any, mesh: Any, placements: tuple[Any, ...], local: tuple[
             compute_local_shape_and_global_offset,
         )
 
-        shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+        shape, found = compute_local_shape_and_global_offset(p.shape, mesh, placements)
         if tuple(shape) == local:
-            return [int(o) for o in offset]
+            return [int(o) for o in found]
     except Exception:  # noqa: BLE001 - a private helper; fall back to torch.chunk semantics below
         pass
     coord = mesh.get_coordinate()
     if coord is None:
         return None
-    size = list(p.shape)
+    size: list[int] = list(p.shape)
     offset = [0] * len(size)
     for i, pl in enumerate(placements):
         if type(pl).__name__ == "_StridedShard" or not pl.is_shard():

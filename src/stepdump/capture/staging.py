@@ -9,8 +9,9 @@ On CUDA, buffers are pinned host memory, filled with non_blocking copies on a
 side stream; the training stream waits for that stream before the optimizer
 updates anything, and the writer waits on an event before reading the bytes.
 Health stats for CUDA tensors are computed on the device (see
-:func:`device_stats`) so stats-only steps copy ten numbers per tensor, not the
-tensor.
+:func:`device_stats`), so the writer thread does not compute them on the host.
+The tensor itself is still copied to the host on every recorded step, stats-only
+steps included: its fingerprint is a hash of its bytes, taken on the host.
 """
 
 from __future__ import annotations
@@ -121,11 +122,11 @@ class Stager:
     """Copies tensors of one step into a slot, on the CPU or from a CUDA device."""
 
     def __init__(self) -> None:
-        self._stream: object | None = None
+        self._stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()  # tensors left out, warned about once
 
-    def _side_stream(self, device: torch.device) -> object:
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream
@@ -135,8 +136,8 @@ class Stager:
         out: list[Item] = []
         cuda_entries = []
         with torch.no_grad():
-            for kind, name, t, full, param, key in items:
-                t = storable(kind, name, local_part(t.detach()), self._warned)  # a DTensor: this rank's shard
+            for kind, name, tensor, full, param, key in items:
+                t = storable(kind, name, local_part(tensor.detach()), self._warned)  # a DTensor: this rank's shard
                 if t is None:
                     continue
                 if t.device.type == "cuda":
@@ -153,9 +154,9 @@ class Stager:
         device = entries[0][2].device
         stream = self._side_stream(device)
         main = torch.cuda.current_stream(device)
-        stream.wait_stream(main)  # type: ignore[attr-defined]
+        stream.wait_stream(main)
         out: list[Item] = []
-        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+        with torch.cuda.stream(stream):
             for kind, name, t, full, param, key in entries:
                 stats = device_stats(t)
                 host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)

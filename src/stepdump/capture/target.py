@@ -70,7 +70,7 @@ def resolve(path: str | os.PathLike[str], *, ranks: Ranks, remote: Remote | Mapp
             resume: bool) -> Target:
     """Work out the Target for ``Recorder(path, ..., ranks=, remote=, resume=)`` and prepare it."""
     info = sharding.resolve(ranks)
-    if info is not None and not info.records:  # pragma: no cover - Recorder.__new__ handles excluded ranks
+    if info is not None and not info.records:  # pragma: no cover - the Recorder stays inactive on excluded ranks
         raise ConfigError(f"rank {info.rank} is not among ranks={list(info.ranks)}")
     doc = ranks_file.ranks_document(info.world_size, list(info.ranks), info.backend) if info else None
     if is_url(path):
@@ -85,9 +85,10 @@ def resolve(path: str | os.PathLike[str], *, ranks: Ranks, remote: Remote | Mapp
             f"{root} holds a single-process run; a distributed run needs its own directory (each rank "
             "records into DIR/rank00000, DIR/rank00001, ...)"
         )
+    assert doc is not None  # built from ``info`` above: a distributed job always has one
     if (root / ranks_file.RANKS_FILE).exists():
         ranks_file.check_same_job(ranks_file.read_local(root), doc, str(root / ranks_file.RANKS_FILE))
-    ranks_file.write_local(root, doc)  # type: ignore[arg-type]
+    ranks_file.write_local(root, doc)
     return Target(local=root / ranks_file.rank_dir(info.rank), rank=info)
 
 

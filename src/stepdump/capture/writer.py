@@ -26,10 +26,9 @@ from stepdump.core.hashing import fingerprint_bytes, raw_bytes
 from stepdump.core.stats import compute_stats
 from stepdump.errors import WriterError
 from stepdump.store.catalog import CatalogWriter
-from stepdump.store.codecs import get_codec
-from stepdump.store.delta import DeltaChains, DeltaCodec
+from stepdump.store.codecs import SeriesEncoder, get_codec
 from stepdump.store.format import SEGMENT_DIR, format_shape
-from stepdump.store.storage import LocalStorage
+from stepdump.store.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,12 @@ class StepMessage:
 
 
 class Writer(threading.Thread):
-    """Consumes StepMessages from a bounded queue until it gets ``None``."""
+    """Consumes StepMessages from a bounded queue until it gets ``None``.
+
+    ``run_dir`` holds the catalog; segment bytes go through ``storage`` (the
+    Recorder's, files under ``run_dir`` by default), which the writer closes when
+    it ends.
+    """
 
     def __init__(
         self,
@@ -70,19 +74,19 @@ class Writer(threading.Thread):
         segment_bytes: int,
         max_queue: int,
         delta_chain: int = 8,
+        *,
+        storage: Storage,
     ) -> None:
         super().__init__(name="stepdump-writer", daemon=True)
         self.run_dir = run_dir
         self.pool = pool
         self.codec = get_codec(codec)
-        # Blobs a delta codec does not delta-encode are stored with its keyframe codec.
-        self._plain = self.codec.keyframe if isinstance(self.codec, DeltaCodec) else self.codec
-        self._deltas = DeltaChains(self.codec, delta_chain) if isinstance(self.codec, DeltaCodec) else None
+        self._encoder = SeriesEncoder(self.codec, delta_chain)
         self.durable = durability == "fsync"
         self.segment_bytes = segment_bytes
         self.queue: queue.Queue[StepMessage | None] = queue.Queue(maxsize=max_queue)
         self.error: BaseException | None = None
-        self.storage = LocalStorage(run_dir)
+        self.storage = storage
         self._appender = Appender(self.storage)
         self.bytes_written = 0
         self.steps_written = 0
@@ -93,7 +97,8 @@ class Writer(threading.Thread):
         self._segment_size = 0
         self._segment_seq = 0
         self._buffer = bytearray()
-        self._blob_rows = []
+        self._buffer_offset = 0  # where the buffer's bytes go in the segment
+        self._blob_rows: list[tuple[Any, ...]] = []  # the step's blob rows, added to the catalog before commit
         self._ready = threading.Event()
 
     # -- thread body -------------------------------------------------------
@@ -101,7 +106,6 @@ class Writer(threading.Thread):
         try:
             self._catalog = CatalogWriter(self.run_dir, synchronous="FULL" if self.durable else "NORMAL")
             self.last_step = self._catalog.last_step()  # a resumed run has steps already
-            self._segment_seq = self._next_segment_seq()
             self._appender.start()
         except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
             self.error = e
@@ -148,8 +152,7 @@ class Writer(threading.Thread):
 
     def _rollback(self) -> None:
         """Forget the failed step's rows, so that _shutdown's commit makes none of it visible."""
-        if self._deltas is not None:
-            self._deltas.forget()
+        self._encoder.forget()
         try:
             if self._catalog is not None:
                 self._catalog.rollback()
@@ -192,7 +195,7 @@ class Writer(threading.Thread):
         if msg.slot is not None and msg.slot.event is not None:  # pragma: no cover - CUDA only
             msg.slot.event.synchronize()  # type: ignore[attr-defined]
         rows = []
-        self._blob_rows: list[tuple[Any, ...]] = []
+        self._blob_rows = []
         for item in msg.items:
             rows.append(self._item_row(cat, msg.step, item))
         wrote = bool(self._blob_rows)
@@ -234,11 +237,7 @@ class Writer(threading.Thread):
     def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int,
                      series: int | None = None) -> int:
         blob_id = cat.new_blob_id()
-        base: int | None = None
-        if self._deltas is not None and series is not None:
-            encoded, base, codec_name = self._deltas.encode(series, blob_id, data, itemsize)
-        else:
-            encoded, codec_name = self._plain.encode(data, itemsize), self._plain.name
+        encoded, base, codec_name = self._encoder.encode(series, blob_id, data, itemsize)
         # For the raw codec the stored bytes are the raw bytes: reuse the fingerprint.
         checksum = fp if encoded is data else fingerprint_bytes(encoded)
         length = len(memoryview(encoded).cast("B"))
@@ -248,9 +247,11 @@ class Writer(threading.Thread):
             self._flush_buffer()
             # On the appender thread; ``encoded`` (often a view of the staging slot)
             # stays untouched until the wait() before this step's commit.
-            self._appender.append(key, encoded)
+            self._appender.append(key, encoded, offset)
         else:
             # Small blobs are gathered and written with one syscall per step.
+            if not self._buffer:
+                self._buffer_offset = offset
             self._buffer += encoded
             if len(self._buffer) >= _DIRECT_WRITE:
                 self._flush_buffer()
@@ -263,7 +264,7 @@ class Writer(threading.Thread):
 
     def _flush_buffer(self) -> None:
         if self._buffer and self._segment is not None:
-            self._appender.append(self._segment, self._buffer)
+            self._appender.append(self._segment, self._buffer, self._buffer_offset)
             self._buffer = bytearray()  # the old one now belongs to the appender
 
     def _segment_for(self, length: int) -> str:
@@ -273,17 +274,19 @@ class Writer(threading.Thread):
                 self._appender.wait()
                 self.storage.sync(self._segment, durable=self.durable)
                 self.storage.close_writer(self._segment)
-            self._segment_seq += 1
-            # A new segment per writer session: the tail of an older one may hold
-            # garbage from a crash, and append-only means we never rewrite it.
-            self._segment = f"{SEGMENT_DIR}/{self._segment_seq:06d}.seg"
+            self._segment = self._fresh_segment()
             self._segment_size = 0
         return self._segment
 
-    def _next_segment_seq(self) -> int:
-        seg_dir = self.run_dir / SEGMENT_DIR
-        seqs = [int(p.stem) for p in seg_dir.glob("*.seg") if p.stem.isdigit()] if seg_dir.exists() else []
-        return max(seqs, default=0)
+    def _fresh_segment(self) -> str:
+        """The next segment key that is missing or empty. A new segment per writer session:
+        the tail of an older one may hold garbage from a crash, and append-only means we
+        never rewrite it (nor append after it: offsets start at 0)."""
+        while True:
+            self._segment_seq += 1
+            key = f"{SEGMENT_DIR}/{self._segment_seq:06d}.seg"
+            if self.storage.size(key) == 0:
+                return key
 
 
 def _from_device_stats(t: torch.Tensor) -> tuple[Any, ...]:

@@ -10,7 +10,6 @@ from rich.table import Table
 from stepdump.cli.common import add_run_arg, console, open_run
 from stepdump.cli.exitcodes import Exit
 
-HELP = "check a run for NaN/Inf, exploding/vanishing grads, loss spikes, ... (exit 1 on findings >= --fail-on)"
 EXAMPLES = """examples:
   stepdump check demo-run
   stepdump check demo-run --rules nan_inf,loss_spike --fail-on error
@@ -27,8 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stepdump.analysis.checks import check
-    from stepdump.analysis.findings import Severity
+    from stepdump.checks import Severity, check
 
     with open_run(args.run) as r:
         findings = check(r, rules=args.rules.split(",") if args.rules else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from rich.progress import (
     BarColumn,
@@ -17,7 +18,6 @@ from rich.table import Table
 from stepdump.cli.common import console, human_bytes
 from stepdump.cli.exitcodes import Exit
 
-HELP = "train a small model with stepdump recording every step, then summarise it"
 EXAMPLES = """examples:
   stepdump demo                       # records into ./demo-run, writes ./demo-run/report.html
   stepdump demo --out /tmp/run --steps 500
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
         transient=True,
     ) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, Any] = {}  # label -> rich TaskID
 
         def progress(label: str, done: int, total: int) -> None:
             if label not in tasks:

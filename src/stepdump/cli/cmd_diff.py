@@ -8,7 +8,6 @@ import json
 from stepdump.cli.common import console, open_run
 from stepdump.cli.exitcodes import Exit
 
-HELP = "compare two runs: first divergent step and tensors (exit 0 identical, 1 divergent)"
 EXAMPLES = """examples:
   stepdump diff run-a run-b
   stepdump diff ref port --atol 1e-6 --kinds params,grads

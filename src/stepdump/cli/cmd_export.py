@@ -7,7 +7,6 @@ import argparse
 from stepdump.cli.common import add_run_arg, console, open_run
 from stepdump.cli.exitcodes import Exit
 
-HELP = "write a step as a checkpoint: torch.save dict (model/optimizer/scheduler/scaler/step) or safetensors"
 EXAMPLES = """examples:
   stepdump export demo-run --step 100 -o step100.pt
   stepdump export demo-run --step 100 -o step100.safetensors --format safetensors --grads

@@ -7,7 +7,6 @@ import argparse
 from stepdump.cli.common import add_run_arg, console, open_run
 from stepdump.cli.exitcodes import Exit
 
-HELP = "write scalars, per-tensor stats and histograms as TensorBoard event files (needs tensorboard)"
 EXAMPLES = """examples:
   stepdump export-tb demo-run tb/demo && tensorboard --logdir tb
   stepdump export-tb demo-run tb/demo --stats norm,nan --histograms grads --histogram-steps 5

@@ -10,7 +10,6 @@ from rich.table import Table
 from stepdump.cli.common import add_run_arg, console, human_bytes, open_run, run_bytes
 from stepdump.cli.exitcodes import Exit
 
-HELP = "summarise a run: steps, kinds, tensors, size, how it was recorded"
 EXAMPLES = "examples:\n  stepdump info demo-run\n"
 
 
@@ -19,11 +18,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: `stepdump info --help` must not load torch.
+    from stepdump.read.reader import ranked_stores
+
     with open_run(args.run) as r:
         m = r.meta
         steps, all_steps = r.steps, r.all_steps
         t = Table(show_header=False, title=str(r.path))
         t.add_row("status", "being written" if r.live else "closed")
+        ranked = ranked_stores(r)
+        if ranked:  # steps and names below are the primary rank's; sizes are over every rank
+            dist = r.meta.get("distributed")
+            world = dist.get("world_size", "?") if isinstance(dist, dict) else "?"
+            t.add_row("ranks recorded", f"{', '.join(str(k) for k, _ in ranked)} (world size {world})")
+            for k, store in ranked:
+                t.add_row(f"rank {k}", f"{_span(store.all_steps)} steps, {len(store.steps)} stored in full")
         t.add_row("store format", str(r.format_version))
         t.add_row("written by", f"stepdump {m.get('stepdump_version')}, torch {m.get('torch_version')}")
         created = m.get("created")

@@ -7,7 +7,6 @@ import argparse
 from stepdump.cli.common import add_run_arg, console, open_run
 from stepdump.cli.exitcodes import Exit
 
-HELP = "list the steps, kinds or tensor names of a run"
 EXAMPLES = """examples:
   stepdump ls demo-run              # kinds and tensor names
   stepdump ls demo-run --steps      # steps stored in full

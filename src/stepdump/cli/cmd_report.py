@@ -7,7 +7,6 @@ import argparse
 from stepdump.cli.common import add_run_arg, console, open_run
 from stepdump.cli.exitcodes import Exit
 
-HELP = "write a self-contained HTML report (curves, grad-norm heatmap, findings); opens offline"
 EXAMPLES = """examples:
   stepdump report demo-run -o report.html
 """

@@ -8,7 +8,6 @@ from stepdump.cli.common import add_run_arg, open_run, parse_steps
 from stepdump.cli.exitcodes import Exit
 from stepdump.cli.tables import print_frame
 
-HELP = "logged scalars (loss, lr, ...) one row per step, with the skipped flag"
 EXAMPLES = """examples:
   stepdump scalars demo-run
   stepdump scalars demo-run --steps 100:200 --csv > scalars.csv

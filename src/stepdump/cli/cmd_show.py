@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from rich.table import Table
-
 from stepdump.cli.common import add_run_arg, console, open_run
 from stepdump.cli.exitcodes import Exit
-from stepdump.core.stats import compute_stats
 from stepdump.errors import StepNotFoundError
-from stepdump.store.catalog import STAT_COLUMNS
 
-HELP = "show one tensor at one step: dtype, shape, stats and a preview of its values"
 EXAMPLES = """examples:
   stepdump show demo-run 0.weight --step 10
   stepdump show demo-run 0.weight --step 10 --kind grads
@@ -30,6 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: `stepdump show --help` must not load torch.
+    import torch
+    from rich.table import Table
+
+    from stepdump.core.stats import compute_stats
+    from stepdump.store.catalog import STAT_COLUMNS
+
     with open_run(args.run) as r:
         step = args.step
         if step is None:

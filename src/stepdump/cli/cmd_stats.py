@@ -8,7 +8,6 @@ from stepdump.cli.common import add_run_arg, open_run, parse_steps
 from stepdump.cli.exitcodes import Exit
 from stepdump.cli.tables import print_frame
 
-HELP = "per-tensor health stats (norm, min, max, NaN/Inf counts, ...) per step"
 EXAMPLES = """examples:
   stepdump stats demo-run --kind grads --name '0.*' --steps 0:50
   stepdump stats demo-run --kind params --csv > params.csv

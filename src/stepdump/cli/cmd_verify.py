@@ -9,7 +9,6 @@ from rich.progress import Progress
 from stepdump.cli.common import add_run_arg, console, human_bytes, open_run
 from stepdump.cli.exitcodes import Exit
 
-HELP = "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption"
 EXAMPLES = "examples:\n  stepdump verify demo-run && echo intact\n"
 
 

@@ -30,7 +30,8 @@ def parse_steps(text: str | None) -> range | list[int] | None:
         raise ConfigError(f"bad step range {text!r}; use N, A:B, A:B:K or N,M,...") from None
 
 
-def open_run(path: str) -> stepdump.Run:
+def open_run(path: str) -> stepdump.RunReader:
+    """Open the run a command names (``~`` expanded): any reader kind, local, remote or multi-rank."""
     return stepdump.open(os.path.expanduser(path))
 
 

@@ -1,4 +1,10 @@
-"""Entry point: parse, dispatch to one command module, map errors to exit codes."""
+"""Entry point: parse, dispatch to one command module, map errors to exit codes.
+
+Startup cost matters here (``stepdump --help`` must answer in well under a
+second), so this module imports nothing heavy: the one-line summaries of the
+commands live in :data:`SUMMARIES`, and only the module of the command being
+run is imported (it brings torch, pandas and rich with it when it needs them).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,8 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Sequence
 
-from stepdump.cli.common import err_console
 from stepdump.cli.exitcodes import Exit
 from stepdump.errors import (
     CorruptDataError,
@@ -18,9 +24,27 @@ from stepdump.errors import (
     TensorNotFoundError,
 )
 
+# One module per command: stepdump/cli/cmd_<name with - as _>.py, with
+# add_arguments(parser), run(args) -> int and optionally EXAMPLES (the epilog).
 COMMANDS = (
     "demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "export-tb", "report", "verify",
 )
+
+# What `stepdump --help` lists, and each command's description in `stepdump CMD --help`.
+SUMMARIES: dict[str, str] = {
+    "demo": "train a small model with stepdump recording every step, then summarise it",
+    "info": "summarise a run: steps, kinds, tensors, size, how it was recorded",
+    "ls": "list the steps, kinds or tensor names of a run",
+    "show": "show one tensor at one step: dtype, shape, stats and a preview of its values",
+    "stats": "per-tensor health stats (norm, min, max, NaN/Inf counts, ...) per step",
+    "scalars": "logged scalars (loss, lr, ...) one row per step, with the skipped flag",
+    "diff": "compare two runs: first divergent step and tensors (exit 0 identical, 1 divergent)",
+    "check": "check a run for NaN/Inf, exploding/vanishing grads, loss spikes, ... (exit 1 on findings >= --fail-on)",
+    "export": "write a step as a checkpoint: torch.save dict (model/optimizer/scheduler/scaler/step) or safetensors",
+    "export-tb": "write scalars, per-tensor stats and histograms as TensorBoard event files (needs tensorboard)",
+    "report": "write a self-contained HTML report (curves, grad-norm heatmap, findings); opens offline",
+    "verify": "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption",
+}
 
 EPILOG = """\
 exit codes: 0 ok, 1 difference/finding/corruption found, 2 usage, 3 run/step/tensor not found,
@@ -33,7 +57,13 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``stepdump`` parser; only ``command`` (if given) gets its arguments.
+
+    Every command is listed (so ``--help`` and "invalid choice" errors are
+    complete), but a command's module is imported only when it is the one
+    asked for: importing all twelve would pull in torch for ``--help``.
+    """
     parser = argparse.ArgumentParser(
         prog="stepdump",
         description="Flight recorder and time machine for PyTorch training: inspect, check, diff and export runs.",
@@ -45,14 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what stepdump does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
+        summary = SUMMARIES[name]
+        if name != command:
+            sub.add_parser(name, help=summary, description=summary)
+            continue
         mod = importlib.import_module(f"stepdump.cli.cmd_{name.replace('-', '_')}")
         p = sub.add_parser(
-            name, help=mod.HELP, description=mod.HELP, epilog=getattr(mod, "EXAMPLES", None),
+            name, help=summary, description=summary, epilog=getattr(mod, "EXAMPLES", None),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         mod.add_arguments(p)
         p.set_defaults(func=mod.run)
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The command named in ``argv``: the first word that is not an option.
+
+    The global options take no values, so the first non-option word is the
+    command (or a typo, which argparse then reports).
+    """
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
 
 
 def _version() -> str:
@@ -62,12 +108,17 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run the ``stepdump`` command line; returns the exit code (see :class:`Exit`)."""
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_command_in(words))
+    args = parser.parse_args(words)
     if args.command is None:
         parser.print_help()
         return Exit.USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    # Loaded by now: the command module imports it.
+    from stepdump.cli.common import err_console
+
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

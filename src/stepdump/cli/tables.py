@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-import pandas as pd
 from rich.table import Table
 
 from stepdump.cli.common import console
+
+if TYPE_CHECKING:  # the frames come from the caller; the module itself needs no pandas
+    import pandas as pd
 
 
 def print_frame(df: pd.DataFrame, args: argparse.Namespace, columns: list[str] | None, index: bool) -> None:

@@ -20,4 +20,4 @@ def is_dtensor(t: Any) -> bool:
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this process holds: a DTensor's local shard, any other tensor itself."""
-    return t.to_local() if is_dtensor(t) else t  # type: ignore[union-attr]
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]

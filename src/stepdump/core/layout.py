@@ -65,11 +65,12 @@ def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
     for i, group in enumerate(optimizer.param_groups):
         gnames = []
         for j, p in enumerate(group["params"]):
-            name = names.get(id(p))
-            if name is None:
-                name = f"group{i}.param{j}"
-                names[id(p)] = name
-                params[name] = p
+            known = names.get(id(p))
+            if known is None:
+                known = f"group{i}.param{j}"
+                names[id(p)] = known
+                params[known] = p
+            name = known
             gnames.append(name)
         groups.append(gnames)
     buffers: dict[str, torch.Tensor] = {}

@@ -11,7 +11,7 @@ import torch
 
 def get_rng_state() -> dict[str, Any]:
     """Torch CPU, every CUDA device (when present), numpy's global and Python's ``random``."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()  # a tuple (legacy=True); typed as dict | tuple
     py_version, py_internal, py_gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

@@ -7,6 +7,6 @@ framework only when it is itself imported:
 * :mod:`stepdump.integrations.transformers` — ``StepdumpTrainerCallback`` for the
   Hugging Face ``Trainer``.
 
-TensorBoard export lives in :mod:`stepdump.render.tensorboard` (``stepdump export-tb``).
+TensorBoard export is :func:`stepdump.export.export_tensorboard` (``stepdump export-tb``).
 See docs/integrations.md for the step semantics of each.
 """

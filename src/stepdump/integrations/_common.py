@@ -1,4 +1,4 @@
-"""What the framework callbacks share: a Recorder told when to record, resume checks, names."""
+"""What the framework callbacks share: GradScaler skips, resume checks, parameter names, log values."""
 
 from __future__ import annotations
 
@@ -10,43 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepdump.capture.recorder import Recorder
 from stepdump.core.layout import unwrap as unwrap_module
 from stepdump.errors import ConfigError
 from stepdump.store.format import CATALOG_FILE
 
 log = logging.getLogger(__name__)
-
-
-class ManualRecorder(Recorder):
-    """A :class:`~stepdump.Recorder` that takes each record when told, not at the optimizer pre-hook.
-
-    Lightning calls ``optimizer.step(closure)`` and the closure runs forward and
-    backward *inside* ``step``, so the optimizer's step pre-hook fires before the
-    last backward of the step. This Recorder hooks only the end of each update
-    (the step post-hook: RNG and buffers for the next record); the caller calls
-    :meth:`capture` at the moment the gradients are final and nothing is updated
-    yet (Lightning's ``on_before_optimizer_step``).
-
-    It is built on Recorder internals (``_attach``, ``_on_pre_step``,
-    ``_on_step_done``); see docs/integrations.md for the public API this stands in for.
-    """
-
-    def _attach(self) -> None:
-        # Only the post-hook: the pre-hook fires too early under a closure. No wrapping
-        # of scaler.step either: a skipped step is reported through capture(skipped=True)
-        # and finish_skipped().
-        self._hooks.append(self.optimizer.register_step_post_hook(lambda o, a, k: self._on_step_done()))
-
-    def capture(self, skipped: bool = False) -> int:
-        """Record the current step now (grads final, params not yet updated); return its number."""
-        t = self.step
-        self._on_pre_step(skipped=skipped)
-        return t
-
-    def finish_skipped(self) -> None:
-        """End a captured step whose ``optimizer.step()`` never ran (a GradScaler skip)."""
-        self._on_step_done()
 
 
 def found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:

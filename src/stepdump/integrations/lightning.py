@@ -14,6 +14,7 @@ Works with ``lightning`` (``lightning.pytorch``) or the standalone
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -21,13 +22,9 @@ from typing import Any
 
 import torch
 
+from stepdump.capture.recorder import Recorder
 from stepdump.errors import ConfigError
-from stepdump.integrations._common import (
-    ManualRecorder,
-    check_resume,
-    found_inf,
-    param_globs,
-)
+from stepdump.integrations._common import check_resume, found_inf, param_globs
 
 try:
     import lightning.pytorch as pl
@@ -57,7 +54,9 @@ class StepdumpCallback(pl.Callback):
     (The optimizer's own step pre-hook, which a plain :class:`~stepdump.Recorder`
     uses, fires too early under Lightning: ``optimizer.step(closure)`` runs the
     closure inside ``step``, after the pre-hook, so the pre-hook would see the
-    previous step's gradients, or a partial sum under accumulation.)
+    previous step's gradients, or a partial sum under accumulation. So the
+    callback builds its Recorder with ``auto_capture=False`` and calls its
+    public :meth:`~stepdump.Recorder.capture` from that callback.)
 
     **Steps.** One record per optimizer step, whatever ``accumulate_grad_batches``
     is; step numbers follow ``trainer.global_step``. A step the GradScaler skips
@@ -86,29 +85,31 @@ class StepdumpCallback(pl.Callback):
     Args:
         path: Directory of the run (``path/opt{i}`` with several optimizers).
         **recorder_kwargs: Passed to :class:`stepdump.Recorder` (``capture``,
-            ``every``, ``include``, ``codec``, ...). ``resume`` and
-            ``start_step`` default as described above.
+            ``every``, ``include``, ``codec``, ..., or the groups ``record=``,
+            ``schedule=``, ``store=``). ``resume`` and ``start_step`` default
+            as described above.
     """
 
     def __init__(self, path: str | os.PathLike[str], **recorder_kwargs: Any) -> None:
-        for key in ("model", "optimizer", "scheduler", "scaler"):
+        for key in ("model", "optimizer", "scheduler", "scaler", "auto_capture"):
             if key in recorder_kwargs:
-                raise ConfigError(f"StepdumpCallback finds the {key} itself; do not pass {key}=")
+                raise ConfigError(f"StepdumpCallback sets {key}= itself (it finds the training objects and when to "
+                                  "record); do not pass it")
         self.path = Path(path)
         self.recorder_kwargs = recorder_kwargs
-        self._recorders: list[ManualRecorder] = []
-        self._by_optimizer: dict[int, ManualRecorder] = {}
+        self._recorders: list[Recorder] = []
+        self._by_optimizer: dict[int, Recorder] = {}
         self._captured: dict[int, tuple[int, bool]] = {}  # id(recorder) -> (step, skipped) captured this batch
         self._losses: list[torch.Tensor] = []
 
     # -- access ------------------------------------------------------------------
     @property
-    def recorders(self) -> list[ManualRecorder]:
+    def recorders(self) -> list[Recorder]:
         """The Recorders of the fit in progress, one per optimizer (empty outside a fit)."""
         return list(self._recorders)
 
     @property
-    def recorder(self) -> ManualRecorder:
+    def recorder(self) -> Recorder:
         """The Recorder of the fit in progress (there must be exactly one optimizer)."""
         if len(self._recorders) != 1:
             raise ConfigError(
@@ -142,10 +143,12 @@ class StepdumpCallback(pl.Callback):
                     start = trainer.global_step
                     check_resume(path, start)
                 rec_kwargs = {**kwargs, "resume": resume, "start_step": start}
-                if several and "include" not in kwargs:
-                    rec_kwargs["include"] = param_globs(pl_module, opt)
-                rec = ManualRecorder(path, pl_module, opt, scheduler=_scheduler_for(trainer, opt),
-                                     scaler=scaler, **rec_kwargs)
+                if several:
+                    _only_params_of(rec_kwargs, param_globs(pl_module, opt))
+                # auto_capture=False: the optimizer's pre-hook fires too early under Lightning's
+                # closure; on_before_optimizer_step captures, the post-hook still ends each update.
+                rec = Recorder(path, pl_module, opt, scheduler=_scheduler_for(trainer, opt), scaler=scaler,
+                               auto_capture=False, **rec_kwargs)
                 self._recorders.append(rec)
                 self._by_optimizer[id(opt)] = rec
         except BaseException:
@@ -160,7 +163,7 @@ class StepdumpCallback(pl.Callback):
         if rec is None:
             return
         if self._captured.get(id(rec), (None,))[0] == rec.step:
-            return  # the closure ran again inside the same step (LBFGS): record its first evaluation
+            return  # the closure ran again inside the same step (LBFGS): its first evaluation is recorded
         skipped = found_inf(rec.scaler, optimizer)
         self._captured[id(rec)] = (rec.capture(skipped=skipped), skipped)
 
@@ -184,7 +187,7 @@ class StepdumpCallback(pl.Callback):
                 if not skipped:
                     log.warning("stepdump: step %d was skipped by the GradScaler after it was recorded as not "
                                 "skipped (an optimizer that unscales inside step())", t)
-                rec.finish_skipped()
+                rec.end_step()  # no optimizer post-hook will
             if mean is not None:
                 rec.log(loss=mean)  # lands on step t: it is logged right after t's update
         self._captured.clear()
@@ -216,6 +219,15 @@ class StepdumpCallback(pl.Callback):
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def _only_params_of(kwargs: dict[str, Any], globs: list[str]) -> None:
+    """Record only ``globs`` (one optimizer's params) unless the user chose ``include`` themselves."""
+    record = kwargs.get("record")
+    if record is None:
+        kwargs.setdefault("include", globs)
+    elif record.include == ("*",):
+        kwargs["record"] = dataclasses.replace(record, include=globs)
 
 
 def _scheduler_for(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> Any:

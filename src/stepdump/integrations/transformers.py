@@ -68,14 +68,16 @@ class StepdumpTrainerCallback(TrainerCallback):
     Args:
         path: Directory of the run.
         **recorder_kwargs: Passed to :class:`stepdump.Recorder` (``capture``,
-            ``every``, ``include``, ``codec``, ...). ``resume`` and
-            ``start_step`` default as described above.
+            ``every``, ``include``, ``codec``, ..., or the groups ``record=``,
+            ``schedule=``, ``store=``). ``resume`` and ``start_step`` default
+            as described above.
     """
 
     def __init__(self, path: str | os.PathLike[str], **recorder_kwargs: Any) -> None:
-        for key in ("model", "optimizer", "scheduler", "scaler"):
+        for key in ("model", "optimizer", "scheduler", "scaler", "auto_capture"):
             if key in recorder_kwargs:
-                raise ConfigError(f"StepdumpTrainerCallback finds the {key} itself; do not pass {key}=")
+                raise ConfigError(f"StepdumpTrainerCallback sets {key}= itself (it finds the training objects and "
+                                  "when to record); do not pass it")
         self.path = Path(path)
         self.recorder_kwargs = recorder_kwargs
         self._recorder: Recorder | None = None

@@ -1,1 +1,4 @@
-"""Reading runs: ``Run``, state dicts and restore."""
+"""Reading runs: ``Run``, state dicts and restore.
+
+Internal; public names are in stepdump/__init__.py, stepdump.checks, stepdump.export.
+"""

@@ -33,10 +33,11 @@ import torch
 from stepdump.core.dtypes import DTYPES
 from stepdump.core.hashing import fingerprint_bytes
 from stepdump.errors import ConfigError, CorruptDataError
-from stepdump.store.catalog import BlobRow, ReadConnection
 from stepdump.store.codecs import get_codec
-from stepdump.store.delta import MAX_DELTA_CHAIN, DeltaCodec
-from stepdump.store.storage import LocalStorage
+from stepdump.store.delta import MAX_DELTA_CHAIN
+from stepdump.store.queries import CatalogReader
+from stepdump.store.schema import BlobRow
+from stepdump.store.storage import LocalStorage, ReadStorage
 
 # Refuse blobs whose catalog entry claims more than this; a real tensor this
 # large would not fit a segment anyway.
@@ -135,8 +136,11 @@ class ReadScope:
 
 
 class BlobReader:
-    def __init__(self, run_dir: Path, con: ReadConnection) -> None:
-        self.storage = LocalStorage(run_dir)
+    """Blobs of one store: catalog rows from ``con``, segment bytes from ``storage``
+    (default: the files under ``run_dir``). :meth:`close` closes the storage."""
+
+    def __init__(self, run_dir: Path, con: CatalogReader, storage: ReadStorage | None = None) -> None:
+        self.storage: ReadStorage = storage if storage is not None else LocalStorage(run_dir)
         self.con = con
         self._cache: OrderedDict[int, bytes | memoryview] = OrderedDict()
         self._cache_bytes = 0
@@ -160,11 +164,7 @@ class BlobReader:
     def blob_row(self, blob_id: int) -> BlobRow:
         if not _is_int(blob_id):
             raise CorruptDataError(f"the catalog points at blob {blob_id!r}, which is not a blob id")
-        row = self.con.execute(
-            "SELECT b.id, s.key, b.offset, b.length, b.codec, b.raw_length, b.checksum, b.base "
-            "FROM blobs b JOIN segments s ON s.id = b.segment WHERE b.id = ?",
-            (blob_id,),
-        ).fetchone()
+        row = self.con.blob_row(blob_id)
         if row is None:
             raise CorruptDataError(f"the catalog points at blob {blob_id}, which it does not list (or its segment)")
         b = BlobRow(*row)
@@ -195,17 +195,17 @@ class BlobReader:
         work = b.raw_length  # what decoding the chain found so far costs, checked as it grows
         base: bytes | bytearray | memoryview | None = None
         while chain[-1].base is not None:
-            last = chain[-1]
+            last, base_id = chain[-1], chain[-1].base
             # Bases are written before the blobs built on them, so ids strictly
             # decrease along a chain: a damaged catalog cannot make it loop.
-            if not _is_int(last.base) or not 0 < last.base < last.id:
-                raise CorruptDataError(f"blob {last.id} names base {last.base!r}, which is not an earlier blob")
-            base = self._cached(last.base)
+            if not isinstance(base_id, int) or isinstance(base_id, bool) or not 0 < base_id < last.id:
+                raise CorruptDataError(f"blob {last.id} names base {base_id!r}, which is not an earlier blob")
+            base = self._cached(base_id)
             if base is not None:
                 break
             if len(chain) > MAX_DELTA_CHAIN:
                 raise CorruptDataError(f"blob {b.id} sits on a chain of more than {MAX_DELTA_CHAIN} delta blobs")
-            chain.append(self.blob_row(last.base))
+            chain.append(self.blob_row(base_id))
             work += chain[-1].raw_length
             scope.check(b.id, len(chain), work, b.raw_length)  # before decoding any of it
         scope.decoded += work
@@ -242,16 +242,15 @@ class BlobReader:
                     self._cache_bytes -= len(self._cache.popitem(last=False)[1])
         return data
 
-    def _decode(self, b: BlobRow, base: bytes | memoryview | None) -> bytes | bytearray | memoryview:
+    def _decode(self, b: BlobRow, base: bytes | bytearray | memoryview | None) -> bytes | bytearray | memoryview:
         blob_id = b.id
         try:
             codec = get_codec(b.codec)
         except ConfigError:
             raise CorruptDataError(f"blob {blob_id} uses codec {b.codec!r}, which this stepdump does not know") from None
-        is_delta = isinstance(codec, DeltaCodec)
-        if is_delta != (b.base is not None):
+        if codec.needs_base != (b.base is not None):
             raise CorruptDataError(
-                f"blob {blob_id} uses codec {b.codec!r} " + ("but names no base blob" if is_delta else
+                f"blob {blob_id} uses codec {b.codec!r} " + ("but names no base blob" if codec.needs_base else
                                                              f"yet names base blob {b.base}: the catalog is damaged")
             )
         if codec.name == "raw" and b.length != b.raw_length:
@@ -263,22 +262,22 @@ class BlobReader:
             )
         data = self.storage.read(b.segment_key, b.offset, b.length)
         intact = fingerprint_bytes(data) == b.checksum
-        refetch = getattr(self.storage, "refetch", None)
-        if not intact and refetch is not None:
+        if not intact:
             # A URL's range cache may hold bytes of another run (or a damaged cache file):
             # ask the object itself once more before calling the segment damaged.
-            data = refetch(b.segment_key, b.offset, b.length)
-            intact = fingerprint_bytes(data) == b.checksum
+            again = self.storage.refetch(b.segment_key, b.offset, b.length)
+            if again is not None:
+                data = again
+                intact = fingerprint_bytes(data) == b.checksum
         if not intact:
             raise CorruptDataError(
                 f"blob {blob_id} in {b.segment_key} (offset {b.offset}) fails its checksum: the segment file is "
                 "damaged. `stepdump verify` lists every damaged blob."
             )
         try:
-            if is_delta:
-                out = codec.decode_delta(data, b.raw_length, base if base is not None else b"")  # type: ignore[attr-defined]
-            else:
-                out = codec.decode(data, b.raw_length)
+            # ``base`` is the base blob's raw bytes for a codec that needs one (the chain
+            # is decoded from its keyframe up), None otherwise.
+            out = codec.decode(data, b.raw_length, base if codec.needs_base else None)
         except MemoryError:
             raise CorruptDataError(
                 f"blob {blob_id} claims to decode to {b.raw_length} bytes, more than this machine can allocate"
@@ -323,7 +322,7 @@ class BlobReader:
     def _check_fingerprint(b: BlobRow, raw: bytes | bytearray | memoryview, fingerprint: int | None) -> None:
         # For the raw codec the checksum just verified *is* the fingerprint.
         if fingerprint is not None and not (b.codec == "raw" and b.checksum == fingerprint):
-            if fingerprint_bytes(raw) != fingerprint:
+            if fingerprint_bytes(memoryview(raw)) != fingerprint:
                 raise CorruptDataError(
                     f"blob {b.id} decodes to bytes that do not match the tensor's recorded fingerprint"
                 )

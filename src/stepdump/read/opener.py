@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stepdump.errors import ConfigError
+from stepdump.read.reader import RunReader
 from stepdump.read.run import Run
 from stepdump.store.format import CATALOG_FILE
 from stepdump.store.fsspec_storage import FsspecStorage, default_cache_dir, is_url
@@ -21,7 +22,7 @@ from stepdump.store.ranks import RANKS_FILE
 
 
 def open_run(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None,
-             cache_dir: str | os.PathLike[str] | None = None) -> Any:
+             cache_dir: str | os.PathLike[str] | None = None) -> RunReader:
     """Open a recorded run for reading; see :func:`stepdump.open`."""
     if is_url(path):
         url = str(path).rstrip("/")

@@ -14,29 +14,32 @@ has answer for the whole job:
   a replicated one is the primary rank's. ``local=True`` / ``rank=r`` give a
   rank's tensor as recorded (its shard);
 * :meth:`~DistributedRun.restore`: each rank loads its own record (its shard
-  into DTensor parameters, see :func:`restore_sharded`).
+  into DTensor parameters, see :func:`stepdump.read.restore.restore`).
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 
 from stepdump.errors import (
     ConfigError,
-    RestoreMismatchError,
     StepNotFoundError,
     TensorNotFoundError,
 )
+from stepdump.read.rows import require_full
 from stepdump.read.run import Run, StepRange, _as_step
+from stepdump.read.state import layout_entries, param_indices
 from stepdump.store import ranks as ranks_file
 from stepdump.store.fsspec_storage import FsspecStorage, default_cache_dir, is_url
+
+if TYPE_CHECKING:  # pandas loads in stats(), the one method that builds a frame here
+    import pandas as pd
 
 
 class DistributedRun:
@@ -135,13 +138,16 @@ class DistributedRun:
         """True while any rank's Recorder is still writing."""
         return any(self.rank(r).live for r in self.ranks)
 
-    @property
-    def _con(self) -> Any:  # for functions that query one catalog (diff): the primary rank's
-        return self._primary._con
+    def stores(self) -> Iterator[tuple[int | None, Run]]:
+        """``(rank, rank's store)`` for every recorded rank, in rank order: what analyses
+        about one store (``verify``, the ``check`` rules, ``diff``) run on, rank by rank."""
+        for r in self.ranks:
+            yield r, self.rank(r)
 
-    @property
-    def _blobs(self) -> Any:  # with _con: diff(run_a, run_b) compares the primary ranks' stores
-        return self._primary._blobs
+    def blob_bytes(self) -> tuple[int, int]:
+        """(stored, raw) bytes of tensor data, summed over every rank's store."""
+        sizes = [self.rank(r).blob_bytes() for r in self.ranks]
+        return sum(s for s, _ in sizes), sum(r for _, r in sizes)
 
     # -- steps, names, scalars: the primary rank's -------------------------------
     @property
@@ -190,6 +196,8 @@ class DistributedRun:
         Under FSDP2 a rank's row describes its shard; under DDP the rows of one
         (step, kind, name) should agree (:func:`stepdump.analysis.cross_rank.cross_rank` checks that).
         """
+        import pandas as pd
+
         frames = []
         for r in (self.ranks if ranks is None else list(ranks)):
             df = self.rank(r).stats(kind, name, steps)
@@ -235,19 +243,13 @@ class DistributedRun:
         if rank is not None or local:
             return self.rank(self.primary if rank is None else rank).tensors(step, kind)
         step = _as_step(step)
-        primary = self._primary
-        primary._check_kind(kind)
-        primary._require_full(step)
-        names = [n for (n,) in primary._con.execute(
-            "SELECT s.name FROM tensors t JOIN series s ON s.id = t.series "
-            "WHERE t.step = ? AND s.kind = ? AND t.blob IS NOT NULL ORDER BY s.id", (step, kind))]
-        return {n: self.tensor(n, step, kind) for n in names}
+        return {n: self.tensor(n, step, kind) for n in self._primary.stored_names(step, kind)}
 
     def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
         """``model.state_dict()`` at the start of iteration ``step``, with full (unsharded) tensors."""
         step = _as_step(step)
-        self._primary._require_full(step)
-        entries = self.meta.get("layout", {}).get("state_dict") or []
+        require_full(self._primary.catalog, step, self.path)
+        entries = layout_entries(self._primary)
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         loaded: dict[tuple[str, str], torch.Tensor] = {}
         for key, kind, name in entries:
@@ -259,12 +261,8 @@ class DistributedRun:
     def optimizer_state_dict(self, step: int) -> dict[str, Any]:
         """``optimizer.state_dict()`` before update ``step``, with full (unsharded) state tensors."""
         osd = self._primary.optimizer_state_dict(step)
-        groups = self._primary.step_state(step).get("groups", [])
-        numbered: dict[str, int] = {}  # torch numbers each distinct parameter once, in group order
-        for g in groups:
-            for name in g["params"]:
-                numbered.setdefault(name, len(numbered))
-        index = {i: n for n, i in numbered.items()}
+        groups = self._primary.step_state(step)["groups"]  # optimizer_state_dict checked them
+        index = {i: n for n, i in param_indices(g["params"] for g in groups).items()}
         for i, st in osd["state"].items():
             param = index.get(i)
             if param is None or self.sharding(param) is None:
@@ -299,10 +297,7 @@ class DistributedRun:
         if kind in ("params", "grads"):
             param: str | None = name
         elif kind == "optimizer":
-            row = self._primary._con.execute(
-                "SELECT param FROM series WHERE kind = 'optimizer' AND name = ?", (name,)
-            ).fetchone()
-            param = row[0] if row else None
+            param = self._primary.catalog.optimizer_param(name)
         else:
             return None
         return param if param is not None and self.sharding(param) is not None else None
@@ -343,79 +338,3 @@ class DistributedRun:
                 f"{missing} were not recorded); read a shard with run.tensor(..., rank=r) or record all ranks"
             )
         return out
-
-
-# -- restoring shards ---------------------------------------------------------------
-
-
-def has_dtensors(model: torch.nn.Module) -> bool:
-    from stepdump.core.dtensor import is_dtensor
-
-    return any(is_dtensor(p) for p in model.parameters())
-
-
-def restore_sharded(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
-                    scaler: Any = None, *, rng: bool = True) -> None:
-    """Restore one rank's record into a model whose parameters are DTensors (FSDP2 / tensor parallel).
-
-    The rank's recorded shards are wrapped as DTensors with the live
-    parameters' mesh and placements, then loaded with ``load_state_dict``: so
-    the live model must be sharded as the recorded one was (same world size,
-    mesh and placements). Everything is checked before anything changes.
-    """
-    from stepdump.core.dtensor import is_dtensor
-    from stepdump.read.restore import _check_class, apply, side_state
-
-    sd = run.state_dict(step)
-    live = model.state_dict()
-    for key in live:
-        if key not in sd:
-            raise RestoreMismatchError(f"the model has {key!r}, which the run did not record; restore into the "
-                                       "same architecture")
-    for key, t in sd.items():
-        if key not in live:
-            raise RestoreMismatchError(f"the run has {key!r}, which the model does not")
-        target = live[key]
-        local = target.to_local() if is_dtensor(target) else target
-        if tuple(local.shape) != tuple(t.shape) or local.dtype != t.dtype:
-            raise RestoreMismatchError(
-                f"{key!r}: this rank recorded a {t.dtype} shard of shape {tuple(t.shape)}, the live model holds "
-                f"{local.dtype} {tuple(local.shape)} here; restore with the same world size and sharding"
-            )
-        if is_dtensor(target):
-            sd[key] = _as_dtensor(t, target)
-    osd = None
-    if optimizer is not None:
-        _check_class("optimizer", optimizer, run.meta.get("optimizer_class"))
-        osd = run.optimizer_state_dict(step)
-        params: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        if len(osd["param_groups"]) != len(optimizer.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(osd["param_groups"], optimizer.param_groups)
-        ):
-            raise RestoreMismatchError("the run's optimizer param groups differ from this optimizer's; build the "
-                                       "optimizer with the same groups")
-        for i, st in osd["state"].items():
-            p = params[i]
-            if not is_dtensor(p):
-                continue
-            for k, v in list(st.items()):
-                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.to_local().shape):  # type: ignore[attr-defined]
-                    st[k] = _as_dtensor(v, p)
-    state = side_state(run, step, scheduler, scaler, rng)
-    apply(model, sd, optimizer, osd, scheduler, scaler, state, rng)
-
-
-def _as_dtensor(local: torch.Tensor, like: Any) -> torch.Tensor:
-    """``local`` (this rank's recorded shard) as a DTensor placed like ``like``."""
-    from torch.distributed.tensor import DTensor
-
-    local = local.to(like.device)
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
-

@@ -15,7 +15,6 @@ from typing import Any
 
 from stepdump.read.run import Run
 from stepdump.read.state import check_meta
-from stepdump.store import catalog
 from stepdump.store.format import CATALOG_FILE
 from stepdump.store.fsspec_storage import (
     FsspecStorage,
@@ -23,6 +22,7 @@ from stepdump.store.fsspec_storage import (
     fetch_catalog,
     run_tag,
 )
+from stepdump.store.queries import CatalogReader
 
 
 class RemoteRun(Run):
@@ -45,12 +45,7 @@ class RemoteRun(Run):
         self._remote = storage if storage is not None else FsspecStorage(self.url, storage_options, cache)
         self._remote.cache_dir = cache
         fetch_catalog(self._remote, cache)
-        super().__init__(cache)
-        self._use_remote_blobs()
-
-    def _use_remote_blobs(self) -> None:
-        self._blobs.storage.close()
-        self._blobs.storage = self._remote  # type: ignore[assignment]
+        super().__init__(cache, storage=self._remote)
         self._tag_ranges()
 
     def _tag_ranges(self) -> None:
@@ -61,11 +56,16 @@ class RemoteRun(Run):
     def refresh(self) -> None:
         """Download the latest published catalog snapshot (steps uploaded since opening become visible)."""
         fetch_catalog(self._remote, self.path)
-        old = self._con
-        self._con = catalog.connect_reader(self.path)
-        self.meta = catalog.read_meta(self._con)
-        check_meta(self.meta, self.path)
-        self._blobs.con = self._con
+        new = CatalogReader(self.path)
+        try:
+            meta = new.meta()
+            check_meta(meta, self.path)
+        except BaseException:
+            new.close()
+            raise
+        old, self._catalog, self.meta = self._catalog, new, meta
+        self._blobs.con = new
+        self._series_checked = False  # the new snapshot's series are checked again
         self._tag_ranges()
         old.close()
 

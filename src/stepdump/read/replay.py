@@ -17,6 +17,7 @@ output with ``rec.log_batch``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -78,8 +79,8 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         verify: Check every replayed step against the recorded fingerprints.
 
     Returns:
-        The rebuilt tensors of ``step``; ``run.tensor(...)`` also serves them
-        from now on for that step.
+        The rebuilt tensors of ``step`` (``result.tensor(name, kind)``). The run
+        is only read: ``run.tensor(...)`` still returns what was recorded.
     """
     if step not in set(run.stats_steps):
         raise StepNotFoundError(f"step {step} was not recorded in {run.path}; {nearest_steps(step, run.stats_steps)}")
@@ -115,7 +116,7 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
                 )
             if "rng" in st:
                 set_rng_state(st["rng"])
-            batch = tjson.decode(st["batch"], lambda ref, t=t: run.tensor(ref, t, kind="inputs"))
+            batch = tjson.decode(st["batch"], functools.partial(_input, run, t))
             try:
                 train_step(model, optimizer, batch)
             except _Stop:
@@ -132,13 +133,16 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     st = run.step_state(step)
     if "rng" in st:
         set_rng_state(st["rng"])
-    run._replayed[step] = result
     return result
 
 
+def _input(run: Run, step: int, ref: str) -> torch.Tensor:
+    """A ``$tensor`` of step ``step``'s recorded batch."""
+    return run.tensor(ref, step, kind="inputs")
+
+
 def _has_state(run: Run, t: int) -> bool:
-    row = run._con.execute("SELECT state IS NOT NULL FROM steps WHERE step = ?", (t,)).fetchone()
-    return bool(row and row[0])
+    return run.catalog.has_state(t)
 
 
 def _live_tensors(layout: Any, opt: torch.optim.Optimizer) -> dict[Key, torch.Tensor]:
@@ -155,7 +159,7 @@ def _live_tensors(layout: Any, opt: torch.optim.Optimizer) -> dict[Key, torch.Te
 
 def _verify_lr(run: Run, t: int, opt: torch.optim.Optimizer) -> None:
     """Hyperparameters are not tensors, so no fingerprint sees them: compare lr with the logged lr scalars."""
-    rows = dict(run._con.execute("SELECT name, value FROM scalars WHERE step = ? AND name GLOB 'lr*'", (t,)).fetchall())
+    rows = {name: value for _, name, value in run.scalar_rows(t) if name.startswith("lr")}
     for i, group in enumerate(opt.param_groups):
         name = "lr" if i == 0 else f"lr/{i}"
         if name in rows and rows[name] is not None and float(group["lr"]) != rows[name]:

@@ -1,7 +1,10 @@
 """Restore a recorded step into live model / optimizer / scheduler / scaler / RNG.
 
 Everything is read and checked first; only then is anything changed, so a
-mismatch leaves the caller's objects exactly as they were.
+mismatch leaves the caller's objects exactly as they were. One path for plain
+models and for models whose parameters are DTensors (FSDP2 / tensor parallel:
+one rank's recorded shards go into its DTensors); :func:`stepdump.replay` starts
+from it too.
 """
 
 from __future__ import annotations
@@ -23,22 +26,26 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
             scaler: Any = None, *, rng: bool = True) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"restore needs the model (a torch.nn.Module), got {type(model).__name__}")
+    from stepdump.core.dtensor import is_dtensor
     from stepdump.core.layout import unwrap
-    from stepdump.read.ranked import has_dtensors, restore_sharded
 
     model = unwrap(model)  # a torch.compile wrapper: the run names the inner module's tensors
-
-    if has_dtensors(model):  # FSDP2 / tensor parallel: this rank's shards go into its DTensors
-        return restore_sharded(run, step, model, optimizer, scheduler, scaler, rng=rng)
+    sharded = any(is_dtensor(p) for p in model.parameters())
     meta = run.meta
     sd = run.state_dict(step)
-    _check_model(run, model, sd)
+    if sharded:
+        _check_sharded_model(model, sd)
+    else:
+        _check_model(run, model, sd)
     osd = None
     plan = OptimizerPlan()
     if optimizer is not None:
         _check_class("optimizer", optimizer, meta.get("optimizer_class"))
         osd = run.optimizer_state_dict(step)
-        plan = _check_optimizer(run, step, model, optimizer)
+        if sharded:
+            _shard_optimizer_state(osd, optimizer)
+        else:
+            plan = _check_optimizer(run, step, model, optimizer)
     if scheduler is not None:
         _check_class("scheduler", scheduler, meta.get("scheduler_class"))
     state = side_state(run, step, scheduler, scaler, rng)
@@ -72,6 +79,62 @@ def apply(model: torch.nn.Module, sd: Any, optimizer: Any, osd: Any, scheduler: 
         scaler.load_state_dict(state["scaler"])
     if rng:
         set_rng_state(state["rng"])
+
+
+def _check_sharded_model(model: torch.nn.Module, sd: dict[str, Any]) -> None:
+    """This rank's recorded shards against the live (DTensor) model; each shard is wrapped as a
+    DTensor placed like the live parameter, so the live model must be sharded as the recorded
+    one was (same world size, mesh and placements)."""
+    from stepdump.core.dtensor import is_dtensor
+
+    live = model.state_dict()
+    for key in live:
+        if key not in sd:
+            raise RestoreMismatchError(f"the model has {key!r}, which the run did not record; restore into the "
+                                       "same architecture")
+    for key, t in sd.items():
+        if key not in live:
+            raise RestoreMismatchError(f"the run has {key!r}, which the model does not")
+        target = live[key]
+        local = target.to_local() if is_dtensor(target) else target
+        if tuple(local.shape) != tuple(t.shape) or local.dtype != t.dtype:
+            raise RestoreMismatchError(
+                f"{key!r}: this rank recorded a {t.dtype} shard of shape {tuple(t.shape)}, the live model holds "
+                f"{local.dtype} {tuple(local.shape)} here; restore with the same world size and sharding"
+            )
+        if is_dtensor(target):
+            sd[key] = _as_dtensor(t, target)
+
+
+def _shard_optimizer_state(osd: dict[str, Any], optimizer: Any) -> None:
+    """Wrap the shard-shaped state of DTensor parameters in ``osd`` as DTensors placed like them."""
+    from stepdump.core.dtensor import is_dtensor
+    from stepdump.read.state import param_indices
+
+    if len(osd["param_groups"]) != len(optimizer.param_groups) or any(
+        len(a["params"]) != len(b["params"]) for a, b in zip(osd["param_groups"], optimizer.param_groups)
+    ):
+        raise RestoreMismatchError("the run's optimizer param groups differ from this optimizer's; build the "
+                                   "optimizer with the same groups")
+    by_id = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    # The live optimizer numbers its parameters as the recorded state_dict does.
+    params = [by_id[i] for i in param_indices([id(p) for p in g["params"]] for g in optimizer.param_groups)]
+    for i, st in osd["state"].items():
+        p = params[i]
+        if not is_dtensor(p):
+            continue
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.to_local().shape):
+                st[k] = _as_dtensor(v, p)
+
+
+def _as_dtensor(local: torch.Tensor, like: Any) -> torch.Tensor:
+    """``local`` (this rank's recorded shard) as a DTensor placed like ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    local = local.to(like.device)
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 def _check_class(what: str, obj: Any, recorded: str | None) -> None:
@@ -155,11 +218,7 @@ def _check_optimizer(run: Run, step: int, model: torch.nn.Module, optimizer: tor
             )
         plan.new_groups.append({**recorded[i]["hyper"], "params": [by_name[n] for n in recorded[i]["params"]]})
         live_groups.append(list(recorded[i]["params"]))
-    stored = {name for (name,) in run._con.execute(
-        "SELECT s.name FROM tensors t JOIN series s ON s.id = t.series "
-        "WHERE t.step = ? AND s.kind = 'params' AND t.blob IS NOT NULL",
-        (step,),
-    )}
+    stored = set(run.stored_names(step, "params"))
     in_model = {name for _, kind, name in _state_dict_entries(run) if kind == "params"}
     live_params = [g["params"] for g in optimizer.param_groups]
     for i, (rec_names, live_names) in enumerate(zip((g["params"] for g in recorded), live_groups, strict=True)):

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-import operator
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import pandas as pd
 import torch
 
 from stepdump.core import tjson
@@ -24,16 +22,26 @@ from stepdump.errors import (
     nearest_steps,
 )
 from stepdump.read.blobs import BlobReader
+from stepdump.read.rows import (
+    as_step,
+    check_fingerprint,
+    check_kind,
+    check_level,
+    check_scalar,
+    require_full,
+)
 from stepdump.read.state import check_meta
-from stepdump.store import catalog
-from stepdump.store.catalog import STAT_COLUMNS
 from stepdump.store.format import ALL_KINDS, LEVEL_FULL
 from stepdump.store.lock import is_locked
+from stepdump.store.queries import STAT_ROW_COLUMNS, CatalogReader, StepRange
 
 if TYPE_CHECKING:
-    from stepdump.read.ranked import DistributedRun
+    import pandas as pd
 
-StepRange = int | range | slice | Iterable[int] | None
+    from stepdump.read.reader import RunReader
+    from stepdump.store.storage import ReadStorage
+
+_as_step = as_step  # the name ranked.py and older callers import
 
 
 class Run:
@@ -43,24 +51,46 @@ class Run:
     time, and checked against their checksum.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, storage: ReadStorage | None = None) -> None:
+        # ``storage``: where segment bytes are read from (default: the files under ``path``);
+        # the Run closes it.
         self.path = Path(path)
-        self._con = catalog.connect_reader(self.path)
+        self._catalog = CatalogReader(self.path)
         try:
-            self.meta: dict[str, Any] = catalog.read_meta(self._con)
+            self.meta: dict[str, Any] = self._catalog.meta()
             check_meta(self.meta, self.path)
         except BaseException:
-            self._con.close()
+            self._catalog.close()
             raise
         self.format_version: int = int(self.meta["format_version"])
-        self._blobs = BlobReader(self.path, self._con)
-        self._replayed: dict[int, Any] = {}  # step -> ReplayResult, filled by stepdump.replay
+        self._blobs = BlobReader(self.path, self._catalog, storage)
         self._series_checked = False  # see _check_series
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
         self._blobs.close()
-        self._con.close()
+        self._catalog.close()
+
+    @property
+    def catalog(self) -> CatalogReader:
+        """The run's catalog queries (:class:`~stepdump.store.queries.CatalogReader`).
+
+        Typed rows for analysis that needs more than the frames (``diff``,
+        ``verify``, the report's stat matrices); read-only, and not a stable API."""
+        return self._catalog
+
+    @property
+    def _con(self) -> Any:
+        # The raw read-only connection, for tests that look at or plant rows; code asks self.catalog.
+        return self._catalog.connection
+
+    def stores(self) -> Iterator[tuple[int | None, Run]]:
+        """The run's stores: this one, with no rank (a multi-rank run yields one per rank)."""
+        yield None, self
+
+    def read_blob(self, blob_id: int) -> bytes | bytearray | memoryview:
+        """The decoded bytes of one blob, its checksum verified (what ``verify`` checks blob by blob)."""
+        return self._blobs.raw(blob_id)
 
     def __enter__(self) -> Run:
         return self
@@ -80,28 +110,28 @@ class Run:
     @property
     def steps(self) -> list[int]:
         """Steps whose tensors are stored in full (what :meth:`tensor` can read)."""
-        return self._ints("SELECT step FROM steps WHERE level >= ? ORDER BY step", (LEVEL_FULL,))
+        return self._catalog.steps(LEVEL_FULL)
 
     @property
     def stats_steps(self) -> list[int]:
         """Steps with stats and fingerprints (a superset of :attr:`steps`)."""
-        return self._ints("SELECT step FROM steps WHERE level >= 1 ORDER BY step", ())
+        return self._catalog.steps(1)
 
     @property
     def all_steps(self) -> list[int]:
         """Every optimizer step the recorder saw, recorded in full or not."""
-        return self._ints("SELECT step FROM steps ORDER BY step", ())
+        return self._catalog.steps()
 
     @property
     def skipped_steps(self) -> list[int]:
         """Steps the GradScaler skipped (inf/NaN gradients, no update)."""
-        return self._ints("SELECT step FROM steps WHERE skipped = 1 ORDER BY step", ())
+        return self._catalog.skipped_steps()
 
     def blob_bytes(self) -> tuple[int, int]:
         """(stored, raw): bytes of tensor data in the segments, and what they decode to.
 
         Their ratio is what the run's codec saved (1.0 for ``raw``)."""
-        stored, raw = self._con.execute("SELECT total(length), total(raw_length) FROM blobs").fetchone()
+        stored, raw = self._catalog.blob_sizes()
         try:
             return int(stored), int(raw)
         except (TypeError, ValueError, OverflowError):
@@ -109,13 +139,13 @@ class Run:
 
     def kinds(self) -> list[str]:
         """Kinds of tensors present in the run (params, grads, optimizer, ...)."""
-        rows = {k for (k,) in self._con.execute("SELECT DISTINCT kind FROM series")}
+        rows = self._catalog.kinds()
         return [k for k in ALL_KINDS if k in rows and k != "state"]
 
     def names(self, kind: str = "params") -> list[str]:
         """Names of the tensors of ``kind`` recorded at any step, in recording order."""
         self._check_kind(kind)
-        names = [n for (n,) in self._con.execute("SELECT name FROM series WHERE kind = ? ORDER BY id", (kind,))]
+        names = self._catalog.names(kind)
         bad = next((n for n in names if not isinstance(n, str)), None)
         if bad is not None:
             raise CorruptDataError(f"the catalog of {self.path} has a {kind} tensor named {bad!r}, not a string")
@@ -126,38 +156,34 @@ class Run:
         """The tensor ``name`` of ``kind`` at ``step``, bit-exact as recorded."""
         step = _as_step(step)
         sid = self._series_id(kind, name)
-        row = self._con.execute(
-            "SELECT blob, dtype, shape, fingerprint FROM tensors WHERE series = ? AND step = ?", (sid, step)
-        ).fetchone()
+        row = self._catalog.tensor_row(sid, step)
         if row is None or row[0] is None:
-            replayed = self._replayed.get(step)
-            if replayed is not None and (kind, name) in replayed.tensors:
-                return replayed.tensors[(kind, name)]
             self._missing(name, step, kind, stats_only=row is not None)
-        return self._blobs.tensor(row[0], row[1], row[2], _fingerprint(row[3]))
+        return self._blobs.tensor(row[0], row[1], row[2], check_fingerprint(row[3], self.path))
 
     def tensors(self, step: int, kind: str = "params") -> dict[str, torch.Tensor]:
         """Every stored tensor of ``kind`` at ``step``, by name."""
         step = _as_step(step)
         self._check_kind(kind)
         self._require_full(step)
-        rows = self._con.execute(
-            "SELECT s.name, t.blob, t.dtype, t.shape, t.fingerprint FROM tensors t JOIN series s ON s.id = t.series "
-            "WHERE t.step = ? AND s.kind = ? AND t.blob IS NOT NULL ORDER BY s.id",
-            (step, kind),
-        ).fetchall()
+        rows = self._catalog.stored_tensors(step, (kind,))
         self._check_series()
         with self._blobs.call():  # one budget, and rows naming one blob share its tensor memory
-            return {n: self._blobs.tensor(b, d, sh, _fingerprint(fp)) for n, b, d, sh, fp in rows}
+            return {n: self._blobs.tensor(b, d, sh, check_fingerprint(fp, self.path))
+                    for _, n, _, _, b, d, sh, fp in rows}
+
+    def stored_names(self, step: int, kind: str = "params") -> list[str]:
+        """Names of the ``kind`` tensors stored in full at ``step`` (what :meth:`tensors` returns)."""
+        step = _as_step(step)
+        self._check_kind(kind)
+        self._require_full(step)
+        self._check_series()
+        return self._catalog.stored_names(step, kind)
 
     def fingerprints(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], int]:
         """(kind, name) -> fingerprint of every tensor with stats at ``step``."""
         step = _as_step(step)
-        rows = self._con.execute(
-            "SELECT s.kind, s.name, t.fingerprint FROM tensors t JOIN series s ON s.id = t.series "
-            "WHERE t.step = ? AND s.kind != 'state'",
-            (step,),
-        ).fetchall()
+        rows = self._catalog.fingerprints(step)
         self._check_series()
         wanted = None if kinds is None else set(kinds)
         return {(k, n): fp for k, n, fp in rows if wanted is None or k in wanted}
@@ -167,13 +193,13 @@ class Run:
         """The decoded non-tensor state of a step: groups, scheduler, scaler, rng at full
         steps; rng and the batch skeleton at every step in keyframe mode."""
         step = _as_step(step)
-        row = self._con.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
-        if row is None or row[0] is None:
+        text = self._catalog.step_state(step)
+        if text is None:
             self._require_full(step)  # raises with the nearest steps
             raise StepNotFoundError(f"step {step} of {self.path} has no recorded state")
         try:
             with self._blobs.call():  # every $tensor of the state in one read budget
-                state = tjson.decode(tjson.loads(row[0]), lambda ref: self.tensor(ref, step, kind="state"))
+                state = tjson.decode(tjson.loads(text), lambda ref: self.tensor(ref, step, kind="state"))
         except StepdumpError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError) as e:
@@ -188,7 +214,7 @@ class Run:
         from stepdump.read.state import model_state_dict
 
         with self._blobs.call():
-            return model_state_dict(self, step)
+            return model_state_dict(self, self._blobs, step)
 
     def optimizer_state_dict(self, step: int) -> dict[str, Any]:
         """``optimizer.state_dict()`` as it was before update ``step``."""
@@ -196,7 +222,7 @@ class Run:
         from stepdump.read.state import optimizer_state_dict
 
         with self._blobs.call():
-            return optimizer_state_dict(self, step)
+            return optimizer_state_dict(self, self._blobs, step)
 
     def scheduler_state_dict(self, step: int) -> dict[str, Any] | None:
         """The LR scheduler's state_dict before update ``step`` (None if none was given)."""
@@ -249,12 +275,15 @@ class Run:
                 profiling columns, which :meth:`profile` returns).
             steps: A step, range, slice or iterable of steps.
         """
-        where, args = _step_filter("step", steps)
         pats = None if names is None else [names] if isinstance(names, str) else list(names)
         if pats is not None and not all(isinstance(p, str) for p in pats):
             raise ConfigError(f"names= takes glob strings, got {names!r}")
+        if steps is not None and not isinstance(steps, (slice, range)) and not hasattr(steps, "__index__"):
+            steps = list(steps)  # a generator would be used up by the first of two queries
+        import pandas as pd  # lazily: see the TYPE_CHECKING import
+
         rows = self.scalar_rows(steps)
-        skipped = self._con.execute(f"SELECT step, skipped FROM steps WHERE {where}", args).fetchall()
+        skipped = self._catalog.skipped_flags(steps)
         try:
             df = pd.DataFrame(rows, columns=["step", "name", "value"])
             wide = df.pivot_table(index="step", columns="name", values="value", aggfunc="last", dropna=False)
@@ -278,11 +307,9 @@ class Run:
         :meth:`scalars` a logged NaN is told apart from a name not logged at a step.
         ``nan_only``: just those rows.
         """
-        where, args = _step_filter("step", steps)
-        rows = self._con.execute(f"SELECT step, name, value FROM scalars WHERE {where}"
-                                 f"{' AND value IS NULL' if nan_only else ''} ORDER BY name, step", args)
+        rows = self._catalog.scalar_rows(steps, nan_only=nan_only)
         for step, name, value in rows:
-            _check_scalar(step, name, value, self.path)
+            check_scalar(step, name, value, self.path)
         return rows
 
     def profile(self, steps: StepRange = None) -> pd.DataFrame:
@@ -298,28 +325,24 @@ class Run:
             name: Glob over tensor names (``"fc1.*"``).
             steps: A step, range, slice or iterable of steps.
         """
+        import pandas as pd  # lazily: see the TYPE_CHECKING import
+
         self._check_series()
-        series_where, series_args = ["s.kind != 'state'"], []
         if kind is not None:
             self._check_kind(kind)
-            series_where.append("s.kind = ?")
-            series_args.append(kind)
-        if name is not None:
-            series_where.append("s.name GLOB ?")
-            series_args.append(name)
-        columns = ["step", "kind", "name", "dtype", "shape", *STAT_COLUMNS, "fingerprint", "stored"]
+        columns = list(STAT_ROW_COLUMNS)
         if steps is not None and not isinstance(steps, (slice, range)) and not hasattr(steps, "__index__"):
             steps = list(steps)  # a generator would be used up by the first of two queries
-        df = self._one_series_stats(" AND ".join(series_where), series_args, steps, columns)
-        if df is None:
-            where, args = _step_filter("t.step", steps)
-            cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
-            sql = (
-                f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, {cols}, t.fingerprint, t.blob IS NOT NULL "
-                f"FROM tensors t JOIN series s ON s.id = t.series WHERE {where} AND {' AND '.join(series_where)} "
-                "ORDER BY t.step, s.id"
-            )
-            df = pd.DataFrame(self._con.execute(sql, [*args, *series_args]).fetchall(), columns=columns)
+        # One series (a tensor's history): its own query, with no join or sort in SQLite.
+        series = self._catalog.matching_series(kind, name, limit=2)
+        if len(series) == 1:
+            (sid, skind, sname), = series
+            df = pd.DataFrame(self._catalog.series_stat_rows(sid, steps),
+                              columns=[c for c in columns if c not in ("kind", "name")])
+            df.insert(1, "kind", skind)
+            df.insert(2, "name", sname)
+        else:
+            df = pd.DataFrame(self._catalog.stat_rows(kind, name, steps), columns=columns)
         try:
             df["stored"] = df["stored"].astype(bool)
             for c in ("step", "numel", "nan", "posinf", "neginf"):  # text here would fail in every analysis
@@ -330,29 +353,6 @@ class Run:
             raise CorruptDataError(f"the catalog of {self.path} holds stats that are not numbers ({e})") from e
         return df
 
-    def _one_series_stats(self, series_where: str, series_args: list[Any], steps: StepRange,
-                          columns: list[str]) -> pd.DataFrame | None:
-        """Stats of one tensor's history when the filters match exactly one series, else None.
-
-        The query walks the (series, step) key in order: no join and no sort in
-        SQLite, and kind and name are not fetched with every row (10,000 steps:
-        34 -> 27 ms, best of 20, on the bench machine). No match: an empty frame."""
-        where, args = _step_filter("step", steps)  # first: a bad steps= is an error even if nothing matches
-        series = self._con.execute(f"SELECT s.id, s.kind, s.name FROM series s WHERE {series_where} LIMIT 2",
-                                   series_args).fetchall()
-        if not series:
-            return pd.DataFrame([], columns=columns)
-        if len(series) > 1:
-            return None
-        (sid, kind, name), = series
-        rows = self._con.execute(
-            f"SELECT step, dtype, shape, {', '.join(STAT_COLUMNS)}, fingerprint, blob IS NOT NULL FROM tensors "
-            f"WHERE series = ? AND {where} ORDER BY step", [sid, *args]).fetchall()
-        df = pd.DataFrame(rows, columns=[c for c in columns if c not in ("kind", "name")])
-        df.insert(1, "kind", kind)
-        df.insert(2, "name", name)
-        return df
-
     # -- helpers ---------------------------------------------------------------
     def _check_series(self) -> None:
         """Series kinds and names must be text: they become dict keys, names in exported
@@ -360,53 +360,41 @@ class Run:
         One query over the (small) series table, once per Run: a live writer adds only text."""
         if self._series_checked:
             return
-        bad = self._con.execute(
-            "SELECT kind, name FROM series WHERE typeof(kind) != 'text' OR typeof(name) != 'text' "
-            "OR typeof(param) NOT IN ('text', 'null') OR typeof(key) NOT IN ('text', 'null') LIMIT 1")
-        if bad:
-            kind, name = bad[0]
+        bad = self._catalog.non_text_series()
+        if bad is not None:
+            kind, name = bad
             raise CorruptDataError(f"the catalog of {self.path} has a {kind!r} tensor named {name!r} (or with a "
                                    "param or key) which is not text: the catalog is damaged "
                                    "(`stepdump verify` checks a run)")
         self._series_checked = True
 
-    def _ints(self, sql: str, args: tuple[Any, ...]) -> list[int]:
-        return [r[0] for r in self._con.execute(sql, args)]
-
     def _check_kind(self, kind: str) -> None:
-        if kind not in ALL_KINDS:
-            raise TensorNotFoundError(f"unknown kind {kind!r}; kinds are {', '.join(ALL_KINDS)}")
+        check_kind(kind)
 
     def _series_id(self, kind: str, name: str) -> int:
         self._check_kind(kind)
-        row = self._con.execute("SELECT id FROM series WHERE kind = ? AND name = ?", (kind, name)).fetchone()
-        if row is None:
-            others = [k for (k,) in self._con.execute("SELECT DISTINCT kind FROM series WHERE name = ?", (name,))]
+        sid = self._catalog.series_id(kind, name)
+        if sid is None:
+            others = self._catalog.kinds_named(name)
             hint = f"; it exists as kind {', '.join(map(repr, others))}" if others else ""
             raise TensorNotFoundError(
                 f"no {kind} tensor named {name!r} in {self.path}{hint}; " + close_names(name, self.names(kind))
             )
-        return int(row[0])
+        return sid
 
     def _require_full(self, step: int) -> None:
-        step = _as_step(step)
-        row = self._con.execute("SELECT level FROM steps WHERE step = ?", (step,)).fetchone()
-        if row is not None:
-            _check_level(row[0], step)
-        if row is None or row[0] < LEVEL_FULL:
-            what = "was not recorded" if row is None else "has only stats and fingerprints (not stored in full)"
-            raise StepNotFoundError(f"step {step} {what} in {self.path}; {nearest_steps(step, self.steps)}")
+        require_full(self._catalog, step, self.path)
 
-    def _missing(self, name: str, step: int, kind: str, stats_only: bool) -> None:
+    def _missing(self, name: str, step: int, kind: str, stats_only: bool) -> NoReturn:
         if stats_only:
             raise StepNotFoundError(
                 f"{kind} {name!r} at step {step} has only stats and a fingerprint, its values were not stored; "
                 f"{nearest_steps(step, self.steps)}"
             )
-        level = self._con.execute("SELECT level FROM steps WHERE step = ?", (step,)).fetchone()
+        level = self._catalog.level(step)
         if level is not None:
-            _check_level(level[0], step)
-        if level is None or level[0] < LEVEL_FULL:
+            check_level(level, step)
+        if level is None or level < LEVEL_FULL:
             self._require_full(step)
         raise StepNotFoundError(
             f"{kind} {name!r} has no value at step {step} (e.g. a parameter with no gradient that step, or "
@@ -414,66 +402,8 @@ class Run:
         )
 
 
-def _check_level(level: Any, step: int) -> None:
-    if not isinstance(level, int) or isinstance(level, bool):
-        raise CorruptDataError(f"step {step} has level {level!r} in the catalog, not a number")
-
-
-def _check_scalar(step: Any, name: Any, value: Any, path: Path) -> None:
-    """A scalars row must be (integer step, text name, number or NULL); SQLite keeps whatever
-    a damaged or hostile catalog put there, and a string would fail far from here."""
-    what = None
-    if not isinstance(name, str):
-        what = f"a scalar at step {step!r} is named {name!r}, which is not text"
-    elif not isinstance(step, int) or isinstance(step, bool):
-        what = f"scalar {name!r} has step {step!r}, which is not an integer"
-    elif value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-        what = f"scalar {name!r} at step {step} is {value!r}, which is not a number"
-    if what is not None:
-        raise CorruptDataError(f"in the catalog of {path}, {what}: the catalog is damaged "
-                               "(`stepdump verify` checks a run)")
-
-
-def _fingerprint(v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise CorruptDataError(f"a tensor row has fingerprint {v!r}, which is not a 64-bit hash")
-    return v
-
-
-def _as_step(step: Any) -> int:
-    """Steps often come out of a DataFrame as numpy.int64, which SQLite would bind as a
-    blob that equals no step; take anything that is an integer, refuse the rest."""
-    if isinstance(step, bool):
-        raise ConfigError(f"a step is an integer, got {step!r}")
-    try:
-        return operator.index(step)
-    except TypeError:
-        raise ConfigError(f"a step is an integer, got {type(step).__name__} {step!r}") from None
-
-
-def _step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
-    if steps is None:
-        return "1", []
-    if not isinstance(steps, (slice, range)) and hasattr(steps, "__index__"):
-        return f"{col} = ?", [_as_step(steps)]
-    if isinstance(steps, slice):
-        steps = range(
-            steps.start if steps.start is not None else 0,
-            steps.stop if steps.stop is not None else 2**62,
-            steps.step or 1,
-        )
-    if isinstance(steps, range):
-        if steps.step <= 0:
-            return _step_filter(col, list(steps))
-        return f"{col} >= ? AND {col} < ? AND ({col} - ?) % ? = 0", [steps.start, steps.stop, steps.start, steps.step]
-    lst = sorted({_as_step(s) for s in steps})
-    if not lst:
-        return "0", []
-    return f"{col} IN ({','.join('?' * len(lst))})", lst
-
-
 def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,  # noqa: A001
-         cache_dir: str | os.PathLike[str] | None = None) -> Run | DistributedRun:
+         cache_dir: str | os.PathLike[str] | None = None) -> RunReader:
     """Open a recorded run for reading (it may still be being written).
 
     Args:
@@ -485,4 +415,4 @@ def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None
     """
     from stepdump.read.opener import open_run
 
-    return open_run(path, storage_options=storage_options, cache_dir=cache_dir)  # type: ignore[no-any-return]
+    return open_run(path, storage_options=storage_options, cache_dir=cache_dir)

@@ -7,14 +7,19 @@ damaged or hostile: anything not shaped as FORMAT.md says is a CorruptDataError.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from stepdump.errors import CorruptDataError, StepNotFoundError
+from stepdump.read.rows import check_fingerprint, require_full
+
+K = TypeVar("K")
 
 if TYPE_CHECKING:
+    from stepdump.read.blobs import BlobReader
     from stepdump.read.run import Run
 
 
@@ -56,19 +61,14 @@ def layout_entries(run: Run) -> list[tuple[str, str, str]]:
     return [(k, kind, name) for k, kind, name in entries]
 
 
-def model_state_dict(run: Run, step: int) -> OrderedDict[str, torch.Tensor]:
-    """Params (before update ``step``) and buffers (start of iteration ``step``), by state_dict key."""
-    run._require_full(step)
+def model_state_dict(run: Run, blobs: BlobReader, step: int) -> OrderedDict[str, torch.Tensor]:
+    """Params (before update ``step``) and buffers (start of iteration ``step``), by state_dict key.
+
+    ``blobs``: the Run's blob reader (the caller's read scope is in it)."""
+    require_full(run.catalog, step, run.path)
     entries = layout_entries(run)
-    stored = {
-        (k, n): (b, d, sh, fp)
-        for k, n, b, d, sh, fp in run._con.execute(
-            "SELECT s.kind, s.name, t.blob, t.dtype, t.shape, t.fingerprint FROM tensors t "
-            "JOIN series s ON s.id = t.series "
-            "WHERE t.step = ? AND s.kind IN ('params', 'buffers') AND t.blob IS NOT NULL",
-            (step,),
-        )
-    }
+    stored = {(k, n): (b, d, sh, fp)
+              for k, n, _, _, b, d, sh, fp in run.catalog.stored_tensors(step, ("params", "buffers"))}
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     loaded: dict[tuple[str, str], torch.Tensor] = {}
     for key, kind, name in entries:
@@ -79,14 +79,29 @@ def model_state_dict(run: Run, step: int) -> OrderedDict[str, torch.Tensor]:
                     f"step {step} of {run.path} has no {kind} {name!r}, so no full state_dict: record with "
                     "capture including 'params' and include/exclude covering every parameter"
                 )
-            loaded[ref] = run._blobs.tensor(*stored[ref][:3], _fingerprint(run, stored[ref][3]))
+            loaded[ref] = blobs.tensor(*stored[ref][:3], check_fingerprint(stored[ref][3], run.path))
         out[key] = loaded[ref]
     return out
 
 
-def optimizer_state_dict(run: Run, step: int) -> dict[str, Any]:
-    """The optimizer's state_dict before update ``step``, with torch's index numbering."""
-    run._require_full(step)
+def param_indices(groups: Iterable[Iterable[K]]) -> dict[K, int]:
+    """Parameter -> its index in ``optimizer.state_dict()``: torch numbers each distinct
+    parameter once, in param-group order (a parameter in two groups keeps its first index).
+
+    ``groups``: each group's parameters, by recorded name or by any other key (``id(p)``
+    of a live optimizer's parameters)."""
+    index: dict[K, int] = {}
+    for g in groups:
+        for p in g:
+            index.setdefault(p, len(index))
+    return index
+
+
+def optimizer_state_dict(run: Run, blobs: BlobReader, step: int) -> dict[str, Any]:
+    """The optimizer's state_dict before update ``step``, with torch's index numbering.
+
+    ``blobs``: the Run's blob reader (the caller's read scope is in it)."""
+    require_full(run.catalog, step, run.path)
     state = run.step_state(step)
     groups = state.get("groups")
     if groups is None:
@@ -94,31 +109,17 @@ def optimizer_state_dict(run: Run, step: int) -> dict[str, Any]:
     malformed = CorruptDataError(f"the optimizer param groups recorded at step {step} of {run.path} are malformed")
     if not isinstance(groups, list):
         raise malformed
-    index: dict[str, int] = {}
-    param_groups = []
     for g in groups:
         if not (isinstance(g, dict) and isinstance(g.get("hyper"), dict) and isinstance(g.get("params"), list)
                 and all(isinstance(n, str) for n in g["params"])):
             raise malformed
-        ids = []
-        for name in g["params"]:
-            # torch numbers each distinct parameter once, in group order.
-            if name not in index:
-                index[name] = len(index)
-            ids.append(index[name])
-        param_groups.append({**g["hyper"], "params": ids})
+    index = param_indices(g["params"] for g in groups)
+    param_groups = [{**g["hyper"], "params": [index[n] for n in g["params"]]} for g in groups]
     per_param: dict[str, dict[str, Any]] = {}
-    rows = run._con.execute(
-        "SELECT s.param, s.key, t.blob, t.dtype, t.shape, t.fingerprint FROM tensors t "
-        "JOIN series s ON s.id = t.series WHERE t.step = ? AND s.kind = 'optimizer' ORDER BY s.id",
-        (step,),
-    ).fetchall()
-    for param, key, blob, dtype, shape, fp in rows:
-        if blob is None:
-            continue
+    for _, _, param, key, blob, dtype, shape, fp in run.catalog.stored_tensors(step, ("optimizer",)):
         if not isinstance(param, str) or not isinstance(key, str):
             raise CorruptDataError(f"an optimizer series of {run.path} has param {param!r} and key {key!r}")
-        per_param.setdefault(param, {})[key] = run._blobs.tensor(blob, dtype, shape, _fingerprint(run, fp))
+        per_param.setdefault(param, {})[key] = blobs.tensor(blob, dtype, shape, check_fingerprint(fp, run.path))
     extras = state.get("optimizer_extra", {})
     if not isinstance(extras, dict) or not all(isinstance(v, dict) for v in extras.values()):
         raise CorruptDataError(f"the optimizer state recorded at step {step} of {run.path} is malformed")
@@ -126,9 +127,3 @@ def optimizer_state_dict(run: Run, step: int) -> dict[str, Any]:
         per_param.setdefault(param, {}).update(extra)
     opt_state = {index[p]: v for p, v in per_param.items() if p in index}
     return {"state": opt_state, "param_groups": param_groups}
-
-
-def _fingerprint(run: Run, v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise CorruptDataError(f"a tensor row of {run.path} has fingerprint {v!r}, which is not a 64-bit hash")
-    return v

@@ -2,4 +2,6 @@
 
 Nothing here reads a run by itself except the ``write_*`` conveniences, which
 call the analysis function first.
+
+Internal; public names are in stepdump/__init__.py, stepdump.checks, stepdump.export.
 """

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from stepdump.errors import ConfigError
+from stepdump.read.reader import RunReader
+from stepdump.read.rows import check_kind
 from stepdump.read.run import Run
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class TensorBoardExport:
 
 
 def export_tensorboard(
-    run: Run | str | os.PathLike[str],
+    run: RunReader | str | os.PathLike[str],
     logdir: str | os.PathLike[str],
     *,
     scalars: bool = True,
@@ -58,8 +60,12 @@ def export_tensorboard(
     steps, wall times the moments the steps were committed. Steps the GradScaler
     skipped get the scalar ``skipped`` = 1 (only if the run has any).
 
+    A multi-rank run is written one rank per subdirectory (``logdir/rank0``,
+    ``logdir/rank1``, ...), which TensorBoard shows as runs side by side; the
+    returned counts are over every rank.
+
     Args:
-        run: A :class:`stepdump.Run` or the path of one.
+        run: An opened run (``stepdump.open``) or the path of one.
         logdir: Directory for the event files (created; point ``tensorboard --logdir`` at it).
         scalars: Export the logged scalars.
         stats: Stats to export per tensor and stats step (``None`` or empty: none); any of
@@ -74,10 +80,24 @@ def export_tensorboard(
     Returns:
         What was written.
     """
-    if isinstance(run, Run):
-        return _export(run, Path(logdir), scalars, stats, stat_kinds, histograms, max_histogram_steps, profile)
-    with Run(run) as r:
-        return _export(r, Path(logdir), scalars, stats, stat_kinds, histograms, max_histogram_steps, profile)
+    args = (scalars, stats, stat_kinds, histograms, max_histogram_steps, profile)
+    if isinstance(run, (str, os.PathLike)):
+        from stepdump.read.opener import open_run
+
+        with open_run(run) as opened:
+            return _export_all(opened, Path(logdir), *args)
+    return _export_all(run, Path(logdir), *args)
+
+
+def _export_all(run: RunReader, logdir: Path, *args: Any) -> TensorBoardExport:
+    """Every store of ``run``: one logdir, or one subdirectory per rank."""
+    stores = list(run.stores())
+    if stores[0][0] is None:
+        return _export(stores[0][1], logdir, *args)
+    parts = [_export(store, logdir / f"rank{r}", *args) for r, store in stores]
+    return TensorBoardExport(logdir, sum(p.scalars for p in parts), sum(p.stats for p in parts),
+                             sum(p.histograms for p in parts),
+                             tuple(sorted({s for p in parts for s in p.histogram_steps})))
 
 
 def _export(run: Run, logdir: Path, scalars: bool, stats: Sequence[str] | None, stat_kinds: Iterable[str] | None,
@@ -91,7 +111,7 @@ def _export(run: Run, logdir: Path, scalars: bool, stats: Sequence[str] | None, 
     hist_kinds = list(histograms or ())
     kinds_present = run.kinds()
     for k in [*hist_kinds, *(stat_kinds or ())]:
-        run._check_kind(k)  # noqa: SLF001 - the Run's own check and message
+        check_kind(k)
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:  # torch raises this when the tensorboard package is missing
@@ -179,7 +199,7 @@ def _scalar_rows(run: Run, profile: bool) -> list[tuple[int, str, float]]:
 def _step_times(run: Run) -> dict[int, float]:
     """When each step was committed (the catalog's ``steps.time``), as TensorBoard wall times."""
     try:
-        rows = run._con.execute("SELECT step, time FROM steps").fetchall()  # noqa: SLF001
+        rows = run.catalog.step_times()
     except Exception:  # noqa: BLE001 - wall times are cosmetic; fall back to now
         return {}
     # A time that is not a number (a damaged catalog) is left out like a missing one.

@@ -5,6 +5,10 @@ needs no configuration. Codecs are lossless. ``raw`` stores the bytes as they
 are; the others use maintained libraries (zstandard, numcodecs' Blosc) whose
 compressors release the GIL, so encoding on the writer thread does not stall
 training.
+
+Plain and delta codecs share one interface (:class:`Codec`): a delta codec
+says so with ``needs_base`` and takes its base blob's raw bytes as an argument;
+the writer (:class:`SeriesEncoder`) and the reader treat every codec alike.
 """
 
 from __future__ import annotations
@@ -18,29 +22,69 @@ import numpy as np
 
 from stepdump.errors import ConfigError, CorruptDataError
 
+Bytes = bytes | bytearray | memoryview
+
 
 class Codec(Protocol):
-    """Encodes raw little-endian tensor bytes; ``name`` is written to the catalog."""
+    """Encodes raw little-endian tensor bytes into stored bytes, and back.
 
-    name: str
+    Attributes:
+        name: Written to the catalog on every blob encoded with ``base``
+            given (or, for a plain codec, on every blob): it is how a reader
+            finds the codec again.
+        needs_base: False for a plain codec, whose blobs are self-contained
+            (``base`` is always None). True for a codec that stores a blob
+            relative to a *base*, an earlier blob of the same series that the
+            catalog names in the blob's ``base`` column: ``encode`` and
+            ``decode`` then need the base's raw bytes.
+        keyframe: The self-contained codec used for a blob that has no base
+            (the start of a chain, a kind not stored as deltas); its blobs are
+            stored under ``keyframe.name``. A plain codec is its own keyframe.
+    """
 
-    def encode(self, raw: memoryview, itemsize: int) -> bytes | memoryview: ...
+    # Read-only properties, so that frozen dataclasses and plain attributes both qualify.
+    @property
+    def name(self) -> str: ...
 
-    def decode(self, data: bytes, raw_length: int) -> bytes | bytearray | memoryview: ...
+    @property
+    def needs_base(self) -> bool: ...
+
+    @property
+    def keyframe(self) -> Codec: ...
+
+    def encode(self, raw: memoryview, itemsize: int, base: Bytes | None = None) -> bytes | memoryview:
+        """The stored bytes of ``raw`` (elements of ``itemsize`` bytes), relative to ``base``
+        (the base blob's raw bytes, as long as ``raw``) if the codec needs one."""
+        ...
+
+    def decode(self, data: bytes, raw_length: int, base: Bytes | None = None) -> Bytes:
+        """The ``raw_length`` raw bytes stored as ``data`` (relative to ``base`` if the codec
+        needs one); CorruptDataError if ``data`` cannot be what this codec wrote."""
+        ...
+
+
+class _Plain:
+    """What every self-contained codec shares: no base, and it is its own keyframe codec."""
+
+    needs_base = False
+
+    @property
+    def keyframe(self) -> Codec:
+        return self  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
-class RawCodec:
+class RawCodec(_Plain):
     name: str = "raw"
 
-    def encode(self, raw: memoryview, itemsize: int) -> memoryview:
+    def encode(self, raw: memoryview, itemsize: int, base: Bytes | None = None) -> memoryview:
         return raw
 
-    def decode(self, data: bytes, raw_length: int) -> bytes:
+    def decode(self, data: bytes, raw_length: int, base: Bytes | None = None) -> bytes:
         return data
 
 
-class ZstdCodec:
+class ZstdCodec(_Plain):
     """zstandard at a low level: fast enough for every step, ~1.1-1.3x on floats."""
 
     def __init__(self, level: int = 1) -> None:
@@ -59,10 +103,10 @@ class ZstdCodec:
             self._local.ctx = ctx
         return ctx
 
-    def encode(self, raw: memoryview, itemsize: int) -> bytes:
+    def encode(self, raw: memoryview, itemsize: int, base: Bytes | None = None) -> bytes:
         return self._ctx()[0].compress(raw)  # type: ignore[attr-defined]
 
-    def decode(self, data: bytes, raw_length: int) -> bytes:
+    def decode(self, data: bytes, raw_length: int, base: Bytes | None = None) -> bytes:
         try:
             # zstandard allocates what the frame header says, whatever max_output_size
             # is: check the header's claim before anything is allocated.
@@ -76,7 +120,7 @@ class ZstdCodec:
             raise CorruptDataError(f"zstd could not decode a blob: {e}") from e
 
 
-class BloscCodec:
+class BloscCodec(_Plain):
     """Blosc with byte shuffle then zstd or lz4: shuffling groups exponent bytes,
     which is what makes float tensors compress at all."""
 
@@ -89,14 +133,14 @@ class BloscCodec:
         self._args = dict(cname=cname, clevel=clevel, shuffle=shuf)
         self._cache: dict[int, object] = {}
 
-    def encode(self, raw: memoryview, itemsize: int) -> bytes:
+    def encode(self, raw: memoryview, itemsize: int, base: Bytes | None = None) -> bytes:
         codec = self._cache.get(itemsize)
         if codec is None:
             codec = self._blosc(blocksize=0, typesize=itemsize, **self._args)  # type: ignore[call-arg]
             self._cache[itemsize] = codec
         return codec.encode(np.frombuffer(raw, dtype=np.uint8))  # type: ignore[attr-defined]
 
-    def decode(self, data: bytes, raw_length: int) -> bytes:
+    def decode(self, data: bytes, raw_length: int, base: Bytes | None = None) -> bytes:
         if raw_length == 0:  # blosc encodes b"" but refuses to decode its own output
             return b""
         check_blosc_header(data, raw_length)
@@ -182,3 +226,63 @@ def get_codec(name: str) -> Codec:
             codec = factory()  # type: ignore[operator]
             _instances[name] = codec  # type: ignore[assignment]
         return codec
+
+
+class _Last:
+    """What the writer keeps of a series' last blob: its raw bytes, id and chain position."""
+
+    __slots__ = ("raw", "blob", "itemsize", "links")
+
+    def __init__(self, raw: bytearray, blob: int, itemsize: int, links: int) -> None:
+        self.raw = raw
+        self.blob = blob
+        self.itemsize = itemsize
+        self.links = links
+
+
+class SeriesEncoder:
+    """The writer's side of a codec: which base each new blob is relative to, then encoding it.
+
+    A blob of a series (a tensor recorded step after step) is encoded against the
+    series' previous blob when the codec needs a base, and self-contained (with
+    ``codec.keyframe``) at the start of a chain, every ``chain`` blobs, when the
+    size or element width changed, and for blobs that belong to no series. For a
+    plain codec every blob is its own keyframe and nothing is kept.
+
+    For a codec that needs a base, a copy of each series' last raw bytes is kept
+    (one record's worth of memory), because the staging buffer it came from is
+    reused for the next step. Chains start afresh in every writer session (a
+    resumed run begins with keyframes), so a base is always a blob this session
+    wrote and committed earlier, or in the same transaction.
+    """
+
+    def __init__(self, codec: Codec, chain: int) -> None:
+        self.codec = codec
+        self.chain = chain
+        self._last: dict[int, _Last] = {}
+
+    def encode(self, series: int | None, blob_id: int, raw: memoryview,
+               itemsize: int) -> tuple[bytes | memoryview, int | None, str]:
+        """Encode ``raw``, the blob ``blob_id`` (of ``series``, None: of no chain); return
+        (stored bytes, base blob id or None, codec name for the catalog)."""
+        if not self.codec.needs_base or series is None:
+            plain = self.codec.keyframe
+            return plain.encode(raw, itemsize), None, plain.name
+        last = self._last.get(series)
+        n = len(raw)
+        if last is not None and len(last.raw) == n and last.itemsize == itemsize and last.links + 1 < self.chain \
+                and n:
+            out, base, name, links = self.codec.encode(raw, itemsize, last.raw), last.blob, self.codec.name, \
+                last.links + 1
+        else:
+            plain = self.codec.keyframe
+            out, base, name, links = plain.encode(raw, itemsize), None, plain.name, 0
+        buf = last.raw if last is not None and len(last.raw) == n else bytearray(n)
+        if n:
+            np.copyto(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
+        self._last[series] = _Last(buf, blob_id, itemsize, links)
+        return out, base, name
+
+    def forget(self) -> None:
+        """After a failed step: its blobs were never committed, so nothing may build on them."""
+        self._last.clear()

@@ -14,9 +14,10 @@ Integer difference beat XOR of the bit patterns (whole record 1.30x against
 the difference by one.
 
 A delta blob names its ``base`` (an earlier blob of the same series) in the
-catalog. The writer stores a self-contained keyframe (with the plain Blosc
-codec of the same compressor) every ``chain`` blobs per series (Recorder's
-``delta_chain``, default 8), so reading any tensor decodes at most that many.
+catalog. The writer (:class:`~stepdump.store.codecs.SeriesEncoder`) stores a
+self-contained keyframe (with the plain Blosc codec of the same compressor)
+every ``chain`` blobs per series (Recorder's ``delta_chain``, default 8), so
+reading any tensor decodes at most that many.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 import numpy as np
 
 from stepdump.errors import CorruptDataError
-from stepdump.store.codecs import BloscCodec, check_blosc_header
+from stepdump.store.codecs import BloscCodec, Bytes, check_blosc_header
 
 # The longest chain a writer may build and a reader follows (Recorder's delta_chain).
 MAX_DELTA_CHAIN = 4096
@@ -42,7 +43,7 @@ def delta_width(itemsize: int) -> int:
     return itemsize if itemsize in _SIGNED else 8 if itemsize % 8 == 0 else 1
 
 
-def zigzag_delta(cur: memoryview | bytes, base: memoryview | bytes, width: int) -> np.ndarray:
+def zigzag_delta(cur: Bytes, base: Bytes, width: int) -> np.ndarray:
     """zigzag(cur - base), elementwise on ``width``-byte integers, as unsigned integers.
 
     The result lives in this thread's scratch memory: use it (encode it) before
@@ -100,28 +101,29 @@ class DeltaCodec:
     """Zigzag integer delta against a base blob, then Blosc with bit shuffle.
 
     ``name`` (``delta-lz4`` / ``delta-zstd``) is written on delta blobs;
-    ``keyframe`` is the self-contained codec written on keyframes.
+    ``keyframe`` is the self-contained codec written on blobs with no base.
     """
+
+    needs_base = True
 
     def __init__(self, cname: str) -> None:
         self.name = f"delta-{cname}"
         self.keyframe = BloscCodec(cname, 1, "bit")
 
-    def encode(self, raw: memoryview, itemsize: int) -> bytes:
-        """A keyframe: the plain Blosc encoding (stored under ``keyframe.name``)."""
-        return self.keyframe.encode(raw, itemsize)
-
-    def decode(self, data: bytes, raw_length: int) -> bytes:
-        raise CorruptDataError(f"a {self.name} blob needs its base blob to be decoded, and the catalog names none")
-
-    def encode_delta(self, raw: memoryview, base: memoryview | bytes, itemsize: int) -> bytes:
-        """The stored bytes of ``raw`` relative to ``base`` (same length)."""
+    def encode(self, raw: memoryview, itemsize: int, base: Bytes | None = None) -> bytes:
+        """The stored bytes of ``raw`` relative to ``base`` (same length); a blob with no
+        base is encoded with :attr:`keyframe` instead, and stored under its name."""
+        if base is None:
+            raise ValueError(f"{self.name} encodes a blob relative to a base; encode a blob with no base "
+                             f"with its keyframe codec ({self.keyframe.name})")
         width = delta_width(itemsize)
         z = zigzag_delta(raw, base, width)
-        return self.keyframe.encode(memoryview(z).cast("B"), width)
+        return self.keyframe.encode(z.data.cast("B"), width)
 
-    def decode_delta(self, data: bytes, raw_length: int, base: bytes | bytearray | memoryview) -> memoryview:
+    def decode(self, data: bytes, raw_length: int, base: Bytes | None = None) -> memoryview:
         """Raw bytes from a delta blob and its base's raw bytes."""
+        if base is None:
+            raise CorruptDataError(f"a {self.name} blob needs its base blob to be decoded, and the catalog names none")
         if len(base) != raw_length:
             raise CorruptDataError(f"a {self.name} blob of {raw_length} bytes names a base of {len(base)} bytes")
         if raw_length == 0:
@@ -132,52 +134,3 @@ class DeltaCodec:
             raise CorruptDataError(f"a {self.name} blob has element width {width} for {raw_length} bytes")
         z = np.frombuffer(self.keyframe.decode(data, raw_length), dtype=_UNSIGNED[width])
         return undo_zigzag_delta(z, base, width)
-
-
-class _Last:
-    """What the writer keeps of a series' last blob: its raw bytes, id and chain position."""
-
-    __slots__ = ("raw", "blob", "itemsize", "links")
-
-    def __init__(self, raw: bytearray, blob: int, itemsize: int, links: int) -> None:
-        self.raw = raw
-        self.blob = blob
-        self.itemsize = itemsize
-        self.links = links
-
-
-class DeltaChains:
-    """The writer's side of a delta codec: which base each new blob of a series is relative to.
-
-    Keeps a copy of each series' last raw bytes (one record's worth of memory),
-    because the staging buffer it came from is reused for the next step.
-    Chains start afresh in every writer session (a resumed run begins with
-    keyframes), so a base is always a blob this session wrote and committed
-    earlier, or in the same transaction.
-    """
-
-    def __init__(self, codec: DeltaCodec, chain: int) -> None:
-        self.codec = codec
-        self.chain = chain
-        self._last: dict[int, _Last] = {}
-
-    def encode(self, series: int, blob_id: int, raw: memoryview, itemsize: int) -> tuple[bytes, int | None, str]:
-        """Encode ``raw``, the blob ``blob_id`` of ``series``; return (stored bytes, base blob
-        id or None, codec name for the catalog)."""
-        last = self._last.get(series)
-        n = len(raw)
-        if last is not None and len(last.raw) == n and last.itemsize == itemsize and last.links + 1 < self.chain \
-                and n:
-            out, base, name, links = self.codec.encode_delta(raw, last.raw, itemsize), last.blob, self.codec.name, \
-                last.links + 1
-        else:
-            out, base, name, links = self.codec.encode(raw, itemsize), None, self.codec.keyframe.name, 0
-        buf = last.raw if last is not None and len(last.raw) == n else bytearray(n)
-        if n:
-            np.copyto(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
-        self._last[series] = _Last(buf, blob_id, itemsize, links)
-        return out, base, name
-
-    def forget(self) -> None:
-        """After a failed step: its blobs were never committed, so nothing may build on them."""
-        self._last.clear()

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sqlite3
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -37,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from stepdump.errors import ConfigError, CorruptDataError
+from stepdump.store.catalog import (
+    snapshot_catalog as snapshot_catalog,  # re-exported: it moved there
+)
 from stepdump.store.format import CATALOG_FILE
 from stepdump.store.storage import LocalStorage, check_span, safe_key
 
@@ -67,15 +69,17 @@ def _fsspec() -> Any:
 
 
 class FsspecStorage:
-    """The :class:`~stepdump.store.storage.Storage` protocol over an fsspec URL, plus whole-object I/O.
+    """:class:`~stepdump.store.storage.ReadStorage` over an fsspec URL, plus whole-object I/O.
+
+    Reading only: segments are never appended to here (object stores cannot
+    append); the uploader replaces whole objects with :meth:`put_file`.
 
     Args:
         url: The run's location (``s3://bucket/runs/exp1``).
         storage_options: Passed to fsspec (``{"endpoint_url": ..., "key": ...}``
             for s3fs, ``{"token": ...}`` for gcsfs).
         cache_dir: Local directory for fetched byte ranges (none: no cache; ranges are
-            cached once a reader says which run they belong to, :meth:`use_run`) and,
-            for :meth:`append`, the staged bytes not yet uploaded.
+            cached once a reader says which run they belong to, :meth:`use_run`).
     """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
@@ -95,8 +99,6 @@ class FsspecStorage:
         # ranges are only cached, and only served, under a known run identity.
         self.run_tag: str | None = None
         self._sizes: dict[str, int] = {}  # object sizes seen, to check ranges before fetching them
-        self._appended: dict[str, int] = {}
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<FsspecStorage {self.url}>"
@@ -109,27 +111,7 @@ class FsspecStorage:
         """The storage of a sub-location (a rank's store under a multi-rank run)."""
         return FsspecStorage(f"{self.url}/{safe_key(name)}", self.storage_options, cache_dir)
 
-    # -- Storage protocol ------------------------------------------------------
-    def append(self, key: str, data: bytes | memoryview) -> int:
-        """Stage ``data`` for ``key`` locally (object stores cannot append); :meth:`sync` uploads."""
-        staged = self._staged(key)
-        staged.parent.mkdir(parents=True, exist_ok=True)
-        if key not in self._appended:
-            # Continue an existing object: fetch it once so the upload replaces it with a longer one.
-            existing = self.get_bytes(key) or b""
-            staged.write_bytes(existing)
-            self._appended[key] = len(existing)
-        with open(staged, "ab") as f:
-            offset = f.seek(0, os.SEEK_END)
-            f.write(memoryview(data).cast("B"))
-        self._appended[key] = offset + len(memoryview(data).cast("B"))
-        return offset
-
-    def sync(self, key: str, durable: bool) -> None:
-        """With ``durable``, upload the staged bytes of ``key`` (the object is replaced whole)."""
-        if durable and key in self._appended:
-            self.put_file(key, self._staged(key))
-
+    # -- ReadStorage protocol ----------------------------------------------------
     def read(self, key: str, offset: int, length: int, *, cached: bool = True) -> bytes:
         """``length`` bytes of ``key`` from ``offset``: from the range cache, else one ranged GET
         (``cached=False``: always from the object, refreshing the cache)."""
@@ -171,9 +153,12 @@ class FsspecStorage:
         self.run_tag = tag
         self._sizes.clear()
 
-    def refetch(self, key: str, offset: int, length: int) -> bytes:
+    def refetch(self, key: str, offset: int, length: int) -> bytes | None:
         """Read a range again from the object, not the cache: a cached copy failed its checksum
-        (a cache entry damaged, or left by another run at this URL)."""
+        (a cache entry damaged, or left by another run at this URL). None where ranges are not
+        cached (file:// URLs, no cache directory or run yet): the object itself was read."""
+        if self._local_fs or self._range_path(key, offset, length) is None:
+            return None
         return self.read(key, offset, length, cached=False)
 
     def _check_size(self, key: str, offset: int, length: int) -> None:
@@ -194,12 +179,6 @@ class FsspecStorage:
                 return
             size = self._sizes[key] = int(info["size"])
         check_span(key, offset, length, size, f" of {self.url}")
-
-    def size(self, key: str) -> int:
-        try:
-            return int(self.fs.size(self.path(key)))
-        except FileNotFoundError:
-            return 0
 
     # -- whole objects ---------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -259,18 +238,9 @@ class FsspecStorage:
             pass
 
     def close(self) -> None:
-        with self._lock:
-            self._appended.clear()
-
-    def close_writer(self, key: str) -> None:
-        self._appended.pop(key, None)
+        """Nothing to release: every read is one request (file:// reads close their file)."""
 
     # -- local files -------------------------------------------------------------
-    def _staged(self, key: str) -> Path:
-        if self.cache_dir is None:
-            raise ConfigError("FsspecStorage.append needs a cache_dir to stage bytes before they are uploaded")
-        return self.cache_dir / "staged" / safe_key(key)
-
     def _range_path(self, key: str, offset: int, length: int) -> Path | None:
         if self.cache_dir is None or self.run_tag is None:
             return None
@@ -302,25 +272,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def snapshot_catalog(run_dir: Path, dest: Path) -> None:
-    """Copy the committed state of ``run_dir``'s catalog to ``dest`` (a self-contained file).
-
-    SQLite's backup API reads one consistent snapshot while the writer goes on
-    committing; the copy is switched to a rollback journal so that it is one
-    file, with no -wal beside it.
-    """
-    src = sqlite3.connect(f"file:{run_dir / CATALOG_FILE}?mode=ro", uri=True)
-    try:
-        dst = sqlite3.connect(dest)
-        try:
-            src.backup(dst)
-            dst.execute("PRAGMA journal_mode=DELETE")
-        finally:
-            dst.close()
-    finally:
-        src.close()
 
 
 def fetch_catalog(storage: FsspecStorage, cache_dir: Path) -> Path:

@@ -25,6 +25,8 @@ _ROLE = "the run's LOCK file (flock()ed by the Recorder writing the run)"
 
 
 class RunLock:
+    """The flock on a run's ``LOCK`` file, held by the Recorder writing the run."""
+
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_FILE
         self._fd: int | None = None
@@ -49,10 +51,6 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
 
 def is_locked(run_dir: Path) -> bool:

@@ -1,8 +1,15 @@
 """Where segment bytes live, behind a protocol small enough to re-implement.
 
 The catalog is always a local SQLite file; segment files, which hold nearly all
-of the bytes, go through :class:`Storage` so that other backends (object stores
-through fsspec) can be plugged in without touching the writer or the reader.
+of the bytes, go through a storage object that the code using it is given, not
+one it builds: the writer appends through a :class:`Storage`, a reader reads
+through a :class:`ReadStorage`. :class:`LocalStorage` (files under the run
+directory) is the default for both. Readers of a run at a URL get
+:class:`~stepdump.store.fsspec_storage.FsspecStorage` (byte ranges of objects);
+a run bound for a URL is still *written* through :class:`LocalStorage` into a
+staging directory and uploaded, because object stores cannot append. Tests
+pass a storage that fails (a full disk, a slow one) instead of patching this
+module.
 """
 
 from __future__ import annotations
@@ -11,33 +18,81 @@ import errno
 import os
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from stepdump.errors import CorruptDataError, NotARunError
+from stepdump.errors import CorruptDataError
 from stepdump.store.plainfile import open_plain, refusal
 
 
-class Storage(Protocol):
-    """Append-only byte files addressed by string keys.
+class ReadStorage(Protocol):
+    """Immutable byte ranges of segment files addressed by string keys: what a reader needs.
 
-    Four methods because that is all an append-only log needs: append returns the
-    offset so the catalog can point at the bytes; ``sync`` is separate from
-    append so the writer decides when durability is paid for; ``read`` takes an
-    explicit range so readers never load a whole segment.
+    ``read`` takes an explicit range so readers never load a whole segment. Keys and
+    ranges come from the catalog, which is untrusted input: an implementation checks
+    the key (:func:`safe_key`) and that the object holds the range (:func:`check_span`)
+    before it allocates ``length`` bytes. ``read`` may be called from several threads.
     """
 
-    def append(self, key: str, data: bytes | memoryview) -> int:
-        """Append ``data`` to ``key`` (created if missing); return its start offset."""
-
-    def sync(self, key: str, durable: bool) -> None:
-        """Hand buffered bytes to the OS; with ``durable`` also fsync them."""
-
     def read(self, key: str, offset: int, length: int) -> bytes:
-        """Return exactly ``length`` bytes of ``key`` from ``offset``."""
+        """Return exactly ``length`` bytes of ``key`` from ``offset`` (CorruptDataError if it cannot)."""
+        ...
+
+    def refetch(self, key: str, offset: int, length: int) -> bytes | None:
+        """Read a range again, bypassing any cache, after the bytes ``read`` gave failed their
+        checksum; None for a storage without a cache (the file itself was read)."""
+        ...
+
+    def close(self) -> None:
+        """Release what reads (and, for a :class:`Storage`, writes) hold open."""
+        ...
+
+
+class Storage(ReadStorage, Protocol):
+    """Append-only segment files addressed by string keys: what the writer needs.
+
+    Call order, per key, as the writer makes the calls:
+
+    1. ``size(key)`` when the writer picks a new segment: it only starts keys that
+       are missing or empty, so that offsets start at 0 (a crashed session may have
+       left a segment with garbage at its end, and append-only means it is never
+       rewritten).
+    2. ``append(key, data)`` any number of times, in order, from one thread at a
+       time (the appender thread). It returns the offset the bytes start at. The
+       writer knows that offset beforehand (appends run behind it, and the catalog
+       rows are built first) and the appender checks the two agree, so bytes that
+       land elsewhere fail the step rather than being pointed at wrongly.
+    3. ``sync(key, durable)`` after every append of a step has returned and before
+       the catalog transaction that points at the bytes commits: the bytes must then
+       be readable by another process, and with ``durable`` survive power loss.
+       Separate from ``append`` so the writer decides when durability is paid for.
+    4. ``close_writer(key)`` once the writer moves on to the next segment: no more
+       appends to ``key`` follow.
+
+    ``close()`` ends it all. Any of these may raise (``OSError(ENOSPC)`` for a full
+    disk): the step in flight is then not committed, and the writer stops.
+    """
 
     def size(self, key: str) -> int:
         """Current length of ``key`` in bytes (0 if missing)."""
+        ...
+
+    def append(self, key: str, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data`` to ``key`` (created if missing); return its start offset."""
+        ...
+
+    def sync(self, key: str, durable: bool) -> None:
+        """Make the appended bytes readable by other processes; with ``durable`` also fsync them."""
+        ...
+
+    def close_writer(self, key: str) -> None:
+        """No more appends to ``key``: release what appending to it holds open."""
+        ...
+
+
+# Builds the Storage a Recorder writes a run directory with (default: LocalStorage).
+StorageFactory = Callable[[Path], Storage]
 
 
 def safe_key(key: str) -> str:
@@ -57,7 +112,8 @@ def safe_key(key: str) -> str:
 
 
 class LocalStorage:
-    """Files under a run directory. Appends are buffered per key; reads use pread."""
+    """Files under a run directory (:class:`Storage`). Appends are unbuffered writes to the
+    file, so ``sync`` has only the fsync left to do; reads use pread."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -68,7 +124,7 @@ class LocalStorage:
     def _path(self, key: str) -> Path:
         return self.root / safe_key(key)
 
-    def append(self, key: str, data: bytes | memoryview) -> int:
+    def append(self, key: str, data: bytes | bytearray | memoryview) -> int:
         f = self._writers.get(key)
         if f is None:
             f = os.fdopen(self._open_for_append(key), "ab", buffering=0)
@@ -112,6 +168,8 @@ class LocalStorage:
             os.close(dir_fd)
 
     def sync(self, key: str, durable: bool) -> None:
+        # Unbuffered appends are in the page cache already: readable by others, and a
+        # killed process loses nothing. Only power loss needs the fsync.
         f = self._writers.get(key)
         if f is not None and durable:
             os.fsync(f.fileno())  # type: ignore[attr-defined]
@@ -138,6 +196,10 @@ class LocalStorage:
                 f"got {len(data)}; run `stepdump verify` on the run"
             )
         return data
+
+    def refetch(self, key: str, offset: int, length: int) -> None:
+        """No cache to bypass: what :meth:`read` returned is what the file holds."""
+        return None
 
     def _open_segment(self, key: str, what: str = "segment") -> int:
         """Open a segment for reading: a regular file inside the run directory, nothing else.
@@ -207,9 +269,3 @@ def check_span(key: str, offset: int, length: int, size: int, where: str = "") -
             f"it has {size}; run `stepdump verify` on the run"
         )
 
-
-def open_storage(root: str | os.PathLike[str]) -> LocalStorage:
-    path = Path(root)
-    if not path.is_dir():
-        raise NotARunError(f"{path} is not a directory")
-    return LocalStorage(path)

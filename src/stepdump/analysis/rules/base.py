@@ -21,7 +21,8 @@ from stepdump.errors import ConfigError
 class RuleLike(Protocol):
     """What :func:`stepdump.check` accepts as a rule: a named callable."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # a property: a rule class's ``name`` ClassVar matches it
 
     def __call__(self, run: Any) -> Iterable[Finding]: ...
 

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._series import episodes, fmt, robust_z
+from stepdump.analysis.rules._frames import episodes, fmt, robust_z
 from stepdump.analysis.rules.base import (
     Rule,
     check_fraction,

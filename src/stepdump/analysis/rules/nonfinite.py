@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._series import matches, nonfinite, skipped_steps
+from stepdump.analysis.rules._frames import matches, nonfinite, skipped_steps
 from stepdump.analysis.rules.base import Rule, check_globs, register_rule
 
 # Within one record t, the order in which values come into being (DESIGN.md,
@@ -156,10 +156,7 @@ def _logged_nans(run: Any) -> set[tuple[int, str]]:
     SQLite stores a NaN REAL as NULL, so in ``run.scalars()`` a logged NaN looks
     like "not logged at this step"; the catalog still has the row, so ask it.
     """
-    rows = getattr(run, "scalar_rows", None)
-    if rows is None:
-        return set()
-    return {(s, n) for s, n, _ in rows(nan_only=True)}  # checked: integer steps, text names
+    return {(s, n) for s, n, _ in run.scalar_rows(nan_only=True)}  # checked: integer steps, text names
 
 
 def _order(e: dict[str, Any]) -> tuple[int, int, int]:

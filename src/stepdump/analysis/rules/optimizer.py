@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._series import (
+from stepdump.analysis.rules._frames import (
     fmt,
     nonfinite,
     optimizer_param,

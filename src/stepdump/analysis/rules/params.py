@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._series import (
+from stepdump.analysis.rules._frames import (
     fmt,
     matches,
     ndim,

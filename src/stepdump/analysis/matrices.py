@@ -1,15 +1,18 @@
-"""Stats as (tensor x step) numpy matrices, read straight from a run's catalog.
+"""Stats as (tensor x step) numpy matrices, read straight from one store's catalog.
 
 ``Run.stats()`` builds a 17-column DataFrame sorted by step; that is the right
 general tool, but for a long run it is the slow part of a report (about 19 s
 for 2,000,000 rows, against 2.5 s for the three columns read here). These
-helpers ask the catalog for exactly the column they need, in index order, and
-pivot it with numpy. They only read.
+helpers ask the catalog (``run.catalog``, :class:`~stepdump.store.queries.CatalogReader`)
+for exactly the column they need and pivot it with numpy. They only read.
+
+Each takes one store (a Run or RemoteRun; for a multi-rank run, each of
+``run.stores()``).
 """
 
 from __future__ import annotations
 
-import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,13 +43,7 @@ class StatMatrix:
         return not self.names or self.steps.size == 0
 
 
-def _connection(run: Run) -> sqlite3.Connection:
-    # Run keeps its read-only catalog connection private; analysis lives in the
-    # same package and reads through it rather than widening Run's API.
-    return run._con  # noqa: SLF001
-
-
-def _floats(run: Run, rows: list[tuple[object, ...]], width: int, what: str) -> np.ndarray:
+def _floats(run: Run, rows: Sequence[Sequence[object]], width: int, what: str) -> np.ndarray:
     """Catalog rows as a float64 array ``[n, width]`` (None -> NaN). A value that is not a
     number (text or a blob where SQLite stored whatever it was given) is damage."""
     try:
@@ -60,19 +57,10 @@ def stat_matrix(run: Run, kind: str, column: str = "norm", name_glob: str | None
     """``column`` of every ``kind`` tensor (optionally matching ``name_glob``) over steps."""
     if column not in STAT_COLUMNS:
         raise ValueError(f"unknown stat column {column!r}; columns are {', '.join(STAT_COLUMNS)}")
-    con = _connection(run)
-    where, args = "kind = ?", [kind]
-    if name_glob is not None:
-        where += " AND name GLOB ?"
-        args.append(name_glob)
-    series = con.execute(f"SELECT id, name FROM series WHERE {where} ORDER BY id", args).fetchall()
+    series = [(sid, name) for sid, _, name in run.catalog.matching_series(kind, name_glob)]
     if not series:
         return StatMatrix([], np.zeros(0, dtype=np.int64), np.zeros((0, 0)))
-    rows = con.execute(
-        f"SELECT t.series, t.step, t.{column} FROM tensors t WHERE t.series IN "
-        f"(SELECT id FROM series WHERE {where})",
-        args,
-    ).fetchall()
+    rows = run.catalog.stat_column(kind, column, name_glob)
     table = _floats(run, rows, 3, f"{column} stats")  # None -> NaN
     ids = np.array([sid for sid, _ in series], dtype=np.float64)  # sorted: ORDER BY id
     steps = np.unique(table[:, 1]).astype(np.int64)
@@ -110,27 +98,17 @@ def combined_norm(run: Run, kind: str, name_glob: str) -> tuple[np.ndarray, np.n
         ``(steps, norms, tensors)``: steps where any matching tensor has a norm,
         the combined norm there, and how many tensors matched.
     """
-    con = _connection(run)
-    (n,) = con.execute("SELECT count(*) FROM series WHERE kind = ? AND name GLOB ?", (kind, name_glob)).fetchone()
-    rows = con.execute(
-        "SELECT t.step, sum(t.norm * t.norm) FROM tensors t WHERE t.series IN "
-        "(SELECT id FROM series WHERE kind = ? AND name GLOB ?) AND t.norm IS NOT NULL GROUP BY t.step ORDER BY t.step",
-        (kind, name_glob),
-    ).fetchall()
+    n = len(run.catalog.matching_series(kind, name_glob))
+    rows = run.catalog.norm_squares(kind, name_glob)
     arr = _floats(run, rows, 2, f"{kind} norms")  # sqrt here: SQLite may lack math functions
     return arr[:, 0].astype(np.int64), np.sqrt(arr[:, 1]), int(n)
 
 
 def nonfinite_counts(run: Run) -> tuple[np.ndarray, np.ndarray]:
     """(steps with stats, number of tensors with any NaN/+Inf/-Inf element at each)."""
-    con = _connection(run)
-    steps = np.array([s for (s,) in con.execute("SELECT step FROM steps WHERE level >= 1 ORDER BY step")],
-                     dtype=np.int64)
+    steps = np.array(run.stats_steps, dtype=np.int64)
     counts = np.zeros(steps.size, dtype=np.int64)
-    rows = con.execute(
-        "SELECT t.step, count(*) FROM tensors t WHERE t.series IN (SELECT id FROM series WHERE kind != 'state') "
-        "AND (t.nan > 0 OR t.posinf > 0 OR t.neginf > 0) GROUP BY t.step"
-    ).fetchall()
+    rows = run.catalog.nonfinite_counts()
     for step, n in rows:
         i = np.searchsorted(steps, step)
         if i < steps.size and steps[i] == step:
@@ -140,9 +118,4 @@ def nonfinite_counts(run: Run) -> tuple[np.ndarray, np.ndarray]:
 
 def total_numel(run: Run, kind: str, step: int) -> int:
     """Elements of all ``kind`` tensors at ``step`` (what reading them in full costs)."""
-    (n,) = _connection(run).execute(
-        "SELECT coalesce(sum(t.numel), 0) FROM tensors t JOIN series s ON s.id = t.series "
-        "WHERE s.kind = ? AND t.step = ?",
-        (kind, step),
-    ).fetchone()
-    return int(n)
+    return int(run.catalog.total_numel(kind, step))

@@ -1,4 +1,4 @@
-"""Per-step series the rules derive from a run's stats and scalars frames.
+"""Per-step series the rules derive from a run's stats and scalars frames (pure functions of frames).
 
 Everything here is a pure function of frames (or of the Run's reader API) so
 that each rule stays a short statement of its test.

@@ -1,0 +1,66 @@
+"""Checks on catalog rows that readers use: a damaged or hostile catalog is named here,
+as a :class:`~stepdump.errors.CorruptDataError`, not deep inside an analysis.
+
+The queries themselves are :class:`~stepdump.store.queries.CatalogReader`'s; these
+functions take its answers (and it, where the check needs another query).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stepdump.errors import (
+    CorruptDataError,
+    StepNotFoundError,
+    TensorNotFoundError,
+    nearest_steps,
+)
+from stepdump.store.format import ALL_KINDS, LEVEL_FULL
+from stepdump.store.queries import CatalogReader, as_step
+
+__all__ = ["as_step", "check_fingerprint", "check_kind", "check_level", "check_scalar", "require_full"]
+
+
+def check_level(level: Any, step: int) -> None:
+    if not isinstance(level, int) or isinstance(level, bool):
+        raise CorruptDataError(f"step {step} has level {level!r} in the catalog, not a number")
+
+
+def require_full(catalog: CatalogReader, step: int, path: Path | str) -> None:
+    """Raise StepNotFoundError (naming the nearest full steps) unless ``step`` is stored in full."""
+    step = as_step(step)
+    level = catalog.level(step)
+    if level is not None:
+        check_level(level, step)
+    if level is None or level < LEVEL_FULL:
+        what = "was not recorded" if level is None else "has only stats and fingerprints (not stored in full)"
+        raise StepNotFoundError(f"step {step} {what} in {path}; {nearest_steps(step, catalog.steps(LEVEL_FULL))}")
+
+
+def check_fingerprint(v: Any, path: Path | str) -> int:
+    """A tensor row's fingerprint: a 64-bit integer hash."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise CorruptDataError(f"a tensor row of {path} has fingerprint {v!r}, which is not a 64-bit hash")
+    return v
+
+
+def check_scalar(step: Any, name: Any, value: Any, path: Path | str) -> None:
+    """A scalars row must be (integer step, text name, number or NULL); SQLite keeps whatever
+    a damaged or hostile catalog put there, and a string would fail far from here."""
+    what = None
+    if not isinstance(name, str):
+        what = f"a scalar at step {step!r} is named {name!r}, which is not text"
+    elif not isinstance(step, int) or isinstance(step, bool):
+        what = f"scalar {name!r} has step {step!r}, which is not an integer"
+    elif value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        what = f"scalar {name!r} at step {step} is {value!r}, which is not a number"
+    if what is not None:
+        raise CorruptDataError(f"in the catalog of {path}, {what}: the catalog is damaged "
+                               "(`stepdump verify` checks a run)")
+
+
+def check_kind(kind: str) -> None:
+    """Refuse a kind that no run can have (TensorNotFoundError listing the kinds)."""
+    if kind not in ALL_KINDS:
+        raise TensorNotFoundError(f"unknown kind {kind!r}; kinds are {', '.join(ALL_KINDS)}")

@@ -1,0 +1,233 @@
+"""A reader's connection to a run's catalog: opened read-only, schema and version checked.
+
+Catalogs are untrusted input: a reader refuses any schema object the writer does
+not create (``_check_schema``), since SQLite evaluates generated columns, and the
+like, on every read. Every failure of a query is a stepdump error (:class:`ReadConnection`).
+Only :mod:`stepdump.store.queries` runs queries through it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import urllib.parse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from stepdump.errors import CorruptDataError, FormatVersionError, NotARunError
+from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION
+from stepdump.store.lock import is_locked
+from stepdump.store.schema import (
+    TABLES,
+    catalog_path,
+    check_side_files,
+    expected_schema,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Rows(list):  # type: ignore[type-arg]
+    """The rows of one query, fetched at once (what ``ReadConnection.execute`` returns)."""
+
+    def fetchone(self) -> Any:
+        return self[0] if self else None
+
+    def fetchall(self) -> list[Any]:
+        return list(self)
+
+
+class ReadConnection:
+    """A reader's catalog connection whose failures are stepdump errors.
+
+    SQLite reports a damaged file (or one that is not a database) at whichever
+    query first touches the damaged page. ``execute`` fetches every row inside
+    its own ``try``, so such an error always surfaces here, as
+    :class:`~stepdump.errors.CorruptDataError`, and never as ``sqlite3.DatabaseError``
+    from deep inside an analysis function. Misuse of SQL (``ProgrammingError``)
+    is a bug, not damage, and is left alone.
+    """
+
+    def __init__(self, con: sqlite3.Connection, path: Path) -> None:
+        self._con = con
+        self.path = path
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
+        try:
+            return Rows(self._con.execute(sql, params).fetchall())
+        except sqlite3.ProgrammingError:
+            raise
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # the latter: TEXT that is not UTF-8
+            raise CorruptDataError(
+                f"{self.path} is not a readable stepdump catalog: {e} (the file is damaged, or not a "
+                "stepdump catalog; `stepdump verify` checks a run)"
+            ) from e
+
+    def close(self) -> None:
+        self._con.close()
+
+
+def connect_reader(run_dir: str | Path) -> ReadConnection:
+    """Open a run's catalog for reading, checking that it is one we understand."""
+    path = catalog_path(run_dir)
+    if not Path(run_dir).exists():
+        raise NotARunError(f"{run_dir} does not exist; give the directory a Recorder wrote to")
+    if not path.is_file():
+        raise NotARunError(
+            f"{run_dir} is not a stepdump run (no {CATALOG_FILE} in it); "
+            "give the directory a Recorder wrote to"
+        )
+    if path.resolve().parent != Path(run_dir).resolve():
+        raise CorruptDataError(f"refusing {path}: it is a link to a file outside the run directory")
+    check_side_files(path, single_link=False)
+    con = _connect_read_only(path, Path(run_dir))
+    reader = ReadConnection(con, path)
+    try:
+        reader.execute("PRAGMA query_only=ON")
+        reader.execute("PRAGMA trusted_schema=OFF")  # nothing in a store's schema runs with side effects
+        _check_schema(reader, path)
+        rows = dict(reader.execute("SELECT key, value FROM meta"))
+        _check_version(rows, path)
+    except BaseException:
+        con.close()
+        raise
+    return reader
+
+
+def _connect_read_only(path: Path, run_dir: Path) -> sqlite3.Connection:
+    """Open the catalog read-only, needing read permission only.
+
+    In WAL mode SQLite creates ``-shm`` beside the catalog even for a reader, which
+    fails on a read-only mount or in another user's directory. Such a catalog with
+    nothing in ``-wal`` and no Recorder writing it (a run from before clean closes
+    left WAL mode) is opened ``immutable``: no locks, no side files, a snapshot that
+    does not follow later writes. Immutable would ignore data in ``-wal``: an error.
+    """
+    uri = "file:" + urllib.parse.quote(os.fsencode(path.absolute()))  # a '?' or '#' would end the name
+    try:
+        return _probe(sqlite3.connect(uri + "?mode=ro", uri=True, check_same_thread=False))
+    except sqlite3.OperationalError as e:
+        if e.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY):
+            raise _unreadable(path, e) from e
+        cause = e
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # the latter: a message quoting bad bytes
+        raise _unreadable(path, e) from e
+    wal = path.with_name(path.name + "-wal")
+    try:
+        with open(path, "rb") as f:
+            in_wal = f.read(20)[18:20] == b"\x02\x02"  # the header's read/write versions: 2 is WAL
+    except OSError as e:
+        raise CorruptDataError(f"cannot read {path}: {e}") from e
+    if not in_wal and not path.with_name(path.name + "-journal").exists():
+        raise _unreadable(path, cause) from cause
+    if not in_wal:  # a hot journal: SQLite must roll it back into the catalog first
+        raise CorruptDataError(
+            f"{path} cannot be opened without write access to {run_dir} ({cause}): a write to it was cut off "
+            "and SQLite must roll it back. Open the run once where its directory is writable, or copy the run "
+            "directory somewhere writable and open the copy"
+        ) from cause
+    if wal.exists() and wal.stat().st_size > 0:
+        raise CorruptDataError(
+            f"{path}: committed steps are still in {wal.name}, which SQLite can read only by creating "
+            f"{path.name}-shm, and {run_dir} is not writable ({cause}). The run was not closed cleanly or was "
+            "copied without its -shm file: copy the run directory somewhere writable and open the copy"
+        ) from cause
+    if is_locked(run_dir):
+        raise CorruptDataError(
+            f"{run_dir} is being recorded, and its catalog cannot be opened without write access to the "
+            f"directory ({cause}); open it as the user who records it, or once the Recorder has closed"
+        ) from cause
+    log.debug("stepdump: %s is not writable here; reading its catalog as an immutable snapshot", run_dir)
+    try:
+        return _probe(sqlite3.connect(uri + "?mode=ro&immutable=1", uri=True, check_same_thread=False))
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+        raise _unreadable(path, e) from e
+
+
+def _probe(con: sqlite3.Connection) -> sqlite3.Connection:
+    """``con``, once SQLite has really opened the file (connect alone does not)."""
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchall()
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def _unreadable(path: Path, e: BaseException) -> CorruptDataError:
+    return CorruptDataError(
+        f"{path} is not a readable stepdump catalog: {e} (the file is damaged, or not a "
+        "stepdump catalog; `stepdump verify` checks a run)"
+    )
+
+
+def _check_schema(con: ReadConnection, path: Path) -> None:
+    """The schema must be exactly the writer's, object by object and to the letter.
+
+    SQLite evaluates schema expressions while reading: a generated column (``level``
+    computed as ``hex(zeroblob(200000000))``) on every row a query touches, a view
+    (an endless recursive one) on every query. ``trusted_schema=OFF`` does not stop
+    pure functions. Comparing the SQL text of every object refuses each of these,
+    and triggers, indexes on expressions, CHECKs, defaults and collations with
+    them, before any of it is evaluated: reading sqlite_master evaluates nothing.
+    """
+    expected = expected_schema()[0]
+    found = {tuple(r) for r in con.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")}
+    odd = sorted(found - expected, key=repr)
+    missing = sorted({r[1] for r in expected if r[0] == "table"} - {r[1] for r in found if r[0] == "table"})
+    if not odd and not missing:
+        return
+    what = _describe_object(con, odd[0]) if odd else f"it has no {missing[0]!r} table"
+    raise CorruptDataError(
+        f"{path} is not a stepdump catalog: {what}. stepdump is refusing to open it: a catalog stepdump wrote "
+        "holds exactly stepdump's tables and indexes, and other schema objects could make SQLite compute (or "
+        "allocate) without bound on every read. Treat the run as hostile, or record it again"
+    )
+
+
+def _describe_object(con: ReadConnection, row: tuple[Any, ...]) -> str:
+    kind, name, table = row[0], row[1], row[2]
+    if kind == "table" and name in TABLES:
+        cols = con.execute("SELECT name, hidden FROM pragma_table_xinfo(?)", (name,))
+        generated = [c for c, hidden in cols if hidden in (2, 3)]  # 2: virtual, 3: stored
+        if generated:
+            return f"table {name!r} has a generated column {generated[0]!r}"
+        extra = [c for c, _ in cols if c not in expected_schema()[1][name]]
+        if extra:
+            return f"table {name!r} has a column {extra[0]!r} that stepdump does not write"
+        return f"table {name!r} is defined differently (a constraint, default or collation stepdump does not use)"
+    if kind == "view" and name in TABLES:
+        return f"{name!r} is a view, not a table"
+    if kind in ("trigger", "index") and table in TABLES:
+        return f"it has a {kind} {name!r} on {table!r} that stepdump does not create"
+    return f"it has a {kind} {name!r} that stepdump does not create"
+
+
+def _check_version(meta_rows: dict[str, str], path: Path) -> int:
+    try:
+        version = int(json.loads(meta_rows["format_version"]))
+    except (KeyError, ValueError, TypeError, OverflowError, RecursionError):
+        raise CorruptDataError(f"{path} has no valid format_version; it is not a stepdump catalog") from None
+    if version != FORMAT_VERSION:
+        newer = "a newer" if version > FORMAT_VERSION else "an older"
+        raise FormatVersionError(
+            f"{path.parent} uses store format {version}, written by {newer} stepdump; this stepdump "
+            f"reads format {FORMAT_VERSION}. Install a stepdump release that reads format {version}."
+        )
+    return version
+
+
+def read_meta(con: ReadConnection) -> dict[str, Any]:
+    """The meta table, JSON-decoded; a value that is not JSON is damage, not a crash."""
+    out: dict[str, Any] = {}
+    for k, v in con.execute("SELECT key, value FROM meta"):
+        try:
+            out[str(k)] = json.loads(v)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise CorruptDataError(f"meta value {k!r} in the catalog is not valid JSON ({e})") from e
+    return out
+
+

@@ -1,0 +1,305 @@
+"""Every query a reader runs against a run's catalog, as typed methods: the catalog's read API.
+
+Nothing outside this module (and the writer, :mod:`stepdump.store.catalog`) runs
+SQL: readers, restore, analysis and rendering ask a :class:`CatalogReader`. So the
+schema (:mod:`stepdump.store.schema`, FORMAT.md) can change in one place, and each
+query is written once.
+
+The catalog is untrusted input. Methods here return rows as SQLite gives them,
+and check no more than the query needs (the callers in :mod:`stepdump.read` check
+the types of what they use and name the damage); a query that SQLite itself
+cannot run on a damaged file raises :class:`~stepdump.errors.CorruptDataError`
+(see :class:`~stepdump.store.catalog_read.ReadConnection`).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from stepdump.errors import ConfigError
+from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
+from stepdump.store.schema import STAT_COLUMNS
+
+#: What a ``steps=`` argument takes: a step, a range, a slice, an iterable of steps, or None (all).
+StepRange = int | range | slice | Iterable[int] | None
+
+#: Columns of :meth:`CatalogReader.stat_rows`, in order ("stored": the values are in a blob).
+STAT_ROW_COLUMNS = ("step", "kind", "name", "dtype", "shape", *STAT_COLUMNS, "fingerprint", "stored")
+
+_STORED = "t.blob IS NOT NULL"
+_JOIN = "FROM tensors t JOIN series s ON s.id = t.series"
+
+
+def as_step(step: Any) -> int:
+    """Steps often come out of a DataFrame as numpy.int64, which SQLite would bind as a
+    blob that equals no step; take anything that is an integer, refuse the rest."""
+    if isinstance(step, bool):
+        raise ConfigError(f"a step is an integer, got {step!r}")
+    try:
+        return operator.index(step)
+    except TypeError:
+        raise ConfigError(f"a step is an integer, got {type(step).__name__} {step!r}") from None
+
+
+def step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
+    """A WHERE clause over column ``col`` selecting ``steps``, and its parameters."""
+    if steps is None:
+        return "1", []
+    if not isinstance(steps, (slice, range)) and hasattr(steps, "__index__"):
+        return f"{col} = ?", [as_step(steps)]
+    if isinstance(steps, slice):
+        steps = range(
+            steps.start if steps.start is not None else 0,
+            steps.stop if steps.stop is not None else 2**62,
+            steps.step or 1,
+        )
+    if isinstance(steps, range):
+        if steps.step <= 0:
+            return step_filter(col, list(steps))
+        return f"{col} >= ? AND {col} < ? AND ({col} - ?) % ? = 0", [steps.start, steps.stop, steps.start, steps.step]
+    lst = sorted({as_step(s) for s in steps})  # type: ignore[union-attr]
+    if not lst:
+        return "0", []
+    return f"{col} IN ({','.join('?' * len(lst))})", lst
+
+
+class CatalogReader:
+    """A run's catalog, opened read-only (schema and format version checked), and its queries.
+
+    Args:
+        run_dir: The run directory (for a URL, the local cache holding its catalog snapshot).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir)
+        self._con: ReadConnection = connect_reader(self.path)
+
+    def close(self) -> None:
+        self._con.close()
+
+    @property
+    def connection(self) -> ReadConnection:
+        """The underlying connection (for tests that plant damage; production code asks the methods)."""
+        return self._con
+
+    def _q(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        return self._con.execute(sql, args)
+
+    def _ints(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        return [r[0] for r in self._q(sql, args)]
+
+    # -- meta ------------------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        """The meta table, JSON-decoded."""
+        return read_meta(self._con)
+
+    # -- steps -----------------------------------------------------------------
+    def steps(self, min_level: int = 0) -> list[Any]:
+        """Steps recorded at ``min_level`` or above (0 every step, 1 with stats, 2 stored in full)."""
+        if min_level <= 0:
+            return self._ints("SELECT step FROM steps ORDER BY step")
+        return self._ints("SELECT step FROM steps WHERE level >= ? ORDER BY step", (min_level,))
+
+    def skipped_steps(self) -> list[Any]:
+        """Steps marked skipped (the GradScaler found inf/NaN)."""
+        return self._ints("SELECT step FROM steps WHERE skipped = 1 ORDER BY step")
+
+    def skipped_flags(self, steps: StepRange = None) -> list[tuple[Any, Any]]:
+        """(step, skipped) of the steps selected."""
+        where, args = step_filter("step", steps)
+        return self._q(f"SELECT step, skipped FROM steps WHERE {where}", args)
+
+    def last_step(self) -> int | None:
+        """The highest recorded step (None: no step yet)."""
+        return self._q("SELECT max(step) FROM steps")[0][0]  # type: ignore[no-any-return]
+
+    def level(self, step: int) -> Any | None:
+        """The level of ``step`` (None: not recorded)."""
+        rows = self._q("SELECT level FROM steps WHERE step = ?", (step,))
+        return rows[0][0] if rows else None
+
+    def step_state(self, step: int) -> Any | None:
+        """The typed-JSON state text of ``step`` (None: not recorded, or no state)."""
+        rows = self._q("SELECT state FROM steps WHERE step = ?", (step,))
+        return rows[0][0] if rows else None
+
+    def has_state(self, step: int) -> bool:
+        """Whether ``step`` has a state (without reading it)."""
+        rows = self._q("SELECT state IS NOT NULL FROM steps WHERE step = ?", (step,))
+        return bool(rows and rows[0][0])
+
+    def step_times(self) -> list[tuple[Any, Any]]:
+        """(step, unix time the step was committed) of every step."""
+        return self._q("SELECT step, time FROM steps")
+
+    # -- series ----------------------------------------------------------------
+    def kinds(self) -> set[Any]:
+        """Every kind that has a series."""
+        return set(self._ints("SELECT DISTINCT kind FROM series"))
+
+    def names(self, kind: str) -> list[Any]:
+        """Names of the series of ``kind``, in recording order."""
+        return self._ints("SELECT name FROM series WHERE kind = ? ORDER BY id", (kind,))
+
+    def series_keys(self) -> list[tuple[Any, Any]]:
+        """(kind, name) of every series."""
+        return self._q("SELECT kind, name FROM series")
+
+    def series_id(self, kind: str, name: str) -> int | None:
+        rows = self._q("SELECT id FROM series WHERE kind = ? AND name = ?", (kind, name))
+        return int(rows[0][0]) if rows else None
+
+    def kinds_named(self, name: str) -> list[Any]:
+        """The kinds that have a series called ``name`` (for "did you mean" hints)."""
+        return self._ints("SELECT DISTINCT kind FROM series WHERE name = ?", (name,))
+
+    def optimizer_param(self, name: str) -> Any | None:
+        """The parameter optimizer-state series ``name`` belongs to (None: no such series)."""
+        rows = self._q("SELECT param FROM series WHERE kind = 'optimizer' AND name = ?", (name,))
+        return rows[0][0] if rows else None
+
+    def non_text_series(self) -> tuple[Any, Any] | None:
+        """(kind, name) of a series whose kind, name, param or key is not text (damage), or None."""
+        rows = self._q(
+            "SELECT kind, name FROM series WHERE typeof(kind) != 'text' OR typeof(name) != 'text' "
+            "OR typeof(param) NOT IN ('text', 'null') OR typeof(key) NOT IN ('text', 'null') LIMIT 1")
+        return (rows[0][0], rows[0][1]) if rows else None
+
+    # -- tensors ---------------------------------------------------------------
+    def tensor_row(self, series: int, step: int) -> tuple[Any, Any, Any, Any] | None:
+        """(blob, dtype, shape, fingerprint) of one series at ``step``; blob None: stats only."""
+        rows = self._q("SELECT blob, dtype, shape, fingerprint FROM tensors WHERE series = ? AND step = ?",
+                       (series, step))
+        return tuple(rows[0]) if rows else None  # type: ignore[return-value]
+
+    def stored_tensors(self, step: int, kinds: Iterable[str]) -> list[tuple[Any, ...]]:
+        """(kind, name, param, key, blob, dtype, shape, fingerprint) of every tensor of ``kinds``
+        stored in full at ``step``, in recording order."""
+        kinds = list(kinds)
+        return self._q(
+            f"SELECT s.kind, s.name, s.param, s.key, t.blob, t.dtype, t.shape, t.fingerprint {_JOIN} "
+            f"WHERE t.step = ? AND s.kind IN ({','.join('?' * len(kinds))}) AND {_STORED} ORDER BY s.id",
+            (step, *kinds))
+
+    def stored_names(self, step: int, kind: str) -> list[Any]:
+        """Names of the ``kind`` tensors stored in full at ``step``, in recording order."""
+        return [r[1] for r in self.stored_tensors(step, (kind,))]
+
+    def fingerprints(self, step: int) -> list[tuple[Any, Any, Any]]:
+        """(kind, name, fingerprint) of every tensor with stats at ``step`` (not the ``state`` kind)."""
+        return self._q(f"SELECT s.kind, s.name, t.fingerprint {_JOIN} WHERE t.step = ? AND s.kind != 'state'",
+                       (step,))
+
+    def fingerprint_block(self, first: int, last: int) -> list[tuple[Any, ...]]:
+        """(step, kind, name, dtype, shape, fingerprint, blob) of every tensor at steps ``first..last``."""
+        return self._q(f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, t.fingerprint, t.blob {_JOIN} "
+                       "WHERE t.step >= ? AND t.step <= ?", (first, last))
+
+    # -- stats -----------------------------------------------------------------
+    def _series_where(self, kind: str | None, name_glob: str | None) -> tuple[str, list[Any]]:
+        where, args = ["s.kind != 'state'"], []
+        if kind is not None:
+            where.append("s.kind = ?")
+            args.append(kind)
+        if name_glob is not None:
+            where.append("s.name GLOB ?")
+            args.append(name_glob)
+        return " AND ".join(where), args
+
+    def matching_series(self, kind: str | None, name_glob: str | None, limit: int = -1) -> list[tuple[Any, ...]]:
+        """(id, kind, name) of the series (never ``state``) of ``kind`` whose names match ``name_glob``."""
+        where, args = self._series_where(kind, name_glob)
+        return self._q(f"SELECT s.id, s.kind, s.name FROM series s WHERE {where} ORDER BY s.id LIMIT ?",
+                       (*args, limit))
+
+    def stat_rows(self, kind: str | None = None, name_glob: str | None = None,
+                  steps: StepRange = None) -> list[tuple[Any, ...]]:
+        """Rows of :data:`STAT_ROW_COLUMNS`, by step then recording order."""
+        where, args = step_filter("t.step", steps)
+        swhere, sargs = self._series_where(kind, name_glob)
+        cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
+        return self._q(f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, {cols}, t.fingerprint, {_STORED} "
+                       f"{_JOIN} WHERE {where} AND {swhere} ORDER BY t.step, s.id", [*args, *sargs])
+
+    def series_stat_rows(self, series: int, steps: StepRange = None) -> list[tuple[Any, ...]]:
+        """One series' rows of :data:`STAT_ROW_COLUMNS` without kind and name, by step.
+
+        Walks the (series, step) key in order: no join and no sort in SQLite
+        (10,000 steps: 34 -> 27 ms against :meth:`stat_rows`, best of 20)."""
+        where, args = step_filter("step", steps)
+        return self._q(f"SELECT step, dtype, shape, {', '.join(STAT_COLUMNS)}, fingerprint, blob IS NOT NULL "
+                       f"FROM tensors WHERE series = ? AND {where} ORDER BY step", [series, *args])
+
+    def stat_column(self, kind: str, column: str, name_glob: str | None = None) -> list[tuple[Any, Any, Any]]:
+        """(series id, step, ``column``) of every ``kind`` tensor matching ``name_glob``, unordered;
+        :meth:`matching_series` gives the series."""
+        if column not in STAT_COLUMNS:
+            raise ConfigError(f"unknown stat column {column!r}; columns are {', '.join(STAT_COLUMNS)}")
+        where, args = self._series_where(kind, name_glob)
+        return self._q(f"SELECT t.series, t.step, t.{column} FROM tensors t WHERE t.series IN "
+                       f"(SELECT s.id FROM series s WHERE {where})", args)
+
+    def norm_squares(self, kind: str, name_glob: str) -> list[tuple[Any, Any]]:
+        """(step, sum of squared norms of the matching tensors) per step, aggregated in SQLite."""
+        return self._q("SELECT t.step, sum(t.norm * t.norm) FROM tensors t WHERE t.series IN "
+                       "(SELECT id FROM series WHERE kind = ? AND name GLOB ?) AND t.norm IS NOT NULL "
+                       "GROUP BY t.step ORDER BY t.step", (kind, name_glob))
+
+    def nonfinite_counts(self) -> list[tuple[Any, Any]]:
+        """(step, number of tensors with any NaN/+Inf/-Inf element) at steps that have any."""
+        return self._q("SELECT t.step, count(*) FROM tensors t WHERE t.series IN "
+                       "(SELECT id FROM series WHERE kind != 'state') "
+                       "AND (t.nan > 0 OR t.posinf > 0 OR t.neginf > 0) GROUP BY t.step")
+
+    def total_numel(self, kind: str, step: int) -> Any:
+        """Elements of all ``kind`` tensors at ``step``."""
+        return self._q(f"SELECT coalesce(sum(t.numel), 0) {_JOIN} WHERE s.kind = ? AND t.step = ?",
+                       (kind, step))[0][0]
+
+    # -- scalars ---------------------------------------------------------------
+    def scalar_rows(self, steps: StepRange = None, *, nan_only: bool = False) -> list[tuple[Any, Any, Any]]:
+        """(step, name, value) of logged scalars, by name then step; value NULL for a logged NaN."""
+        where, args = step_filter("step", steps)
+        nan = " AND value IS NULL" if nan_only else ""
+        return self._q(f"SELECT step, name, value FROM scalars WHERE {where}{nan} ORDER BY name, step", args)
+
+    # -- blobs -----------------------------------------------------------------
+    def blob_row(self, blob_id: int) -> tuple[Any, ...] | None:
+        """(id, segment key, offset, length, codec, raw_length, checksum, base) of a blob
+        (the fields of :class:`~stepdump.store.schema.BlobRow`), or None."""
+        rows = self._q("SELECT b.id, s.key, b.offset, b.length, b.codec, b.raw_length, b.checksum, b.base "
+                       "FROM blobs b JOIN segments s ON s.id = b.segment WHERE b.id = ?", (blob_id,))
+        return tuple(rows[0]) if rows else None
+
+    def blob_sizes(self) -> tuple[Any, Any]:
+        """(total stored bytes, total raw bytes) of every blob."""
+        return tuple(self._q("SELECT total(length), total(raw_length) FROM blobs")[0])  # type: ignore[return-value]
+
+    def blob_ids(self) -> list[Any]:
+        """Every blob id, in the order the bytes lie in the segments."""
+        return self._ints("SELECT id FROM blobs ORDER BY segment, offset")
+
+    def blob_location(self, blob_id: int) -> tuple[Any, Any] | None:
+        """(segment key, offset) of a blob, for messages; None if the catalog does not list it."""
+        rows = self._q("SELECT s.key, b.offset FROM blobs b LEFT JOIN segments s ON s.id = b.segment "
+                       "WHERE b.id = ?", (blob_id,))
+        return (rows[0][0], rows[0][1]) if rows else None
+
+    def blob_users(self) -> list[tuple[Any, ...]]:
+        """(blob, kind, name, step, dtype, shape, fingerprint) of every tensor stored in a blob."""
+        return self._q(f"SELECT t.blob, s.kind, s.name, t.step, t.dtype, t.shape, t.fingerprint {_JOIN} "
+                       f"WHERE {_STORED}")
+
+    def integrity_check(self) -> list[Any]:
+        """SQLite's ``PRAGMA integrity_check``: ``["ok"]`` or the problems found.
+
+        integrity_check, not quick_check: a flipped bit in a key (a tensor row moved to
+        another series or step) shows only as rows out of order or missing from an index."""
+        return self._ints("PRAGMA integrity_check")
+
+
+__all__ = ["STAT_ROW_COLUMNS", "CatalogReader", "StepRange", "as_step", "step_filter"]
