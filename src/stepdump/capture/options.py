@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, TypedDict, Union
 
 from stepdump.capture.guard import ON_ERROR
@@ -46,6 +45,7 @@ from stepdump.capture.triggers import Trigger
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.upload import Remote
 from stepdump.errors import ConfigError
+from stepdump.store.storage import StorageFactory
 
 __all__ = [
     "KeyframeSchedule",
@@ -239,7 +239,7 @@ class StoreOptions:
     durability: str = "flush"
     segment_bytes: int = 1 << 30
     remote: Remote | Mapping[str, Any] | None = None
-    storage: Callable[[Path], Any] | None = None
+    storage: StorageFactory | None = None
 
     def __post_init__(self) -> None:
         # The store layer, loaded when a Recorder is configured (not at import).
@@ -284,7 +284,7 @@ class FlatOptions(TypedDict, total=False):
     durability: str
     segment_bytes: int
     remote: Any
-    storage: Callable[[Path], Any] | None
+    storage: StorageFactory | None
 
 
 _RECORD = ("capture", "include", "exclude", "modules", "profile")

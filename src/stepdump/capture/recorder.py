@@ -172,7 +172,7 @@ class Recorder:
                             self._target.meta(self._layout.params))
             self._step = init_catalog(self.path, meta, opts.resume, opts.start_step)
             self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0))
-            self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.after) if ring else None
+            self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
             self._stager = Stager()
             self._writer = Writer(self.path, self._pool, store.codec, store.durability,
                                   self._target.segment_bytes(store.segment_bytes), max_queue=store.queue_depth + 64,

@@ -41,12 +41,12 @@ class Ring:
     Recorder (its only inputs are the step's message, the grads and the scalars).
     """
 
-    def __init__(self, size: int, pool: StagingPool, trigger: Trigger, after: int | None = None) -> None:
+    def __init__(self, size: int, pool: StagingPool, trigger: Trigger, after: int) -> None:
         self.size = size
         self._pool = pool
         self._held: deque[Held] = deque()
         self.trigger = trigger
-        self.after = size if after is None else after
+        self.after = after
         self.after_left = 0
         self.history: dict[str, deque[float]] = {}  # recent scalar values, for the trigger
 

@@ -35,6 +35,7 @@ from stepdump.core.hashing import fingerprint_bytes
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.codecs import get_codec
 from stepdump.store.delta import MAX_DELTA_CHAIN
+from stepdump.store.format import parse_shape
 from stepdump.store.queries import CatalogReader
 from stepdump.store.schema import BlobRow
 from stepdump.store.storage import LocalStorage, ReadStorage
@@ -72,7 +73,7 @@ def check_layout(dtype: object, shape: object) -> tuple[torch.dtype, tuple[int, 
         raise CorruptDataError(f"unknown dtype {dtype!r} in the catalog")
     if not isinstance(shape, str) or not _SHAPE.fullmatch(shape):
         raise CorruptDataError(f"bad shape {shape!r} in the catalog (want dimensions joined by ',')")
-    dims = tuple(int(p) for p in shape.split(",")) if shape else ()
+    dims = parse_shape(shape)
     itemsize = torch.empty((), dtype=tdtype).element_size()
     # Zero-sized dims make numel 0, but the other dims still size the strides.
     if math.prod(max(d, 1) for d in dims) * itemsize > MAX_BLOB_BYTES:
