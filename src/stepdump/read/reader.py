@@ -37,6 +37,8 @@ __all__ = ["RunReader", "ranked_stores"]
 class RunReader(Protocol):
     """The public reading interface of a recorded run (see the module docstring).
 
+    ``isinstance(x, RunReader)`` works (the Protocol is runtime-checkable), and
+    mypy checks that Run, RemoteRun and DistributedRun each satisfy it.
     """
 
     @property
