@@ -102,9 +102,9 @@ def main() -> None:
         full = stepdump.open(work / "full")
         check_step = min(args.full_steps, args.every) - 1
         model, opt = build(seed=2)
-        stepdump.replay(kf, check_step, model, opt, train_step)
+        rebuilt = stepdump.replay(kf, check_step, model, opt, train_step)
         equal = all(
-            torch.equal(kf.tensor(n, check_step, k), full.tensor(n, check_step, k))
+            torch.equal(rebuilt.tensor(n, k), full.tensor(n, check_step, k))
             for k in ("params", "grads", "optimizer") for n in full.names(k)
         )
     finally:
