@@ -412,7 +412,7 @@ class Recorder:
                 try:
                     self._stage(msg, slot, level == LEVEL_FULL or ring is not None, captured)
                     if ring is not None:
-                        first = ring.take(msg, [p.grad for p in self._layout.params.values() if p.grad is not None])
+                        first = ring.take(msg, t, slot, [p.grad for p in self._layout.params.values() if p.grad is not None])
                 except BaseException:
                     self._pool.release(msg.slot)  # never sent: the writer will not hand it back
                     raise

@@ -56,16 +56,15 @@ class Ring:
             hist = self.history.setdefault(name, deque(maxlen=HISTORY))
             hist.append(float(v.item() if isinstance(v, torch.Tensor) else v))
 
-    def take(self, msg: StepMessage, grads: list[torch.Tensor]) -> list[StepMessage]:
+    def take(self, msg: StepMessage, t: int, slot: Slot, grads: list[torch.Tensor]) -> list[StepMessage]:
         """Decide for a step staged in full (``msg``: level stats, items and state of the full copy).
 
+        ``t`` and ``slot`` are the step's number and the slot it was staged into.
         Either the trigger fires (or steps after it are due): ``msg`` becomes a full
         step and the held steps before it are returned, to be written first. Or the
         full copy is held here: ``msg`` keeps only stats (its slot stays held) and
         nothing is returned.
         """
-        t, slot = msg.step, msg.slot
-        assert t is not None and slot is not None, "the Recorder stages a ring step before take()"
         full_after = self.after_left > 0
         if full_after:
             self.after_left -= 1

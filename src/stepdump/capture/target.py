@@ -72,8 +72,8 @@ def resolve(path: str | os.PathLike[str], *, ranks: Ranks, remote: Remote | Mapp
     info = sharding.resolve(ranks)
     if info is not None and not info.records:  # pragma: no cover - the Recorder stays inactive on excluded ranks
         raise ConfigError(f"rank {info.rank} is not among ranks={list(info.ranks)}")
-    doc = ranks_file.ranks_document(info.world_size, list(info.ranks), info.backend) if info else None
     if is_url(path):
+        doc = ranks_file.ranks_document(info.world_size, list(info.ranks), info.backend) if info else None
         return _remote_target(str(path), info, doc, Remote.coerce(remote), resume)
     if remote is not None:
         raise ConfigError(f"remote= applies to URLs (s3://..., gs://...); {os.fspath(path)!r} is a local path")
@@ -85,7 +85,7 @@ def resolve(path: str | os.PathLike[str], *, ranks: Ranks, remote: Remote | Mapp
             f"{root} holds a single-process run; a distributed run needs its own directory (each rank "
             "records into DIR/rank00000, DIR/rank00001, ...)"
         )
-    assert doc is not None  # built from ``info`` above: a distributed job always has one
+    doc = ranks_file.ranks_document(info.world_size, list(info.ranks), info.backend)
     if (root / ranks_file.RANKS_FILE).exists():
         ranks_file.check_same_job(ranks_file.read_local(root), doc, str(root / ranks_file.RANKS_FILE))
     ranks_file.write_local(root, doc)
