@@ -19,7 +19,7 @@ from helpers import MLP, assert_same, regression_batch
 from torch import nn
 
 import stepdump
-from stepdump.capture import activations, recorder, staging, writer
+from stepdump.capture import activations, assemble, lean, recorder, staging, writer
 
 FAIL_AT = 2
 N_STEPS = 6
@@ -82,7 +82,7 @@ def _writing_step(writer_, cat, step, *rest):
 # name: (owner, attribute, only-when, where the mark says it failed, first step not recorded)
 POINTS = {
     "pre-hook staging": (staging.Stager, "stage", None, "pre-hook", FAIL_AT),
-    "pre-hook state": (recorder.Recorder, "_full_state", None, "pre-hook", FAIL_AT),
+    "pre-hook state": (assemble, "full_state", None, "pre-hook", FAIL_AT),
     # the post-hook of update t takes what record t+1 starts from
     "post-hook": (recorder.Recorder, "_begin_iteration", None, "post-hook", FAIL_AT + 1),
     "forward hooks": (activations, "flatten", None, "hook", FAIL_AT),
@@ -90,19 +90,27 @@ POINTS = {
     "writer thread": (writer.Writer, "_item_row", _writing_step, "writing the run", FAIL_AT),
     "batch": (activations.ModuleCapture, "log_batch", None, "log_batch()", FAIL_AT),
 }
+# The lean path of stats-only steps (capture/lean.py), run with every=3: step FAIL_AT is stats-only.
+LEAN_POINTS = {
+    "lean worker": (lean, "lean_rows", None, "pre-hook", FAIL_AT),
+    "lean forward hook": (lean.LeanCapture, "forward_started", None, "forward pre-hook", FAIL_AT),
+    "lean post-hook": (lean.LeanCapture, "finish", lambda capture: capture._pending is not None, "post-hook", FAIL_AT),
+}
 
 
-@pytest.mark.parametrize("point", list(POINTS))
+@pytest.mark.parametrize("point", list(POINTS) + list(LEAN_POINTS))
 def test_a_failure_inside_the_recorder_leaves_training_bitwise_unchanged(tmp_path, point, monkeypatch, caplog):
     want = _plain_params()
-    owner, attr, when, where, first_lost = POINTS[point]
+    owner, attr, when, where, first_lost = POINTS.get(point) or LEAN_POINTS[point]
+    schedule = {"every": 3, "stats_every": 1} if point in LEAN_POINTS else {}
     model, opt, scaler = _build()
     step = [0]
     armed = (lambda: True) if when is _writing_step else (lambda: step[0] >= FAIL_AT)
     monkeypatch.setattr(owner, attr, _failing(getattr(owner, attr), armed, when or (lambda *a: True)))
     caplog.set_level(logging.WARNING, logger="stepdump")
     rec = stepdump.Recorder(tmp_path / "run", model, opt, scaler=scaler,
-                            capture=("params", "grads", "optimizer", "activations", "activation_grads", "inputs"))
+                            capture=("params", "grads", "optimizer", "activations", "activation_grads", "inputs"),
+                            **schedule)
     for t in range(N_STEPS):  # _train, with the recorder's step exposed to the injection
         step[0] = rec.step
         x, y = regression_batch(t, d_in=8, d_out=4)

@@ -26,6 +26,7 @@ from stepdump.errors import (
     CorruptDataError,
     FormatVersionError,
     NotARunError,
+    RebuildError,
     ReplayDiverged,
     RestoreMismatchError,
     RunExistsError,
@@ -49,6 +50,7 @@ _LAZY: dict[str, str] = {
     "RecordOptions": "stepdump.capture.options",
     "StepSchedule": "stepdump.capture.options",
     "KeyframeSchedule": "stepdump.capture.options",
+    "GradientLogSchedule": "stepdump.capture.options",
     "RingSchedule": "stepdump.capture.options",
     "StoreOptions": "stepdump.capture.options",
     "RecorderOptions": "stepdump.capture.options",
@@ -86,6 +88,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from stepdump.analysis.localize import Localization, Setup, localize
     from stepdump.analysis.verify import VerifyReport, verify
     from stepdump.capture.options import (
+        GradientLogSchedule,
         KeyframeSchedule,
         RecorderOptions,
         RecordOptions,
@@ -115,12 +118,14 @@ __all__ = [
     "Recorder",
     "RecordOptions",
     "StepSchedule",
+    "GradientLogSchedule",
     "KeyframeSchedule",
     "RingSchedule",
     "StoreOptions",
     "RecorderOptions",
     "Remote",
     "RemoteRun",
+    "RebuildError",
     "ReplayDiverged",
     "ReplayResult",
     "RestoreMismatchError",

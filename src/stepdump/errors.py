@@ -72,6 +72,22 @@ class ReplayDiverged(StepdumpError):
     name: str | None = None
 
 
+class RebuildError(StepNotFoundError):
+    """A step of a gradient-log run cannot be rebuilt, or its rebuild does not reproduce the record.
+
+    Raised instead of returning unverified values: the optimizer cannot be re-run from recorded
+    gradients (a closure optimizer, an unknown optimizer class, a missing gradient blob), or
+    re-applying the recorded updates does not give the recorded fingerprints (another device or
+    kernel than the recording's, a damaged gradient or hyperparameter). A subclass of
+    :class:`StepNotFoundError`: code that handles "not stored at this step" handles it too.
+    ``step``, ``kind`` and ``name`` say where (when known).
+    """
+
+    step: int | None = None
+    kind: str | None = None
+    name: str | None = None
+
+
 def nearest_steps(step: int, available: Sequence[int], k: int = 3) -> str:
     """Describe the recorded steps closest to ``step`` for an error message."""
     if not available:

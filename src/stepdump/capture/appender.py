@@ -13,6 +13,13 @@ catalog commit, so a step is still committed only after all its bytes were
 handed to the OS. Queued buffers are not copied: the writer keeps the staging
 slot they point into until ``wait`` returned.
 
+Buffers the writer made itself (codec output, batched small blobs) are *owned*:
+they exist only for the append, and while the disk is slower than encoding they
+would pile up, up to a whole step's encoded bytes. So owned bytes waiting in
+the queue are capped (``max_pending``): an append that would go over waits for
+earlier ones to land, and memory stays bounded whatever the model's size (one
+buffer bigger than the cap is let through alone).
+
 Each append carries the offset the writer has already put in the catalog rows;
 storage returns where the bytes really landed, and a mismatch (another process
 writing into the segment, a storage that does not append) is an error, not a
@@ -27,16 +34,24 @@ import threading
 from stepdump.errors import WriterError
 from stepdump.store.storage import Storage
 
-_Job = tuple[str, bytes | bytearray | memoryview, int]
+_Job = tuple[str, bytes | bytearray | memoryview, int, int]  # key, data, offset, owned bytes
+
+DEFAULT_MAX_PENDING = 64 << 20
 
 
 class Appender(threading.Thread):
-    """Appends ``(key, bytes)`` to storage in FIFO order; the first error stops it."""
+    """Appends ``(key, bytes)`` to storage in FIFO order; the first error stops it.
 
-    def __init__(self, storage: Storage) -> None:
+    ``max_pending``: owned bytes (see :meth:`append`) that may wait in the queue.
+    """
+
+    def __init__(self, storage: Storage, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         super().__init__(name="stepdump-appender", daemon=True)
         self.storage = storage
         self.error: BaseException | None = None
+        self.max_pending = max_pending
+        self.pending = 0  # owned bytes queued and not yet appended
+        self._room = threading.Condition()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
 
     def run(self) -> None:
@@ -46,7 +61,7 @@ class Appender(threading.Thread):
                 if job is None:
                     return
                 if self.error is None:  # after a failure, later bytes would land at wrong offsets
-                    key, data, offset = job
+                    key, data, offset, _ = job
                     landed = self.storage.append(key, data)
                     if landed != offset:
                         raise WriterError(
@@ -56,13 +71,24 @@ class Appender(threading.Thread):
             except BaseException as e:  # noqa: BLE001 - handed to the writer in wait()
                 self.error = e
             finally:
+                if job is not None and job[3]:
+                    with self._room:
+                        self.pending -= job[3]
+                        self._room.notify_all()
                 self._queue.task_done()
 
-    def append(self, key: str, data: bytes | bytearray | memoryview, offset: int) -> None:
+    def append(self, key: str, data: bytes | bytearray | memoryview, offset: int, owned: bool = False) -> None:
         """Queue an append of ``data`` that must land at ``offset`` of ``key``; ``data`` must
-        stay unchanged until :meth:`wait` returns."""
+        stay unchanged until :meth:`wait` returns. ``owned``: ``data`` was made for this append
+        (it counts against ``max_pending``, and the call waits while the queue is full of such)."""
         self._check()
-        self._queue.put((key, data, offset))
+        n = memoryview(data).nbytes if owned else 0
+        if n:
+            with self._room:
+                while self.pending and self.pending + n > self.max_pending and self.error is None:
+                    self._room.wait()
+                self.pending += n
+        self._queue.put((key, data, offset, n))
 
     def wait(self) -> None:
         """Block until every queued append is done; raise the first error any of them hit."""

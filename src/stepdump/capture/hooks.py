@@ -10,15 +10,32 @@ this module holds what handles them:
   evaluation, params and optimizer state still untouched: every torch optimizer
   calls the closure before it changes anything);
 * a GradScaler that finds inf/NaN never calls ``optimizer.step()``, so no
-  optimizer hook fires: ``scaler.step`` is wrapped on that one instance.
+  optimizer hook fires: ``scaler.step`` is wrapped on that one instance;
+* an optimizer subclass whose ``step()`` calls ``super().step()``: torch wraps
+  each class's ``step`` with the hook runner, so the hooks fire once per class
+  in the chain; only the outermost call counts (:func:`nested_step`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+
+
+
+def _step_wrapper_code() -> Any:
+    """The code of the wrapper torch.optim puts around each optimizer class's step() (it runs the hooks)."""
+    wrap = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    try:
+        return wrap(lambda *a, **k: None).__code__ if wrap is not None else None
+    except Exception:  # noqa: BLE001 - another torch: no nesting detection, as before
+        return None
+
+
+_STEP_WRAPPER = _step_wrapper_code()
 
 
 class Steps(Protocol):
@@ -42,12 +59,30 @@ def attach(rec: Steps, scaler: Any, *, auto_capture: bool) -> list[Any]:
     the grads are final). A scaler wrapper is undone by :func:`detach_scaler`.
     """
     opt = rec.optimizer
-    handles = [opt.register_step_post_hook(lambda o, a, k: rec.end_step())]
+    handles = [opt.register_step_post_hook(lambda o, a, k: None if nested_step(o) else rec.end_step())]
     if auto_capture:
-        handles.append(opt.register_step_pre_hook(lambda o, a, k: capture_at_pre_hook(rec, a, k)))
+        handles.append(opt.register_step_pre_hook(
+            lambda o, a, k: None if nested_step(o) else capture_at_pre_hook(rec, a, k)))
         if scaler is not None:
             scaler.step = watch_scaler(scaler, rec)  # an instance attribute shadows the method
     return handles
+
+
+def nested_step(optimizer: torch.optim.Optimizer) -> bool:
+    """True when called from the hooks of an inner ``step()`` of ``optimizer``: a subclass whose
+    ``step`` calls ``super().step()`` runs torch's hook wrapper once per class; the outer call is
+    the step (counting each would record one update as two)."""
+    if not _STEP_WRAPPER:
+        return False
+    outer = 0
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is _STEP_WRAPPER and frame.f_locals.get("self") is optimizer:
+            outer += 1
+            if outer > 1:
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def detach_scaler(scaler: Any) -> None:

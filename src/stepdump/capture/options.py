@@ -11,14 +11,14 @@ line that wrote it, with a message that says what to do):
   memory, written when a trigger fires). A mode is its own type, so a
   combination that means nothing (a trigger without a ring, a ring and
   ``every=``) cannot be written;
-* :class:`StoreOptions` — how: codec, delta chains, queue depth, durability,
+* :class:`StoreOptions` — how: codec, delta chains, queue depth, staging memory, durability,
   segment size, publishing to a URL.
 
 The common case needs none of them (``Recorder(path, model, opt, every=100)``):
 each field is also accepted as a plain Recorder keyword of the same name, and
 :func:`resolve` is the one place that turns those keywords into the groups.
 The flat names of the schedules are ``every``, ``stats_every``,
-``keyframe_every`` and ``ring`` / ``trigger`` / ``after``. Giving a group and
+``keyframe_every``, ``gradient_log`` and ``ring`` / ``trigger`` / ``after``. Giving a group and
 one of its fields as a keyword is a :class:`~stepdump.ConfigError`.
 
 A new recording mode (a gradient log, a lean mode) is a new schedule type
@@ -48,6 +48,7 @@ from stepdump.errors import ConfigError
 from stepdump.store.storage import StorageFactory
 
 __all__ = [
+    "GradientLogSchedule",
     "KeyframeSchedule",
     "RecordOptions",
     "RecorderOptions",
@@ -204,8 +205,31 @@ class RingSchedule:
         return None, 1
 
 
-Schedule = Union[StepSchedule, KeyframeSchedule, RingSchedule]
-SCHEDULES = (StepSchedule, KeyframeSchedule, RingSchedule)
+@dataclass(frozen=True, kw_only=True)
+class GradientLogSchedule:
+    """Every step's full state for the price of its gradients: grads in full at every
+    step, params and optimizer state in full only every ``every`` steps (keyframes),
+    with stats, exact fingerprints and the param groups' hyperparameters at every
+    step. Reading rebuilds params and optimizer state at any step by re-applying the
+    recorded updates from the keyframe before it, verified against the recorded
+    fingerprints (docs/gradient-log.md). Flat spelling: ``gradient_log=K``.
+
+    Attributes:
+        every: Steps between keyframes (K).
+    """
+
+    every: int
+
+    def __post_init__(self) -> None:
+        _positive_int(self.every, "gradient_log", "give a positive number of steps between keyframes")
+
+    def steps(self) -> tuple[Every, Every]:
+        """``(full, stats)``: a keyframe every K steps, stats (and grads) at every step."""
+        return self.every, 1
+
+
+Schedule = Union[StepSchedule, KeyframeSchedule, RingSchedule, GradientLogSchedule]
+SCHEDULES = (StepSchedule, KeyframeSchedule, RingSchedule, GradientLogSchedule)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,7 +244,13 @@ class StoreOptions:
             series is self-contained, so a read decodes at most that many
             blobs (a plain codec has no chains).
         queue_depth: Steps that may be in flight to the writer before
-            training waits (each holds a staging copy of the recorded tensors).
+            training waits (each holds staging buffers, ``staging_bytes`` in all).
+        staging_bytes: Host memory for staging copies, all steps in flight
+            together (default 64 MiB). Tensors beyond it are written straight
+            from the live tensor while the training thread waits in the
+            optimizer's pre-hook, so memory does not grow with the model; a
+            bigger budget lets training go on sooner. 0 copies nothing. Ring
+            mode ignores it: it keeps ``ring`` whole steps in memory.
         durability: ``"flush"`` (survives a killed process) or ``"fsync"``
             (also survives power loss, slower); docs/reliability.md has numbers.
         segment_bytes: Size at which a new segment file is started.
@@ -236,6 +266,7 @@ class StoreOptions:
     codec: str = "raw"
     delta_chain: int = 8
     queue_depth: int = 2
+    staging_bytes: int = 64 << 20
     durability: str = "flush"
     segment_bytes: int = 1 << 30
     remote: Remote | Mapping[str, Any] | None = None
@@ -254,6 +285,9 @@ class StoreOptions:
             raise ConfigError(f"delta_chain={self.delta_chain!r}: give a number of blobs from 1 (no deltas) to "
                               f"{MAX_DELTA_CHAIN} (readers follow no longer chains)")
         _positive_int(self.queue_depth, "queue_depth", "queue_depth must be at least 1 (steps in flight)")
+        if isinstance(self.staging_bytes, bool) or not isinstance(self.staging_bytes, int) or self.staging_bytes < 0:
+            raise ConfigError(f"staging_bytes={self.staging_bytes!r}: give the host memory for staging copies in "
+                              "bytes (0 or more, e.g. 64 << 20)")
         if self.durability not in ("flush", "fsync"):
             raise ConfigError(f"durability={self.durability!r}: choose 'flush' or 'fsync'")
         _positive_int(self.segment_bytes, "segment_bytes", "give the size of a segment file in bytes")
@@ -275,12 +309,14 @@ class FlatOptions(TypedDict, total=False):
     every: Every
     stats_every: Every
     keyframe_every: int | None
+    gradient_log: int | None
     ring: int | None
     trigger: Trigger | str | None
     after: int | None
     codec: str
     delta_chain: int
     queue_depth: int
+    staging_bytes: int
     durability: str
     segment_bytes: int
     remote: Any
@@ -288,11 +324,11 @@ class FlatOptions(TypedDict, total=False):
 
 
 _RECORD = ("capture", "include", "exclude", "modules", "profile")
-_SCHEDULE = ("every", "stats_every", "keyframe_every", "ring", "trigger", "after")
-_STORE = ("codec", "delta_chain", "queue_depth", "durability", "segment_bytes", "remote", "storage")
+_SCHEDULE = ("every", "stats_every", "keyframe_every", "gradient_log", "ring", "trigger", "after")
+_STORE = ("codec", "delta_chain", "queue_depth", "staging_bytes", "durability", "segment_bytes", "remote", "storage")
 _GROUP_OF = {**dict.fromkeys(_RECORD, "record"), **dict.fromkeys(_SCHEDULE, "schedule"),
              **dict.fromkeys(_STORE, "store")}
-_GROUP_CLASS = {"record": "RecordOptions", "schedule": "a StepSchedule, KeyframeSchedule or RingSchedule",
+_GROUP_CLASS = {"record": "RecordOptions", "schedule": "a StepSchedule, KeyframeSchedule, RingSchedule or GradientLogSchedule",
                 "store": "StoreOptions"}
 
 
@@ -384,9 +420,17 @@ def resolve(record: RecordOptions | None = None, schedule: Schedule | None = Non
 
 
 def _flat_schedule(given: dict[str, Any]) -> Schedule:
-    """``every=`` / ``stats_every=`` / ``keyframe_every=`` / ``ring=, trigger=, after=`` as one schedule."""
-    # None is how these three say "not given" (an integration may pass them through as None).
+    """``every=`` / ``stats_every=`` / ``keyframe_every=`` / ``gradient_log=`` / ``ring=, trigger=, after=``
+    as one schedule."""
+    # None is how these say "not given" (an integration may pass them through as None).
     ring, keyframe_every = given.pop("ring", None), given.pop("keyframe_every", None)
+    gradient_log = given.pop("gradient_log", None)
+    if gradient_log is not None:
+        others = [k for k, v in {"ring": ring, "keyframe_every": keyframe_every, **given}.items() if v is not None]
+        if others:
+            raise ConfigError(f"gradient_log=K decides what each step stores (grads every step, full state every K "
+                              f"steps); do not combine it with {', '.join(f'{k}=' for k in others)}")
+        return GradientLogSchedule(every=gradient_log)
     ring_args = {k: given.pop(k) for k in ("trigger", "after") if given.get(k) is not None}
     given.pop("trigger", None)
     given.pop("after", None)
@@ -412,5 +456,6 @@ def schedule_meta(schedule: Schedule) -> dict[str, Any]:
     full, stats = schedule.steps()
     return {"every": StepSet(full, "every").description,
             "keyframe_every": schedule.every if isinstance(schedule, KeyframeSchedule) else None,
+            "gradient_log": schedule.every if isinstance(schedule, GradientLogSchedule) else None,
             "stats_every": StepSet(stats, "stats_every").description}
 

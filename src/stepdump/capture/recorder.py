@@ -12,8 +12,9 @@ each a public capture hook (hooks.py attaches them; a framework callback may cal
   nothing updated yet): params, grads, optimizer / scheduler / scaler state are sent.
 
 A GradScaler that finds inf/NaN never calls ``optimizer.step()``, so the
-pre-hook never fires; the Recorder wraps ``scaler.step`` to notice that and
-records the step as skipped.
+pre-hook never fires; ``scaler.step`` is wrapped to record the step as skipped.
+A stats-only record reads the live tensors on a worker instead (capture/lean.py),
+from the iteration's first training forward on (the model's forward pre-hook).
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ from torch import nn
 from stepdump.capture import options as _options
 from stepdump.capture import target as _target
 from stepdump.capture.activations import ModuleCapture
+from stepdump.capture.assemble import Assembler
 from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
-from stepdump.capture.hooks import attach, detach_scaler, group_sizes
-from stepdump.capture.naming import begin_state, full_state, state_json, tensor_entries
+from stepdump.capture.hooks import attach, detach_scaler, nested_step
+from stepdump.capture.lean import LeanCapture
+from stepdump.capture.naming import begin_state
+from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import (
     auto_scalars,
@@ -46,10 +50,10 @@ from stepdump.capture.scalars import (
 from stepdump.capture.selection import NameFilter, StepSet
 from stepdump.capture.session import check_objects, init_catalog, prepare_dir, run_meta
 from stepdump.capture.sharding import Ranks, this_rank_records
-from stepdump.capture.staging import Item, Slot, Stager, StagingPool
+from stepdump.capture.staging import StagingPool
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
-from stepdump.core.layout import Layout, build_layout
+from stepdump.core.layout import build_layout
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
 from stepdump.store.lock import RunLock
@@ -140,7 +144,8 @@ class Recorder:
         self.recording = this_rank_records(ranks)
         if not self.recording:  # a rank ranks= leaves out: only count steps, so rec.step agrees on every rank
             self.path = path  # type: ignore[assignment]
-            self._hooks.append(optimizer.register_step_post_hook(lambda o, a, k: self.end_step()))
+            self._hooks.append(optimizer.register_step_post_hook(
+                lambda o, a, k: None if nested_step(o) else self.end_step()))
             return
         self._start(path)
 
@@ -154,10 +159,11 @@ class Recorder:
         self._filter = NameFilter(rec.include, rec.exclude)
         full, stats = sched.steps()
         self._full, self._stats = StepSet(full, "every"), StepSet(stats, "stats_every")
-        self._layout: Layout = build_layout(self.model, self.optimizer)
-        first = next(iter(self._layout.params.values()), None)
+        layout = build_layout(self.model, self.optimizer)
+        first = next(iter(layout.params.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
-        self._group_sizes = group_sizes(self.optimizer)
+        # Stats-only steps read the live tensors (capture/lean.py); the ring needs copies, CUDA its own path.
+        self._lean = LeanCapture(enabled=ring is None and self._device.type == "cpu")
         self._pending: dict[int, dict[str, Any]] = {}
         self._prev_open, self._forward_seen = False, False  # forward_seen: a training forward ran since the update
         self._begin: dict[str, Any] | None = None
@@ -168,12 +174,15 @@ class Recorder:
         self._lock = RunLock(prepare_dir(self.path, opts.resume))
         self._lock.acquire()
         try:
-            meta = run_meta(self.model, self.optimizer, self.scheduler, self.scaler, opts, self._layout,
-                            self._target.meta(self._layout.params))
+            meta = run_meta(self.model, self.optimizer, self.scheduler, self.scaler, opts, layout,
+                            self._target.meta(layout.params))
             self._step = init_catalog(self.path, meta, opts.resume, opts.start_step)
-            self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0))
+            log_projection(self.path, layout, self.optimizer, self.kinds, self._filter, sched, self._step)
+            self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0), None if ring else store.staging_bytes)
             self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
-            self._stager = Stager()
+            self._asm = Assembler(layout, self.optimizer, self.scheduler, self.scaler, self.kinds, self._filter,
+                                  self._lean, keyframes=self._keyframes,
+                                  gradlog=isinstance(sched, _options.GradientLogSchedule))
             self._writer = Writer(self.path, self._pool, store.codec, store.durability,
                                   self._target.segment_bytes(store.segment_bytes), max_queue=store.queue_depth + 64,
                                   delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path))
@@ -265,6 +274,7 @@ class Recorder:
             self._ring.release_all()
         detach_scaler(self.scaler)
         try:
+            self._send_held()
             scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
             self._pending.clear()
             if scalars and self._writer.error is None and not self._guard.stopped:
@@ -272,6 +282,7 @@ class Recorder:
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "close()")
         finally:
+            self._lean.close()
             self._writer.queue.put(None)
             self._writer.join()
             if self._guard.failure is not None:  # with the last step that really was committed
@@ -296,20 +307,19 @@ class Recorder:
         return self._writer.bytes_written if self.recording else 0
 
     def __repr__(self) -> str:
-        return f"<stepdump.Recorder {self.path!s} {'closed' if self._closed else f'at step {self._step}'}" + (
-            ">" if self.recording else " (this rank is not recorded)>")
+        where = "closed" if self._closed else f"at step {self._step}"
+        return f"<stepdump.Recorder {self.path!s} {where}{'' if self.recording else ' (this rank is not recorded)'}>"
 
     def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # don't let a writer error hide the user's own exception
+        try:
             self.close()
         except WriterError as e:
-            log.error("stepdump: %s", e)
+            if exc_type is None:
+                raise
+            log.error("stepdump: %s", e)  # don't let a writer error hide the user's own exception
 
     # -- capture hooks (public: the optimizer hooks and framework callbacks drive these) --
     def capture(self, *, skipped: bool = False) -> int:
@@ -371,8 +381,15 @@ class Recorder:
         return LEVEL_FULL if self._full(t) else LEVEL_STATS if self._stats(t) else LEVEL_NONE
 
     def _saw_forward(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():  # a training forward, not an evaluation under no_grad
-            self._forward_seen = True
+        if not torch.is_grad_enabled() or self._forward_seen:  # an evaluation under no_grad, or seen
+            return
+        self._forward_seen = True  # a training forward: this iteration's params are final until the update
+        t = self._step
+        if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
+            try:
+                self._lean.forward_started(self._asm.entries(False))
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward pre-hook")
 
     def _fail(self, err: BaseException, where: str) -> None:
         """A failure inside a hook: strict re-raises (a write failure as WriterError), else step aside."""
@@ -391,11 +408,13 @@ class Recorder:
             self._ring.release_all()
         self._pending.clear()
         self._begin = None
+        self._lean.drop()  # nothing in flight is sent any more
 
     def _record_step(self, skipped: bool) -> None:
         t = self._step
         started = time.perf_counter()
-        meta = self._refresh_layout()
+        self._send_held()
+        meta = self._asm.refresh_layout(self.model, t)
         with torch.profiler.record_function("stepdump.capture"):
             scalars = scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
             self._prev_open = False
@@ -406,49 +425,32 @@ class Recorder:
             msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars, meta=meta)
             captured = self._modules.take()
             first: list[StepMessage] = []  # held ring steps, written before this one
+            held = False  # a lean step's message waits for its grads' rows (sent by end_step)
             if level != LEVEL_NONE:
                 ring = self._ring if level == LEVEL_STATS else None  # the ring decides on a full copy
                 msg.slot = slot = self._pool.acquire(lambda: self._writer.error)
                 try:
-                    self._stage(msg, slot, level == LEVEL_FULL or ring is not None, captured)
+                    held = self._asm.fill(msg, slot, level == LEVEL_FULL or ring is not None, self._begin,
+                                          self._batch, captured)
                     if ring is not None:
-                        first = ring.take(msg, t, slot, [p.grad for p in self._layout.params.values() if p.grad is not None])
+                        first = ring.take(msg, t, slot, [p.grad for p in self._asm.layout.params.values()
+                                                         if p.grad is not None])
                 except BaseException:
                     self._pool.release(msg.slot)  # never sent: the writer will not hand it back
                     raise
             self._batch = None
-            for m in (*first, msg):
+            for m in (*first, *(() if held else (msg,))):
                 self._put(m)
         self._overhead += time.perf_counter() - started
 
-    def _stage(self, msg: StepMessage, slot: Slot, full: bool, captured: list[tuple[str, str, torch.Tensor]]) -> None:
-        """Copy the step's tensors into ``slot``: all of them (``full``) or what stats need."""
-        buffers = self._begin["buffers"] if full and self._begin is not None else {}
-        entries = tensor_entries(self._layout, self.optimizer, self.kinds, self._filter, full, buffers)
-        if full or self._keyframes:
-            msg.state_json = state_json(self._full_state() if full else {}, self._begin, self._batch, entries)
-        msg.items = self._stager.stage(slot, entries)
-        # Hook values are private copies already; no second staging copy. In
-        # keyframe mode the batch is stored at every step, for replay.
-        msg.items.extend(
-            Item(kind, name, tensor, full or (self._keyframes and kind == "inputs"))
-            for kind, name, tensor in captured
-        )
-
-    def _refresh_layout(self) -> dict[str, Any] | None:
-        """``optimizer.add_param_group`` since the last step: name the new params, and
-        return the catalog meta that says so (resume checks the groups against it)."""
-        sizes = group_sizes(self.optimizer)
-        if sizes == self._group_sizes:
-            return None
-        self._layout = build_layout(self.model, self.optimizer)
-        self._group_sizes = sizes
-        log.info("stepdump: the optimizer's param groups changed at step %d; recording %d groups from here",
-                 self._step, len(sizes))
-        return {"layout": self._layout.to_meta()}
+    def _send_held(self) -> None:
+        """Send the lean step's message once its grads are read (the update is over)."""
+        if (msg := self._lean.finish()) is not None:
+            self._put(msg)
 
     def _end_update(self) -> None:
         started = time.perf_counter()
+        self._send_held()
         if self.options.record.profile:
             profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
                             self._device)
@@ -463,23 +465,23 @@ class Recorder:
 
     def _begin_iteration(self, t: int) -> None:
         """Start of iteration t: keep what a full record t needs from this moment."""
-        # A callable schedule may say yes only later in the iteration (a trigger set
-        # by the loop), so with one the start-of-iteration state is always taken.
+        # A callable schedule may say yes only later (a trigger set by the loop): then always taken.
         full = self._full(t) or self._ring is not None or self._full.dynamic
-        if not full and not (self._keyframes and self._level(t) != LEVEL_NONE):
+        every = self._keyframes or self._asm.gradlog  # RNG (a gradient log: buffers too) at every step
+        if not full and not (every and self._level(t) != LEVEL_NONE):
             self._begin = None
             return
         with torch.profiler.record_function("stepdump.begin"):
-            self._begin = begin_state(self._layout, self._filter if full and "params" in self.kinds else None)
+            keep = full or self._asm.gradlog
+            self._begin = begin_state(self._asm.layout, self._filter if keep and "params" in self.kinds else None)
 
-    def _full_state(self) -> dict[str, Any]:
-        return full_state(self._layout, self.optimizer, self.scheduler, self.scaler)
 
     # -- plumbing ----------------------------------------------------------
     def _put(self, msg: StepMessage) -> None:
         while True:
             try:
                 self._writer.queue.put(msg, timeout=0.05)
+                self._pool.wait_live(msg.slot, self._writer.is_alive)  # the optimizer changes live tensors next
                 return
             except queue.Full:
                 if self._raise_if_writer_failed():

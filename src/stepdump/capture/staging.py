@@ -5,6 +5,19 @@ its buffers and reuses them while shapes stay the same. The pool holds a fixed
 number of slots; when all are with the writer, the training thread waits
 (backpressure) instead of dropping data or growing memory.
 
+Staging memory is a fixed byte budget (``StoreOptions.staging_bytes``), split
+evenly between the slots, not a copy of every recorded tensor: a tensor is
+copied while its slot's budget lasts, and the others go to the writer *live*
+(the tensor itself, ``Item.live``). The training thread is blocked in the
+optimizer's pre-hook, so those tensors hold still until it returns; it returns
+only once the writer has appended every live item of the step
+(:meth:`StagingPool.wait_live`), so the optimizer never updates bytes the writer
+still reads. Live items come first in a step's items, so that wait ends as soon
+as possible and the copied rest is written while training goes on. Recording a
+124M or a 7B model thus needs the same staging memory; what a bigger record
+costs is time on the training thread, not memory. Ring mode is the exception:
+it keeps the last N steps in full by definition, so its pool has no budget.
+
 On CUDA, buffers are pinned host memory, filled with non_blocking copies on a
 side stream; the training stream waits for that stream before the optimizer
 updates anything, and the writer waits on an event before reading the bytes.
@@ -44,26 +57,46 @@ class Item:
     key: str | None = None
     device_stats: torch.Tensor | None = None  # stats computed on the device, on host once the event fires
     raw: memoryview | None = None  # the staging buffer's bytes, made once per buffer (see Slot.raw_for)
+    # The live tensor, not a copy: the training thread waits in the pre-hook until the
+    # writer has appended it (Slot.live_done), as the optimizer would change it next.
+    live: bool = False
 
 
 @dataclass
 class Slot:
-    """Reusable buffers for one step in flight."""
+    """Reusable buffers for one step in flight, at most ``budget`` bytes of them (None: no limit)."""
 
     index: int
+    budget: int | None = None
+    held: int = 0  # bytes of the buffers in ``buffers``
     buffers: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     views: dict[tuple[str, str], memoryview] = field(default_factory=dict)
     event: object | None = None  # torch.cuda.Event when a device copy is pending
     # Set by the writer when it has processed a message whose slot is held (ring mode).
     written: threading.Event = field(default_factory=threading.Event)
+    # Live items of the step staged here (set by the Stager), and the writer's word that
+    # it has appended them all. Cleared when a step is staged, not on release: the
+    # writer may release the slot before the training thread has seen the event.
+    has_live: bool = False
+    live_done: threading.Event = field(default_factory=threading.Event)
 
-    def buffer_for(self, kind: str, name: str, src: torch.Tensor, pin: bool) -> torch.Tensor:
+    def buffer_for(self, kind: str, name: str, src: torch.Tensor, pin: bool) -> torch.Tensor | None:
+        """A buffer like ``src`` for ``(kind, name)``: the one kept from an earlier step, or a
+        new one if the budget has room for it; None when it has not (the tensor goes live)."""
         key = (kind, name)
         buf = self.buffers.get(key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-            self.buffers[key] = buf
-            self.views[key] = raw_bytes(buf)
+        if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype:
+            return buf
+        if buf is not None:  # the shape changed: its bytes go back to the budget first
+            self.held -= _nbytes(buf)
+            del self.buffers[key], self.views[key]
+        need = src.numel() * src.element_size()
+        if self.budget is not None and self.held + need > self.budget:
+            return None
+        buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        self.buffers[key] = buf
+        self.views[key] = raw_bytes(buf)
+        self.held += need
         return buf
 
     def raw_for(self, kind: str, name: str) -> memoryview:
@@ -73,13 +106,39 @@ class Slot:
         return self.views[(kind, name)]
 
 
-class StagingPool:
-    """A fixed set of slots shared between the training thread and the writer."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    def __init__(self, slots: int) -> None:
+
+class StagingPool:
+    """A fixed set of slots shared between the training thread and the writer.
+
+    ``budget``: bytes of staging buffers for all slots together, split evenly
+    (None: no limit, for ring mode, which holds whole steps by definition).
+    """
+
+    def __init__(self, slots: int, budget: int | None = None) -> None:
         self._free: queue.Queue[Slot] = queue.Queue()
-        for i in range(slots):
-            self._free.put(Slot(i))
+        self.budget = budget
+        self._slots = [Slot(i, None if budget is None else budget // slots) for i in range(slots)]
+        for slot in self._slots:
+            self._free.put(slot)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of staging buffers the slots hold now (never more than the budget)."""
+        return sum(slot.held for slot in self._slots)
+
+    def wait_live(self, slot: Slot | None, writer_alive: Callable[[], bool]) -> None:
+        """Backpressure for live items: wait until the writer has appended the live tensors
+        of the step staged in ``slot`` (no wait if it has none). A writer that failed still
+        sets the event once nothing reads those tensors any more; one that died sets nothing,
+        and then nothing reads them either."""
+        if slot is None or not slot.has_live:
+            return
+        while not slot.live_done.wait(timeout=0.05):
+            if not writer_alive():
+                return
 
     def acquire(self, writer_failed: Callable[[], BaseException | None]) -> Slot:
         """Wait for a free slot; give up with the writer's error if it died."""
@@ -132,9 +191,13 @@ class Stager:
         return self._stream
 
     def stage(self, slot: Slot, items: list[tuple[str, str, torch.Tensor, bool, str | None, str | None]]) -> list[Item]:
-        """Stage ``(kind, name, tensor, full, param, key)`` entries into ``slot``."""
-        out: list[Item] = []
+        """Stage ``(kind, name, tensor, full, param, key)`` entries into ``slot``: copies while
+        its budget lasts, live items for the rest (first in the list returned: the writer
+        takes them first, as the training thread waits for them; see :meth:`StagingPool.wait_live`)."""
+        copied: list[Item] = []
+        live: list[Item] = []
         cuda_entries = []
+        slot.live_done.clear()
         with torch.no_grad():
             for kind, name, tensor, full, param, key in items:
                 t = storable(kind, name, local_part(tensor.detach()), self._warned)  # a DTensor: this rank's shard
@@ -144,31 +207,40 @@ class Stager:
                     cuda_entries.append((kind, name, t, full, param, key))
                     continue
                 buf = slot.buffer_for(kind, name, t, pin=False)
+                if buf is None:
+                    live.append(Item(kind, name, t, full, param, key, live=True))
+                    continue
                 buf.copy_(t)
-                out.append(Item(kind, name, buf, full, param, key, raw=slot.raw_for(kind, name)))
+                copied.append(Item(kind, name, buf, full, param, key, raw=slot.raw_for(kind, name)))
             if cuda_entries:
-                out.extend(self._stage_cuda(slot, cuda_entries))
-        return out
+                self._stage_cuda(slot, cuda_entries, copied, live)
+        slot.has_live = bool(live)
+        return live + copied
 
-    def _stage_cuda(self, slot: Slot, entries: list) -> list[Item]:  # pragma: no cover - needs a GPU
+    def _stage_cuda(self, slot: Slot, entries: list, copied: list[Item],
+                    live: list[Item]) -> None:  # pragma: no cover - needs a GPU
         device = entries[0][2].device
         stream = self._side_stream(device)
         main = torch.cuda.current_stream(device)
         stream.wait_stream(main)
-        out: list[Item] = []
         with torch.cuda.stream(stream):
             for kind, name, t, full, param, key in entries:
+                buf = slot.buffer_for(kind, name, t, pin=True)
+                if buf is None:
+                    # Over the budget: the writer copies it to the host itself, one tensor at a
+                    # time, after this slot's event (recorded below, after the training stream's
+                    # work) fired, while the training thread waits for it.
+                    live.append(Item(kind, name, t, full, param, key, live=True))
+                    continue
                 stats = device_stats(t)
                 host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
                 host_stats.copy_(stats, non_blocking=True)
                 # Stats-only steps copy the bytes too: the fingerprint is a host-side hash.
-                buf = slot.buffer_for(kind, name, t, pin=True)
                 buf.copy_(t, non_blocking=True)
-                out.append(Item(kind, name, buf, full, param, key, device_stats=host_stats))
+                copied.append(Item(kind, name, buf, full, param, key, device_stats=host_stats))
                 t.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)
         # The optimizer must not overwrite a tensor the side stream is still reading.
         main.wait_stream(stream)
         slot.event = event
-        return out

@@ -5,6 +5,12 @@ in flight: every blob is appended to the segment file (and, with
 ``durability="fsync"``, fsynced) *before* the catalog transaction that makes the
 step visible commits. Bytes appended by a step that never committed are
 unreferenced garbage at the end of a segment, never a wrong answer.
+
+Live items (staging.py: tensors over the staging budget, handed over uncopied)
+come first in a step's items; once the last of them is appended, the writer sets
+the slot's ``live_done`` and the training thread, waiting in the pre-hook, lets
+the optimizer go on. A failed step sets it too, after the appender has stopped
+reading, so the training thread never waits on a writer that gave up.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from typing import Any
 
 import torch
 
-from stepdump.capture.appender import Appender
+from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
+from stepdump.capture.projection import Pace
+from stepdump.capture.lean import LeanRow
 from stepdump.capture.staging import Item, Slot, StagingPool
 from stepdump.core.dtypes import dtype_name
 from stepdump.core.hashing import fingerprint_bytes, raw_bytes
@@ -40,6 +48,9 @@ _NO_STATS = frozenset({"state"})
 _DELTA_KINDS = frozenset({"params", "grads", "optimizer", "buffers"})
 # Blobs at least this large go straight to the file; smaller ones are batched.
 _DIRECT_WRITE = 1 << 20
+# Encoded bytes that may wait for the disk at least this much, whatever the staging budget
+# (a smaller cap would make the writer wait on every batched write).
+_MIN_PENDING = 4 * _DIRECT_WRITE
 
 
 @dataclass
@@ -55,6 +66,7 @@ class StepMessage:
     slot: Slot | None = None
     hold_slot: bool = False  # ring mode: the recorder keeps the slot after this message
     meta: dict[str, Any] | None = None  # catalog meta to set in the same transaction (a new layout)
+    lean: list[LeanRow] = field(default_factory=list)  # rows computed from live tensors (capture/lean.py)
 
 
 class Writer(threading.Thread):
@@ -87,7 +99,10 @@ class Writer(threading.Thread):
         self.queue: queue.Queue[StepMessage | None] = queue.Queue(maxsize=max_queue)
         self.error: BaseException | None = None
         self.storage = storage
-        self._appender = Appender(self.storage)
+        # Owned bytes waiting for the disk (codec output) are capped like staging itself.
+        budget = pool.budget if pool.budget is not None else DEFAULT_MAX_PENDING
+        self._appender = Appender(self.storage, max_pending=max(budget, _MIN_PENDING))
+        self._pace = Pace(run_dir)  # once the first steps are timed: bytes per hour vs free disk
         self.bytes_written = 0
         self.steps_written = 0
         self.last_step: int | None = None  # the last step committed (a failure's warning names it)
@@ -119,6 +134,8 @@ class Writer(threading.Thread):
                 break
             try:
                 self._write(msg)
+                if msg.level is not None:
+                    self._pace.observe(self.bytes_written)
             except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
                 # Not logged as an error here: the training thread reports it, as a
                 # WriterError or (on_error="warn") as the one warning it logs.
@@ -162,6 +179,7 @@ class Writer(threading.Thread):
     def _done_with(self, msg: StepMessage) -> None:
         if msg.slot is None:
             return
+        msg.slot.live_done.set()  # already, unless the step failed before its live items were done
         if msg.hold_slot:
             msg.slot.written.set()
         else:
@@ -196,8 +214,17 @@ class Writer(threading.Thread):
             msg.slot.event.synchronize()  # type: ignore[attr-defined]
         rows = []
         self._blob_rows = []
-        for item in msg.items:
+        live = sum(item.live for item in msg.items)  # they come first (Stager.stage)
+        for i, item in enumerate(msg.items):
             rows.append(self._item_row(cat, msg.step, item))
+            if i + 1 == live and msg.slot is not None:
+                # Direct appends point into the live tensors: the optimizer may change them
+                # once the training thread goes on, so the appends are done first.
+                self._appender.wait()
+                msg.slot.live_done.set()
+        for r in msg.lean:  # stats and fingerprint only, computed before the message was sent
+            rows.append((cat.series_id(r.kind, r.name, r.param, r.key), msg.step, r.dtype, r.shape, None,
+                         *r.stats, r.fp))
         wrote = bool(self._blob_rows)
         if wrote:
             self._flush_buffer()
@@ -220,6 +247,10 @@ class Writer(threading.Thread):
 
     def _item_row(self, cat: CatalogWriter, step: int | None, item: Item) -> tuple[Any, ...]:
         t = item.tensor
+        if item.live and t.device.type != "cpu":  # pragma: no cover - needs a GPU
+            # Over the staging budget on a device: copied here, one tensor at a time. The
+            # slot's event (synchronized in _write) fired after the training stream's work.
+            t = t.cpu()
         data = item.raw if item.raw is not None else raw_bytes(t)
         fp = fingerprint_bytes(data)
         if item.kind in _NO_STATS:
@@ -231,11 +262,15 @@ class Writer(threading.Thread):
         sid = cat.series_id(item.kind, item.name, item.param, item.key)
         blob = None
         if item.full:
-            blob = self._append_blob(cat, data, t.element_size(), fp, sid if item.kind in _DELTA_KINDS else None)
+            # Bytes the writer made (a contiguous copy, a codec's output) count against the
+            # appender's cap; a staging buffer or a live tensor's own bytes do not.
+            borrowed = item.raw is not None or (item.live and t.is_contiguous())
+            blob = self._append_blob(cat, data, t.element_size(), fp, sid if item.kind in _DELTA_KINDS else None,
+                                     borrowed)
         return (sid, step, dtype_name(t.dtype), format_shape(t.shape), blob, *stats, fp)
 
     def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int,
-                     series: int | None = None) -> int:
+                     series: int | None = None, borrowed: bool = True) -> int:
         blob_id = cat.new_blob_id()
         encoded, base, codec_name = self._encoder.encode(series, blob_id, data, itemsize)
         # For the raw codec the stored bytes are the raw bytes: reuse the fingerprint.
@@ -247,7 +282,7 @@ class Writer(threading.Thread):
             self._flush_buffer()
             # On the appender thread; ``encoded`` (often a view of the staging slot)
             # stays untouched until the wait() before this step's commit.
-            self._appender.append(key, encoded, offset)
+            self._appender.append(key, encoded, offset, owned=encoded is not data or not borrowed)
         else:
             # Small blobs are gathered and written with one syscall per step.
             if not self._buffer:
@@ -264,7 +299,7 @@ class Writer(threading.Thread):
 
     def _flush_buffer(self) -> None:
         if self._buffer and self._segment is not None:
-            self._appender.append(self._segment, self._buffer, self._buffer_offset)
+            self._appender.append(self._segment, self._buffer, self._buffer_offset, owned=True)
             self._buffer = bytearray()  # the old one now belongs to the appender
 
     def _segment_for(self, length: int) -> str:

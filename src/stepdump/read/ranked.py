@@ -32,7 +32,6 @@ from stepdump.errors import (
     StepNotFoundError,
     TensorNotFoundError,
 )
-from stepdump.read.rows import require_full
 from stepdump.read.run import Run, StepRange, _as_step
 from stepdump.read.state import layout_entries, param_indices
 from stepdump.store import ranks as ranks_file
@@ -248,7 +247,7 @@ class DistributedRun:
     def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
         """``model.state_dict()`` at the start of iteration ``step``, with full (unsharded) tensors."""
         step = _as_step(step)
-        require_full(self._primary.catalog, step, self.path)
+        self._primary._require_full(step)  # a gradient log's primary also reads rebuilt steps
         entries = layout_entries(self._primary)
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         loaded: dict[tuple[str, str], torch.Tensor] = {}

@@ -22,6 +22,7 @@ from stepdump.errors import (
     nearest_steps,
 )
 from stepdump.read.blobs import BlobReader
+from stepdump.read.gradlog import GradientLog
 from stepdump.read.rows import (
     as_step,
     check_fingerprint,
@@ -65,6 +66,8 @@ class Run:
         self.format_version: int = int(self.meta["format_version"])
         self._blobs = BlobReader(self.path, self._catalog, storage)
         self._series_checked = False  # see _check_series
+        # A gradient log (docs/gradient-log.md) rebuilds params and optimizer state between keyframes.
+        self._gradlog: GradientLog | None = GradientLog(self, self._blobs) if self.meta.get("gradient_log") else None
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
@@ -109,7 +112,10 @@ class Run:
     # -- steps and names -----------------------------------------------------
     @property
     def steps(self) -> list[int]:
-        """Steps whose tensors are stored in full (what :meth:`tensor` can read)."""
+        """Steps whose tensors are stored in full (what :meth:`tensor` can read); in a gradient
+        log also the steps whose params and optimizer state are rebuilt from its keyframes."""
+        if self._gradlog is not None:
+            return self._gradlog.readable_steps()
         return self._catalog.steps(LEVEL_FULL)
 
     @property
@@ -158,6 +164,9 @@ class Run:
         sid = self._series_id(kind, name)
         row = self._catalog.tensor_row(sid, step)
         if row is None or row[0] is None:
+            if self._gradlog is not None and self._gradlog.rebuilds(step, kind):
+                with self._blobs.call():
+                    return self._gradlog.tensor(name, step, kind)
             self._missing(name, step, kind, stats_only=row is not None)
         return self._blobs.tensor(row[0], row[1], row[2], check_fingerprint(row[3], self.path))
 
@@ -165,7 +174,10 @@ class Run:
         """Every stored tensor of ``kind`` at ``step``, by name."""
         step = _as_step(step)
         self._check_kind(kind)
-        self._require_full(step)
+        self._require_full(step, kind)
+        if self._gradlog is not None and self._gradlog.rebuilds(step, kind):
+            with self._blobs.call():
+                return self._gradlog.tensors(step, kind)
         rows = self._catalog.stored_tensors(step, (kind,))
         self._check_series()
         with self._blobs.call():  # one budget, and rows naming one blob share its tensor memory
@@ -176,8 +188,11 @@ class Run:
         """Names of the ``kind`` tensors stored in full at ``step`` (what :meth:`tensors` returns)."""
         step = _as_step(step)
         self._check_kind(kind)
-        self._require_full(step)
+        self._require_full(step, kind)
         self._check_series()
+        if self._gradlog is not None and self._gradlog.rebuilds(step, kind):
+            with self._blobs.call():
+                return self._gradlog.names(step, kind)
         return self._catalog.stored_names(step, kind)
 
     def fingerprints(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], int]:
@@ -214,6 +229,8 @@ class Run:
         from stepdump.read.state import model_state_dict
 
         with self._blobs.call():
+            if self._gradlog is not None and self._gradlog.rebuilds(step, None):
+                return self._gradlog.state_dict(step)
             return model_state_dict(self, self._blobs, step)
 
     def optimizer_state_dict(self, step: int) -> dict[str, Any]:
@@ -222,6 +239,8 @@ class Run:
         from stepdump.read.state import optimizer_state_dict
 
         with self._blobs.call():
+            if self._gradlog is not None and self._gradlog.rebuilds(step, None):
+                return self._gradlog.optimizer_state_dict(step)
             return optimizer_state_dict(self, self._blobs, step)
 
     def scheduler_state_dict(self, step: int) -> dict[str, Any] | None:
@@ -382,7 +401,11 @@ class Run:
             )
         return sid
 
-    def _require_full(self, step: int) -> None:
+    def _require_full(self, step: int, kind: str | None = None) -> None:
+        """Refuse a step not stored in full; ``kind`` (None: the step's non-tensor state) is
+        readable at every step of a gradient log."""
+        if self._gradlog is not None and self._gradlog.readable(_as_step(step), kind):
+            return
         require_full(self._catalog, step, self.path)
 
     def _missing(self, name: str, step: int, kind: str, stats_only: bool) -> NoReturn:
@@ -395,7 +418,7 @@ class Run:
         if level is not None:
             check_level(level, step)
         if level is None or level < LEVEL_FULL:
-            self._require_full(step)
+            self._require_full(step, kind)
         raise StepNotFoundError(
             f"{kind} {name!r} has no value at step {step} (e.g. a parameter with no gradient that step, or "
             "optimizer state not created yet)"

@@ -7,7 +7,7 @@ damaged or hostile: anything not shaped as FORMAT.md says is a CorruptDataError.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -66,20 +66,33 @@ def model_state_dict(run: Run, blobs: BlobReader, step: int) -> OrderedDict[str,
 
     ``blobs``: the Run's blob reader (the caller's read scope is in it)."""
     require_full(run.catalog, step, run.path)
-    entries = layout_entries(run)
     stored = {(k, n): (b, d, sh, fp)
               for k, n, _, _, b, d, sh, fp in run.catalog.stored_tensors(step, ("params", "buffers"))}
+
+    def load(kind: str, name: str) -> torch.Tensor | None:
+        row = stored.get((kind, name))
+        return None if row is None else blobs.tensor(*row[:3], check_fingerprint(row[3], run.path))
+
+    return assemble_model_state(run, step, load)
+
+
+def assemble_model_state(run: Run, step: int,
+                         load: Callable[[str, str], torch.Tensor | None]) -> OrderedDict[str, torch.Tensor]:
+    """The state_dict of ``step`` in the recorded layout, each entry from ``load(kind, name)``
+    (None: not available at that step). One path for stored and rebuilt (gradient-log) steps."""
+    entries = layout_entries(run)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     loaded: dict[tuple[str, str], torch.Tensor] = {}
     for key, kind, name in entries:
         ref = (kind, name)
         if ref not in loaded:
-            if ref not in stored:
+            value = load(kind, name)
+            if value is None:
                 raise StepNotFoundError(
                     f"step {step} of {run.path} has no {kind} {name!r}, so no full state_dict: record with "
                     "capture including 'params' and include/exclude covering every parameter"
                 )
-            loaded[ref] = blobs.tensor(*stored[ref][:3], check_fingerprint(stored[ref][3], run.path))
+            loaded[ref] = value
         out[key] = loaded[ref]
     return out
 
@@ -103,6 +116,16 @@ def optimizer_state_dict(run: Run, blobs: BlobReader, step: int) -> dict[str, An
     ``blobs``: the Run's blob reader (the caller's read scope is in it)."""
     require_full(run.catalog, step, run.path)
     state = run.step_state(step)
+    per_param: dict[str, dict[str, Any]] = {}
+    for _, _, param, key, blob, dtype, shape, fp in run.catalog.stored_tensors(step, ("optimizer",)):
+        if not isinstance(param, str) or not isinstance(key, str):
+            raise CorruptDataError(f"an optimizer series of {run.path} has param {param!r} and key {key!r}")
+        per_param.setdefault(param, {})[key] = blobs.tensor(blob, dtype, shape, check_fingerprint(fp, run.path))
+    return assemble_optimizer_state(run, step, state, per_param)
+
+
+def recorded_groups(run: Run, step: int, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The param groups of ``step``'s state (``{"hyper": {...}, "params": [names]}`` each), checked."""
     groups = state.get("groups")
     if groups is None:
         raise CorruptDataError(f"step {step} of {run.path} has no optimizer param groups recorded")
@@ -113,13 +136,16 @@ def optimizer_state_dict(run: Run, blobs: BlobReader, step: int) -> dict[str, An
         if not (isinstance(g, dict) and isinstance(g.get("hyper"), dict) and isinstance(g.get("params"), list)
                 and all(isinstance(n, str) for n in g["params"])):
             raise malformed
+    return groups
+
+
+def assemble_optimizer_state(run: Run, step: int, state: dict[str, Any],
+                             per_param: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` of ``step`` from its decoded state (groups, non-tensor extras) and
+    ``per_param``: recorded name -> {state key: tensor}. One path for stored and rebuilt steps."""
+    groups = recorded_groups(run, step, state)
     index = param_indices(g["params"] for g in groups)
     param_groups = [{**g["hyper"], "params": [index[n] for n in g["params"]]} for g in groups]
-    per_param: dict[str, dict[str, Any]] = {}
-    for _, _, param, key, blob, dtype, shape, fp in run.catalog.stored_tensors(step, ("optimizer",)):
-        if not isinstance(param, str) or not isinstance(key, str):
-            raise CorruptDataError(f"an optimizer series of {run.path} has param {param!r} and key {key!r}")
-        per_param.setdefault(param, {})[key] = blobs.tensor(blob, dtype, shape, check_fingerprint(fp, run.path))
     extras = state.get("optimizer_extra", {})
     if not isinstance(extras, dict) or not all(isinstance(v, dict) for v in extras.values()):
         raise CorruptDataError(f"the optimizer state recorded at step {step} of {run.path} is malformed")

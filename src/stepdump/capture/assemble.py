@@ -1,0 +1,91 @@
+"""What goes into one step's message: which tensors are copied, written live, or read lean.
+
+The Recorder decides *when* (its hooks, the schedule); this decides *what* a
+record of a given level holds and how each tensor travels to the writer:
+
+* a full record: every tensor, through the staging budget (copied while it
+  lasts, the rest written live while the training thread waits);
+* a stats-only record on the CPU: stats and fingerprints of the live tensors
+  from the lean worker (capture/lean.py), no copy; a gradient log's grads and
+  the small ``state`` tensors still travel in full;
+* the ring and CUDA devices (no lean worker): the stats-only record is copied
+  like a full one (the ring may keep it; a CUDA tensor's bytes are on the device).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stepdump.capture.hooks import group_sizes
+from stepdump.capture.lean import LeanCapture
+from stepdump.capture.naming import full_state, state_json, tensor_entries
+from stepdump.capture.selection import NameFilter
+from stepdump.capture.staging import Item, Slot, Stager
+from stepdump.capture.writer import StepMessage
+from stepdump.core.layout import Layout, build_layout
+
+log = logging.getLogger(__name__)
+
+_LEAN_KINDS = ("params", "grads", "optimizer")
+
+
+@dataclass
+class Assembler:
+    """Fills StepMessages for one Recorder (its ``layout`` follows ``add_param_group``)."""
+
+    layout: Layout
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    kinds: tuple[str, ...]
+    selected: NameFilter
+    lean: LeanCapture
+    keyframes: bool = False  # KeyframeSchedule: RNG state and batch at every step, for replay
+    gradlog: bool = False  # GradientLogSchedule: grads in full and the param groups at every step
+    stager: Stager = field(default_factory=Stager)
+
+    def __post_init__(self) -> None:
+        self._group_sizes = group_sizes(self.optimizer)
+
+    def refresh_layout(self, model: torch.nn.Module, step: int) -> dict[str, Any] | None:
+        """``optimizer.add_param_group`` since the last step: name the new params, and
+        return the catalog meta that says so (resume checks the groups against it)."""
+        sizes = group_sizes(self.optimizer)
+        if sizes == self._group_sizes:
+            return None
+        self.layout = build_layout(model, self.optimizer)
+        self._group_sizes = sizes
+        log.info("stepdump: the optimizer's param groups changed at step %d; recording %d groups from here",
+                 step, len(sizes))
+        return {"layout": self.layout.to_meta()}
+
+    def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None) -> list[tuple]:
+        """The step's live tensors as ``(kind, name, tensor, full, param, key)``."""
+        return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {})
+
+    def fill(self, msg: StepMessage, slot: Slot, full: bool, begin: dict[str, Any] | None, batch: Any,
+             captured: list[tuple[str, str, torch.Tensor]]) -> bool:
+        """Fill ``msg`` (tensors staged into ``slot``): everything (``full``), or a stats-only
+        record. True: the message waits for its grads' lean rows (``LeanCapture.finish``)."""
+        entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None)
+        if full or self.keyframes or self.gradlog:
+            state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler) if full or self.gradlog \
+                else {}
+            msg.state_json = state_json(state, begin, batch, entries)
+        held = self.lean.enabled and not full
+        if held:
+            stored = [(*e[:3], True, *e[4:]) for e in entries if e[0] == "grads" and self.gradlog]
+            self.lean.take(msg, [e for e in entries if e[0] in _LEAN_KINDS and not (self.gradlog and e[0] == "grads")])
+            entries = stored + [e for e in entries if e[0] not in _LEAN_KINDS]
+        else:
+            self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
+        msg.items = self.stager.stage(slot, entries)
+        # Hook values are private copies already; no second staging copy. In
+        # keyframe mode the batch is stored at every step, for replay.
+        msg.items.extend(Item(kind, name, tensor, full or (self.keyframes and kind == "inputs"))
+                         for kind, name, tensor in captured)
+        return held
