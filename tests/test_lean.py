@@ -228,3 +228,24 @@ def test_a_subclass_calling_super_step_records_one_step_per_update(tmp_path, kw)
     assert run.all_steps == [0, 1, 2, 3]
     for t, cap in enumerate(caps):
         assert _recorded_fps(run, t) == _fps(cap), f"step {t}"
+
+
+def test_gradient_log_grads_written_during_the_update_fall_back_to_copies_if_the_update_changes_them(
+        tmp_path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="stepdump"):
+        run, caps = _loop(tmp_path / "r", 6, opt_cls=_GradScalingSGD, every=None, stats_every=None,
+                          gradient_log=100)
+    warned = [r for r in caplog.records if "changed" in r.getMessage() and "while stepdump was writing" in r.getMessage()]
+    assert len(warned) == 1
+    # from the step after the warning on, grads are copied before the update: exact
+    for t in range(2, 6):
+        for name, g in caps[t]["grads"].items():
+            assert torch.equal(run.tensor(name, t, "grads"), g), f"step {t} {name}"
+
+
+def test_gradient_log_grads_are_written_live_and_exact(tmp_path) -> None:
+    run, caps = _loop(tmp_path / "r", 5, every=None, stats_every=None, gradient_log=100)
+    for t, cap in enumerate(caps):
+        for name, g in cap["grads"].items():
+            assert torch.equal(run.tensor(name, t, "grads"), g), f"step {t} {name}"
+        assert _recorded_fps(run, t) == _fps(cap)

@@ -76,14 +76,16 @@ class Assembler:
             state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler) if full or self.gradlog \
                 else {}
             msg.state_json = state_json(state, begin, batch, entries)
-        held = self.lean.enabled and not full
-        if held:
+        held = False
+        if self.lean.enabled and not full:
             stored = [(*e[:3], True, *e[4:]) for e in entries if e[0] == "grads" and self.gradlog]
-            self.lean.take(msg, [e for e in entries if e[0] in _LEAN_KINDS and not (self.gradlog and e[0] == "grads")])
+            held = self.lean.take(msg, [e for e in entries
+                                        if e[0] in _LEAN_KINDS and not (self.gradlog and e[0] == "grads")])
             entries = stored + [e for e in entries if e[0] not in _LEAN_KINDS]
         else:
             self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
-        msg.items = self.stager.stage(slot, entries)
+        # A gradient log's grads are written from the live tensors while the update runs.
+        msg.items = self.stager.stage(slot, entries, defer=("grads",) if self.gradlog and not full else ())
         # Hook values are private copies already; no second staging copy. In
         # keyframe mode the batch is stored at every step, for replay.
         msg.items.extend(Item(kind, name, tensor, full or (self.keyframes and kind == "inputs"))

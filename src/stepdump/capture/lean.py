@@ -203,9 +203,10 @@ class LeanCapture:
         if self._before is None:
             self._before = self._worker.submit([e for e in entries if e[0] != "grads"])
 
-    def take(self, msg: Any, entries: list[Entry]) -> None:
+    def take(self, msg: Any, entries: list[Entry]) -> bool:
         """Fill ``msg.lean`` for the step's ``entries`` (live tensors, none stored in full); the
-        grads' rows follow in :meth:`finish`, so the message is held until then."""
+        grads' rows follow in :meth:`finish`, so the message is held until then (True; False:
+        no grads among ``entries``, the message is complete)."""
         before = [e for e in entries if e[0] != "grads"]
         grads = [e for e in entries if e[0] == "grads"]
         job, self._before = self._before, None
@@ -217,7 +218,10 @@ class LeanCapture:
         if self._grads_now:
             msg.lean.extend(lean_rows(grads, self._worker.warned))
             grads = []
+        if not grads:
+            return False
         self._pending = (msg, self._worker.submit(grads), grads)
+        return True
 
     def finish(self) -> Any:
         """The update is over: the held message, complete (None if there is none)."""

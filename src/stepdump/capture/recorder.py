@@ -47,7 +47,7 @@ from stepdump.capture.scalars import (
     profile_scalars,
     scalar_rows,
 )
-from stepdump.capture.selection import NameFilter, StepSet
+from stepdump.capture.selection import Levels, NameFilter
 from stepdump.capture.session import check_objects, init_catalog, prepare_dir, run_meta
 from stepdump.capture.sharding import Ranks, this_rank_records
 from stepdump.capture.staging import StagingPool
@@ -157,8 +157,7 @@ class Recorder:
         self._keyframes = isinstance(sched, _options.KeyframeSchedule)
         ring = sched if isinstance(sched, _options.RingSchedule) else None
         self._filter = NameFilter(rec.include, rec.exclude)
-        full, stats = sched.steps()
-        self._full, self._stats = StepSet(full, "every"), StepSet(stats, "stats_every")
+        self._level = Levels(*sched.steps())
         layout = build_layout(self.model, self.optimizer)
         first = next(iter(layout.params.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
@@ -377,9 +376,6 @@ class Recorder:
             self._fail(e, "begin_iteration()")
 
     # -- inside the hooks ----------------------------------------------------
-    def _level(self, t: int) -> int:
-        return LEVEL_FULL if self._full(t) else LEVEL_STATS if self._stats(t) else LEVEL_NONE
-
     def _saw_forward(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or self._forward_seen:  # an evaluation under no_grad, or seen
             return
@@ -451,6 +447,7 @@ class Recorder:
     def _end_update(self) -> None:
         started = time.perf_counter()
         self._send_held()
+        self._asm.stager.wait_deferred(self._writer.is_alive)  # a gradient log's grads, written during the update
         if self.options.record.profile:
             profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
                             self._device)
@@ -466,7 +463,7 @@ class Recorder:
     def _begin_iteration(self, t: int) -> None:
         """Start of iteration t: keep what a full record t needs from this moment."""
         # A callable schedule may say yes only later (a trigger set by the loop): then always taken.
-        full = self._full(t) or self._ring is not None or self._full.dynamic
+        full = self._level.full(t) or self._ring is not None or self._level.full.dynamic
         every = self._keyframes or self._asm.gradlog  # RNG (a gradient log: buffers too) at every step
         if not full and not (every and self._level(t) != LEVEL_NONE):
             self._begin = None

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Union
 
 from stepdump.errors import ConfigError
-from stepdump.store.format import TENSOR_KINDS
+from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS, TENSOR_KINDS
 
 Every = Union[int, range, Iterable[int], Callable[[int], bool], None]
 
@@ -85,3 +85,13 @@ def patterns(value: str | Iterable[str] | None, default: list[str], what: str = 
     if not all(isinstance(p, str) for p in pats):
         raise ConfigError(f"{what}= takes a glob string or a list of glob strings, got {value!r}")
     return pats
+
+
+class Levels:
+    """A schedule's ``(full, stats)`` steps as a step's record level (``store.format.LEVEL_*``)."""
+
+    def __init__(self, full: Every, stats: Every) -> None:
+        self.full, self.stats = StepSet(full, "every"), StepSet(stats, "stats_every")
+
+    def __call__(self, t: int) -> int:
+        return LEVEL_FULL if self.full(t) else LEVEL_STATS if self.stats(t) else LEVEL_NONE

@@ -79,6 +79,10 @@ class Slot:
     # writer may release the slot before the training thread has seen the event.
     has_live: bool = False
     live_done: threading.Event = field(default_factory=threading.Event)
+    # Live tensors the optimizer does not change (a gradient log's grads): the training
+    # thread waits for them at the end of the update instead (Stager.wait_deferred),
+    # so the writer appends them while the update runs. With their versions at staging.
+    deferred: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     def buffer_for(self, kind: str, name: str, src: torch.Tensor, pin: bool) -> torch.Tensor | None:
         """A buffer like ``src`` for ``(kind, name)``: the one kept from an earlier step, or a
@@ -134,7 +138,7 @@ class StagingPool:
         of the step staged in ``slot`` (no wait if it has none). A writer that failed still
         sets the event once nothing reads those tensors any more; one that died sets nothing,
         and then nothing reads them either."""
-        if slot is None or not slot.has_live:
+        if slot is None or not slot.has_live or slot.deferred:
             return
         while not slot.live_done.wait(timeout=0.05):
             if not writer_alive():
@@ -184,20 +188,43 @@ class Stager:
         self._stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()  # tensors left out, warned about once
+        self._waiting: Slot | None = None  # a slot whose deferred live tensors the writer may still read
+        self.defer_ok = True  # False once an update was seen changing a deferred tensor
+
+    def wait_deferred(self, writer_alive: Callable[[], bool]) -> None:
+        """The update is over: wait until the writer has appended the deferred live tensors,
+        then check that the update left them as they were (their version counters)."""
+        slot, self._waiting = self._waiting, None
+        if slot is None:
+            return
+        while not slot.live_done.wait(timeout=0.05):
+            if not writer_alive():
+                break
+        changed = sum(int(t._version) != v for t, v in slot.deferred)
+        slot.deferred = []
+        if changed and self.defer_ok:
+            self.defer_ok = False
+            log.warning("stepdump: optimizer.step() changed %d grad(s) in place while stepdump was writing them; "
+                        "the grads this step recorded may be the changed ones (a gradient-log rebuild will say "
+                        "so), and from now on grads are copied before the update (slower)", changed)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream
 
-    def stage(self, slot: Slot, items: list[tuple[str, str, torch.Tensor, bool, str | None, str | None]]) -> list[Item]:
+    def stage(self, slot: Slot, items: list[tuple[str, str, torch.Tensor, bool, str | None, str | None]],
+              defer: tuple[str, ...] = ()) -> list[Item]:
         """Stage ``(kind, name, tensor, full, param, key)`` entries into ``slot``: copies while
         its budget lasts, live items for the rest (first in the list returned: the writer
-        takes them first, as the training thread waits for them; see :meth:`StagingPool.wait_live`)."""
+        takes them first, as the training thread waits for them; see :meth:`StagingPool.wait_live`).
+        CPU tensors of the kinds in ``defer`` always go live, and are waited for at the end of
+        the update (:meth:`wait_deferred`): the optimizer does not change them."""
         copied: list[Item] = []
         live: list[Item] = []
         cuda_entries = []
         slot.live_done.clear()
+        slot.deferred = []
         with torch.no_grad():
             for kind, name, tensor, full, param, key in items:
                 t = storable(kind, name, local_part(tensor.detach()), self._warned)  # a DTensor: this rank's shard
@@ -205,6 +232,10 @@ class Stager:
                     continue
                 if t.device.type == "cuda":
                     cuda_entries.append((kind, name, t, full, param, key))
+                    continue
+                if kind in defer and self.defer_ok:
+                    live.append(Item(kind, name, t, full, param, key, live=True))
+                    slot.deferred.append((tensor, int(tensor._version)))
                     continue
                 buf = slot.buffer_for(kind, name, t, pin=False)
                 if buf is None:
@@ -215,6 +246,11 @@ class Stager:
             if cuda_entries:
                 self._stage_cuda(slot, cuda_entries, copied, live)
         slot.has_live = bool(live)
+        if slot.deferred:
+            if any(item.kind not in defer for item in live):  # some went live for the budget: wait now
+                slot.deferred = []
+            else:
+                self._waiting = slot
         return live + copied
 
     def _stage_cuda(self, slot: Slot, entries: list, copied: list[Item],
