@@ -50,6 +50,8 @@ class Assembler:
 
     def __post_init__(self) -> None:
         self._group_sizes = group_sizes(self.optimizer)
+        if self.gradlog:
+            self.lean.optimizer_every = 1
 
     def refresh_layout(self, model: torch.nn.Module, step: int) -> dict[str, Any] | None:
         """``optimizer.add_param_group`` since the last step: name the new params, and

@@ -21,12 +21,12 @@ that changed in between, or that is not the same object any more (a new param
 group, ``load_state_dict``), is computed again on the training thread, so a
 row always describes the tensor as it was at the moment the record is of.
 
-Stats per tensor: numel, NaN/+Inf/-Inf counts, min, max, mean, std and L2 norm
-like :func:`stepdump.core.stats.compute_stats`; norms of the large float
-tensors come from one fused ``torch._foreach_norm``; the zero fraction (a
-costly pass) only for grads (the dead-gradient check reads it) and where min
-and max prove it is 0. The fingerprint is the same exact xxh3 of the bytes as
-at a full step, so ``diff`` and gradient-log verification can trust it.
+Stats per tensor: numel, NaN/+Inf/-Inf counts (exact), min, max and L2 norm,
+the norms of the large float tensors from one fused ``torch._foreach_norm``;
+small tensors (most of a transformer's, few of its bytes) get every stat of
+:func:`stepdump.core.stats.compute_stats`. The fingerprint is the same exact
+xxh3 of the bytes as at a full step, so ``diff`` and gradient-log verification
+can trust it. Three passes over the bytes in all: norm, aminmax, hash.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> list[Le
             if t is None:
                 continue
             if i in large:
-                stats = _large_stats(t, large[i][1], zeros=kind == "grads")
+                stats = _large_stats(t, large[i][1])
             else:
                 stats = compute_stats(t) if kind != "state" else (t.numel(),) + (None,) * 9  # type: ignore[assignment]
             rows[i] = LeanRow(kind, name, param, key, dtype_name(t.dtype), format_shape(t.shape), stats,
@@ -98,26 +98,23 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> list[Le
     return [r for r in rows if r is not None]
 
 
-def _large_stats(t: torch.Tensor, norm_t: torch.Tensor, zeros: bool) -> StatsTuple:
-    """Stats of a large fp32/fp64 tensor given its fused norm; non-finite ones take compute_stats."""
+def _large_stats(t: torch.Tensor, norm_t: torch.Tensor) -> StatsTuple:
+    """Stats of a large fp32/fp64 tensor given its fused norm: one more pass (aminmax).
+
+    Mean, std and the zero fraction would take two more passes over every large
+    tensor (a sum; ``count_nonzero``, the costliest of all), which is most of
+    what a stats-only step costs; they are NULL ("not measured", FORMAT.md) at
+    lean steps, except a zero fraction that min and max prove to be 0. A tensor
+    whose norm is not finite gets every stat, the exact counts included.
+    """
     norm = float(norm_t)
     if not math.isfinite(norm):  # a NaN or Inf somewhere (rare): the exact counts, the slow way
         return compute_stats(t)
     x = t.reshape(-1)
     n = x.numel()
-    mn, mx = torch.aminmax(x)
-    vmin, vmax, vsum = torch.stack([mn, mx, x.sum()]).tolist()
-    mean = vsum / n
-    var = norm * norm / n - mean * mean
-    # Cancellation (|mean| > 10 std): the two-pass std, as compute_stats does.
-    std = float(torch.std_mean(x.double(), correction=0)[0]) if var < 1e-2 * mean * mean else math.sqrt(max(var, 0.0))
-    if vmin > 0 or vmax < 0:
-        zero_frac: float | None = 0.0
-    elif zeros:
-        zero_frac = (n - int(torch.count_nonzero(x))) / n
-    else:
-        zero_frac = None  # not measured at a stats-only step (FORMAT.md: NULL = not measured)
-    return (n, 0, 0, 0, vmin, vmax, mean, std, norm, zero_frac)
+    vmin, vmax = (float(v) for v in torch.aminmax(x))
+    zero_frac = 0.0 if vmin > 0 or vmax < 0 else None
+    return (n, 0, 0, 0, vmin, vmax, None, None, norm, zero_frac)
 
 
 class LeanJob:
@@ -186,6 +183,19 @@ class LeanWorker:
 
 
 
+# Optimizer state at a lean step only every this many steps. Adam's state is two
+# thirds of the bytes a stats-only step reads; its stats move slowly, and the
+# fingerprints of the params (every step) show the first step an update differed.
+OPTIMIZER_EVERY = 10
+
+
+def _before_update(step: int, entries: list[Entry], every: int | None) -> list[Entry]:
+    """What the worker reads before update ``step``: params, and optimizer state every ``every``
+    steps (None: OPTIMIZER_EVERY)."""
+    every = OPTIMIZER_EVERY if every is None else every
+    return [e for e in entries if e[0] != "grads" and (e[0] != "optimizer" or step % every == 0)]
+
+
 class LeanCapture:
     """The Recorder's side of lean capture: when to submit what, and the message held
     until the step's grads are read (the post-hook sends it). Not ``enabled`` (the ring,
@@ -193,21 +203,24 @@ class LeanCapture:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
+        # Steps between reads of the optimizer state (None: OPTIMIZER_EVERY); a gradient log
+        # reads it every step, so that a rebuild is verified at the step it is read at.
+        self.optimizer_every: int | None = None
         self._worker = LeanWorker()
         self._before: LeanJob | None = None  # params + optimizer state of the coming update
         self._pending: tuple[Any, LeanJob, list[Entry]] | None = None  # (message, grads job, grad entries)
         self._grads_now = False  # grads computed at the pre-hook (after one was changed during a step)
 
-    def forward_started(self, entries: list[Entry]) -> None:
+    def forward_started(self, step: int, entries: list[Entry]) -> None:
         """The iteration's first training forward: its params and optimizer state are final."""
         if self._before is None:
-            self._before = self._worker.submit([e for e in entries if e[0] != "grads"])
+            self._before = self._worker.submit(_before_update(step, entries, self.optimizer_every))
 
     def take(self, msg: Any, entries: list[Entry]) -> bool:
         """Fill ``msg.lean`` for the step's ``entries`` (live tensors, none stored in full); the
         grads' rows follow in :meth:`finish`, so the message is held until then (True; False:
         no grads among ``entries``, the message is complete)."""
-        before = [e for e in entries if e[0] != "grads"]
+        before = _before_update(msg.step, entries, self.optimizer_every)
         grads = [e for e in entries if e[0] == "grads"]
         job, self._before = self._before, None
         if job is not None:

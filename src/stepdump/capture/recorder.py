@@ -383,7 +383,7 @@ class Recorder:
         t = self._step
         if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
             try:
-                self._lean.forward_started(self._asm.entries(False))
+                self._lean.forward_started(t, self._asm.entries(False))
             except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
                 self._fail(e, "forward pre-hook")
 
