@@ -251,7 +251,7 @@ def test_gradient_log_grads_written_during_the_update_fall_back_to_copies_if_the
         tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="stepdump"):
         run, caps = _loop(tmp_path / "r", 6, opt_cls=_GradScalingSGD, every=None, stats_every=None,
-                          gradient_log=100)
+                          gradient_log=100, staging_bytes=40_000)  # the weight grads go live
     warned = [r for r in caplog.records if "changed" in r.getMessage() and "while stepdump was writing" in r.getMessage()]
     assert len(warned) == 1
     # from the step after the warning on, grads are copied before the update: exact
@@ -260,8 +260,10 @@ def test_gradient_log_grads_written_during_the_update_fall_back_to_copies_if_the
             assert torch.equal(run.tensor(name, t, "grads"), g), f"step {t} {name}"
 
 
-def test_gradient_log_grads_are_written_live_and_exact(tmp_path) -> None:
-    run, caps = _loop(tmp_path / "r", 5, every=None, stats_every=None, gradient_log=100)
+@pytest.mark.parametrize("staging_bytes", [0, 20_000, 64 << 20])  # live, some of each, copies
+def test_gradient_log_grads_are_exact_live_or_copied(tmp_path, staging_bytes) -> None:
+    run, caps = _loop(tmp_path / "r", 5, every=None, stats_every=None, gradient_log=100,
+                      staging_bytes=staging_bytes)
     for t, cap in enumerate(caps):
         for name, g in cap["grads"].items():
             assert torch.equal(run.tensor(name, t, "grads"), g), f"step {t} {name}"

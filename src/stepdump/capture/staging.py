@@ -218,8 +218,9 @@ class Stager:
         """Stage ``(kind, name, tensor, full, param, key)`` entries into ``slot``: copies while
         its budget lasts, live items for the rest (first in the list returned: the writer
         takes them first, as the training thread waits for them; see :meth:`StagingPool.wait_live`).
-        CPU tensors of the kinds in ``defer`` always go live, and are waited for at the end of
-        the update (:meth:`wait_deferred`): the optimizer does not change them."""
+        Live CPU tensors of the kinds in ``defer`` are waited for at the end of the update
+        instead (:meth:`wait_deferred`): the optimizer does not change them. (Copies come
+        first all the same: the writer's disk is often slower than the update.)"""
         copied: list[Item] = []
         live: list[Item] = []
         cuda_entries = []
@@ -233,13 +234,11 @@ class Stager:
                 if t.device.type == "cuda":
                     cuda_entries.append((kind, name, t, full, param, key))
                     continue
-                if kind in defer and self.defer_ok:
-                    live.append(Item(kind, name, t, full, param, key, live=True))
-                    slot.deferred.append((tensor, int(tensor._version)))
-                    continue
                 buf = slot.buffer_for(kind, name, t, pin=False)
                 if buf is None:
                     live.append(Item(kind, name, t, full, param, key, live=True))
+                    if kind in defer and self.defer_ok:
+                        slot.deferred.append((tensor, int(tensor._version)))
                     continue
                 buf.copy_(t)
                 copied.append(Item(kind, name, buf, full, param, key, raw=slot.raw_for(kind, name)))
