@@ -39,7 +39,7 @@ def _raw_view(t: torch.Tensor) -> memoryview:
 
 
 class NoRecording:
-    hook = None
+    hook: Callable[[], None] | None = None
 
     def __init__(self, w: Workload, out: Path) -> None:
         pass

@@ -118,12 +118,9 @@ def plan(args: argparse.Namespace, codecs: list[str]) -> list[tuple[str, str, st
             if codec in codecs:
                 add(f"sd-full-{codec}", f"stepdump full every step, {codec}", "stepdump",
                     functools.partial(sd, **sw.full(codec)))
-    if repeat:  # tiered and stats-only are cheap: always three runs each
-        for _ in range(2):
-            add("sd-tiered", "stepdump tiered (every=100, stats_every=1)", "stepdump",
-                functools.partial(sd, **sw.TIERED))
-            add("sd-stats", "stepdump stats only (every=None, stats_every=1)", "stepdump",
-                functools.partial(sd, **sw.STATS_ONLY))
+    # Tiered and stats-only run once each here: benchmarks/leave_on.py (also in `make bench`)
+    # measures them as interleaved pairs against no recording, which the minute-to-minute
+    # drift of this machine does not blur; repeating them here bought less and cost ~40 s.
     add("json", "JSON of tolist() (clone + dict per step)", "seed", baselines.JsonTolist, args.json_steps)
     if repeat:
         add("none", "no recording", "baseline", baselines.NoRecording)
