@@ -4,8 +4,9 @@ every step, rebuilt from keyframes by re-applying the recorded updates, and veri
 The oracle is the truth of the training itself: snapshots of the live tensors taken at the
 moment each record is taken, and a run recorded in full. A full run becomes a gradient log
 here the way the capture side writes one (``as_gradient_log``): the params and optimizer
-values of non-keyframe steps dropped (stats and fingerprints kept), buffers dropped, the step
-marked stats-only and the meta saying ``gradient_log``.
+values of non-keyframe steps dropped (stats and fingerprints kept; grads, module buffers and
+the state with its RNG kept, as at every step of a gradient log), the step marked stats-only
+and the meta saying ``gradient_log``.
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ def as_gradient_log(src: Path, dst: Path, every: int) -> Path:
             continue
         catalog_sql(dst, "UPDATE tensors SET blob = NULL WHERE step = ? AND series IN "
                          "(SELECT id FROM series WHERE kind IN ('params', 'optimizer'))", (s,))
-        catalog_sql(dst, "DELETE FROM tensors WHERE step = ? AND series IN "
-                         "(SELECT id FROM series WHERE kind = 'buffers')", (s,))
         catalog_sql(dst, "UPDATE steps SET level = 1 WHERE step = ?", (s,))
     catalog_sql(dst, "INSERT OR REPLACE INTO meta(key, value) VALUES ('gradient_log', ?)", (json.dumps(every),))
     return dst
@@ -416,3 +415,4 @@ def test_every_shape_and_scheduler_of_the_matrix_is_rebuilt_bitwise_or_refused_c
                     assert sorted(got) == sorted(want), (case.id, s, kind)
                     for name, t in want.items():
                         assert_same(got[name], t, f"{case.id} step {s} {kind} {name}")
+

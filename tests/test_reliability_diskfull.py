@@ -34,6 +34,7 @@ from reliability.procs import step_hashes, tensor_hash
 from torch import nn
 
 import stepdump
+from stepdump.capture.lean import OPTIMIZER_EVERY
 from stepdump.store.catalog import CatalogWriter
 
 pytestmark = pytest.mark.timeout(180)
@@ -143,6 +144,8 @@ def _check_committed_prefix(run_dir, hashes, kind):
         assert len(steps) >= 1, "nothing was committed before the disk filled"
         for t in steps:
             want = hashes[t]
+            if kind == "catalog" and t % OPTIMIZER_EVERY:  # stats-only: optimizer state every 10th step
+                want = {k: v for k, v in want.items() if not k.startswith("optimizer\t")}
             fps = run.fingerprints(t)
             assert {f"{k}\t{n}" for k, n in fps} == set(want), f"step {t} is incomplete"
             for (k, n), fp in fps.items():

@@ -22,8 +22,11 @@ def run(args: argparse.Namespace) -> int:
     with open_run(args.run) as r, Progress(console=console, transient=True) as bar:
         task = bar.add_task("verifying blobs", total=None)
         report = verify(r, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    for note in report.unchecked:
+        console.print(f"not checked: {note}", soft_wrap=True)
     if report.ok:
-        console.print(f"ok: {report.blobs_checked} blobs, {human_bytes(report.bytes_checked)} verified")
+        segments = f", {report.segments_checked} gradient-log segments re-applied" if report.segments_checked else ""
+        console.print(f"ok: {report.blobs_checked} blobs, {human_bytes(report.bytes_checked)} verified{segments}")
         return Exit.OK
     console.print(f"[bold red]{len(report.problems)} problem(s)[/] in {args.run}:")
     for p in report.problems:

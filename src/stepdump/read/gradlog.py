@@ -23,6 +23,13 @@ refused up front with the same error.
 
 One chain is cached per run: reading steps in order re-applies one update per step, and
 reading several tensors of one step rebuilds it once.
+
+What a read costs beyond the optimizer steps themselves is kept to a copy and a hash per
+gradient: each param's gradient is read into one buffer the chain keeps (a fresh buffer per
+gradient per step costs more in page faults than the optimizer step, and holding them to
+the end of the call made the process grow by a model's worth of gradients per update), the
+keyframe is read once into the tensors the optimizer steps, and the verified state is handed
+out from the chain itself, copied only when the chain moves on while it is still cached.
 """
 
 from __future__ import annotations
@@ -31,17 +38,36 @@ import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stepdump.core.dtypes import DTYPE_NAMES
 from stepdump.core.hashing import fingerprint
-from stepdump.errors import RebuildError, StepNotFoundError, nearest_steps
+from stepdump.errors import (
+    RebuildError,
+    StepdumpError,
+    StepNotFoundError,
+    nearest_steps,
+)
+from stepdump.read.blobs import check_layout
+from stepdump.read.gradlog_parts import (
+    REBUILT_KINDS,
+    Chain,
+    GroupsChanged,
+    Key,
+    SegmentReport,
+    Snapshot,
+    copied,
+    live,
+    refusal_of,
+    take,
+    warm_allocator,
+)
 from stepdump.read.state import (
     assemble_model_state,
     assemble_optimizer_state,
+    optimizer_state_dict,
     param_indices,
     recorded_groups,
 )
@@ -52,37 +78,6 @@ if TYPE_CHECKING:
     from stepdump.read.run import Run
 
 log = logging.getLogger(__name__)
-
-Key = tuple[str, str]
-#: The kinds a gradient log rebuilds; grads are stored at every step, buffers only at keyframes.
-REBUILT_KINDS = ("params", "optimizer")
-# Optimizers whose recorded (dense) gradients cannot drive them: SparseAdam refuses dense grads,
-# and the sparse index set it updates is not kept by the dense record.
-_NEEDS_SPARSE_GRADS = ("SparseAdam",)
-
-
-@dataclass
-class _Chain:
-    """Stand-in params and a live optimizer holding the state before update ``step``."""
-
-    keyframe: int
-    step: int
-    params: dict[str, torch.Tensor]  # recorded name -> the leaf tensor the optimizer steps
-    groups: list[list[str]]  # every group's recorded names (also those not rebuilt: include/exclude)
-    optimized: set[str]  # the params of ``params`` the optimizer steps
-    optimizer: torch.optim.Optimizer
-    checked: bool = False  # the state at ``step`` matched that step's record
-    rows: dict[Key, tuple[Any, ...]] = field(default_factory=dict)  # step's rows: (dtype, shape, fp, blob)
-
-
-@dataclass
-class _Snapshot:
-    """The verified state of one step: private copies, handed out as clones."""
-
-    step: int
-    tensors: dict[Key, torch.Tensor]
-    per_param: dict[str, dict[str, torch.Tensor]]
-
 
 class GradientLog:
     """The rebuild engine of one run (a :class:`~stepdump.read.run.Run` holds one when its meta
@@ -100,8 +95,8 @@ class GradientLog:
         self._run = run
         self._blobs = blobs
         self._keyframe = keyframe
-        self._chain: _Chain | None = None
-        self._snapshot: _Snapshot | None = None
+        self._chain: Chain | None = None
+        self._snapshot: Snapshot | None = None
         self._refusal: RebuildError | None | bool = False  # False: not decided yet
         self.updates_applied = 0  # optimizer steps re-run so far (what a read costs)
 
@@ -120,8 +115,9 @@ class GradientLog:
 
     def readable(self, step: int, kind: str | None) -> bool:
         """Whether ``kind`` (``None``: the step's non-tensor state) may be read at ``step`` although
-        the step is not stored in full: every step of the log keeps its grads and its state."""
-        return kind in (None, "grads", *REBUILT_KINDS) and self._log_step(step)
+        the step is not stored in full: every step of the log keeps its grads, module buffers and
+        state (RNG included)."""
+        return kind in (None, "grads", "buffers", *REBUILT_KINDS) and self._log_step(step)
 
     def readable_steps(self) -> list[int]:
         """Keyframes, and every later recorded step when the optimizer can be re-run."""
@@ -146,7 +142,7 @@ class GradientLog:
     # -- reading -------------------------------------------------------------------
     def tensor(self, name: str, step: int, kind: str) -> torch.Tensor:
         """The rebuilt ``kind`` tensor ``name`` at ``step`` (a fresh copy)."""
-        snap = self._state(step)
+        snap = self._state(step, kind)
         try:
             return snap.tensors[(kind, name)].clone()
         except KeyError:
@@ -158,7 +154,7 @@ class GradientLog:
 
     def tensors(self, step: int, kind: str) -> dict[str, torch.Tensor]:
         """Every rebuilt ``kind`` tensor at ``step``, by name, in recording order of the params."""
-        snap = self._state(step)
+        snap = self._state(step, kind)
         return {n: t.clone() for (k, n), t in snap.tensors.items() if k == kind}
 
     def names(self, step: int, kind: str) -> list[str]:
@@ -166,8 +162,8 @@ class GradientLog:
         return list(self.tensors(step, kind))
 
     def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
-        """``model.state_dict()`` at ``step``: rebuilt params; buffers only where stored."""
-        snap = self._state(step)
+        """``model.state_dict()`` at ``step``: rebuilt params, and the module buffers stored at that step."""
+        snap = self._state(step, "params")
         stored = {n: row for n, row in self._rows(step).items() if n[0] == "buffers" and row[3] is not None}
 
         def load(kind: str, name: str) -> torch.Tensor | None:
@@ -175,11 +171,11 @@ class GradientLog:
                 t = snap.tensors.get(("params", name))
                 return None if t is None else t.clone()
             row = stored.get((kind, name))
-            if row is None:
+            if row is None:  # a log written before buffers were kept at every step, or include=/exclude=
                 raise RebuildError(
-                    f"{kind} {name!r} is not stored at step {step} of {self._run.path}: a gradient log keeps "
-                    "module buffers (BatchNorm running stats) at keyframes only, and they cannot be rebuilt "
-                    f"from gradients; {nearest_steps(step, self.keyframes())} have them"
+                    f"{kind} {name!r} is not stored at step {step} of {self._run.path}, and module buffers "
+                    f"(BatchNorm running stats) cannot be rebuilt from gradients; "
+                    f"{nearest_steps(step, self.keyframes())} have them"
                 )
             return self._blobs.tensor(row[3], row[0], row[1], row[2])
 
@@ -187,16 +183,55 @@ class GradientLog:
 
     def optimizer_state_dict(self, step: int) -> dict[str, Any]:
         """``optimizer.state_dict()`` at ``step``: rebuilt tensors, recorded groups and extras."""
-        snap = self._state(step)
+        snap = self._state(step, "optimizer")
         per_param = {n: {k: v.clone() for k, v in st.items()} for n, st in snap.per_param.items()}
         return assemble_optimizer_state(self._run, step, self._run.step_state(step), per_param)
 
+    def verify_segments(self, progress: Callable[[int, int], None] | None = None) -> SegmentReport:
+        """Re-apply every segment's recorded updates, keyframe to next keyframe (the last one to the
+        last recorded step), checking the state at every step that has fingerprints: what
+        ``stepdump verify`` adds for a gradient log. Each segment costs its K updates.
+
+        A segment that does not reproduce is a problem (its first step that differs), whatever
+        the reason: a gradient or hyperparameter record that is consistent with its own checksum
+        and fingerprint but not the one training used, or another kernel than the recording's.
+        What cannot be re-run here at all (the optimizer, a device this machine lacks,
+        ``add_param_group`` between keyframes) is listed as unchecked instead.
+        ``progress(done, total)``: after each segment."""
+        report = SegmentReport()
+        refusal = self.refusal()
+        if refusal is not None:
+            report.unchecked.append(str(refusal))
+            return report
+        keys = self.keyframes()
+        logged = self._run.catalog.steps(LEVEL_STATS)
+        ends = [*keys[1:], max(logged, default=keys[-1]) if keys else 0]
+        for i, (k, end) in enumerate(zip(keys, ends, strict=True)):
+            try:
+                chain = self._start(k)
+                while chain.step < end:
+                    self._advance(chain, target=end, check=True)
+                report.checked += 1
+            except RebuildError as e:
+                if isinstance(e, GroupsChanged):
+                    report.unchecked.append(str(e))
+                else:
+                    report.problems.append((k if e.step is None else e.step, str(e)))
+            except StepdumpError as e:  # a damaged blob or record on the way (the blob checks name it too)
+                report.problems.append((k, f"the segment from keyframe {k} cannot be re-applied: {e}"))
+            if progress is not None:
+                progress(i + 1, len(keys))
+        return report
+
     # -- the chain -------------------------------------------------------------------
-    def _state(self, step: int) -> _Snapshot:
-        """The verified state before update ``step``; cached, and built from the cached chain
-        when it is at or before ``step`` in the same segment."""
-        if self._snapshot is not None and self._snapshot.step == step:
-            return self._snapshot
+    def _state(self, step: int, kind: str) -> Snapshot:
+        """The state before update ``step``, its ``kind`` verified; cached, and built from the
+        cached chain when it is at or before ``step`` in the same segment."""
+        if kind not in REBUILT_KINDS:
+            raise StepNotFoundError(f"{kind} tensors are not rebuilt by a gradient log (only {REBUILT_KINDS})")
+        snap = self._snapshot
+        if snap is not None and snap.step == step and kind in snap.verified:
+            return snap
         refusal = self.refusal()
         if refusal is not None:
             raise refusal
@@ -206,20 +241,24 @@ class GradientLog:
                                f"nothing to rebuild it from; {nearest_steps(step, self.keyframes())}")
         chain = self._chain
         if chain is None or not keys[-1] <= chain.step <= step:
+            self._chain = None
             chain = self._chain = self._start(keys[-1])
         try:
             while chain.step < step:  # checked at ``step`` only: a difference on the way shows there too
                 self._advance(chain, target=step, check=chain.step + 1 == step)
-            snap = self._take(chain)
+            snap = take(chain)
             last = self._run.catalog.last_step()
-            while not chain.checked:  # no fingerprints at ``step``: verified by the next step that has them
+            if kind not in snap.verified:  # no fingerprints at ``step``: verified by the next step that has them
+                snap = copied(snap)  # the chain moves on from here
+            while kind not in snap.verified:
                 if last is None or chain.step >= last:
                     raise RebuildError(
-                        f"step {step} of {self._run.path} has no fingerprints of its params and optimizer state, "
-                        "and no later step has them either, so its rebuild cannot be verified; read a keyframe "
+                        f"step {step} of {self._run.path} has no fingerprints of its {kind}, and no later step "
+                        "has them either, so its rebuild cannot be verified; read a keyframe "
                         f"({nearest_steps(step, self.keyframes())})"
                     )
                 self._advance(chain, target=step, check=True)
+                snap.verified |= chain.checked
         except RebuildError as e:
             self._chain = None  # never continue from a state that failed (or half-applied) an update
             if e.kind in REBUILT_KINDS:
@@ -237,23 +276,31 @@ class GradientLog:
         while chain.step < step:
             self._advance(chain, target=step, check=True)
 
-    def _start(self, k: int) -> _Chain:
+    def _read(self, blob: Any, dtype: Any, shape: Any, fp: int) -> torch.Tensor:
+        """A stored tensor in memory of its own: the chain updates it in place for many steps
+        (``BlobReader.tensor`` hands out a buffer the read call keeps until it ends)."""
+        tdtype, dims, _ = check_layout(dtype, shape)
+        return self._blobs.read_into(torch.empty(dims, dtype=tdtype), blob, dtype, shape, fp)
+
+    def _start(self, k: int) -> Chain:
         """Stand-in params and a fresh optimizer loaded with keyframe ``k``."""
         run = self._run
         cls = getattr(torch.optim, run.meta["optimizer_class"])  # refusal() checked it is one
         state = run.step_state(k)
         groups = [list(g["params"]) for g in recorded_groups(run, k, state)]
         hyper = [dict(g["hyper"]) for g in recorded_groups(run, k, state)]
-        stored = [n for (kind, n), row in self._rows(k).items() if kind == "params" and row[3] is not None]
+        rows = self._rows(k)
+        stored = [n for (kind, n), row in rows.items() if kind == "params" and row[3] is not None]
         device = self._device()
         # Every param stored at the keyframe: those the optimizer steps, and the model's others
         # (not optimized: they keep their keyframe value, which each step's fingerprints confirm).
         order = {n: i for i, n in enumerate([*param_indices(groups), *stored])}
         params: dict[str, torch.Tensor] = {}
         for n in sorted(stored, key=order.__getitem__):
-            # A private copy: the decoded tensor may share memory with the reader's buffers.
-            t = run.tensor(n, k, "params").to(device, copy=True)
+            dtype, shape, fp, blob = rows[("params", n)]
+            t = self._read(blob, dtype, shape, fp).to(device)
             params[n] = torch.nn.Parameter(t, requires_grad=t.is_floating_point() or t.is_complex())
+        warm_allocator(max((p.numel() * p.element_size() for p in params.values()), default=0))
         if not any(n in params for g in groups for n in g):
             raise RebuildError(f"keyframe {k} of {run.path} stores no optimized params, so nothing can be rebuilt "
                                "from it; record with capture including 'params'")
@@ -262,13 +309,9 @@ class GradientLog:
         accepted = set(inspect.signature(cls).parameters)
         kwargs = {key: v for key, v in hyper[0].items() if key in accepted and key != "params"}
         arg = [{**h, "params": [params[n] for n in g if n in params]} for g, h in zip(groups, hyper, strict=True)]
-        osd = run.optimizer_state_dict(k)
-        # load_state_dict keeps tensors already of the param's dtype and device as they are: give it
-        # private copies (decoded blobs may be views of read buffers, and slow to update in place).
-        for st in osd["state"].values():
-            for key, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    st[key] = v.clone()
+        # Read into tensors of their own, which load_state_dict keeps as they are (already of the
+        # param's dtype and device) and the optimizer then updates in place.
+        osd = optimizer_state_dict(run, self._blobs, k, read=self._read)
         # Renumber the recorded state for the params rebuilt (a subset under include=/exclude=).
         old = param_indices(groups)
         new = param_indices([[n for n in g if n in params] for g in groups])
@@ -281,25 +324,26 @@ class GradientLog:
         except Exception as e:  # torch refuses this configuration here (fused on this device, ...)
             raise RebuildError(f"cannot rebuild from keyframe {k} of {run.path}: building a {cls.__name__} with the "
                                f"recorded hyperparameters and state failed on {device} ({type(e).__name__}: {e})") from e
-        chain = _Chain(keyframe=k, step=k, params=params, groups=groups,
-                       optimized={n for g in groups for n in g if n in params}, optimizer=opt)
+        chain = Chain(keyframe=k, step=k, params=params, groups=groups,
+                      optimized={n for g in groups for n in g if n in params}, optimizer=opt)
         self._check(chain)
-        if not chain.checked:
+        if "params" not in chain.checked:
             log.debug("stepdump: keyframe %s of %s has no fingerprints to check its loaded state against", k, run.path)
         return chain
 
-    def _advance(self, chain: _Chain, target: int, check: bool) -> None:
+    def _advance(self, chain: Chain, target: int, check: bool) -> None:
         """Re-apply update ``chain.step``; with ``check``, verify the state it gives at the next step."""
         run, t = self._run, chain.step
+        self._release(chain)  # the cached snapshot may be this chain's tensors, about to change
         state = run.step_state(t)
         groups = recorded_groups(run, t, state)
         if [list(g["params"]) for g in groups] != chain.groups:
             raise self._error(target, t, None, None, f"the optimizer's param groups at step {t} differ from those "
                               f"of keyframe {chain.keyframe} (add_param_group between keyframes), so its updates "
-                              "cannot be re-applied; read a keyframe instead")
+                              "cannot be re-applied; read a keyframe instead", cls=GroupsChanged)
         opt = chain.optimizer
-        for live, g in zip(opt.param_groups, groups, strict=True):
-            live.update({k: v for k, v in g["hyper"].items() if k != "params"})
+        for group, g in zip(opt.param_groups, groups, strict=True):
+            group.update({k: v for k, v in g["hyper"].items() if k != "params"})
         rows = chain.rows if chain.rows else self._rows(t)
         for n, p in chain.params.items():
             if n not in chain.optimized:
@@ -308,41 +352,60 @@ class GradientLog:
             if row is None:
                 p.grad = None  # no gradient at this step: the optimizer leaves p (and its state) alone
                 continue
-            if row[3] is None:
-                raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} has stats only, its "
-                                  f"values were not stored, so update {t} cannot be re-applied")
-            grad = self._blobs.tensor(row[3], row[0], row[1], row[2]).to(p.device)
-            if grad.dtype != p.dtype or grad.shape != p.shape:
-                raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} is {grad.dtype} "
-                                  f"{tuple(grad.shape)} but the param is {p.dtype} {tuple(p.shape)}")
-            p.grad = grad
+            p.grad = self._grad(chain, target, t, n, p, row)
         if not self._skipped(t):
             try:
-                opt.step()
+                with torch.no_grad():  # as in training: no autograd bookkeeping of the in-place updates
+                    opt.step()
             except Exception as e:
                 raise self._error(target, t, None, None, f"{type(opt).__name__}.step() failed re-applying update "
                                   f"{t} ({type(e).__name__}: {e})") from e
             self.updates_applied += 1
         for p in chain.params.values():
             p.grad = None
-        chain.step, chain.rows, chain.checked = t + 1, {}, False
+        chain.step, chain.rows, chain.checked = t + 1, {}, frozenset()
         if check:
             self._check(chain, target)
 
-    def _check(self, chain: _Chain, target: int | None = None) -> None:
-        """Compare the chain's state with the fingerprints recorded at its step (raises on a difference)."""
+    def _grad(self, chain: Chain, target: int, t: int, n: str, p: torch.Tensor,
+              row: tuple[Any, ...]) -> torch.Tensor:
+        """The recorded gradient of ``n`` at step ``t``, read into the chain's buffer for ``n``."""
+        dtype, shape, fp, blob = row
+        if blob is None:
+            raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} has stats only, its "
+                              f"values were not stored, so update {t} cannot be re-applied")
+        tdtype, dims, _ = check_layout(dtype, shape)
+        if tdtype != p.dtype or dims != tuple(p.shape):
+            raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} is {tdtype} {dims} "
+                              f"but the param is {p.dtype} {tuple(p.shape)}")
+        buf = chain.grads.get(n)
+        if buf is None:
+            buf = chain.grads[n] = torch.empty(dims, dtype=tdtype)
+        self._blobs.read_into(buf, blob, dtype, shape, fp)
+        if p.device.type == "cpu":
+            return buf
+        # Another device: one buffer there too, filled from the host buffer.
+        dev = chain.grads.get(f"{n}\0{p.device}")
+        if dev is None:
+            dev = chain.grads[f"{n}\0{p.device}"] = torch.empty(dims, dtype=tdtype, device=p.device)
+        return dev.copy_(buf)
+
+    def _check(self, chain: Chain, target: int | None = None) -> None:
+        """Compare the chain's state with the fingerprints recorded at its step (raises on a
+        difference); ``chain.checked`` says which kinds were compared."""
         step = chain.step
         rows = self._rows(step)
         chain.rows = rows
         recorded = {key: row for key, row in rows.items() if key[0] in REBUILT_KINDS}
-        if not any(key[0] == "params" for key in recorded):
-            return  # no stats at this step: checked at a later one
-        live = self._live(chain)
+        rebuilt = live(chain)
         captured = set(self._run.meta.get("capture") or REBUILT_KINDS)
-        for key in sorted(set(recorded) | set(live), key=lambda k: (k[0] != "params", k[1])):
-            if key[0] not in captured:
+        # A kind is compared where the step records it: a stats-only step may leave the optimizer
+        # state out (the lean capture reads it every few steps), a step without stats has none.
+        compared = {kind for kind in REBUILT_KINDS if kind in captured and any(k == kind for k, _ in recorded)}
+        for key in sorted(set(recorded) | set(rebuilt), key=lambda k: (k[0] != "params", k[1])):
+            if key[0] not in compared:
                 continue
-            row, t = recorded.get(key), live.get(key)
+            row, t = recorded.get(key), rebuilt.get(key)
             if row is None:
                 why = "exists in the rebuild but not in the record"
             elif t is None:
@@ -356,30 +419,16 @@ class GradientLog:
             raise self._error(step if target is None else target, step, key[0], key[1],
                               f"re-applying the recorded updates from keyframe {chain.keyframe} gives {key[0]} "
                               f"{key[1]!r} at step {step} that {why}", mismatch=True)
-        chain.checked = True
+        # Nothing recorded and nothing rebuilt (a stateless SGD's optimizer state) agree as well.
+        empty = {kind for kind in REBUILT_KINDS if not any(k == kind for k, _ in recorded)
+                 and not any(k == kind for k, _ in rebuilt)}
+        chain.checked = frozenset(compared | empty) if "params" in compared else frozenset()
 
-    def _live(self, chain: _Chain) -> dict[Key, torch.Tensor]:
-        out: dict[Key, torch.Tensor] = {}
-        for n, p in chain.params.items():
-            out[("params", n)] = p.detach()
-        for n, p in chain.params.items():
-            for k, v in chain.optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):  # sparse state: its record is the dense series
-                    out[("optimizer", f"{n}.{k}")] = v.detach() if v.layout == torch.strided else v.to_dense()
-        return out
-
-    def _take(self, chain: _Chain) -> _Snapshot:
-        tensors: dict[Key, torch.Tensor] = {}
-        per_param: dict[str, dict[str, torch.Tensor]] = {}
-        for n, p in chain.params.items():
-            tensors[("params", n)] = p.detach().clone()
-        for n, p in chain.params.items():
-            for k, v in chain.optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.layout == torch.strided:
-                    c = v.detach().clone()
-                    tensors[("optimizer", f"{n}.{k}")] = c
-                    per_param.setdefault(n, {})[k] = c
-        return _Snapshot(chain.step, tensors, per_param)
+    def _release(self, chain: Chain) -> None:
+        """Before ``chain`` changes: a cached snapshot of its tensors takes copies of them. Only
+        reads that go on from a step already read pay this (reading steps in order)."""
+        if self._snapshot is not None and self._snapshot.chain is chain:
+            self._snapshot = copied(self._snapshot)
 
     # -- what the run says -------------------------------------------------------------
     def _rows(self, step: int) -> dict[Key, tuple[Any, ...]]:
@@ -393,37 +442,15 @@ class GradientLog:
     def refusal(self) -> RebuildError | None:
         """Why this run's optimizer cannot be re-run at all (None: it can)."""
         if self._refusal is False:
-            self._refusal = self._why_not()
+            self._refusal = refusal_of(self._run)
         return self._refusal  # type: ignore[return-value]
-
-    def _why_not(self) -> RebuildError | None:
-        name = self._run.meta.get("optimizer_class")
-        cls = getattr(torch.optim, name, None) if isinstance(name, str) else None
-        where = f"{self._run.path} (a gradient log)"
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            return RebuildError(f"{where} was recorded with optimizer {name!r}, which is not a torch.optim class, so "
-                                "its updates cannot be re-applied here; only keyframes are readable")
-        closure = inspect.signature(cls.step).parameters.get("closure")
-        if closure is not None and closure.default is inspect.Parameter.empty:
-            return RebuildError(f"{where} was recorded with {name}, which re-evaluates the loss inside step() (a "
-                                "closure), so its updates cannot be re-applied from recorded gradients; only "
-                                "keyframes are readable (record with keyframe_every=K and use stepdump.replay, or "
-                                "record every step in full)")
-        if name in _NEEDS_SPARSE_GRADS:
-            return RebuildError(f"{where} was recorded with {name}, which needs sparse gradients; a run stores them "
-                                "dense, so its updates cannot be re-applied; only keyframes are readable")
-        device = self._run.meta.get("device")
-        if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
-            return RebuildError(f"{where} was recorded on {device}; its updates must be re-applied by the same "
-                                "kernels, and this machine has no CUDA device; only keyframes are readable here")
-        return None
 
     def _device(self) -> torch.device:
         device = self._run.meta.get("device")
         return torch.device(device) if isinstance(device, str) and device.startswith("cuda") else torch.device("cpu")
 
     def _error(self, target: int, step: int, kind: str | None, name: str | None, what: str, *,
-               mismatch: bool = False) -> RebuildError:
+               mismatch: bool = False, cls: type[RebuildError] = RebuildError) -> RebuildError:
         meta = self._run.meta
         text = f"step {target} of {self._run.path} cannot be rebuilt from the gradient log: {what}"
         if mismatch:
@@ -432,7 +459,7 @@ class GradientLog:
                      f"rebuilding with torch {torch.__version__} on {self._device()}), sparse gradients (stored "
                      "dense), or a damaged gradient or hyperparameter record (`stepdump verify` checks the bytes)")
         text += f". Steps stored in full read as recorded ({nearest_steps(target, self.keyframes())})"
-        err = RebuildError(text)
+        err = cls(text)
         err.step, err.kind, err.name = step, kind, name
         return err
 

@@ -83,6 +83,12 @@ class Run:
         return self._catalog
 
     @property
+    def gradient_log(self) -> GradientLog | None:
+        """The rebuild engine of a gradient-log run (docs/gradient-log.md); None for other runs.
+        ``stepdump verify`` re-runs its segments (:meth:`GradientLog.verify_segments`)."""
+        return self._gradlog
+
+    @property
     def _con(self) -> Any:
         # The raw read-only connection, for tests that look at or plant rows; code asks self.catalog.
         return self._catalog.connection

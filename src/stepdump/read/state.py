@@ -110,17 +110,21 @@ def param_indices(groups: Iterable[Iterable[K]]) -> dict[K, int]:
     return index
 
 
-def optimizer_state_dict(run: Run, blobs: BlobReader, step: int) -> dict[str, Any]:
+def optimizer_state_dict(run: Run, blobs: BlobReader, step: int,
+                         read: Callable[[Any, Any, Any, int], torch.Tensor] | None = None) -> dict[str, Any]:
     """The optimizer's state_dict before update ``step``, with torch's index numbering.
 
-    ``blobs``: the Run's blob reader (the caller's read scope is in it)."""
+    ``blobs``: the Run's blob reader (the caller's read scope is in it). ``read(blob, dtype, shape,
+    fingerprint)``: how each tensor is read (default ``blobs.tensor``; a gradient log reads its
+    keyframe into tensors of its own, see read/gradlog.py)."""
     require_full(run.catalog, step, run.path)
     state = run.step_state(step)
+    read = read or blobs.tensor
     per_param: dict[str, dict[str, Any]] = {}
     for _, _, param, key, blob, dtype, shape, fp in run.catalog.stored_tensors(step, ("optimizer",)):
         if not isinstance(param, str) or not isinstance(key, str):
             raise CorruptDataError(f"an optimizer series of {run.path} has param {param!r} and key {key!r}")
-        per_param.setdefault(param, {})[key] = blobs.tensor(blob, dtype, shape, check_fingerprint(fp, run.path))
+        per_param.setdefault(param, {})[key] = read(blob, dtype, shape, check_fingerprint(fp, run.path))
     return assemble_optimizer_state(run, step, state, per_param)
 
 

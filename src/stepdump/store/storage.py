@@ -175,6 +175,32 @@ class LocalStorage:
             os.fsync(f.fileno())  # type: ignore[attr-defined]
 
     def read(self, key: str, offset: int, length: int) -> bytes:
+        fd = self._span(key, offset, length)
+        try:
+            data = os.pread(fd, length, offset)
+        except OSError as e:
+            raise CorruptDataError(f"segment {key!r} cannot be read at offset {offset}: {e}") from e
+        self._check_got(key, offset, length, len(data))
+        return data
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` (a writable byte buffer) from ``offset`` of ``key``, with the checks of
+        :meth:`read`: for a reader that reuses its memory (no bytes object per read, no copy)."""
+        length = buf.nbytes
+        fd = self._span(key, offset, length)
+        got = 0
+        try:
+            while got < length:  # preadv may return less than asked (a signal, a huge read)
+                n = os.preadv(fd, [buf[got:]], offset + got)
+                if n <= 0:
+                    break
+                got += n
+        except OSError as e:
+            raise CorruptDataError(f"segment {key!r} cannot be read at offset {offset}: {e}") from e
+        self._check_got(key, offset, length, got)
+
+    def _span(self, key: str, offset: int, length: int) -> int:
+        """The segment's read descriptor, once the range is checked to lie inside it."""
         for what, v in (("offset", offset), ("length", length)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise CorruptDataError(f"refusing to read segment {key!r}: {what} {v!r} is not a byte count")
@@ -186,16 +212,15 @@ class LocalStorage:
         # Checked before reading: pread allocates ``length`` bytes up front, and a
         # damaged or hostile catalog may claim any length.
         check_span(key, offset, length, os.fstat(fd).st_size)
-        try:
-            data = os.pread(fd, length, offset)
-        except OSError as e:
-            raise CorruptDataError(f"segment {key!r} cannot be read at offset {offset}: {e}") from e
-        if len(data) != length:
+        return fd
+
+    @staticmethod
+    def _check_got(key: str, offset: int, length: int, got: int) -> None:
+        if got != length:
             raise CorruptDataError(
                 f"segment {key!r} is truncated: wanted {length} bytes at offset {offset}, "
-                f"got {len(data)}; run `stepdump verify` on the run"
+                f"got {got}; run `stepdump verify` on the run"
             )
-        return data
 
     def refetch(self, key: str, offset: int, length: int) -> None:
         """No cache to bypass: what :meth:`read` returned is what the file holds."""

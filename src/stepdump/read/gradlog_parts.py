@@ -1,0 +1,140 @@
+"""The pieces of the gradient-log engine (read/gradlog.py) that need no engine: its chain and
+snapshot records, what a verification of the segments found, and why a run cannot be re-run."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stepdump.errors import RebuildError
+
+if TYPE_CHECKING:
+    from stepdump.read.run import Run
+
+Key = tuple[str, str]
+#: The kinds a gradient log rebuilds; grads (and module buffers) are stored at every step.
+REBUILT_KINDS = ("params", "optimizer")
+# Optimizers whose recorded (dense) gradients cannot drive them: SparseAdam refuses dense grads,
+# and the sparse index set it updates is not kept by the dense record.
+_NEEDS_SPARSE_GRADS = ("SparseAdam",)
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX (64-bit): the highest its malloc raises the mmap threshold to.
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def warm_allocator(largest: int) -> None:
+    """Free one mapped block of a few times ``largest`` bytes (never touched, so it costs no page faults).
+
+    glibc's malloc hands the top of its heap back to the system once more than its trim threshold
+    is free there, and starts with low thresholds (128 KiB mmap / 256 KiB trim) that rise to a
+    mapped block's size (trim: twice that) when one is freed. A training loop raises them early
+    (activations); a chain of optimizer steps alone may not, and then every temporary of every
+    update (Adam: two per param, ``sqrt`` and the division) is trimmed away when freed and comes
+    back as fresh pages, page faults that made a rebuilt ``Adam.step()`` twice as slow as the same
+    step in training. Freeing this block raises the thresholds as training does. Elsewhere than
+    glibc (or with thresholds set by the user) it is a plain allocation and nothing else.
+    """
+    size = min(_MMAP_THRESHOLD_MAX, 4 * largest)
+    if size > 0:
+        torch.empty(size, dtype=torch.uint8)  # allocated and freed at once
+
+
+@dataclass
+class Chain:
+    """Stand-in params and a live optimizer holding the state before update ``step``."""
+
+    keyframe: int
+    step: int
+    params: dict[str, torch.Tensor]  # recorded name -> the leaf tensor the optimizer steps
+    groups: list[list[str]]  # every group's recorded names (also those not rebuilt: include/exclude)
+    optimized: set[str]  # the params of ``params`` the optimizer steps
+    optimizer: torch.optim.Optimizer
+    checked: frozenset[str] = frozenset()  # kinds whose state at ``step`` matched that step's record
+    rows: dict[Key, tuple[Any, ...]] = field(default_factory=dict)  # step's rows: (dtype, shape, fp, blob)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # one buffer per param, reused every update
+
+
+@dataclass
+class Snapshot:
+    """The verified state of one step, handed out as clones. While ``chain`` is set the tensors
+    are that chain's own (no copy for a read that ends there); ``GradientLog._release``
+    copies them before the chain moves on."""
+
+    step: int
+    tensors: dict[Key, torch.Tensor]
+    per_param: dict[str, dict[str, torch.Tensor]]
+    verified: set[str]  # the kinds checked against fingerprints (at this step or, run on, a later one)
+    chain: Chain | None = None
+
+
+class GroupsChanged(RebuildError):
+    """``add_param_group`` between keyframes: a limit of the rebuild, not a difference."""
+
+
+@dataclass
+class SegmentReport:
+    """What :meth:`GradientLog.verify_segments` found (``stepdump verify``)."""
+
+    checked: int = 0  # segments whose updates reproduced every recorded fingerprint up to the next keyframe
+    problems: list[tuple[int, str]] = field(default_factory=list)  # (first step that differs, why)
+    unchecked: list[str] = field(default_factory=list)  # what could not be re-run here, and why
+
+
+def live(chain: Chain) -> dict[Key, torch.Tensor]:
+    """The chain's params and strided optimizer tensors, as ``_check`` compares them with a record."""
+    out: dict[Key, torch.Tensor] = {}
+    for n, p in chain.params.items():
+        out[("params", n)] = p.detach()
+    for n, p in chain.params.items():
+        for k, v in chain.optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):  # sparse state: its record is the dense series
+                out[("optimizer", f"{n}.{k}")] = v.detach() if v.layout == torch.strided else v.to_dense()
+    return out
+
+
+def take(chain: Chain) -> Snapshot:
+    """The chain's state as a snapshot of its own tensors (no copy; see :meth:`_release`)."""
+    tensors: dict[Key, torch.Tensor] = {}
+    per_param: dict[str, dict[str, torch.Tensor]] = {}
+    for n, p in chain.params.items():
+        tensors[("params", n)] = p.detach()
+    for n, p in chain.params.items():
+        for k, v in chain.optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.layout == torch.strided:
+                tensors[("optimizer", f"{n}.{k}")] = per_param.setdefault(n, {})[k] = v.detach()
+    return Snapshot(chain.step, tensors, per_param, set(chain.checked), chain)
+
+def copied(snap: Snapshot) -> Snapshot:
+    """``snap`` in private copies (a tensor in both maps stays one tensor)."""
+    copies = {id(t): t.clone() for t in snap.tensors.values()}
+    for st in snap.per_param.values():
+        copies.update({id(t): t.clone() for t in st.values() if id(t) not in copies})
+    return Snapshot(snap.step, {key: copies[id(t)] for key, t in snap.tensors.items()},
+                    {n: {k: copies[id(t)] for k, t in st.items()} for n, st in snap.per_param.items()},
+                    set(snap.verified))
+
+
+def refusal_of(run: Run) -> RebuildError | None:
+    """Why ``run``'s optimizer cannot be re-run at all (None: it can)."""
+    name = run.meta.get("optimizer_class")
+    cls = getattr(torch.optim, name, None) if isinstance(name, str) else None
+    where = f"{run.path} (a gradient log)"
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return RebuildError(f"{where} was recorded with optimizer {name!r}, which is not a torch.optim class, so "
+                            "its updates cannot be re-applied here; only keyframes are readable")
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return RebuildError(f"{where} was recorded with {name}, which re-evaluates the loss inside step() (a "
+                            "closure), so its updates cannot be re-applied from recorded gradients; only "
+                            "keyframes are readable (record with keyframe_every=K and use stepdump.replay, or "
+                            "record every step in full)")
+    if name in _NEEDS_SPARSE_GRADS:
+        return RebuildError(f"{where} was recorded with {name}, which needs sparse gradients; a run stores them "
+                            "dense, so its updates cannot be re-applied; only keyframes are readable")
+    device = run.meta.get("device")
+    if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
+        return RebuildError(f"{where} was recorded on {device}; its updates must be re-applied by the same "
+                            "kernels, and this machine has no CUDA device; only keyframes are readable here")
+    return None
