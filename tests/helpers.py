@@ -106,6 +106,33 @@ def assert_run_matches(run: Any, step: int, snap: dict[str, dict[str, torch.Tens
             assert_same(run.tensor(name, step, kind=kind), t, f"step {step} {kind} {name} via tensor()")
 
 
+def assert_final_record(run: Any, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                        step: int | None = None) -> int:
+    """The run ends with the final record ``close()`` wrote (FORMAT.md ``final_step``): its last
+    step, named by ``meta.final_step`` (``step`` when given), with no grads; given the live model
+    and optimizer after training, it holds exactly their params and optimizer state. Returns it."""
+    final = run.meta.get("final_step")
+    assert isinstance(final, int), f"no final record: meta final_step is {final!r}"
+    assert run.steps and run.steps[-1] == final, f"final_step {final} is not the last step of {run.steps[-5:]}"
+    if step is not None:
+        assert final == step, f"final_step {final} != {step}"
+    assert run.tensors(final, "grads") == {}, "the final record has grads"
+    if model is not None and optimizer is not None:
+        assert_run_matches(run, final, snapshot(model, optimizer), kinds=("params", "optimizer"))
+    return final
+
+
+def training_scalars(run: Any, **kwargs: Any) -> Any:
+    """``run.scalars(**kwargs)`` less the final record's row: asserts it is there (a row per
+    step) and holds nothing (close() logs nothing; no update was skipped there)."""
+    sc = run.scalars(**kwargs)
+    final = run.meta.get("final_step")
+    assert isinstance(final, int) and final in sc.index, f"no row for the final record {final!r}"
+    row = sc.loc[final]
+    assert not row["skipped"] and row.drop("skipped").isna().all(), f"the final record's row: {row.to_dict()}"
+    return sc.drop(index=final)
+
+
 def optimizer_state_clone(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A deep copy of optimizer.state_dict() (tensors cloned)."""
     sd = optimizer.state_dict()

@@ -177,7 +177,8 @@ def test_memory_bounded_over_500_steps(tmp_path):
                 rss[step] = peak_memory_mb(torch.device("cpu"))
     assert rss[499] - rss[100] < 40, rss
     run = stepdump.open(tmp_path / "r")
-    assert run.stats_steps == list(range(500)) and run.steps == []
+    # Lean (every=None): stats at each of the 500 steps, and the one full record close() writes.
+    assert run.stats_steps == list(range(501)) and run.steps == [500] == [run.meta["final_step"]]
     assert len(run.stats(kind="activations", steps=499)) == 3
 
 
@@ -194,7 +195,10 @@ def test_profiler_sees_recorder_ranges_and_sys_scalars(tmp_path):
     names = {e.name for e in prof.events()}
     assert {"stepdump.capture", "stepdump.activations", "stepdump.begin"} <= names
     prof_df = stepdump.open(tmp_path / "r").profile()
-    assert list(prof_df.index) == [0, 1, 2]
+    # A row per step; the final record (3, written by close(), not an iteration) has no profile.
+    assert list(prof_df.index) == [0, 1, 2, 3]
+    assert prof_df.loc[3, ["sys/iter_ms", "sys/recorder_ms", "sys/peak_mem_mb"]].isna().all()
+    prof_df = prof_df.loc[[0, 1, 2]]
     assert (prof_df["sys/iter_ms"] > prof_df["sys/recorder_ms"]).all()
     assert (prof_df["sys/recorder_ms"] > 0).all() and (prof_df["sys/peak_mem_mb"] > 10).all()
     assert "sys/iter_ms" not in stepdump.open(tmp_path / "r").scalars().columns
@@ -244,5 +248,5 @@ def test_scripted_module_records_the_rest_and_says_why(tmp_path, caplog):
                 opt.step()
     assert "TorchScript" in caplog.text
     run = stepdump.open(tmp_path / "r")
-    assert run.steps == [0, 1] and run.names("activations") == []
+    assert run.steps == [0, 1, 2] and run.meta["final_step"] == 2 and run.names("activations") == []
     assert run.names("grads") == ["0.weight", "0.bias", "2.weight", "2.bias"]

@@ -176,15 +176,23 @@ def test_lr_times_1000_at_step_k(tmp_path: Path) -> None:
 
     run = train(tmp_path / "run", steps=40, opt="sgd", lr=1e-2, before_step=blow)
     findings = stepdump.check(run)
+    # The cause, named with its step and factor; an error, since the loss then explodes.
+    jump = of(findings, "lr_jump")
+    assert [(f.step, f.tensor, f.severity) for f in jump] == [(k, "lr", Severity.ERROR)]
+    assert jump[0].value == pytest.approx(1000.0)
+    assert f"lr at step {k} is 1000x its neighbours" in jump[0].message
     spike = of(findings, "loss_spike", Severity.WARNING)
     assert spike and spike[0].step == k + 1  # the loss after the bad update
-    assert spike[0].tensor == "loss"
+    assert spike[0].tensor == "loss" and spike[0].severity == Severity.ERROR
+    assert f"lr spike at step {k}" in spike[0].message  # the symptom points at the cause
     exploding = of(findings, "exploding_gradient", Severity.WARNING)
-    assert exploding and exploding[0].step == k + 1
+    assert len(exploding) == 1 and exploding[0].step == k + 1  # one finding for the whole blow-up
     assert exploding[0].kind == "grads" and exploding[0].tensor in run.names("grads")
+    # One finding for the update that hit both weights, not one per weight.
     ratio = of(findings, "update_ratio", Severity.WARNING)
-    assert {f.tensor for f in ratio} == {"0.weight", "2.weight"}
-    assert all(f.step == k and f.value > 1 for f in ratio)  # the update itself
+    assert len(ratio) == 1
+    assert set(ratio[0].tensors) == {"0.weight", "2.weight"} and ratio[0].tensor in ratio[0].tensors
+    assert ratio[0].step == k and ratio[0].value > 1  # the update itself
     # Nothing flagged before the planted step.
     assert min(f.step for f in serious(findings) if f.step is not None) == k
 
@@ -299,16 +307,16 @@ def test_update_ratio_too_small_on_a_float64_model(tmp_path: Path) -> None:
     # float64 keeps updates of ~1e-9 relative size (float32 would round them away).
     run = train(tmp_path / "run", steps=12, opt="sgd", lr=1e-8, dtype=torch.float64)
     small = of(stepdump.check(run, rules=["update_ratio"]), "update_ratio")
-    assert {f.tensor for f in small} == {"0.weight", "2.weight"}
-    assert all(f.value < 1e-7 and f.threshold == 1e-7 for f in small)
+    assert len(small) == 1 and set(small[0].tensors) == {"0.weight", "2.weight"}
+    assert small[0].value < 1e-7 and small[0].threshold == 1e-7
 
 
 def test_update_ratio_hi_is_tunable(tmp_path: Path) -> None:
     run = train(tmp_path / "run", steps=12)
     assert stepdump.check(run, rules=["update_ratio"]) == []
     tight = stepdump.check(run, rules=["update_ratio"], config={"update_ratio": {"hi": 1e-4}})
-    assert {f.tensor for f in tight} == {"0.weight", "2.weight"}
-    assert all(f.threshold == 1e-4 and f.value > 1e-4 for f in tight)
+    assert len(tight) == 1 and set(tight[0].tensors) == {"0.weight", "2.weight"}
+    assert tight[0].threshold == 1e-4 and tight[0].value > 1e-4
 
 
 # -- optimizer state ------------------------------------------------------------
@@ -401,7 +409,7 @@ def test_unknown_rule_and_bad_options_raise_config_error(spiky_run: stepdump.Run
 def test_default_rules_and_names() -> None:
     names = rule_names()
     assert names[: len(DEFAULT_RULES)] == [
-        "nan_inf", "exploding_gradient", "vanishing_gradient", "loss_spike", "loss_not_decreasing",
+        "nan_inf", "exploding_gradient", "vanishing_gradient", "loss_spike", "loss_not_decreasing", "lr_jump",
         "update_ratio", "unchanged_tensor", "dead_units", "weight_norm_growth", "optimizer_state", "recording_stopped",
     ]
     rules = resolve_rules()

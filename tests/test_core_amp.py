@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
-from helpers import MLP, assert_run_matches, assert_same, regression_batch, snapshot
+from helpers import (
+    MLP,
+    assert_final_record,
+    assert_run_matches,
+    assert_same,
+    regression_batch,
+    snapshot,
+)
 from torch import nn
 
 import stepdump
@@ -48,11 +55,16 @@ def test_gradscaler_skipped_step_is_recorded_and_marked(tmp_path):
     k = INF_STEP
     assert scales[k + 1] == scales[k] / 2  # the scaler really backed off
     with stepdump.open(tmp_path / "run") as run:
-        assert run.all_steps == list(range(N_STEPS))
-        assert run.steps == list(range(N_STEPS))
+        # steps 0..N-1, then the final record N: the state after the last update, the scaler's too
+        assert run.all_steps == list(range(N_STEPS + 1))
+        assert run.steps == list(range(N_STEPS + 1))
+        assert_final_record(run, model, opt, step=N_STEPS)
+        assert run.scaler_state_dict(N_STEPS)["scale"] == scaler.get_scale()
         assert run.skipped_steps == [k]
         sc = run.scalars()
-        assert list(sc.index) == list(range(N_STEPS))
+        assert list(sc.index) == list(range(N_STEPS + 1))
+        assert not sc.loc[N_STEPS, "skipped"] and math.isnan(sc.loc[N_STEPS, "loss"])  # nothing logged there
+        sc = sc.drop(index=N_STEPS)
         assert sc["skipped"].dtype == bool
         assert list(sc["skipped"]) == [t == k for t in range(N_STEPS)]
         assert math.isinf(sc.loc[k, "loss"])

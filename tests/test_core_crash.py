@@ -14,7 +14,13 @@ import time
 
 import pytest
 import torch
-from helpers import assert_run_matches, assert_same, regression_batch, snapshot
+from helpers import (
+    assert_final_record,
+    assert_run_matches,
+    assert_same,
+    regression_batch,
+    snapshot,
+)
 from reliability.faults import FullDisk
 from torch import nn
 
@@ -136,7 +142,9 @@ def test_sigkill_mid_run_keeps_a_readable_prefix_and_resumes(tmp_path):
             opt.step()
             rec.log(loss=loss)
     with stepdump.open(run_dir) as run:
-        assert run.steps == list(range(last + 6))
+        # last+1..last+5 recorded, then close() wrote the final record last+6 (the trained model)
+        assert run.steps == list(range(last + 7))
+        assert_final_record(run, model, opt, step=last + 6)
         for t, snap in snaps.items():
             assert_run_matches(run, t, snap)
         for t in steps:  # what was there before is untouched

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import (
     MLP,
+    assert_final_record,
     assert_run_matches,
     assert_same,
     classification_batch,
@@ -40,8 +41,10 @@ def test_linear_adam_every_step_matches_live_clones(tmp_path):
             opt.step()
             rec.log(loss=loss)
     run = stepdump.open(tmp_path / "run")
-    assert run.steps == list(range(100))
-    assert run.all_steps == list(range(100))
+    # records 0..99, then close()'s final record 100: the params after the last update
+    assert run.steps == list(range(101))
+    assert run.all_steps == list(range(101))
+    assert_final_record(run, model, opt, step=100)
     assert run.skipped_steps == []
     assert run.names("params") == ["weight", "bias"]
     assert run.names("grads") == ["weight", "bias"]
@@ -76,13 +79,14 @@ def test_mlp_sgd_crossentropy_matches_live_clones(tmp_path):
             opt.step()
             rec.log(loss=loss.item())
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == list(range(30))
+        assert run.steps == list(range(31))
+        assert_final_record(run, model, opt, step=30)
         assert run.names("params") == ["0.weight", "0.bias", "2.weight", "2.bias"]
         for t, snap in enumerate(snaps):
             assert_run_matches(run, t, snap)
         assert run.names("optimizer") == [f"{n}.momentum_buffer" for n in run.names("params")]
         losses = run.scalars()["loss"]
-        assert list(losses.index) == list(range(30))
+        assert list(losses.dropna().index) == list(range(30))  # none at the final record
 
 
 def test_gradient_accumulation_one_record_per_optimizer_step(tmp_path):
@@ -104,13 +108,14 @@ def test_gradient_accumulation_one_record_per_optimizer_step(tmp_path):
             snaps.append(snapshot(model, opt))
             opt.step()
     with stepdump.open(tmp_path / "run") as run:
-        assert run.all_steps == list(range(n_steps))
-        assert run.steps == list(range(n_steps))
+        assert run.all_steps == list(range(n_steps + 1))
+        assert run.steps == list(range(n_steps + 1))
+        assert_final_record(run, model, opt, step=n_steps)
         for t in range(n_steps):
             assert_run_matches(run, t, snaps[t])
             # the accumulated grad, not the one after the first micro-batch
             assert not torch.equal(run.tensor("fc1.weight", t, kind="grads"), first_micro[t])
-        assert list(run.scalars().index) == list(range(n_steps))
+        assert list(run.scalars()["loss"].dropna().index) == list(range(n_steps))
 
 
 @pytest.mark.parametrize("codec", ["zstd", "blosc-zstd", "delta-lz4", "delta-zstd"])
@@ -353,8 +358,10 @@ def test_run_is_readable_while_being_written(tmp_path):
     finally:
         rec.close()
     assert not run.live
-    assert run.steps == list(range(8))
+    assert run.steps == list(range(9))  # and the final record close() wrote
     run.close()
+    with stepdump.open(tmp_path / "run") as run:  # meta is read at open: final_step came with close()
+        assert_final_record(run, model, opt, step=8)
 
 
 def test_slow_writer_backpressure_loses_and_mixes_nothing(tmp_path):
@@ -365,7 +372,8 @@ def test_slow_writer_backpressure_loses_and_mixes_nothing(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     snaps = train_recorded(tmp_path / "run", model, opt, 12, queue_depth=1, storage=slow_disk(0.005))
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == list(range(12))
+        assert run.steps == list(range(13))
+        assert_final_record(run, model, opt, step=12)
         for t in range(12):
             assert_run_matches(run, t, snaps[t])
 
@@ -388,9 +396,25 @@ def test_small_segments_fsync_and_start_step(tmp_path):
             rec.log(loss=loss)
     assert len(list((tmp_path / "run" / "segments").glob("*.seg"))) > 1
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == list(range(100, 108))
+        assert run.steps == list(range(100, 109))
+        final = assert_final_record(run, model, opt, step=108)
         for t, snap in snaps.items():
             assert_run_matches(run, t, snap)
-        assert list(run.scalars().index) == list(range(100, 108))
-    with pytest.raises(stepdump.ConfigError, match="start_step=50"):
-        stepdump.Recorder(tmp_path / "run", model, opt, resume=True, start_step=50)
+        assert list(run.scalars()["loss"].dropna().index) == list(range(100, 108))
+        weight = run.tensor("fc1.weight", final)
+    # start_step at or before the last step drops the steps from there on (here all of them)
+    rec = stepdump.Recorder(tmp_path / "run", model, opt, resume=True, start_step=50)
+    try:
+        assert rec.step == 50
+        with stepdump.open(tmp_path / "run") as run:
+            assert run.steps == [] and "final_step" not in run.meta
+            assert run.scalars().empty  # their scalars are dropped too
+            (entry,) = run.meta["history"]
+            assert entry["resumed_at"] == 50 and entry["dropped"] == [50, 108]
+    finally:
+        rec.close()
+    # close() without an update still records the state it was given: the run ends with its model
+    with stepdump.open(tmp_path / "run") as run:
+        assert run.steps == [50]
+        assert_final_record(run, model, opt, step=50)
+        assert_same(run.tensor("fc1.weight", 50), weight)

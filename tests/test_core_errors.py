@@ -59,13 +59,13 @@ def test_unknown_format_version(tmp_path):
 
 
 def test_step_that_was_not_recorded_names_nearest_steps(tmp_path):
-    _record(tmp_path / "run", steps=10, every=3)  # full steps 0, 3, 6, 9
+    _record(tmp_path / "run", steps=10, every=3)  # full steps 0, 3, 6, 9 and the final record 10
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 3, 6, 9]
+        assert run.steps == [0, 3, 6, 9, 10] and run.meta["final_step"] == 10
         with pytest.raises(stepdump.StepNotFoundError) as ei:
             run.tensor("0.weight", 40)
         msg = str(ei.value)
-        assert "step 40" in msg and "nearest recorded steps: 3, 6, 9" in msg
+        assert "step 40" in msg and "nearest recorded steps: 6, 9, 10" in msg
         # a step that exists with stats only says so
         with pytest.raises(stepdump.StepNotFoundError) as ei:
             run.tensor("0.weight", 4)
@@ -184,16 +184,16 @@ def test_second_recorder_on_a_live_run_is_locked(tmp_path):
         opt.step()
         assert rec.step == 2
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 1]
+        assert run.steps == [0, 1, 2] and run.meta["final_step"] == 2  # 2: the first Recorder's final record
 
 
 def test_recorder_on_an_existing_run_needs_resume(tmp_path):
     model, opt = _record(tmp_path / "run", steps=2)
     with pytest.raises(stepdump.RunExistsError, match="resume=True"):
         stepdump.Recorder(tmp_path / "run", model, opt)
-    # nothing was changed by the refused Recorder
+    # nothing was changed by the refused Recorder: steps 0, 1 and the final record 2
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 1]
+        assert run.steps == [0, 1, 2] and run.meta["final_step"] == 2 and "history" not in run.meta
     # a non-empty directory that is not a run is refused too
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "data.bin").write_bytes(b"x")
@@ -204,12 +204,18 @@ def test_recorder_on_an_existing_run_needs_resume(tmp_path):
 
 def test_resume_appends_with_continued_step_numbers(tmp_path):
     model, opt = _record(tmp_path / "run", steps=3)
+    with stepdump.open(tmp_path / "run") as run:
+        assert run.steps == [0, 1, 2, 3] and run.meta["final_step"] == 3
+        assert run.tensors(3, "grads") == {}
+    # resuming after a clean close goes on at the final record 3, replacing it
     with stepdump.Recorder(tmp_path / "run", model, opt, resume=True) as rec:
         assert rec.step == 3
         model(torch.randn(2, 10)).sum().backward()
         opt.step()
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 1, 2, 3]
+        assert run.steps == [0, 1, 2, 3, 4] and run.meta["final_step"] == 4
+        assert sorted(run.tensors(3, "grads")) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert [h["resumed_at"] for h in run.meta["history"]] == [3]
     # resuming with different parameters is refused
     other = nn.Linear(10, 1)
     with pytest.raises(stepdump.ConfigError, match="differ"):
@@ -293,15 +299,15 @@ def test_steps_taken_from_a_dataframe_work(tmp_path):
     model, opt = _record(tmp_path / "run", steps=3)
     with stepdump.open(tmp_path / "run") as run:
         step = run.stats()["step"].iloc[-1]
-        assert type(step) is not int and step == 2
-        assert_same(run.tensor("0.weight", step), run.tensor("0.weight", 2))
-        assert sorted(run.tensors(step)) == sorted(run.tensors(2))
-        assert list(run.state_dict(step)) == list(run.state_dict(2))
-        assert run.optimizer_state_dict(step)["param_groups"] == run.optimizer_state_dict(2)["param_groups"]
+        assert type(step) is not int and step == 3 == run.meta["final_step"]
+        assert_same(run.tensor("0.weight", step), run.tensor("0.weight", 3))
+        assert sorted(run.tensors(step)) == sorted(run.tensors(3))
+        assert list(run.state_dict(step)) == list(run.state_dict(3))
+        assert run.optimizer_state_dict(step)["param_groups"] == run.optimizer_state_dict(3)["param_groups"]
         assert run.scheduler_state_dict(step) is None and run.scaler_state_dict(step) is None
-        assert_same(run.rng_state(step)["torch"], run.rng_state(2)["torch"])
-        assert run.fingerprints(step) == run.fingerprints(2)
-        assert list(run.stats(steps=step)["step"].unique()) == [2]
+        assert_same(run.rng_state(step)["torch"], run.rng_state(3)["torch"])
+        assert run.fingerprints(step) == run.fingerprints(3)
+        assert list(run.stats(steps=step)["step"].unique()) == [3]
         assert list(run.scalars(steps=run.scalars().index[1]).index) == [1]
         run.restore(step, model, opt)
         with pytest.raises(stepdump.ConfigError, match="integer"):

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import training_scalars
 from torch import nn
 
 import stepdump
@@ -34,7 +35,8 @@ def test_logged_before_and_right_after_the_step(tmp_path):
             assert rec.step == t + 1
             rec.log(after=10 * t)      # right after step t: still iteration t's
     with stepdump.open(tmp_path / "run") as run:
-        sc = run.scalars()
+        assert list(run.scalars().index) == list(range(6))  # and the final record 5
+        sc = training_scalars(run)
         assert list(sc.index) == list(range(5))
         assert list(sc["before"]) == [0, 1, 2, 3, 4]
         assert list(sc["after"]) == [0, 10, 20, 30, 40]
@@ -124,7 +126,7 @@ def test_lr_per_group_is_logged_automatically(tmp_path):
             sched.step()
             rec.log(loss=1.0)
     with stepdump.open(tmp_path / "run") as run:
-        sc = run.scalars()
+        sc = training_scalars(run)
         assert [c for c in sc.columns if c.startswith("lr")] == ["lr", "lr/1", "lr/2"]
         assert list(sc["lr"]) == [u[0] for u in used]
         assert list(sc["lr/1"]) == [u[1] for u in used]
@@ -144,8 +146,8 @@ def test_scalars_of_steps_that_are_not_stored_are_kept(tmp_path):
             rec.log(loss=float(t))
             opt.step()
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 3, 6]
-        sc = run.scalars()
+        assert run.steps == [0, 3, 6, 7] and run.meta["final_step"] == 7
+        sc = training_scalars(run)
         assert list(sc["loss"]) == [float(t) for t in range(7)]
         assert not sc["skipped"].any()
 
@@ -175,4 +177,4 @@ def test_a_logged_tensor_keeps_its_value_when_logged(tmp_path):
             opt.zero_grad()
     with stepdump.open(tmp_path / "run") as run:
         assert values == [2.0, 1.25, 0.5]
-        assert list(run.scalars()["temp"]) == values
+        assert list(training_scalars(run)["temp"]) == values

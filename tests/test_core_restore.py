@@ -86,12 +86,14 @@ def test_restore_and_continue_is_bitwise_identical(tmp_path, make_opt):
             loss = _iteration(model, opt, sched, t)
             rec.log(loss=loss)
             after.append(_after(model, opt, sched))
+        rng_end = torch.get_rng_state()  # what the next iteration would start from
     # the scheduler really changed the lr, and dropout really drew random masks
     assert after[-1]["lr"] != after[0]["lr"]
 
     run = stepdump.open(tmp_path / "run")
-    assert run.steps == list(range(N_STEPS))
-    for k in (0, 1, 13, N_STEPS - 1):
+    assert run.steps == list(range(N_STEPS + 1))  # and close()'s final record N: the trained state
+    assert run.meta["final_step"] == N_STEPS
+    for k in (0, 1, 13, N_STEPS - 1, N_STEPS):
         torch.manual_seed(1000 + k)  # a different init and a different RNG stream
         model2 = MLP(8, 32, 4, dropout=0.3)
         opt2, sched2 = make_opt(model2)
@@ -100,11 +102,13 @@ def test_restore_and_continue_is_bitwise_identical(tmp_path, make_opt):
         assert_same(model2.fc1.weight.detach(), run.tensor("fc1.weight", k), f"restored {k}")
         if k > 0:
             _assert_state(model2, opt2, sched2, after[k - 1], f"restored step {k}")
+        if k == N_STEPS:  # the final record's RNG is the state right after the last update
+            assert_same(torch.get_rng_state(), rng_end, "RNG of the final record")
         for t in range(k, N_STEPS):
             _iteration(model2, opt2, sched2, t)
             _assert_state(model2, opt2, sched2, after[t], f"restored at {k}, after step {t}")
-            if t + 1 < N_STEPS:
-                # restoring record t and redoing iteration t gives record t+1
+            if t + 1 <= N_STEPS:
+                # restoring record t and redoing iteration t gives record t+1 (N: the final record)
                 for n, p in model2.named_parameters():
                     assert_same(p.detach(), run.tensor(n, t + 1), f"record {t + 1} {n}")
     run.close()

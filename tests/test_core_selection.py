@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MLP, assert_run_matches, assert_same, snapshot, train_recorded
+from helpers import (
+    MLP,
+    assert_run_matches,
+    assert_same,
+    snapshot,
+    train_recorded,
+    training_scalars,
+)
 from torch import nn
 
 import stepdump
@@ -108,20 +115,21 @@ def _every_fn(s: int) -> bool:
 def test_every_schedules(tmp_path, every, expected):
     snaps = _train(tmp_path / "run", every=every, stats_every=None)
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == expected
-        assert run.stats_steps == expected
-        assert run.all_steps == list(range(N))  # every optimizer step is known
+        # whatever the schedule, close() stores the final record N (the trained model) in full
+        assert run.steps == [*expected, N] and run.meta["final_step"] == N
+        assert run.stats_steps == [*expected, N]
+        assert run.all_steps == list(range(N + 1))  # every optimizer step is known
+        assert run.tensors(N, "grads") == {}
         for t in expected:
             assert_run_matches(run, t, snaps[t])
             # the RNG state of a full step is there, also when the previous step was not full
             assert run.rng_state(t)["torch"].dtype == torch.uint8
-        # (with nothing recorded at all, not even the name is known)
-        missing = stepdump.StepNotFoundError if expected else stepdump.TensorNotFoundError
+        # (the final record names the tensors even when no other step was stored)
         for t in sorted(set(range(N)) - set(expected))[:3]:
-            with pytest.raises(missing):
+            with pytest.raises(stepdump.StepNotFoundError):
                 run.tensor("fc1.weight", t)
         # scalars are there for every step, recorded in full or not
-        sc = run.scalars()
+        sc = training_scalars(run)
         assert list(sc.index) == list(range(N))
         assert sc["loss"].notna().all()
         assert run.stats(steps=[t for t in range(N) if t not in expected]).empty
@@ -130,8 +138,10 @@ def test_every_schedules(tmp_path, every, expected):
 def test_stats_every_keeps_stats_and_fingerprints_of_other_steps(tmp_path):
     snaps = _train(tmp_path / "run", every=5)  # stats_every=1 by default
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 5, 10]
-        assert run.stats_steps == list(range(N))
+        assert run.steps == [0, 5, 10, N] and run.meta["final_step"] == N  # N: close()'s final record
+        assert run.stats_steps == list(range(N + 1))
+        # the final record has the stats of what it stores: params and optimizer state, no grads
+        assert set(run.stats(steps=N)["kind"]) == {"params", "optimizer"} and run.stats(steps=N)["stored"].all()
         with pytest.raises(stepdump.StepNotFoundError, match="only stats") as ei:
             run.tensor("fc1.weight", 3)
         assert "5" in str(ei.value)
@@ -171,13 +181,13 @@ def test_stats_every_keeps_stats_and_fingerprints_of_other_steps(tmp_path):
 def test_every_and_stats_every_combine(tmp_path):
     snaps = _train(tmp_path / "run", every=4, stats_every=3)
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 4, 8]
-        assert run.stats_steps == [0, 3, 4, 6, 8, 9]  # a full step always has stats
-        assert run.all_steps == list(range(N))
+        assert run.steps == [0, 4, 8, N] and run.meta["final_step"] == N
+        assert run.stats_steps == [0, 3, 4, 6, 8, 9, N]  # a full step always has stats
+        assert run.all_steps == list(range(N + 1))
         stats = run.stats(kind="params", name="fc2.bias")
-        assert list(stats["step"]) == [0, 3, 4, 6, 8, 9]
-        assert list(stats["stored"]) == [True, False, True, False, True, False]
-        for t in run.stats_steps:
+        assert list(stats["step"]) == [0, 3, 4, 6, 8, 9, N]
+        assert list(stats["stored"]) == [True, False, True, False, True, False, True]
+        for t in run.stats_steps[:-1]:
             assert run.fingerprints(t)[("params", "fc2.bias")] == fingerprint(snaps[t]["params"]["fc2.bias"])
 
 
@@ -193,7 +203,7 @@ def test_stats_filters(tmp_path):
         assert set(df["kind"]) == {"grads"}
         assert set(df["name"]) == {"fc1.weight", "fc1.bias"}
         assert len(df) == 6
-        assert set(run.stats(steps=slice(4, None))["step"]) == {4, 5}
+        assert set(run.stats(steps=slice(4, None))["step"]) == {4, 5, 6}  # 6: the final record
         assert set(run.stats(steps=[0, 5])["step"]) == {0, 5}
         assert set(run.stats(steps=3)["step"]) == {3}
         assert set(run.stats()["kind"]) == {"params", "grads", "optimizer"}
@@ -249,7 +259,9 @@ def test_a_trigger_that_turns_on_mid_iteration(tmp_path):
             opt.step()
             opt.zero_grad()
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [3]
+        assert run.steps == [3, 5] and run.meta["final_step"] == 5  # 5: the final record, always stored
+        for name, b in model.named_buffers():  # the buffers as they are at close
+            assert_same(run.tensor(name, 5, kind="buffers"), b, f"final buffer {name}")
         assert_run_matches(run, 3, snaps[3])
         assert torch.equal(run.rng_state(3)["torch"], rng_at_start[3])
         fresh = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))

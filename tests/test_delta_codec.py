@@ -186,15 +186,18 @@ def test_a_damaged_keyframe_makes_its_deltas_unreadable_not_wrong(tmp_path):
     con.close()
     _flip_byte_of_blob(path, blob0)
     with stepdump.open(path) as run:
-        for t in range(5):
+        assert run.steps == [0, 1, 2, 3, 4, 5] and run.meta["final_step"] == 5
+        for t in range(6):  # the final record 5 is a delta on the keyframe too
             with pytest.raises(stepdump.CorruptDataError, match="checksum") as e:
                 run.tensor("fc1.weight", t, kind="params")
             if t:
                 assert f"delta on blob {blob0}" in str(e.value)
-            assert torch.equal(run.tensor("fc1.bias", t, kind="params"), snaps[t]["params"]["fc1.bias"])
+            if t < 5:
+                assert torch.equal(run.tensor("fc1.bias", t, kind="params"), snaps[t]["params"]["fc1.bias"])
+        run.tensor("fc1.bias", 5, kind="params")  # its other tensors read back
         report = stepdump.verify(run)
     assert not report.ok
-    assert len(report.problems) == 5  # the keyframe and the four deltas built on it
+    assert len(report.problems) == 6  # the keyframe and the five deltas built on it (final record 5's too)
     assert any(f"blob {blob0} " in p.where for p in report.problems)
 
 

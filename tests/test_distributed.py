@@ -106,11 +106,13 @@ def test_layout_is_one_store_per_rank_with_ranks_json(job: Path) -> None:
             assert isinstance(one, stepdump.Run)
             assert one.meta["distributed"]["rank"] == r and one.meta["distributed"]["world_size"] == 2
             assert one.meta["distributed"]["sharding"] == {}  # DDP: full replicas
-            assert one.steps == [0, 1, 2, 3, 4]
+            assert one.steps == [0, 1, 2, 3, 4, 5] and one.meta["final_step"] == 5  # each rank closes its part
+            assert one.tensors(5, "grads") == {}
     with stepdump.open(root) as run:
         assert isinstance(run, stepdump.DistributedRun)
         assert (run.world_size, run.ranks, run.primary) == (2, [0, 1], 0)
-        assert run.steps == [0, 1, 2, 3, 4] and run.names("params")[0] == "module.0.weight"
+        assert run.steps == [0, 1, 2, 3, 4, 5] and run.names("params")[0] == "module.0.weight"
+        assert run.meta["final_step"] == 5
 
 
 def test_ddp_records_what_every_rank_held(job: Path) -> None:
@@ -186,7 +188,7 @@ def test_only_the_chosen_ranks_record(job: Path) -> None:
     assert side(job, "only0", 0) == {"recording": True, "step": 2, "type": "Recorder"}
     assert side(job, "only0", 1) == {"recording": False, "step": 2, "type": "Recorder"}  # inactive on this rank
     with stepdump.open(root) as run:
-        assert run.ranks == [0] and run.world_size == 2 and run.steps == [0, 1]
+        assert run.ranks == [0] and run.world_size == 2 and run.steps == [0, 1, 2] and run.meta["final_step"] == 2
         with pytest.raises(TensorNotFoundError, match="rank 1 was not recorded"):
             run.rank(1)
 
@@ -194,7 +196,7 @@ def test_only_the_chosen_ranks_record(job: Path) -> None:
 def test_ddp_published_to_a_url(job: Path) -> None:
     with stepdump.open((job / "remote").as_uri(), cache_dir=job / "cache") as run:
         assert isinstance(run, stepdump.DistributedRun) and isinstance(run.rank(1), stepdump.RemoteRun)
-        assert run.steps == [0, 1, 2]
+        assert run.steps == [0, 1, 2, 3] and run.meta["final_step"] == 3
         assert assert_matches_side(run, job, "remote") > 0
 
 
@@ -296,11 +298,14 @@ def test_layout_rules_in_a_one_rank_group(tmp_path: Path, one_rank_group: None) 
         {"format": "stepdump-ranks", "format_version": 1, "world_size": 8, "ranks": [0, 1], "backend": "nccl"}))
     with pytest.raises(ConfigError, match="world_size=8"):
         stepdump.Recorder(other, model, opt)
-    # Resuming this rank's part continues its steps.
-    with stepdump.Recorder(tmp_path / "run", model, opt, resume=True):
+    # Resuming this rank's part continues its steps: at its final record 1, which it replaces.
+    with stepdump.open(tmp_path / "run") as run:
+        assert run.steps == [0, 1] and run.meta["final_step"] == 1
+    with stepdump.Recorder(tmp_path / "run", model, opt, resume=True) as rec:
+        assert rec.step == 1
         _one_step(model, opt)
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 1] and run.ranks == [0]
+        assert run.steps == [0, 1, 2] and run.ranks == [0] and run.meta["final_step"] == 2
 
 
 def test_bad_ranks_json_is_refused(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import collections
 
 import pytest
 import torch
-from helpers import assert_same, assert_same_tree, gen, snapshot
+from helpers import assert_final_record, assert_same, assert_same_tree, gen, snapshot
 from torch import nn
 
 import stepdump
@@ -115,7 +115,8 @@ def test_add_param_group_mid_run_is_recorded_and_restored(tmp_path):
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         assert_same(p.detach(), q.detach(), f"trained {n}")
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == list(range(6))
+        assert run.steps == list(range(7))
+        assert_final_record(run, model, opt, step=6)  # with the param group added mid-run
         for t in (2, 3, 5):
             assert sorted(run.names("grads")) == ["0.bias", "0.weight", "2.bias", "2.weight"]
             for kind in ("params", "grads", "optimizer"):
@@ -249,7 +250,10 @@ def test_closure_optimizer_records_the_first_closure_gradients(tmp_path):
     for p, q in zip(model.parameters(), plain.parameters()):
         assert_same(p.detach(), q.detach(), "LBFGS training unchanged")
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 1, 2, 3]
+        assert run.steps == [0, 1, 2, 3, 4] and run.meta["final_step"] == 4
+        assert run.tensors(4, "grads") == {}
+        for n, p in model.named_parameters():  # the final record: the trained params
+            assert_same(run.tensor(n, 4), p.detach(), f"final {n}")
         for t in range(4):
             for n in ("weight", "bias"):
                 assert_same(run.tensor(n, t, kind="grads"), want[t][n], f"step {t} grad {n}")

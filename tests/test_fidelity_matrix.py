@@ -267,8 +267,8 @@ def check_case(case: Case, tmp_path: Any) -> None:
     want = _final(setup)
     same_final(want, _final(plain), f"{case.id}: training changed by recording")
     with stepdump.open(tmp_path / "run") as run:
-        assert run.all_steps == list(range(n)), run.all_steps
-        assert run.steps == list(range(n)), run.steps
+        assert run.all_steps == list(range(n + 1)), run.all_steps  # n: the final record close() writes
+        assert run.steps == list(range(n + 1)), run.steps
         assert run.skipped_steps == [t for t, c in enumerate(trace) if c["skipped"]]
         columns = run.scalars()
         for t, cap in enumerate(trace):

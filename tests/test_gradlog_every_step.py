@@ -101,7 +101,7 @@ def test_verify_re_applies_every_segment_of_a_gradient_log(tmp_path: Path) -> No
     with stepdump.open(tmp_path / "run") as run:
         report = verify(run)
     assert report.ok, report.problems
-    assert report.segments_checked == len(range(0, STEPS, K))  # keyframes 0, 4, 8, 12 (the last one: no updates after it)
+    assert report.segments_checked == len(range(0, STEPS, K)) + 1  # keyframes 0, 4, 8, 12 and the final record STEPS
 
 
 def test_verify_reports_a_tampered_gradient_whose_blob_checks_pass(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ def test_verify_reports_a_tampered_gradient_whose_blob_checks_pass(tmp_path: Pat
     assert not report.ok
     assert [p.where for p in report.problems] == ["gradient log, step 6"]  # the first record update 5 made
     assert "'0.weight'" in report.problems[0].detail and "fingerprint" in report.problems[0].detail
-    assert report.segments_checked == len(range(0, STEPS, K)) - 1  # the other segments reproduce
+    assert report.segments_checked == len(range(0, STEPS, K))  # the other segments reproduce (final record included)
 
 
 def test_a_step_without_optimizer_fingerprints_is_verified_by_the_next_step_that_has_them(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[Any
 def test_rebuilt_params_and_optimizer_state_equal_the_live_tensors_at_every_step(runs: Any) -> None:
     full_path, log_path, snaps, _ = runs
     with stepdump.open(log_path) as run, stepdump.open(full_path) as full:
-        assert run.steps == full.steps == list(range(STEPS))  # every step reads in full
+        assert run.steps == full.steps == list(range(STEPS + 1))  # every step reads in full; STEPS: the final record
         for s in range(STEPS):
             for kind in ("params", "optimizer", "grads"):
                 got, want = run.tensors(s, kind), snaps[s][kind]
@@ -258,12 +258,13 @@ def test_export_diff_and_check_work_at_rebuilt_steps(runs: Any, tmp_path: Path) 
 def test_a_diff_between_two_gradient_logs_reads_rebuilt_values(tmp_path: Path) -> None:
     _train(tmp_path / "a")
     _train(tmp_path / "b", after_step=lambda t, m, o: o.param_groups[0].update(lr=o.param_groups[0]["lr"] * 0.5)
-           if t == 4 else None)  # update 5 uses another lr: record 6 is the first to differ
+           if t == 4 else None)  # update 5 uses another lr: record 6 is the first whose tensors differ
     la = as_gradient_log(tmp_path / "a", tmp_path / "la", K)
     lb = as_gradient_log(tmp_path / "b", tmp_path / "lb", K)
     with stepdump.open(la) as a, stepdump.open(lb) as b:
         d = stepdump.diff(a, b)
-        assert d.first_step == 6  # params of record 6 are rebuilt in both
+        assert (d.first_step, d.differences[0].what) == (5, "lr")  # the cause: the lr of record 5
+        assert d.first_tensor_step == 6  # params of record 6 are rebuilt in both
         params = [t for t in d.tensors if t.kind == "params"]
         assert params and all(t.reason == "values" and t.max_abs is not None and t.max_abs > 0 for t in params)
 
@@ -303,7 +304,7 @@ def test_params_left_out_of_the_record_cannot_be_rebuilt(tmp_path: Path) -> None
 def test_a_recorded_gradient_log_reads_every_step_as_the_live_tensors(tmp_path: Path) -> None:
     snaps, _ = _train(tmp_path / "run", gradient_log=K)
     with stepdump.open(tmp_path / "run") as run:
-        assert run.meta["gradient_log"] == K and run.steps == list(range(STEPS))
+        assert run.meta["gradient_log"] == K and run.steps == list(range(STEPS + 1))  # + the final record
         for s in range(STEPS):
             for kind in ("params", "optimizer", "grads"):
                 got = run.tensors(s, kind)

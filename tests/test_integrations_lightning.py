@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, training_scalars
 from torch import nn
 
 import stepdump
@@ -84,7 +84,9 @@ class Probe(L.Callback):
 
 
 def _check_records(run: stepdump.Run, seen: list[dict]) -> None:
-    assert run.all_steps == list(range(len(seen)))
+    # one record per update seen, then the final record close() writes (no grads)
+    assert run.all_steps == list(range(len(seen) + 1)) and run.meta["final_step"] == len(seen)
+    assert run.tensors(len(seen), "grads") == {}
     for t, s in enumerate(seen):
         for n, v in s["params"].items():
             assert_same(run.tensor(n, t, "params"), v, f"params {n} @ {t}")
@@ -140,16 +142,18 @@ def test_final_params_follow_from_last_record(tmp_path):
     trainer.fit(model, _data())
     with stepdump.open(tmp_path / "run") as run:
         _check_records(run, probe.seen)
-        for t in run.all_steps:  # buffers: as at the start of iteration t
+        final = run.meta["final_step"]
+        for t in run.all_steps[:-1]:  # buffers: as at the start of iteration t
             sd = run.state_dict(t)
             for n, b in probe.buffers[t].items():
                 assert_same(sd[n], b, f"{n} @ {t}")
-        last = run.all_steps[-1]
+        last = final - 1  # the last update
         sd = run.state_dict(last)
         for n, p in model.named_parameters():
             expect = sd[n].clone().add_(run.tensor(n, last, "grads"), alpha=-0.1)  # as SGD does it
             assert_same(p.detach(), expect, n)
-        assert list(run.scalars()["loss"]) == [float(x) for x in model.losses]
+            assert_same(run.tensor(n, final), p.detach(), f"final record {n}")  # ... which close() stored
+        assert list(training_scalars(run)["loss"]) == [float(x) for x in model.losses]
     # Without accumulation the optimizer's pre-hook (not used) would see no grads at step 0
     # and the previous step's grads after that: it fires before backward under Lightning.
     assert model.at_pre_hook[0] == {}
@@ -175,7 +179,8 @@ def test_resume_from_checkpoint_appends_to_the_run(tmp_path):
     t2.fit(Net(), _data(), ckpt_path=ckpt)
     assert len(probe.seen) == 2
     with stepdump.open(run_dir) as run:
-        assert run.all_steps == [0, 1, 2, 3]
+        assert run.all_steps == [0, 1, 2, 3, 4]  # 4: the final record (the trained model)
+        assert [h["dropped"] for h in run.meta["history"]] == [[2, 2]]  # t1's final record 2, replaced
         sd = run.state_dict(2)  # params before update 2 == those the checkpoint saved
         for k, v in saved.items():
             assert_same(sd[k], v, k)
@@ -184,9 +189,14 @@ def test_resume_from_checkpoint_appends_to_the_run(tmp_path):
                 assert_same(run.tensor(n, t, "grads"), v, f"grads {n} @ {t}")
             assert run.scheduler_state_dict(t) == s["sched"]
 
-    # Resuming the step-2 checkpoint again would record steps 2, 3 a second time.
-    with pytest.raises(stepdump.ConfigError, match="already holds steps up to 3"):
-        _trainer([StepdumpCallback(run_dir)], max_steps=4).fit(Net(), _data(), ckpt_path=ckpt)
+    # Resuming the step-2 checkpoint again records into the same run: steps 2..4 are dropped first.
+    _trainer([StepdumpCallback(run_dir)], max_steps=4).fit(Net(), _data(), ckpt_path=ckpt)
+    with stepdump.open(run_dir) as run:
+        assert run.all_steps == [0, 1, 2, 3, 4] and run.meta["final_step"] == 4
+        assert [(h["resumed_at"], h["dropped"]) for h in run.meta["history"]] == [(2, [2, 2]), (2, [2, 4])]
+        for k, v in saved.items():
+            assert_same(run.state_dict(2)[k], v, k)
+        assert stepdump.verify(run).ok
 
 
 class TwoOpt(L.LightningModule):
@@ -229,13 +239,13 @@ def test_several_optimizers_one_run_each(tmp_path):
     trainer.fit(TwoOpt(), _data())
     for i, prefix in ((0, "enc."), (1, "head.")):
         with stepdump.open(tmp_path / "run" / f"opt{i}") as run:
-            assert run.all_steps == [0, 1, 2]
+            assert run.all_steps == [0, 1, 2, 3] and run.meta["final_step"] == 3  # each run closes with one
             assert all(n.startswith(prefix) for n in run.names("params"))
             assert all(n.startswith(prefix) for n in run.names("grads"))
             for t, grads in enumerate(seen[i]):
                 for n, g in grads.items():
                     assert_same(run.tensor(n, t, "grads"), g, f"opt{i} {n} @ {t}")
-            assert run.scalars()["loss"].notna().all()
+            assert training_scalars(run)["loss"].notna().all()
     assert run.meta["optimizer_class"] in ("SGD", "Adam")
 
 
@@ -260,7 +270,7 @@ def test_gradscaler_skip_is_recorded(tmp_path):
     trainer = _trainer([probe, StepdumpCallback(tmp_path / "run")], max_steps=3, plugins=[plugin])
     trainer.fit(Boom(), _data())
     with stepdump.open(tmp_path / "run") as run:
-        assert run.all_steps == [0, 1, 2]
+        assert run.all_steps == [0, 1, 2, 3] and run.meta["final_step"] == 3
         assert run.skipped_steps == [1]
         sc = run.scalars()
         assert sc.loc[1, "grad_scale"] == 2.0**8 and sc.loc[2, "grad_scale"] == 2.0**7

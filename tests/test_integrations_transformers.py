@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, training_scalars
 
 import stepdump
 
@@ -95,16 +95,16 @@ def test_trainer_records_equal_live_tensors(tmp_path):
 
     logs = [h for h in trainer.state.log_history if "loss" in h]
     with stepdump.open(tmp_path / "run") as run:
-        assert run.all_steps == [0, 1, 2]
+        assert run.all_steps == [0, 1, 2, 3] and run.meta["final_step"] == 3  # 3: close()'s final record
         assert run.meta["optimizer_class"] == "AdamW"
         assert run.meta["scheduler_class"] == "LambdaLR"
         _check(run, probe.seen)
-        sc = run.scalars()
+        sc = training_scalars(run)
         assert list(sc["loss"]) == [h["loss"] for h in logs]
         assert list(sc["grad_norm"]) == [h["grad_norm"] for h in logs]
         assert list(sc["learning_rate"]) == [h["learning_rate"] for h in logs]
         assert list(sc["learning_rate"]) == list(sc["lr"])  # the Trainer reads it before the scheduler steps
-        for t in run.all_steps:
+        for t in run.all_steps[:-1]:
             # The Trainer clips before optimizer.step(): recorded grads are the clipped ones
             # (total norm at max_grad_norm), while the logged grad_norm is from before clipping.
             norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in run.tensors(t, "grads").values()]))
@@ -123,6 +123,7 @@ def test_trainer_records_equal_live_tensors(tmp_path):
         opt.step()
         for (n, p), q in zip(restored.named_parameters(), model.parameters(), strict=True):
             assert_same(p.detach(), q.detach(), n)
+            assert_same(run.tensor(n, 3), q.detach(), f"final record {n}")  # which the final record holds
 
 
 def test_resume_from_checkpoint_appends(tmp_path):
@@ -141,14 +142,21 @@ def test_resume_from_checkpoint_appends(tmp_path):
                  callbacks=[probe, StepdumpTrainerCallback(run_dir)])
     t2.train(resume_from_checkpoint=str(ckpt))
     with stepdump.open(run_dir) as run:
-        assert run.all_steps == [0, 1, 2, 3]
+        assert run.all_steps == [0, 1, 2, 3, 4]  # 4: the final record (the trained model)
+        assert [h["dropped"] for h in run.meta["history"]] == [[2, 2]]  # t1's final record 2, replaced
         sd = run.state_dict(2)  # before update 2 == what checkpoint-2 saved
         for k, v in saved.items():
             assert_same(sd[k], v, k)
         _check(run, probe.seen, first=2)
 
-    # resuming checkpoint-2 again would record steps 2 and 3 twice
+    # resuming checkpoint-2 again records steps 2 and 3 again into the same run: 2..4 are dropped first
     t3 = Trainer(model=_model(), args=_args(out, max_steps=4), train_dataset=_dataset(),
                  callbacks=[StepdumpTrainerCallback(run_dir)])
-    with pytest.raises(stepdump.ConfigError, match="already holds steps up to 3"):
-        t3.train(resume_from_checkpoint=str(ckpt))
+    t3.train(resume_from_checkpoint=str(ckpt))
+    with stepdump.open(run_dir) as run:
+        assert run.all_steps == [0, 1, 2, 3, 4] and run.meta["final_step"] == 4
+        assert [(h["resumed_at"], h["dropped"]) for h in run.meta["history"]] == [(2, [2, 2]), (2, [2, 4])]
+        sd = run.state_dict(2)
+        for k, v in saved.items():
+            assert_same(sd[k], v, k)
+        assert stepdump.verify(run).ok

@@ -23,7 +23,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same, record_run, snapshot, tiny_batch, tiny_model
+from helpers import (
+    assert_same,
+    record_run,
+    snapshot,
+    tiny_batch,
+    tiny_model,
+    training_scalars,
+)
 from torch import nn
 
 import stepdump
@@ -177,7 +184,11 @@ def test_kind_and_identity(reader: Any) -> None:
 
 def test_steps_kinds_names(reader: Any) -> None:
     kind, run, truth = reader
-    assert run.all_steps == run.stats_steps == run.steps == list(range(STEPS))
+    # STEPS updates, then the final record STEPS that close() writes (every store has its own)
+    assert run.all_steps == run.stats_steps == run.steps == list(range(STEPS + 1))
+    assert run.meta["final_step"] == STEPS
+    assert all(store.meta["final_step"] == STEPS for _, store in run.stores())
+    assert run.tensors(STEPS, "grads") == {}
     assert run.skipped_steps == []
     assert set(KINDS) <= set(run.kinds())
     for rank, store in run.stores():
@@ -244,7 +255,8 @@ def test_frames(reader: Any) -> None:
 
     kind, run, truth = reader
     primary = _primary(truth)
-    sc = run.scalars()
+    assert list(run.scalars().index) == list(range(STEPS + 1))  # a row for the final record too
+    sc = training_scalars(run)  # ... with nothing in it
     assert list(sc.index) == list(range(STEPS))
     assert [sc.loc[t, "loss"] for t in range(STEPS)] == [primary["loss"][t] for t in range(STEPS)]
     assert not sc["skipped"].any()
@@ -252,9 +264,12 @@ def test_frames(reader: Any) -> None:
     assert rows == [(t, "loss", primary["loss"][t]) for t in range(STEPS)]
     assert run.scalar_rows(nan_only=True) == []
     prof = run.profile()
-    assert list(prof.index) == list(range(STEPS))
+    assert list(prof.index) == list(range(STEPS + 1))
+    assert prof.loc[STEPS].drop("skipped").isna().all()  # the final record: no iteration ran
     assert all(c.startswith("sys/") or c == "skipped" for c in prof.columns)
-    st = run.stats()
+    final = run.stats(steps=STEPS)  # the final record: params and optimizer state, stored
+    assert set(final["kind"]) == {"params", "optimizer"} and final["stored"].all()
+    st = run.stats(steps=range(STEPS))
     for rank, store in run.stores():
         mine = st if rank is None else st[st["rank"] == rank]
         assert len(mine) == sum(len(s[k]) for s in truth[rank]["snaps"].values() for k in KINDS)
@@ -387,7 +402,7 @@ def test_replay_leaves_the_run_as_recorded(tmp_path: Path) -> None:
             rec.log_batch(tiny_batch(t))
             train_step(model, opt, tiny_batch(t))
     with stepdump.open(tmp_path / "kf") as run:
-        assert run.steps == [0, 3] and run.stats_steps == list(range(5))
+        assert run.steps == [0, 3, 5] and run.stats_steps == list(range(6))  # 5: the final record
         before = run.tensor("0.weight", 3)
         with pytest.raises(stepdump.StepNotFoundError, match="only stats"):
             run.tensor("0.weight", 2)

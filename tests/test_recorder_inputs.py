@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from helpers import MLP, regression_batch
+from helpers import MLP, regression_batch, training_scalars
 from torch import nn
 
 import stepdump
@@ -57,8 +57,9 @@ def test_log_refuses_what_it_cannot_store_at_the_call_and_recording_goes_on(tmp_
                         rec.log(fine=1.0, odd=value)
             opt.step()
     with stepdump.open(tmp_path / "run") as run:
-        assert run.all_steps == [0, 1, 2, 3]  # recording did not stop
-        sc = run.scalars()
+        assert run.all_steps == [0, 1, 2, 3, 4]  # recording did not stop: it closed with the final record
+        assert run.meta["final_step"] == 4
+        sc = training_scalars(run)
         assert sc["loss"].notna().all()
         if error is None:
             assert sc.loc[1, "odd"] == float(np.asarray(value).reshape(-1)[0])
@@ -81,7 +82,7 @@ def test_a_scalar_logged_now_and_then_before_the_step_lands_on_its_iteration(tmp
             model(torch.zeros(1, 8))
         rec.log(eval_after=99.0)
     with stepdump.open(tmp_path / "run") as run:
-        sc = run.scalars()
+        sc = training_scalars(run)  # nothing lands on the final record 12, not even eval_after
         rare = sc["rare"].dropna()
         assert list(rare.index) == [0, 5, 10]
         assert list(rare) == [0.0, 5.0, 10.0]
@@ -161,8 +162,9 @@ def test_tensors_stepdump_cannot_store_are_left_out_with_one_warning(tmp_path, k
     warned = [r.getMessage() for r in caplog.records if "'odd'" in r.getMessage()]
     assert len(warned) == 1 and kind in warned[0] and "left out" in warned[0]
     with stepdump.open(tmp_path / "run") as run:
-        assert run.all_steps == [0, 1, 2]
+        assert run.all_steps == [0, 1, 2, 3] and run.meta["final_step"] == 3
         assert torch.equal(run.tensor("fc1.weight", 2), before_last)
+        assert torch.equal(run.tensor("fc1.weight", 3), model.fc1.weight)  # the final record
         assert "odd" not in run.names("buffers")
         with pytest.raises(stepdump.StepNotFoundError, match="odd"):
             run.state_dict(2)

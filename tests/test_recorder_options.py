@@ -211,7 +211,8 @@ def test_options_are_normalised_and_do_not_follow_the_callers_lists(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.store = StoreOptions()  # type: ignore[misc]
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 3, 6]  # the generator was read once, and kept
+        # the generator was read once, and kept (8: the final record close() always writes)
+        assert run.steps == [0, 3, 6, 8] and run.meta["final_step"] == 8
         assert sorted(run.names("grads")) == ["0.weight", "2.weight"]
 
 
@@ -260,8 +261,10 @@ def test_flat_and_grouped_spellings_record_the_same_run(tmp_path, case):
     _assert_same_run(tmp_path / "flat", tmp_path / "grouped")
     if case.startswith("ring"):
         with stepdump.open(tmp_path / "flat") as run:
-            assert run.steps == ([3, 4, 5, 6] if case == "ring" else [1, 2, 3, 4, 5, 6, 7])
-            assert run.stats_steps == list(range(8))
+            # the ring's flushed steps, and the final record 8
+            assert run.steps == ([3, 4, 5, 6, 8] if case == "ring" else [1, 2, 3, 4, 5, 6, 7, 8])
+            assert run.meta["final_step"] == 8
+            assert run.stats_steps == list(range(9))
 
 
 def test_the_common_case_is_unchanged(tmp_path):
@@ -269,7 +272,7 @@ def test_the_common_case_is_unchanged(tmp_path):
     assert opts == RecorderOptions(schedule=StepSchedule(every=4))
     assert opts.record.capture == KINDS and opts.store.codec == "raw" and opts.on_error == "warn"
     with stepdump.open(tmp_path / "run") as run:
-        assert run.steps == [0, 4] and run.stats_steps == list(range(8))
+        assert run.steps == [0, 4, 8] and run.stats_steps == list(range(9)) and run.meta["final_step"] == 8
         assert run.meta["every"] == "every 4" and run.meta["stats_every"] == "every 1"
 
 
@@ -385,9 +388,10 @@ def test_a_skipped_step_through_the_public_hooks(tmp_path):
                 cb.before_update()
                 opt.step()
     with stepdump.open(tmp_path / "run") as run:
-        assert run.skipped_steps == [2] and run.steps == [0, 1, 2, 3]
+        assert run.skipped_steps == [2] and run.steps == [0, 1, 2, 3, 4] and run.meta["final_step"] == 4
         # no update at step 2: its params are step 3's
         assert torch.equal(run.tensor("0.weight", 2), run.tensor("0.weight", 3))
+        assert torch.equal(run.tensor("0.weight", 4), model[0].weight)  # the final record: the trained model
         assert not torch.equal(run.tensor("0.weight", 1), run.tensor("0.weight", 2))
 
 

@@ -93,7 +93,7 @@ def test_a_live_writer_in_another_process_locks_the_run_and_its_death_frees_it(z
             opt.step()
             rec.log(loss=loss)
     with stepdump.open(run_dir) as run:
-        assert run.steps == list(range(5))
+        assert run.steps == list(range(6)) and run.meta["final_step"] == 5  # 5: close()'s final record
         assert stepdump.verify(run).ok
         assert "pid" in (run_dir / "LOCK").read_text()
 
@@ -115,6 +115,8 @@ def test_a_reader_in_another_process_sees_only_complete_steps(zygote, tmp_path):
                 opt.step()
                 rec.log(loss=loss)
                 time.sleep(0.003)
+            # close() adds the final record: params and optimizer state after the last update, no grads
+            want[steps] = {k: v for k, v in step_hashes(model, opt).items() if not k.startswith("grads\t")}
         stop.touch()
         done = _wait_line(side, "done", pid, log, timeout=120)
     finally:
@@ -122,8 +124,8 @@ def test_a_reader_in_another_process_sees_only_complete_steps(zygote, tmp_path):
             zygote.kill(pid)
     assert done["errors"] == []
     seen = {int(k): v for k, v in done["seen"].items()}
-    assert sorted(seen) == list(range(steps))
-    for t in range(steps):
+    assert sorted(seen) == list(range(steps + 1))
+    for t in range(steps + 1):
         assert seen[t] == want[t], f"step {t}: the reader got other tensors or values than were recorded"
     # It really read while the run was being written: it saw the run grow step by step.
     partial = [n for n in done["views"] if 0 < n < steps]
@@ -149,7 +151,7 @@ def test_a_recorder_killed_before_its_catalog_existed_leaves_a_startable_directo
             opt.step()
             assert rec.step == 1
         with stepdump.open(run_dir) as run:
-            assert run.steps == [0]
+            assert run.steps == [0, 1] and run.meta["final_step"] == 1
             assert tensor_hash(run.tensor("0.weight", 0))[:2] == ["float32", [32, 16]]
         names = {p.name for p in run_dir.iterdir()} - {"catalog.sqlite-wal", "catalog.sqlite-shm"}
         assert names == {"LOCK", "catalog.sqlite", "segments"}  # the leftovers are gone

@@ -183,6 +183,8 @@ def test_disk_full_raises_a_clear_error_and_keeps_every_committed_step(small_dis
 
     # While the disk is still full: the store opens, verifies, and holds every committed step.
     steps = _check_committed_prefix(run_dir, hashes, kind)
+    with stepdump.open(run_dir) as run:
+        assert "final_step" not in run.meta  # a failed close() writes no final record
     assert steps[-1] <= failed_at
     print(f"{kind}: disk full at iteration {failed_at}; {len(steps)} steps committed and intact "
           f"({disk.free_bytes()} bytes free)")
@@ -203,7 +205,11 @@ def test_disk_full_raises_a_clear_error_and_keeps_every_committed_step(small_dis
                 hashes[t] = step_hashes(model, opt)
                 opt.step()
                 rec.log(loss=loss)
-        assert _check_committed_prefix(run_dir, hashes, kind) == list(range(steps[-1] + 4))
+            # close() then writes the final record: params and optimizer state after the last update, no grads
+            hashes[t + 1] = {k: v for k, v in step_hashes(model, opt).items() if not k.startswith("grads\t")}
+        assert _check_committed_prefix(run_dir, hashes, kind) == list(range(steps[-1] + 5))
+        with stepdump.open(run_dir) as run:
+            assert run.meta["final_step"] == steps[-1] + 4
 
 
 @pytest.mark.parametrize("kind", ["segments", "catalog"])

@@ -345,10 +345,12 @@ def test_a_run_closed_under_a_live_reader_opens_on_a_read_only_mount(tmp_path):
             opt.step()
             rec.log(loss=1.0)
         assert live.live
-    assert live.all_steps == [0, 1, 2] and not live.live
-    truth = {"all_steps": [0, 1, 2], "tensors": []}
+    assert live.all_steps == [0, 1, 2, 3] and not live.live  # 3: the final record close() wrote
+    truth = {"all_steps": [0, 1, 2, 3], "tensors": []}
     with _read_only_mount(path, tmp_path / "ro") as ro:
         _reads_like(ro, truth)
+        with stepdump.open(ro) as run:
+            assert run.meta["final_step"] == 3 and run.tensors(3, "grads") == {}
     live.close()
 
 

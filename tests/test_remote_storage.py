@@ -80,7 +80,7 @@ def test_staging_is_removed_after_upload_unless_kept(tmp_path: Path) -> None:
     assert not staging.exists()
     record_run(url(), steps=2, remote={"staging": str(staging), "keep_staging": True})
     with stepdump.open(staging) as local:  # the staging directory is an ordinary run
-        assert local.steps == [0, 1]
+        assert local.steps == [0, 1, 2] and local.meta["final_step"] == 2  # 2: the final record
 
 
 def test_published_steps_are_visible_while_recording(tmp_path: Path) -> None:
@@ -112,9 +112,9 @@ def test_published_steps_are_visible_while_recording(tmp_path: Path) -> None:
                 for s in seen:
                     assert set(run.tensors(s, "params")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert 2 <= len(seen) <= 4 and seen == list(range(len(seen)))
-    run.refresh()  # the final publish at close() holds every step
-    assert run.steps == list(range(7))
-    assert run.scalars()["loss"].tolist() == [float(s) for s in range(7)]
+    run.refresh()  # the final publish at close() holds every step, and the final record 7
+    assert run.steps == list(range(8)) and run.meta["final_step"] == 7
+    assert run.scalars()["loss"].dropna().tolist() == [float(s) for s in range(7)]
     run.close()
 
 
@@ -149,8 +149,8 @@ def test_failed_upload_raises_at_close_and_keeps_the_staging_run(monkeypatch: py
     staging = tmp_path / "stage"
     with pytest.raises(WriterError, match="could not upload .*bucket is read-only.*staging directory"):
         record_run(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1), on_error="raise")
-    with stepdump.open(staging) as local:
-        assert local.steps == [0, 1, 2]
+    with stepdump.open(staging) as local:  # complete, final record 3 included: only the upload failed
+        assert local.steps == [0, 1, 2, 3] and local.meta["final_step"] == 3
 
 
 def test_failed_upload_warns_by_default_and_the_training_script_goes_on(monkeypatch: pytest.MonkeyPatch,
@@ -164,7 +164,7 @@ def test_failed_upload_warns_by_default_and_the_training_script_goes_on(monkeypa
         record_run(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1))  # close() does not raise
     assert any("could not upload" in r.getMessage() and str(staging) in r.getMessage() for r in caplog.records)
     with stepdump.open(staging) as local:
-        assert local.steps == [0, 1, 2]
+        assert local.steps == [0, 1, 2, 3] and local.meta["final_step"] == 3
 
 
 def test_ranges_are_cached_and_checked(tmp_path: Path) -> None:
@@ -185,8 +185,10 @@ def test_ranges_are_cached_and_checked(tmp_path: Path) -> None:
         storage.fs.pipe_file(seg, bytes(data))
     with stepdump.open(where, cache_dir=tmp_path / "fresh") as run:
         with pytest.raises(CorruptDataError, match="checksum"):
-            for kind in ("params", "grads", "optimizer"):
-                run.tensors(1, kind)
+            for t in run.steps:  # 0, 1 and the final record 2: the flipped byte is in one of their blobs
+                for kind in ("params", "grads", "optimizer"):
+                    run.tensors(t, kind)
+                run.rng_state(t)  # (the middle of the segment may be a step's RNG state)
 
 
 def test_fsspec_storage_read_protocol(tmp_path: Path) -> None:

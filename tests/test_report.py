@@ -120,7 +120,8 @@ def test_report_data_keeps_spikes_and_never_changes_the_run(tmp_path: Path) -> N
     ur = data["update_ratio"]  # stats only: the lower bound, labelled as such
     assert ur["exact"] is None and ur["lower_bound"] is not None and "Lower bound" in ur["lower_bound"]["note"]
     assert [m["key"] for m in data["moments"]] == ["momentum_buffer"]
-    assert data["summary"]["steps_recorded"] == steps and data["summary"]["full_steps"] == 0
+    # steps 0..399 as stats, and the final record 400 (after the last update) in full
+    assert data["summary"]["steps_recorded"] == steps + 1 and data["summary"]["full_steps"] == 1
 
 
 def test_exact_update_ratio_matches_tensors(mlp_run: Path) -> None:
@@ -128,7 +129,7 @@ def test_exact_update_ratio_matches_tensors(mlp_run: Path) -> None:
         data = build_report_data(run, findings=[])
         ex = data["update_ratio"]["exact"]
         assert data["update_ratio"]["lower_bound"] is None  # exact at every step: no bound needed
-        assert ex["x0"] == list(range(MLP_STEPS - 1))
+        assert ex["x0"] == list(range(MLP_STEPS))  # t -> t+1 for every update, the last one into the final record
         t, name = 10, "0.weight"
         a, b = run.tensor(name, t), run.tensor(name, t + 1)
         want = float((b.double() - a.double()).norm() / a.double().norm())
@@ -148,7 +149,8 @@ def test_page_is_self_contained_and_escapes_names(mlp_run: Path) -> None:
     assert "<link" not in html and not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
     assert not re.search(r"https?://", html)
     blob = re.search(r'<script type="application/json" id="stepdump-data">(.*?)</script>', html, re.S)
-    assert blob and json.loads(blob.group(1))["summary"]["steps_recorded"] == MLP_STEPS
+    assert blob and json.loads(blob.group(1))["runs"][0]["summary"]["path"] == data["summary"]["path"]
+    assert json.loads(blob.group(1))["runs"][0]["summary"]["steps_recorded"] == data["summary"]["steps_recorded"]
 
 
 # -- the page in a browser -----------------------------------------------------------------
@@ -204,7 +206,7 @@ def test_report_renders_in_headless_chromium(mlp_run: Path, tmp_path: Path) -> N
         assert p["w"] > 100 and p["h"] > 50, (name, p)
         assert p["ink"] > 500 and p["drawn"] > 0, f"plot {name} drew nothing: {p}"
     assert plots["grad_norms"]["drawn"] >= 4 * 100  # 4 tensors, at least a column per ~10 css px
-    assert "60" in steps_text and "0–59" in steps_text
+    assert steps_text.startswith(f"{MLP_STEPS + 1} ") and f"0–{MLP_STEPS}" in steps_text  # + the final record
     assert finding_rows == len(data["findings"])
     if data["checks"] == "ran":
         assert any(f["step"] == SPIKE_STEP for f in data["findings"]), data["findings"]

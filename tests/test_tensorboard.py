@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import record_run
+from helpers import record_run, training_scalars
 from torch import nn
 
 import stepdump
@@ -58,12 +58,12 @@ def test_scalars_and_stats_read_back_equal(run_dir, tmp_path):
     ea = _events(tmp_path / "tb")
     tags = set(ea.Tags()["scalars"])
     with stepdump.open(run_dir) as run:
-        sc = run.scalars()
+        sc = training_scalars(run)  # the final record STEPS logs nothing: no point there
         for name in ("loss", "acc", "lr"):
             assert _same(_series(ea, name), dict(sc[name].items())), name
         assert "skipped" not in tags  # no skipped steps in this run
         stats = run.stats()
-        assert set(stats["step"]) == set(range(STEPS))
+        assert set(stats["step"]) == set(range(STEPS + 1))  # and the final record's stats
         n = 0
         for row in stats.itertuples():
             for stat in ("norm", "mean", "std", "min", "max", "nan"):
@@ -96,19 +96,24 @@ def test_histograms_of_stored_tensors(run_dir, tmp_path):
     ea = _events(tmp_path / "tb")
     assert not ea.Tags()["scalars"]
     with stepdump.open(run_dir) as run:
-        assert run.steps == [0, 2, 4]
-        assert out.histogram_steps == (0, 4)  # capped at 2, first and last
-        for kind in ("params", "grads"):
+        assert run.steps == [0, 2, 4, 6] and run.meta["final_step"] == 6
+        # capped at 2 per kind, first and last: the final record has params but no grads
+        assert out.histogram_steps == (0, 4, 6)
+        # (the NaN at step 4 spread through the loss: every param is all NaN at 6, so has no histogram)
+        assert all(run.tensor(n, 6).isnan().all() for n in run.names("params"))
+        n_events = 0
+        for kind, want in (("params", {0}), ("grads", {0, 4})):
             for name in run.names(kind):
                 events = {e.step: e.histogram_value for e in ea.Histograms(f"{kind}/{name}")}
-                assert set(events) == {0, 4}
+                assert set(events) == want, (kind, name)
+                n_events += len(events)
                 for step, h in events.items():
                     v = run.tensor(name, step, kind).double()
                     v = v[torch.isfinite(v)]
                     assert h.num == v.numel()  # NaNs left out
                     assert h.min == pytest.approx(float(v.min())) and h.max == pytest.approx(float(v.max()))
                     assert h.sum == pytest.approx(float(v.sum()), rel=1e-5, abs=1e-6)
-        assert out.histograms == 2 * (len(run.names("params")) + len(run.names("grads")))
+        assert out.histograms == n_events == len(run.names("params")) + 2 * len(run.names("grads"))
         assert run.tensor("2.weight", 4, "grads").isnan().sum() == 1
 
 

@@ -58,7 +58,10 @@ def record(path, steps=24, approximate="none", change_lr_at=None, width=16, **kw
 def test_replay_rebuilds_every_step_bitwise(tmp_path):
     full = record(tmp_path / "full")
     kf = record(tmp_path / "kf", keyframe_every=8)
-    assert kf.steps == [0, 8, 16] and kf.stats_steps == list(range(24))
+    # keyframes, and the final record 24 (stored in full in every schedule)
+    assert kf.steps == [0, 8, 16, 24] and kf.stats_steps == list(range(25)) and kf.meta["final_step"] == 24
+    for name in full.names("params"):
+        assert torch.equal(kf.tensor(name, 24), full.tensor(name, 24)), name
     for step in range(24):
         model, opt = build(seed=99)  # different init: everything must come from the run
         res = stepdump.replay(kf, step, model, opt, train_step)
@@ -130,8 +133,9 @@ def test_ring_writes_exactly_the_n_steps_before_a_nan(tmp_path):
                 with torch.no_grad():
                     model.weight.nan_to_num_(0.0)
     run = stepdump.open(tmp_path / "r")
-    assert run.steps == list(range(k - n, k + after + 1))
-    assert run.stats_steps == list(range(25))  # stats continue in between
+    assert run.steps == [*range(k - n, k + after + 1), 25]  # and the final record 25
+    assert run.meta["final_step"] == 25
+    assert run.stats_steps == list(range(26))  # stats continue in between
     assert torch.isnan(run.tensor("weight", k, kind="grads")).any()
     assert run.state_dict(k - n)  # full state of the earliest ring step
 
@@ -145,7 +149,8 @@ def test_ring_with_user_trigger_and_validation(tmp_path):
             opt.zero_grad()
             model(torch.randn(3, 4)).sum().backward()
             opt.step()
-    assert stepdump.open(tmp_path / "r").steps == [5, 6, 7]
+    with stepdump.open(tmp_path / "r") as run:
+        assert run.steps == [5, 6, 7, 10] and run.meta["final_step"] == 10  # 10: the final record
     with pytest.raises(stepdump.ConfigError, match="ring"):
         stepdump.Recorder(tmp_path / "x", model, opt, ring=2, every=5)
     with pytest.raises(stepdump.ConfigError, match="trigger"):

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import torch
-from helpers import MLP, assert_run_matches, catalog_sql, train_recorded
+from helpers import (
+    MLP,
+    assert_final_record,
+    assert_run_matches,
+    catalog_sql,
+    train_recorded,
+)
 from reliability.faults import HookedStorage
 
 import stepdump
@@ -33,6 +39,9 @@ def test_a_resumed_session_never_appends_after_bytes_no_catalog_row_points_at(tm
     assert catalog_sql(path, "SELECT min(b.offset) FROM blobs b JOIN segments s ON s.id = b.segment "
                              "WHERE s.key = ?", (new,)) == [(0,)]
     with stepdump.open(path) as run:
-        assert run.steps == [0, 1, 2, 3]
+        # the second session resumed at the first one's final record 2 (replacing it) and closed with 4
+        assert run.steps == [0, 1, 2, 3, 4]
+        assert_final_record(run, model, opt, step=4)
+        assert [h["resumed_at"] for h in run.meta["history"]] == [2]
         for t in range(4):
             assert_run_matches(run, t, snaps[t])

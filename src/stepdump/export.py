@@ -1,13 +1,20 @@
 """Public API for exporting a recorded run to other tools' formats.
 
-* :func:`export_checkpoint` writes one step as an ordinary checkpoint: a
-  ``torch.save`` dict (``model``, ``optimizer``, ``scheduler``, ``scaler``,
-  ``step``) that ``torch.load(path, weights_only=True)`` reads, or a
-  ``safetensors`` file of the step's params (and grads). Also ``run.export(...)``
-  and ``stepdump export``.
+* :func:`export_checkpoint` writes one step as an ordinary checkpoint
+  (``format=``, one of :data:`CHECKPOINT_FORMATS`): a ``torch.save`` dict
+  (``model``, ``optimizer``, ``scheduler``, ``scaler``, ``step``) that
+  ``torch.load(path, weights_only=True)`` reads; a ``safetensors`` file of the
+  step's params (and grads); an ``hf-trainer`` folder that
+  ``transformers.Trainer.train(resume_from_checkpoint=folder)`` resumes from; or a
+  ``lightning`` ``.ckpt`` that ``Trainer.fit(model, ckpt_path=...)`` resumes from.
+  Record *t* is the state after *t* optimizer steps (``global_step == t``). Also
+  ``run.export(step, path, format=...)`` and ``stepdump export RUN --step N``;
+  docs/recipes/resume-from-step-n.md says what resumes bit for bit.
 * :func:`export_tensorboard` writes scalars, per-tensor stats and histograms as
   TensorBoard event files (:class:`TensorBoardExport` says what was written).
   Also ``stepdump export-tb``.
+* :func:`write_report` writes the HTML report of one run or of several runs
+  overlaid (``labels=``). Also ``stepdump report``; docs/report.md.
 
 The implementations live in the internal packages ``stepdump.read`` and
 ``stepdump.render``; import from here, whose names are kept stable.
@@ -18,6 +25,7 @@ from __future__ import annotations
 from stepdump.read.export import FORMATS as CHECKPOINT_FORMATS
 from stepdump.read.export import export as export_checkpoint
 from stepdump.render.tensorboard import DEFAULT_STATS as TENSORBOARD_STATS
+from stepdump.render.html import write_report
 from stepdump.render.tensorboard import TensorBoardExport, export_tensorboard
 
 __all__ = [
@@ -26,4 +34,5 @@ __all__ = [
     "TensorBoardExport",
     "export_checkpoint",
     "export_tensorboard",
+    "write_report",
 ]

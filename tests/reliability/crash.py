@@ -62,6 +62,7 @@ class Chain:
         self.rng = random.Random(seed)
         self.max_delay = max_delay
         self.reported: dict[int, dict[str, Any]] = {}  # step -> first report
+        self.final: dict[str, Any] | None = None  # what the closing child's final record must hold
         self.visible: list[int] = []
         self.may_lose_loss: set[int] = set()
         self.checked_upto = 0  # steps below this were read back already
@@ -93,6 +94,8 @@ class Chain:
         lines = read_side(side)
         _check(bool(lines) and lines[-1].get("event") == "closed", f"final child failed:\n{_tail(log)}")
         self._absorb(i, lines)
+        _check(self.final is not None and self.final["step"] == lines[-1]["next"],
+               f"final child did not report its final record:\n{_tail(log)}")
         self._check_store(i, final=True)
 
     # -- checks ---------------------------------------------------------------------------------
@@ -128,7 +131,9 @@ class Chain:
                        f"trial {i}: the child resumed after step {x['resumed_from']}, the run's last is {want}")
                 _check(x["step"] == (0 if want is None else want + 1),
                        f"trial {i}: Recorder(resume=True) starts at {x['step']}")
-            if "step" in x and "h" in x:
+            if x.get("event") == "final":  # the record close() writes: no grads, no loss
+                self.final = x
+            elif "step" in x and "h" in x:
                 t = x["step"]
                 old = self.reported.get(t)
                 if old is None:
@@ -147,6 +152,12 @@ class Chain:
             steps = run.steps
             _check(steps == list(range(len(steps))), f"trial {i}: visible steps are not a prefix: {steps[-5:]}")
             _check(run.all_steps == steps, f"trial {i}: steps without data: {sorted(set(run.all_steps) - set(steps))}")
+            # Only a clean close writes a final record; it is then the run's last step.
+            want_final = self.final["step"] if final and self.final is not None else None
+            _check(run.meta.get("final_step") == want_final,
+                   f"trial {i}: meta final_step is {run.meta.get('final_step')}, expected {want_final}")
+            if want_final is not None:
+                _check(steps[-1] == want_final, f"trial {i}: the final record {want_final} is not the last step")
             _check(len(steps) >= len(self.visible), f"trial {i}: steps disappeared: {len(self.visible)} -> {len(steps)}")
             # Re-read the newest steps every time, and everything at the end.
             start = 0 if final else max(0, min(self.checked_upto, len(self.visible)) - 2)
@@ -158,7 +169,7 @@ class Chain:
         self.result.steps = len(self.visible)
 
     def _check_step(self, run: Any, t: int, i: int) -> None:
-        rep = self.reported.get(t)
+        rep = self.final if self.final is not None and t == self.final["step"] else self.reported.get(t)
         _check(rep is not None, f"trial {i}: step {t} is visible but was never reported by a child")
         keys = {f"{k}\t{n}" for k, n in run.fingerprints(t)}
         _check(keys == set(rep["h"]), f"trial {i}: step {t} holds {sorted(keys ^ set(rep['h']))} unexpectedly")
@@ -170,12 +181,16 @@ class Chain:
     def _check_scalars(self, run: Any, i: int, final: bool) -> None:
         df = run.scalars()
         have = {} if "loss" not in df.columns else df["loss"].dropna().to_dict()
+        # The final record is no training step: nothing is logged at it.
+        trained = [t for t in self.visible if self.final is None or t != self.final["step"]]
+        if self.final is not None:
+            _check(self.final["step"] not in have, f"trial {i}: a loss at the final record {self.final['step']}")
         if final:
-            self.result.lost_scalars = sum(t not in have for t in self.visible)
-        for t in self.visible:
+            self.result.lost_scalars = sum(t not in have for t in trained)
+        for t in trained:
             if t in have:
                 _check(have[t] == self.reported[t]["loss"], f"trial {i}: loss at step {t} differs")
-            elif t not in self.may_lose_loss and (final or t != self.visible[-1]):
+            elif t not in self.may_lose_loss and (final or t != trained[-1]):
                 raise SoakFailure(f"trial {i}: the loss of step {t} is missing")
 
 

@@ -124,16 +124,19 @@ def train_child(run_dir: str, side: str, codec: str = "raw", durability: str = "
     out = SideFile(side)
     model, opt = make_model_opt()
     resumed_from = None
+    closed = False  # the run ends with the final record of a clean close
     if (Path(run_dir) / "catalog.sqlite").exists():
         with stepdump.open(run_dir) as run:
             steps = run.steps
             if steps:
                 resumed_from = steps[-1]
+                closed = run.meta.get("final_step") == resumed_from
                 run.restore(resumed_from, model, opt)
-        if resumed_from is not None:
+        if resumed_from is not None and not closed:
             iteration(model, opt, resumed_from)
             opt.step()
-    start = 0 if resumed_from is None else resumed_from + 1
+    # After a clean close the final record N holds the state before update N: resume there.
+    start = 0 if resumed_from is None else resumed_from + (0 if closed else 1)
     rec = stepdump.Recorder(run_dir, model, opt, resume=True, codec=codec, durability=durability)
     out.emit({"event": "ready", "pid": os.getpid(), "step": rec.step, "resumed_from": resumed_from,
               "codec": codec, "durability": durability})
@@ -148,6 +151,9 @@ def train_child(run_dir: str, side: str, codec: str = "raw", durability: str = "
         t += 1
         if step_sleep:
             time.sleep(step_sleep)
+    # close() writes the final record t: params and optimizer state after the last update, no grads.
+    final = {k: v for k, v in step_hashes(model, opt).items() if not k.startswith("grads\t")}
+    out.emit({"event": "final", "step": t, "h": final})
     rec.close()
     out.emit({"event": "closed", "next": t})
 

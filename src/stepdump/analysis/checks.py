@@ -183,8 +183,8 @@ def _sort_key(f: Finding) -> tuple[Any, ...]:
 class CachedRun:
     """A read-only view of a Run for the rules of one ``check`` call.
 
-    ``stats()``, ``scalars()``, ``kinds()``, ``names()`` and the step lists are
-    read once and shared (each call returns a copy, so a rule may modify what it
+    ``stats()``, ``scalars()``, ``scalar_rows()``, ``kinds()``, ``names()`` and the
+    step lists are read once and shared (each call returns a copy, so a rule may modify what it
     gets); everything else is passed through to the Run. The view is a snapshot:
     steps a live recorder commits during the check are not seen halfway.
     """
@@ -223,6 +223,11 @@ class CachedRun:
         key = ("scalars", tuple(names) if isinstance(names, list) else names,
                tuple(steps) if isinstance(steps, (list, range)) else steps)
         return self._cached(key, lambda: self._run.scalars(names, steps)).copy()
+
+    def scalar_rows(self, steps: Any = None, *, nan_only: bool = False) -> list[tuple[int, str, float | None]]:
+        # Several rules ask for the logged NaNs (nan_inf, and the damage a flagged step did).
+        key = ("scalar_rows", tuple(steps) if isinstance(steps, (list, range)) else steps, nan_only)
+        return list(self._cached(key, lambda: self._run.scalar_rows(steps, nan_only=nan_only)))
 
     def kinds(self) -> list[str]:
         return list(self._cached(("kinds",), self._run.kinds))

@@ -1,13 +1,24 @@
-"""Diff two runs: the first step where they part, and which tensors differ there.
+"""Diff two runs: the first step where they part, its earliest cause, and what was compared.
 
-Fingerprints (xxh3-64 of exact bytes) are compared first, a block of steps per
-query, so equal tensors are never read. Only tensors whose fingerprints differ
-are read, and only at the first divergent step (or, with a tolerance, at steps
-where a fingerprint differs, to see whether the difference is within it).
+At each common step, in causal order (:data:`~stepdump.analysis.diff_state.STAGES`), the diff
+compares the param groups' hyperparameters and the scheduler and GradScaler state (from the
+step's recorded state; the ``lr`` scalars at every step), the RNG and the batch where they were
+recorded, then the tensors (params, activations, grads, optimizer state) and the logged
+scalars. The first step where anything differs is ``first_step``; what differs there is
+``differences``, earliest cause first, and ``reading`` says in one line what that points at.
 
-Two multi-rank runs are compared rank by rank (rank r of A with rank r of B);
-the result is the rank that diverges first. Runs recorded by different ranks
-are refused rather than compared in part.
+Fingerprints (xxh3-64 of exact bytes) are compared first, a block of steps per query, so equal
+tensors are never read; a step's state is compared as stored, its tensors by fingerprint.
+Tensors are read only where fingerprints differ, at the first step where tensors differ (or,
+with a tolerance, where a fingerprint differs, to see whether it is within it).
+
+What could not be compared is said, never taken as equal: ``coverage`` counts what was compared
+and lists what is in one run only, and two runs with no tensor in common at a common step are
+not ``identical`` but not ``comparable``.
+
+Two multi-rank runs are compared rank by rank (rank r of A with rank r of B); the result is the
+rank that diverges first. Runs recorded by different ranks are refused rather than compared in
+part.
 """
 
 from __future__ import annotations
@@ -16,94 +27,138 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from stepdump.analysis.diff_reading import headline, reading, summary_lines
+from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, config_differences, parse_state,
+                                          scalar_differences, scalar_table, scalars_equal, state_differences)
+from stepdump.analysis.diff_values import TensorDiff, compare_tensors
 from stepdump.errors import ConfigError, StepNotFoundError
 from stepdump.read.reader import RunReader
 
-# Order of kinds at one step: upstream first, so the first entry points at the origin.
-KIND_ORDER = ("inputs", "activations", "activation_grads", "grads", "optimizer", "params", "buffers")
+__all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "TensorDiff", "compare_tensors", "diff"]
+
+#: Order of tensor kinds at one step, earliest cause first (the batch, the params the forward
+#: pass reads, its activations, the backward pass, the optimizer state).
+KIND_ORDER = ("inputs", "params", "buffers", "activations", "activation_grads", "grads", "optimizer")
 _BLOCK = 256
 
 Key = tuple[str, str]
 
 
-@dataclass(frozen=True)
-class TensorDiff:
-    """How one tensor differs at the first divergent step.
+@dataclass
+class Coverage:
+    """What a diff compared, and what it could not.
 
-    ``reason`` is ``values`` (errors computed), ``fingerprint`` (bytes differ but
-    values were not stored at this step), ``dtype`` or ``shape``.
+    Counts are over the steps the comparison went through: the recorded state is compared up
+    to the first divergent step, tensors up to the first step where tensors differ, scalars
+    at every common step.
     """
 
-    kind: str
-    name: str
-    reason: str
-    max_abs: float | None = None
-    max_rel: float | None = None
-    n_diff: int | None = None
-    numel: int | None = None
-
-    def describe(self) -> str:
-        if self.reason == "values":
-            return (f"{self.kind} {self.name}: {self.n_diff}/{self.numel} elements differ, max abs "
-                    f"{self.max_abs:.3g}, max rel {self.max_rel:.3g}")
-        if self.reason == "fingerprint":
-            return f"{self.kind} {self.name}: bytes differ (values not stored at this step)"
-        return f"{self.kind} {self.name}: {self.reason} differs"
+    #: Common steps with fingerprints (the same as ``DiffResult.steps_compared``).
+    steps: int = 0
+    #: (kind, name) compared at one step or more, and (step, tensor) pairs compared.
+    tensors: int = 0
+    tensor_checks: int = 0
+    #: Tensor kinds compared; kinds recorded by one run only.
+    kinds: list[str] = field(default_factory=list)
+    kinds_only_in_a: list[str] = field(default_factory=list)
+    kinds_only_in_b: list[str] = field(default_factory=list)
+    #: Steps whose recorded state (param groups, scheduler, scaler, RNG) was compared, and
+    #: which of its parts both runs had (``hyperparameters``, ``scheduler``, ``scaler``, ``rng``, ``batch``).
+    state_steps: int = 0
+    state_parts: list[str] = field(default_factory=list)
+    #: Steps (as far as the state was compared) where one run or both had no recorded state:
+    #: their hyperparameters other than the lr, scheduler, scaler and RNG state are unknown.
+    state_missing: int = 0
+    #: Scalars compared (logged by both; the recorder's ``sys/*`` timings are never compared),
+    #: steps at which the ``lr`` scalars were, and scalars logged by one run only.
+    scalars: list[str] = field(default_factory=list)
+    lr_steps: int = 0
+    scalars_only_in_a: list[str] = field(default_factory=list)
+    scalars_only_in_b: list[str] = field(default_factory=list)
 
 
 @dataclass
 class DiffResult:
-    """What :func:`diff` found. ``identical`` means every common tensor at every common step is equal."""
+    """What :func:`diff` found.
 
+    ``identical`` means something was compared (``comparable``) and nothing compared differs:
+    no tensor at a common step, no hyperparameter, scheduler, scaler or RNG state, no logged
+    scalar. What was not compared (names, steps, scalars in one run only) is listed, and
+    ``complete`` says whether there was any.
+    """
+
+    #: The first step where anything compared differs (None: none does).
     first_step: int | None
+    #: How each tensor differs at ``first_tensor_step``, earliest cause first.
     tensors: list[TensorDiff]
     steps_compared: int
     steps_only_in_a: list[int] = field(default_factory=list)
     steps_only_in_b: list[int] = field(default_factory=list)
     names_only_in_a: list[Key] = field(default_factory=list)
     names_only_in_b: list[Key] = field(default_factory=list)
+    #: (step, name) of the first logged scalar that differs.
     first_scalar_diff: tuple[int, str] | None = None
     #: For multi-rank runs: the rank ``first_step`` and ``tensors`` are about (None: single stores).
     rank: int | None = None
     #: For multi-rank runs: each rank's own result (empty for single stores).
     per_rank: dict[int, DiffResult] = field(default_factory=dict)
+    #: Everything that differs at ``first_step``, earliest cause first (``differences[0]`` is the cause).
+    differences: list[Difference] = field(default_factory=list)
+    #: The first step where tensors differ (``tensors`` are about it); may be later than ``first_step``.
+    first_tensor_step: int | None = None
+    #: What was compared and what could not be.
+    coverage: Coverage = field(default_factory=Coverage)
+    #: Recorded settings that differ between the runs: (meta key, A's value, B's value).
+    config: list[tuple[str, Any, Any]] = field(default_factory=list)
+    #: One line: what the first differences point at ("" when nothing differs).
+    reading: str = ""
+
+    @property
+    def comparable(self) -> bool:
+        """Whether the runs had anything to compare: a tensor recorded by both at a common step."""
+        return self.coverage.tensor_checks > 0
 
     @property
     def identical(self) -> bool:
-        return self.first_step is None
+        """Something was compared and nothing compared differs (see the class docstring)."""
+        return self.comparable and self.first_step is None
+
+    @property
+    def complete(self) -> bool:
+        """Whether everything either run recorded had a counterpart in the other."""
+        c = self.coverage
+        return not (self.steps_only_in_a or self.steps_only_in_b or self.names_only_in_a or self.names_only_in_b
+                    or c.scalars_only_in_a or c.scalars_only_in_b)
 
     @property
     def first_tensor(self) -> TensorDiff | None:
         return self.tensors[0] if self.tensors else None
 
+    @property
+    def cause(self) -> Difference | None:
+        """The earliest difference at ``first_step`` (None when nothing differs)."""
+        return self.differences[0] if self.differences else None
+
+    def headline(self) -> str:
+        """The first line of :meth:`summary`: identical, nothing comparable, or where and why they part."""
+        return headline(self)
+
     def summary(self) -> str:
-        where = f" on rank {self.rank}" if self.rank is not None else ""
-        ranks = f" on each of {len(self.per_rank)} ranks" if self.per_rank else ""
-        if self.identical:
-            text = f"identical over {self.steps_compared} common steps{ranks}"
-        else:
-            first = self.tensors[0]
-            text = f"runs diverge at step {self.first_step}{where}, first at {first.kind} {first.name}"
-        extras = []
-        if self.steps_only_in_a or self.steps_only_in_b:
-            extras.append(f"{len(self.steps_only_in_a)} steps only in A, {len(self.steps_only_in_b)} only in B")
-        if self.names_only_in_a or self.names_only_in_b:
-            extras.append(f"{len(self.names_only_in_a)} tensors only in A, {len(self.names_only_in_b)} only in B")
-        return text + (f" ({'; '.join(extras)})" if extras else "")
+        """A few lines: the headline, the reading, what was compared and what could not be."""
+        return "\n".join(summary_lines(self))
 
 
 def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.0,
          kinds: Iterable[str] | None = None) -> DiffResult:
-    """Find the first step and tensors where two runs differ.
+    """Find the first step where two runs differ, its earliest cause, and the tensors that differ.
 
     Args:
         run_a, run_b: Opened runs (``stepdump.open``). Two multi-rank runs are
             compared rank by rank, and must have been recorded by the same ranks.
-        atol, rtol: Tolerances; 0 (default) means bitwise. A tensor differs when
-            ``|a - b| > atol + rtol * |b|`` for some element.
-        kinds: Only compare these kinds (default: all recorded kinds).
+        atol, rtol: Tolerances for tensors and scalars; 0 (default) means bitwise. A
+            value differs when ``|a - b| > atol + rtol * |b|``. State (hyperparameters,
+            scheduler, scaler, RNG) is always compared exactly.
+        kinds: Only compare tensors of these kinds (default: all recorded kinds).
 
     Returns:
         For single stores, their comparison. For multi-rank runs, the comparison
@@ -138,9 +193,13 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
 
 
 def _merge(per_rank: dict[int, DiffResult]) -> DiffResult:
-    """One result for a multi-rank diff: the first divergent rank's, with every rank's attached."""
+    """One result for a multi-rank diff: the first divergent rank's, with every rank's attached.
+
+    A rank with nothing comparable makes the whole not comparable (its coverage is the one
+    reported), since "identical" must hold for every rank."""
     diverged = [(res.first_step, r) for r, res in per_rank.items() if res.first_step is not None]
-    rank = min(diverged)[1] if diverged else min(per_rank)
+    blind = [r for r, res in per_rank.items() if not res.comparable]
+    rank = min(diverged)[1] if diverged else min(blind) if blind else min(per_rank)
     first = per_rank[rank]
 
     def union(attr: str) -> list[Any]:
@@ -148,6 +207,7 @@ def _merge(per_rank: dict[int, DiffResult]) -> DiffResult:
                       key=_order if attr.startswith("names") else None)
 
     scalar_diffs = [(res.first_scalar_diff, r) for r, res in per_rank.items() if res.first_scalar_diff]
+    coverage = per_rank[min(blind)].coverage if blind else first.coverage
     return DiffResult(
         first_step=first.first_step, tensors=first.tensors,
         steps_compared=max(res.steps_compared for res in per_rank.values()),
@@ -155,7 +215,23 @@ def _merge(per_rank: dict[int, DiffResult]) -> DiffResult:
         names_only_in_a=union("names_only_in_a"), names_only_in_b=union("names_only_in_b"),
         first_scalar_diff=min(scalar_diffs)[0] if scalar_diffs else None,
         rank=rank if diverged else None, per_rank=per_rank,
+        differences=first.differences, first_tensor_step=first.first_tensor_step, coverage=coverage,
+        config=first.config, reading=first.reading,
     )
+
+
+@dataclass
+class _Scan:
+    """What one pass over the common steps found (see :func:`_scan`)."""
+
+    state_step: int | None = None
+    state_diffs: list[Difference] = field(default_factory=list)
+    tensor_step: int | None = None
+    tensor_diffs: list[TensorDiff] = field(default_factory=list)
+    state_seen: dict[int, set[str]] = field(default_factory=dict)  # step -> state parts both had
+    state_missing: int = 0
+    keys: set[Key] = field(default_factory=set)
+    checks: int = 0
 
 
 def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...]) -> DiffResult:
@@ -165,43 +241,152 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
     result = DiffResult(
         first_step=None, tensors=[], steps_compared=len(common),
         steps_only_in_a=sorted(steps_a - steps_b), steps_only_in_b=sorted(steps_b - steps_a),
+        config=config_differences(run_a.meta, run_b.meta),
     )
     names_a, names_b = _names(run_a, wanted), _names(run_b, wanted)
     result.names_only_in_a = sorted(names_a - names_b, key=_order)
     result.names_only_in_b = sorted(names_b - names_a, key=_order)
-    for i in range(0, len(common), _BLOCK):
-        block = common[i : i + _BLOCK]
-        fa, fb = _fingerprints(run_a, block, wanted), _fingerprints(run_b, block, wanted)
-        for step in block:
-            ra, rb = fa.get(step, {}), fb.get(step, {})
-            found = []
-            for key in sorted(ra.keys() & rb.keys(), key=_order):
-                if ra[key][:3] == rb[key][:3]:  # same dtype, shape and bytes: equal, stored or not
-                    continue
-                d = _tensor_diff(run_a, run_b, step, key, ra[key], rb[key], atol, rtol)
-                if d is not None:
-                    found.append(d)
-            if found:
-                result.first_step, result.tensors = step, found
-                result.first_scalar_diff = _first_scalar_diff(run_a, run_b)
-                return result
-    result.first_scalar_diff = _first_scalar_diff(run_a, run_b)
+
+    # Scalars first (one query a run): their first difference bounds the state comparison.
+    ta, tb = scalar_table(run_a.scalar_rows()), scalar_table(run_b.scalar_rows())
+    by_step = scalar_differences(ta, tb, atol, rtol)
+    skipped_a, skipped_b = set(run_a.skipped_steps), set(run_b.skipped_steps)
+    for step in sorted((skipped_a ^ skipped_b) & set(run_a.all_steps) & set(run_b.all_steps)):
+        by_step.setdefault(step, []).append(Difference(
+            step, "optimizer", "skipped by the GradScaler", "skipped" if step in skipped_a else "not skipped",
+            "skipped" if step in skipped_b else "not skipped"))
+    scalar_step = min(by_step) if by_step else None
+    result.first_scalar_diff = _first_scalar(ta, tb, atol, rtol)
+
+    scan = _scan(run_a, run_b, atol, rtol, wanted, common, scalar_step)
+    firsts = [s for s in (scalar_step, scan.state_step, scan.tensor_step) if s is not None]
+    result.first_step = min(firsts) if firsts else None
+    result.first_tensor_step, result.tensors = scan.tensor_step, scan.tensor_diffs
+    if result.first_step is not None:
+        result.differences = _at_step(result.first_step, by_step, scan)
+
+    cov = result.coverage
+    cov.steps = len(common)
+    cov.tensors, cov.tensor_checks = len(scan.keys), scan.checks
+    cov.kinds = sorted({k for k, _ in scan.keys}, key=_kind_rank)
+    kinds_a, kinds_b = {k for k, _ in names_a}, {k for k, _ in names_b}
+    cov.kinds_only_in_a, cov.kinds_only_in_b = sorted(kinds_a - kinds_b), sorted(kinds_b - kinds_a)
+    cov.state_steps = len(scan.state_seen)
+    cov.state_parts = sorted({p for parts in scan.state_seen.values() for p in parts})
+    cov.state_missing = scan.state_missing
+    cov.scalars = sorted(ta.keys() & tb.keys())
+    cov.scalars_only_in_a, cov.scalars_only_in_b = sorted(ta.keys() - tb.keys()), sorted(tb.keys() - ta.keys())
+    stop = result.first_step
+    cov.lr_steps = len({s for n in ("lr",) if n in ta and n in tb for s in ta[n].keys() & tb[n].keys()
+                        if stop is None or s <= stop})
+    if result.first_step is not None:
+        result.reading = reading(result, prev_compared=_prev_compared(result.first_step, common),
+                                 parts_at_step=scan.state_seen.get(result.first_step, set()))
     return result
 
 
+def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...], common: list[int],
+          bound: int | None) -> _Scan:
+    """Walk the common steps a block at a time: the state of each step until the first step
+    where it (or a scalar, ``bound``) differs, the tensors until the first step where they do."""
+    scan = _Scan()
+    stats = set(common)
+    steps = sorted(set(run_a.all_steps) & set(run_b.all_steps))
+    for i in range(0, len(steps), _BLOCK):
+        block = steps[i : i + _BLOCK]
+        fa, fb = _fingerprints(run_a, block), _fingerprints(run_b, block)
+        for step in block:
+            limit = min((s for s in (bound, scan.state_step) if s is not None), default=None)
+            if limit is None or step <= limit:
+                _compare_state(run_a, run_b, step, fa.get(step, {}), fb.get(step, {}), scan)
+            if step in stats:
+                _compare_tensors_at(run_a, run_b, step, fa.get(step, {}), fb.get(step, {}), atol, rtol, wanted,
+                                    scan)
+            if scan.tensor_step is not None:  # every earlier step's state is compared by now
+                return scan
+    return scan
+
+
+def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, ...]],
+                   fb: dict[Key, tuple[Any, ...]], scan: _Scan) -> None:
+    """The recorded state of ``step`` in both runs, where both have one."""
+    sa = parse_state(run_a.catalog.step_state(step), f"step {step} of {run_a.path}")
+    sb = parse_state(run_b.catalog.step_state(step), f"step {step} of {run_b.path}")
+    if sa is None or sb is None:
+        scan.state_missing += 1
+        return
+    state_a = {n: v[:3] for (k, n), v in fa.items() if k == "state"}
+    state_b = {n: v[:3] for (k, n), v in fb.items() if k == "state"}
+    found, parts = state_differences(step, sa, sb, state_a, state_b)
+    scan.state_seen[step] = parts
+    if found and scan.state_step is None:
+        scan.state_step, scan.state_diffs = step, found
+
+
+def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, tuple[Any, ...]],
+                        rb: dict[Key, tuple[Any, ...]], atol: float, rtol: float, wanted: tuple[str, ...],
+                        scan: _Scan) -> None:
+    found = []
+    for key in sorted(ra.keys() & rb.keys(), key=_order):
+        if key[0] not in wanted:
+            continue
+        scan.keys.add(key)
+        scan.checks += 1
+        if ra[key][:3] == rb[key][:3]:  # same dtype, shape and bytes: equal, stored or not
+            continue
+        d = _tensor_diff(run_a, run_b, step, key, ra[key], rb[key], atol, rtol)
+        if d is not None:
+            found.append(d)
+    if found:
+        scan.tensor_step, scan.tensor_diffs = step, found
+
+
+def _at_step(step: int, scalars: dict[int, list[Difference]], scan: _Scan) -> list[Difference]:
+    """Everything that differs at ``step``, earliest cause first; a value both the state and
+    the scalars hold (the lr) once."""
+    items = list(scan.state_diffs) if scan.state_step == step else []
+    seen = {(d.stage, d.what) for d in items}
+    items += [d for d in scalars.get(step, []) if (d.stage, d.what) not in seen]
+    if scan.tensor_step == step:
+        items += [Difference(step, KIND_STAGE.get(t.kind, "optimizer"), f"{t.kind} {t.name}", tensor=t)
+                  for t in scan.tensor_diffs]
+    return sorted(items, key=lambda d: STAGES.index(d.stage) if d.stage in STAGES else len(STAGES))
+
+
+def _prev_compared(step: int, common: list[int]) -> bool | None:
+    """Whether the step before ``step`` had its tensors compared (and so was equal); None when
+    ``step`` comes before every common step."""
+    before = [s for s in common if s < step]
+    if not before:
+        return None
+    return before[-1] == step - 1
+
+
+def _first_scalar(ta: dict[str, dict[int, float | None]], tb: dict[str, dict[int, float | None]], atol: float,
+                  rtol: float) -> tuple[int, str] | None:
+    """(step, name) of the first logged scalar that differs (by step, then name)."""
+    firsts = [(s, n) for n in ta.keys() & tb.keys()
+              for s in sorted(ta[n].keys() & tb[n].keys()) if not scalars_equal(ta[n][s], tb[n][s], atol, rtol)]
+    return min(firsts) if firsts else None
+
+
+def _kind_rank(kind: str) -> int:
+    return KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER)
+
+
 def _order(key: Key) -> tuple[int, str]:
-    return (KIND_ORDER.index(key[0]) if key[0] in KIND_ORDER else 99, key[1])
+    return (_kind_rank(key[0]), key[1])
 
 
 def _names(run: Any, kinds: tuple[str, ...]) -> set[Key]:
     return {(k, n) for k, n in run.catalog.series_keys() if k in kinds}
 
 
-def _fingerprints(run: Any, steps: list[int], kinds: tuple[str, ...]) -> dict[int, dict[Key, tuple[Any, ...]]]:
+def _fingerprints(run: Any, steps: list[int]) -> dict[int, dict[Key, tuple[Any, ...]]]:
+    """step -> (kind, name) -> (dtype, shape, fingerprint, blob), every kind (``state`` too)."""
     out: dict[int, dict[Key, tuple[Any, ...]]] = {}
     for step, kind, name, dtype, shape, fp, blob in run.catalog.fingerprint_block(steps[0], steps[-1]):
-        if kind in kinds:
-            out.setdefault(step, {})[(kind, name)] = (dtype, shape, fp, blob)
+        out.setdefault(step, {})[(kind, name)] = (dtype, shape, fp, blob)
     return out
 
 
@@ -220,52 +405,3 @@ def _tensor_diff(run_a: Any, run_b: Any, step: int, key: Key, a: tuple[Any, ...]
             return TensorDiff(kind, name, "fingerprint")
         raise
     return compare_tensors(kind, name, ta, tb, atol, rtol)
-
-
-def compare_tensors(kind: str, name: str, ta: torch.Tensor, tb: torch.Tensor, atol: float = 0.0,
-                    rtol: float = 0.0) -> TensorDiff | None:
-    """Element-wise comparison; None when equal (bitwise, or within the tolerance)."""
-    if ta.is_floating_point() or ta.is_complex():
-        xa, xb = ta.double() if not ta.is_complex() else ta, tb.double() if not tb.is_complex() else tb
-    else:
-        xa, xb = ta.to(torch.float64), tb.to(torch.float64)
-    err = (xa - xb).abs()
-    # Same bits NaN on both sides counts as equal; bit differences count even if values are ==.
-    same_bits = _bit_equal(ta, tb)
-    if atol == 0 and rtol == 0:
-        differs = ~same_bits
-    else:
-        both_nan = torch.isnan(xa) & torch.isnan(xb)
-        differs = ~(both_nan | (err <= atol + rtol * xb.abs()))
-    n = int(differs.sum())
-    if n == 0:
-        return None
-    err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
-    max_abs = float(err[differs].max())
-    rel = err / xb.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    max_rel = float(rel[differs].max())
-    return TensorDiff(kind, name, "values", max_abs, max_rel, n, ta.numel())
-
-
-def _bit_equal(ta: torch.Tensor, tb: torch.Tensor) -> torch.Tensor:
-    size = ta.element_size()
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size)
-    if view is None or ta.is_complex():
-        return ta == tb
-    return ta.contiguous().view(view) == tb.contiguous().view(view)
-
-
-def _first_scalar_diff(run_a: Any, run_b: Any) -> tuple[int, str] | None:
-    sa, sb = run_a.scalars(), run_b.scalars()
-    cols = [c for c in sa.columns if c in sb.columns and c != "skipped"]
-    idx = sa.index.intersection(sb.index)
-    if not cols or len(idx) == 0:
-        return None
-    a, b = sa.loc[idx, cols], sb.loc[idx, cols]
-    neq = (a != b) & ~(a.isna() & b.isna())
-    rows = neq.any(axis=1)
-    if not rows.any():
-        return None
-    step = int(rows[rows].index[0])
-    col = str(neq.loc[step][neq.loc[step]].index[0])
-    return step, col

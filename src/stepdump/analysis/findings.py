@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -36,7 +36,11 @@ class Finding:
         tensor: Tensor (or scalar) name involved, or None.
         value: The measured value that triggered the rule.
         threshold: The threshold it was compared against.
-        message: One human sentence saying what was found and what it suggests.
+        message: What was found, how bad it is, and the next thing to do.
+        tensors: Every tensor (or scalar) the finding is about, when one cause
+            touches several (``tensor`` is the one the message leads with):
+            one finding per cause, not one per weight. Empty when it is only
+            ``tensor``.
     """
 
     rule: str
@@ -47,8 +51,11 @@ class Finding:
     value: float | None
     threshold: float | None
     message: str
+    tensors: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (severity as its lower-case name, ``tensors`` as a list)."""
         d = asdict(self)
         d["severity"] = self.severity.name.lower()
+        d["tensors"] = list(self.tensors)
         return d

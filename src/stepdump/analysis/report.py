@@ -33,6 +33,7 @@ from stepdump.analysis.matrices import (
     stat_matrix,
     total_numel,
 )
+from stepdump.analysis.report_scalars import group_scalars, scalar_order, wants_log
 from stepdump.errors import ConfigError
 from stepdump.read.reader import RunReader, ranked_stores
 from stepdump.read.run import Run
@@ -68,7 +69,10 @@ def build_report_data(
 
     Returns:
         A dict with keys ``summary``, ``domain``, ``scalars``, ``grad_norms``,
-        ``update_ratio``, ``moments``, ``nonfinite``, ``findings``, ``checks``.
+        ``param_norms``, ``update_ratio``, ``moments``, ``nonfinite``, ``findings``,
+        ``checks``. A scalar entry stands for every name logged with the same values
+        (``aliases``, ``shifted``: :mod:`stepdump.analysis.report_scalars`). Several runs:
+        :func:`stepdump.analysis.report_overlay.build_overlay_data`.
     """
     if max_points < 10:
         raise ConfigError(f"max_points={max_points} is too small to draw; give at least 10")
@@ -85,6 +89,7 @@ def build_report_data(
         "max_points": max_points,
         "scalars": _scalars(stores, max_points),
         "grad_norms": _heatmap(_stacked(stores, "grads"), max_points, "grad L2 norm") if "grads" in kinds else None,
+        "param_norms": _heatmap(params, max_points, "weight L2 norm") if params is not None else None,
         "update_ratio": _update_ratio(stores, params, max_points, exact_steps, exact_budget),
         "moments": _moments(stores, max_points) if "optimizer" in kinds else [],
         "nonfinite": _nonfinite(run, stores, max_points),
@@ -164,22 +169,28 @@ def summarize(run: RunReader) -> dict[str, Any]:
 
 # -- sections -------------------------------------------------------------------
 def _scalars(stores: list[tuple[str, Run]], max_points: int) -> list[dict[str, Any]]:
-    out = []
-    series = {(name, prefix): v for prefix, store in stores for name, v in scalar_series(store).items()}
+    """One chart per group of equal series (:mod:`stepdump.analysis.report_scalars`); ranks side by side."""
+    out: list[tuple[Any, dict[str, Any]]] = []
+    for prefix, store in stores:
+        series = scalar_series(store)
+        for g in group_scalars(series):
+            steps, values = series[g.name]
+            x, y = minmax_downsample(steps, values, max_points)
+            bad = steps[~np.isfinite(values)]
+            out.append(((scalar_order(g.name), prefix), {
+                "name": prefix + g.name,
+                "aliases": [prefix + n for n in g.aliases],
+                "shifted": [prefix + n for n in g.shifted],
+                "title": g.title(prefix),
+                "note": g.note,
+                "x": _ints(x),
+                "y": _floats(y),
+                "points": int(steps.size),
+                "nonfinite_steps": _ints(bad[:max_points]),
+                "log": wants_log(values),
+            }))
     # loss first, then learning rates, then the rest alphabetically; ranks side by side
-    for name, prefix in sorted(series, key=lambda k: (k[0] != "loss", not k[0].startswith("lr"), k[0], k[1])):
-        steps, values = series[(name, prefix)]
-        x, y = minmax_downsample(steps, values, max_points)
-        bad = steps[~np.isfinite(values)]
-        out.append({
-            "name": prefix + name,
-            "x": _ints(x),
-            "y": _floats(y),
-            "points": int(steps.size),
-            "nonfinite_steps": _ints(bad[:max_points]),
-            "log": name != "loss" and not name.startswith("lr") and bool(np.all(values[np.isfinite(values)] > 0)),
-        })
-    return out
+    return [d for _, d in sorted(out, key=lambda kd: kd[0])]
 
 
 def _heatmap(m: StatMatrix, max_points: int, label: str, note: str = "") -> dict[str, Any] | None:

@@ -35,6 +35,7 @@ from stepdump.capture import options as _options
 from stepdump.capture import target as _target
 from stepdump.capture.activations import ModuleCapture
 from stepdump.capture.assemble import Assembler
+from stepdump.capture.final import FinalRecord
 from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
@@ -91,9 +92,9 @@ class Recorder:
             or ``"raise"`` (strict, for tests: out of ``optimizer.step()`` /
             :meth:`log` / :meth:`close`, a write failure as
             :class:`stepdump.WriterError`). docs/reliability.md has the details.
-        resume: Append to an existing run, continuing its step numbers.
-        start_step: Number of the first recorded step (default 0, or the step
-            after the last recorded one when resuming).
+        resume: Record on into an existing run from the step after its last update (replacing
+            its final record), or from ``start_step``, dropping recorded steps from there on.
+        start_step: Number of the first recorded step (default 0, or as above).
         metadata: JSON-able dict stored with the run.
         ranks: Under ``torch.distributed`` (docs/distributed.md) each rank
             records into ``path/rank{r:05d}``; ``ranks`` picks them (``"all"``,
@@ -175,7 +176,8 @@ class Recorder:
         try:
             meta = run_meta(self.model, self.optimizer, self.scheduler, self.scaler, opts, layout,
                             self._target.meta(layout.params))
-            self._step = init_catalog(self.path, meta, opts.resume, opts.start_step)
+            self._final = FinalRecord(*init_catalog(self.path, meta, opts.resume, opts.start_step))  # for close()
+            self._step = self._final.first
             log_projection(self.path, layout, self.optimizer, self.kinds, self._filter, sched, self._step)
             self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0), None if ring else store.staging_bytes)
             self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
@@ -259,7 +261,7 @@ class Recorder:
             self._batch = skeleton
 
     def close(self) -> None:
-        """Flush everything to disk, detach from the optimizer and release the run."""
+        """Write the final record (the state after the last update), flush, detach, release the run."""
         if self._closed:
             return
         self._closed = True
@@ -274,6 +276,8 @@ class Recorder:
         detach_scaler(self.scaler)
         try:
             self._send_held()
+            if self._final.due(self._step, self._captured_at, self.kinds) and not self._guard.stopped:
+                self._put(self._final.message(self._asm, self.model, self._step, self._pool, self._writer))
             scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
             self._pending.clear()
             if scalars and self._writer.error is None and not self._guard.stopped:
@@ -439,8 +443,7 @@ class Recorder:
                 self._put(m)
         self._overhead += time.perf_counter() - started
 
-    def _send_held(self) -> None:
-        """Send the lean step's message once its grads are read (the update is over)."""
+    def _send_held(self) -> None:  # a lean step's message, once its grads are read (the update is over)
         if (msg := self._lean.finish()) is not None:
             self._put(msg)
 
@@ -451,6 +454,7 @@ class Recorder:
         if self.options.record.profile:
             profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
                             self._device)
+        self._final.rng.take()  # the RNG right after this update: a final record's, if it is the last
         self._step += 1
         self._prev_open = True
         self._forward_seen = False
@@ -471,7 +475,6 @@ class Recorder:
         with torch.profiler.record_function("stepdump.begin"):
             keep = full or self._asm.gradlog
             self._begin = begin_state(self._asm.layout, self._filter if keep and "params" in self.kinds else None)
-
 
     # -- plumbing ----------------------------------------------------------
     def _put(self, msg: StepMessage) -> None:

@@ -52,8 +52,17 @@ def _creation_leftover(name: str) -> bool:
     return name == LOCK_FILE or name.startswith(CATALOG_FILE + catalog.PARTIAL_SUFFIX)
 
 
-def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int | None) -> int:
-    """Create the catalog (or check it for resuming); return the number of the first step."""
+def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int | None) -> tuple[int, bool]:
+    """Create the catalog (or check it for resuming); return the number of the first step, and
+    whether resuming dropped recorded steps (from that step on) to record them again.
+
+    Resuming goes on at the step after the run's last *update*: its final record *N*
+    (``meta.final_step``, written by a clean ``close()``) is replaced by record *N* with its
+    grads; after a crash (no final record) at the step after the last one committed. A
+    ``start_step`` at or before the last recorded step drops the steps from there on
+    (catalog rows only: their segment bytes stay, unreferenced), so the run stays one
+    history; each resume is noted in ``meta.history``.
+    """
     meta = {
         "stepdump_version": stepdump.__version__,
         "torch_version": torch.__version__,
@@ -67,7 +76,7 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
     }
     if not (path / CATALOG_FILE).exists():
         catalog.create(path, meta)
-        return 0 if start_step is None else start_step
+        return (0 if start_step is None else start_step), False
     catalog.check_writable_layout(path)  # links / FIFOs planted in a shared run dir: refused before writing
     reader = CatalogReader(path)
     try:
@@ -81,10 +90,19 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
             f"cannot resume {path}: the optimizer's parameters differ from the recorded run's; "
             "record into a new directory"
         )
-    nxt = 0 if last is None else last + 1
-    if start_step is not None and start_step < nxt:
-        raise ConfigError(f"start_step={start_step} but the run already has steps up to {last}")
-    return nxt if start_step is None else start_step
+    final = old.get("final_step")
+    nxt = 0 if last is None else last if (isinstance(final, int) and final == last) else last + 1
+    first = nxt if start_step is None else start_step
+    dropped = last is not None and first <= last
+    history = old.get("history")
+    history = history if isinstance(history, list) else []
+    entry = {"resumed_at": first, "dropped": [first, last] if dropped else None, "time": meta["created"]}
+    catalog.resume(path, first if dropped else None, [*history, entry])
+    if dropped:
+        log.info("stepdump: resuming %s at step %d; its steps %d..%d are dropped (recorded again from here)",
+                 path, first, first, last)
+    return first, dropped
+
 
 def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
              options: RecorderOptions, layout: Layout, extra: dict[str, Any]) -> dict[str, Any]:

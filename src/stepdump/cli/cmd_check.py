@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.table import Table
-
 from stepdump.cli.common import add_run_arg, console, open_run
+from stepdump.cli.output import add_format_args, output_format, print_rows
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
   stepdump check demo-run
   stepdump check demo-run --rules nan_inf,loss_spike --fail-on error
   stepdump check demo-run --json
+  stepdump check demo-run --csv > findings.csv
 """
 
 
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rules", help="comma-separated rule names (default: all)")
     p.add_argument("--fail-on", default="warning", choices=("info", "warning", "error"),
                    help="exit 1 when a finding at or above this severity exists (default warning)")
-    p.add_argument("--json", action="store_true", help="print findings as JSON")
+    add_format_args(p, json_help="print findings as JSON (with every tensor of a grouped finding)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,13 +31,16 @@ def run(args: argparse.Namespace) -> int:
     with open_run(args.run) as r:
         findings = check(r, rules=args.rules.split(",") if args.rules else None)
     fail = Severity.parse(args.fail_on)
-    if args.json:
+    fmt = output_format(args)
+    if fmt == "json":
         print(json.dumps([f.to_dict() for f in findings], indent=1))
-    elif not findings:
+    elif not findings and fmt == "table":
         console.print("no findings")
     else:
-        t = Table("severity", "rule", "step", "kind", "tensor", "message")
-        for f in findings:
-            t.add_row(f.severity.name.lower(), f.rule, str(f.step), f.kind or "", f.tensor or "", f.message)
-        console.print(t)
+        # A grouped finding (one cause, several tensors) names its lead tensor and how many more
+        # in a table; CSV/TSV list them all (';'-separated), --json under "tensors".
+        rows = [(f.severity.name.lower(), f.rule, f.step, f.kind or "",
+                 (f.tensor or "") + (f" (+{len(f.tensors) - 1})" if len(f.tensors) > 1 else "")
+                 if fmt == "table" else ";".join(f.tensors) or (f.tensor or ""), f.message) for f in findings]
+        print_rows(("severity", "rule", "step", "kind", "tensor", "message"), rows, args)
     return Exit.FOUND if any(f.severity >= fail for f in findings) else Exit.OK

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-        transient=True,
+        transient=True, disable=not console.is_terminal,  # off a terminal a bar only leaves empty lines
     ) as bar:
         tasks: dict[str, Any] = {}  # label -> rich TaskID
 

@@ -1,9 +1,10 @@
-"""stepdump diff: the first step and tensor where two runs differ."""
+"""stepdump diff: where two runs part, the earliest cause there, and what was compared."""
 
 from __future__ import annotations
 
 import argparse
-import json
+from dataclasses import asdict
+from typing import Any
 
 from stepdump.cli.common import console, open_run
 from stepdump.cli.exitcodes import Exit
@@ -12,7 +13,12 @@ EXAMPLES = """examples:
   stepdump diff run-a run-b
   stepdump diff ref port --atol 1e-6 --kinds params,grads
   stepdump diff run-a run-b --json
+
+exit codes: 0 identical (over what was compared: the output says what was not),
+  1 the runs differ, 6 nothing to compare (no tensor recorded by both at a common step)
 """
+
+_SHOWN = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_b", help="second run")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
-    p.add_argument("--kinds", help="comma-separated kinds to compare (default all)")
+    p.add_argument("--kinds", help="comma-separated tensor kinds to compare (default all)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -31,19 +37,34 @@ def run(args: argparse.Namespace) -> int:
     with open_run(args.run_a) as a, open_run(args.run_b) as b:
         res = diff(a, b, atol=args.atol, rtol=args.rtol, kinds=kinds)
     if args.json:
-        print(json.dumps({
-            "identical": res.identical, "first_step": res.first_step, "steps_compared": res.steps_compared,
-            "tensors": [vars(t) for t in res.tensors],
-            "steps_only_in_a": res.steps_only_in_a, "steps_only_in_b": res.steps_only_in_b,
-            "names_only_in_a": res.names_only_in_a, "names_only_in_b": res.names_only_in_b,
-            "first_scalar_diff": res.first_scalar_diff,
-        }, indent=1))
+        from stepdump.cli.output import print_json
+
+        print_json(_as_json(res))
     else:
-        console.print(res.summary())
-        for t in res.tensors[:20]:
+        console.print(res.summary(), soft_wrap=True)
+        if res.tensors:
+            console.print(f"tensors that differ at step {res.first_tensor_step}:")
+        for t in res.tensors[:_SHOWN]:
             console.print(f"  {t.describe()}", soft_wrap=True)
-        if len(res.tensors) > 20:
-            console.print(f"  ... and {len(res.tensors) - 20} more")
+        if len(res.tensors) > _SHOWN:
+            console.print(f"  ... and {len(res.tensors) - _SHOWN} more (--json lists them all)")
         if res.first_scalar_diff:
             console.print(f"first differing scalar: {res.first_scalar_diff[1]} at step {res.first_scalar_diff[0]}")
+    if not res.comparable:
+        return Exit.NOTHING_COMPARED
     return Exit.OK if res.identical else Exit.FOUND
+
+
+def _as_json(res: Any) -> dict[str, Any]:
+    return {
+        "identical": res.identical, "comparable": res.comparable, "complete": res.complete,
+        "first_step": res.first_step, "headline": res.headline(), "reading": res.reading,
+        "differences": [{"step": d.step, "stage": d.stage, "what": d.what, "a": d.a, "b": d.b,
+                         "description": d.describe()} for d in res.differences],
+        "first_tensor_step": res.first_tensor_step, "steps_compared": res.steps_compared,
+        "tensors": [vars(t) for t in res.tensors],
+        "steps_only_in_a": res.steps_only_in_a, "steps_only_in_b": res.steps_only_in_b,
+        "names_only_in_a": res.names_only_in_a, "names_only_in_b": res.names_only_in_b,
+        "first_scalar_diff": res.first_scalar_diff, "coverage": asdict(res.coverage),
+        "config": [{"key": k, "a": a, "b": b} for k, a, b in res.config], "rank": res.rank,
+    }

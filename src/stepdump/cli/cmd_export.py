@@ -1,28 +1,76 @@
-"""stepdump export: write one step as an ordinary checkpoint."""
+"""stepdump export: write one step as a checkpoint (plain, or one a trainer resumes from)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from stepdump.cli.common import add_run_arg, console, open_run
 from stepdump.cli.exitcodes import Exit
+from stepdump.errors import ConfigError
 
 EXAMPLES = """examples:
   stepdump export demo-run --step 100 -o step100.pt
   stepdump export demo-run --step 100 -o step100.safetensors --format safetensors --grads
+  stepdump export runs/gpt --step 500 --format hf-trainer -o ckpt/checkpoint-500
+      then: trainer.train(resume_from_checkpoint="ckpt/checkpoint-500")
+  stepdump export runs/lit --step 500 --format lightning -o step500.ckpt
+      then: trainer.fit(model, datamodule, ckpt_path="step500.ckpt")
+  stepdump export runs/plain --step 8 --format lightning --trainer num_training_batches=4
+
+step N is the state after N optimizer steps (global_step == N). With no -o the
+checkpoint is written in the current folder: step-N.pt, step-N.safetensors,
+checkpoint-N (a folder, as the HF Trainer names it) or step=N.ckpt.
 """
+
+FORMATS = ("torch", "safetensors", "hf-trainer", "lightning")
+_DEFAULT_NAMES = {"torch": "step-{}.pt", "safetensors": "step-{}.safetensors", "hf-trainer": "checkpoint-{}",
+                  "lightning": "step={}.ckpt"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--step", type=int, required=True, help="step to export (stored in full)")
-    p.add_argument("-o", "--output", required=True, help="file to write")
-    p.add_argument("--format", choices=("torch", "safetensors"), default="torch", help="default torch")
+    p.add_argument("--step", type=int, required=True, help="step to export (stored in full, or rebuildable)")
+    p.add_argument("-o", "--output", help="file (folder for hf-trainer) to write; default: named after the step")
+    p.add_argument("--format", choices=FORMATS, default="torch",
+                   help="torch (default), safetensors, hf-trainer (a folder for resume_from_checkpoint=) or "
+                        "lightning (a .ckpt for ckpt_path=)")
     p.add_argument("--grads", action="store_true", help="safetensors: include grads as grads/<name>")
+    p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
+                   help="hf-trainer / lightning: training setup the run did not record (train_batch_size, "
+                        "num_training_batches, accumulate_grad_batches, ...); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:
+    output = args.output or _DEFAULT_NAMES[args.format].format(args.step)
+    trainer = _parse_trainer(args.trainer)
     with open_run(args.run) as r:
-        out = r.export(args.step, args.output, format=args.format, grads=args.grads)
+        if trainer is None:
+            out = r.export(args.step, output, format=args.format, grads=args.grads)
+        else:
+            from stepdump.export import export_checkpoint
+
+            out = export_checkpoint(r, args.step, output,  # type: ignore[arg-type]  # any reader kind
+                                    format=args.format, grads=args.grads, trainer=trainer)
     console.print(f"wrote {out}")
     return Exit.OK
+
+
+def _parse_trainer(items: list[str]) -> dict[str, Any] | None:
+    if not items:
+        return None
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--trainer takes KEY=VALUE, got {item!r}")
+        value: Any
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                value = float(text)
+            except ValueError:
+                value = text  # scheduler_interval=step
+        out[key.strip()] = value
+    return out

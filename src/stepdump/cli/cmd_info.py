@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+from typing import Any
 
-from rich.table import Table
-
-from stepdump.cli.common import add_run_arg, console, human_bytes, open_run, run_bytes
+from stepdump.cli.common import add_run_arg, human_bytes, open_run, run_bytes
 from stepdump.cli.exitcodes import Exit
+from stepdump.cli.output import add_format_args, print_record
 
-EXAMPLES = "examples:\n  stepdump info demo-run\n"
+EXAMPLES = """examples:
+  stepdump info demo-run
+  stepdump info demo-run --json | jq .size_on_disk_bytes
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
+    add_format_args(p, json_help="write the summary as one JSON object (sizes in bytes, steps as lists)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,42 +27,70 @@ def run(args: argparse.Namespace) -> int:
 
     with open_run(args.run) as r:
         m = r.meta
-        steps, all_steps = r.steps, r.all_steps
-        t = Table(show_header=False, title=str(r.path))
-        t.add_row("status", "being written" if r.live else "closed")
+        steps, all_steps, stats_steps = r.steps, r.all_steps, r.stats_steps
+        # (key, label, text) for people and TSV; `data` is the same in machine-readable shape.
+        fields: list[tuple[str, str, object]] = [("path", "run", str(r.path))]
+        data: dict[str, Any] = {"path": str(r.path)}
+
+        def add(key: str, label: str, text: object, value: object) -> None:
+            fields.append((key, label, text))
+            data[key] = value
+
+        add("status", "status", "being written" if r.live else "closed", "live" if r.live else "closed")
         ranked = ranked_stores(r)
         if ranked:  # steps and names below are the primary rank's; sizes are over every rank
             dist = r.meta.get("distributed")
-            world = dist.get("world_size", "?") if isinstance(dist, dict) else "?"
-            t.add_row("ranks recorded", f"{', '.join(str(k) for k, _ in ranked)} (world size {world})")
+            world = dist.get("world_size") if isinstance(dist, dict) else None
+            add("ranks", "ranks recorded", f"{', '.join(str(k) for k, _ in ranked)} (world size {world or '?'})",
+                [k for k, _ in ranked])
+            data["world_size"] = world
             for k, store in ranked:
-                t.add_row(f"rank {k}", f"{_span(store.all_steps)} steps, {len(store.steps)} stored in full")
-        t.add_row("store format", str(r.format_version))
-        t.add_row("written by", f"stepdump {m.get('stepdump_version')}, torch {m.get('torch_version')}")
+                add(f"rank_{k}", f"rank {k}", f"{_span(store.all_steps)} steps, {len(store.steps)} stored in full",
+                    {"steps_seen": len(store.all_steps), "steps_stored": len(store.steps)})
+        add("format_version", "store format", str(r.format_version), r.format_version)
+        add("written_by", "written by", f"stepdump {m.get('stepdump_version')}, torch {m.get('torch_version')}",
+            {"stepdump": m.get("stepdump_version"), "torch": m.get("torch_version")})
         created = m.get("created")
         if created:
-            t.add_row("created", dt.datetime.fromtimestamp(created).isoformat(timespec="seconds"))
-        t.add_row("model / optimizer", f"{m.get('model_class')} / {m.get('optimizer_class')}")
+            add("created", "created", dt.datetime.fromtimestamp(created).isoformat(timespec="seconds"), created)
+        add("model_optimizer", "model / optimizer", f"{m.get('model_class')} / {m.get('optimizer_class')}",
+            {"model": m.get("model_class"), "optimizer": m.get("optimizer_class")})
         if m.get("scheduler_class"):
-            t.add_row("scheduler", str(m["scheduler_class"]))
-        t.add_row("steps seen", _span(all_steps))
-        t.add_row("steps stored in full", _span(steps))
-        t.add_row("steps with stats", _span(r.stats_steps))
-        t.add_row("skipped steps", ", ".join(map(str, r.skipped_steps[:10])) or "none")
+            add("scheduler", "scheduler", str(m["scheduler_class"]), m["scheduler_class"])
+        # counts and ends, not lists: a lean run has a million steps (`ls --all-steps --json` lists them)
+        add("steps_seen", "steps seen", _span(all_steps), _ends(all_steps))
+        add("steps_stored", "steps stored in full", _span(steps), _ends(steps))
+        add("steps_with_stats", "steps with stats", _span(stats_steps), _ends(stats_steps))
+        skipped = r.skipped_steps
+        add("skipped_steps", "skipped steps", ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+            or "none", skipped)
         stopped = m.get("recording_stopped")
-        if isinstance(stopped, dict):  # the Recorder stepped aside (on_error="warn"): say so first
-            t.add_row("[bold red]recording stopped[/]", f"at step {stopped.get('step')} ({stopped.get('where')}): "
-                      f"{stopped.get('error')}; training went on unrecorded")
-        for kind in r.kinds():
-            t.add_row(f"{kind} tensors", str(len(r.names(kind))))
-        t.add_row("capture", f"{', '.join(m.get('capture', []))}; full {m.get('every')}, stats {m.get('stats_every')}")
-        t.add_row("codec", str(m.get("codec")))
-        t.add_row("size on disk", human_bytes(run_bytes(r.path)))
+        if isinstance(stopped, dict):  # the Recorder stepped aside (on_error="warn"): say so
+            add("recording_stopped", "recording stopped",
+                f"at step {stopped.get('step')} ({stopped.get('where')}): {stopped.get('error')}; "
+                "training went on unrecorded", stopped)
+        tensors = {kind: len(r.names(kind)) for kind in r.kinds()}
+        for kind, n in tensors.items():
+            fields.append((f"tensors_{kind}", f"{kind} tensors", n))
+        data["tensors"] = tensors
+        add("capture", "capture",
+            f"{', '.join(m.get('capture', []))}; full {m.get('every')}, stats {m.get('stats_every')}",
+            {"kinds": m.get("capture", []), "every": m.get("every"), "stats_every": m.get("stats_every")})
+        add("codec", "codec", str(m.get("codec")), m.get("codec"))
+        size = run_bytes(r.path)
+        add("size_on_disk", "size on disk", human_bytes(size), human_bytes(size))
+        data["size_on_disk_bytes"] = size
         stored, raw = r.blob_bytes()
         if raw:
-            t.add_row("tensor data", f"{human_bytes(stored)} stored, {human_bytes(raw)} raw ({stored / raw:.2f}×)")
-        console.print(t)
+            add("tensor_data", "tensor data",
+                f"{human_bytes(stored)} stored, {human_bytes(raw)} raw ({stored / raw:.2f}×)",
+                {"stored_bytes": stored, "raw_bytes": raw})
+    print_record(fields, args, json_obj=data)
     return Exit.OK
+
+
+def _ends(steps: list[int]) -> dict[str, int | None]:
+    return {"count": len(steps), "first": steps[0] if steps else None, "last": steps[-1] if steps else None}
 
 
 def _span(steps: list[int]) -> str:

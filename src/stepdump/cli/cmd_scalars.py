@@ -6,12 +6,14 @@ import argparse
 
 from stepdump.cli.common import add_run_arg, open_run, parse_steps
 from stepdump.cli.exitcodes import Exit
-from stepdump.cli.tables import print_frame
+from stepdump.cli.output import add_format_args
+from stepdump.cli.tables import add_limit_arg, print_frame
 
 EXAMPLES = """examples:
   stepdump scalars demo-run
   stepdump scalars demo-run --steps 100:200 --csv > scalars.csv
   stepdump scalars demo-run --json | jq '.[0]'
+  stepdump scalars demo-run | awk -F'\\t' '$2 == "nan"'    # steps whose loss was NaN
 """
 
 
@@ -19,15 +21,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
     p.add_argument("--names", help="comma-separated globs over scalar names")
     p.add_argument("--steps", help="N, A:B, A:B:K or N,M,...")
-    fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--csv", action="store_true", help="write CSV to stdout")
-    fmt.add_argument("--json", action="store_true", help="write JSON records to stdout")
-    p.add_argument("--limit", type=int, default=50, help="rows shown in the table (default 50; 0 = all)")
+    add_format_args(p, json_help="write JSON records to stdout")
+    add_limit_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:
     with open_run(args.run) as r:
         names = args.names.split(",") if args.names else None
-        df = r.scalars(names=names, steps=parse_steps(args.steps))
-    print_frame(df.reset_index(), args, columns=None, index=False)
+        steps = parse_steps(args.steps)
+        df = r.scalars(names=names, steps=steps).reset_index()
+        # The wide frame has NaN both where a NaN was logged and where nothing was; the rows
+        # tell them apart (a logged NaN is a row with value None).
+        logged = {(step, name) for step, name, _ in r.scalar_rows(steps)}
+    missing = df.isna()
+    for col in df.columns:
+        if col not in ("step", "skipped"):
+            missing[col] = [(int(s), col) not in logged for s in df["step"]]
+    print_frame(df, args, missing=missing)
     return Exit.OK

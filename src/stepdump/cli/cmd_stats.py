@@ -6,29 +6,38 @@ import argparse
 
 from stepdump.cli.common import add_run_arg, open_run, parse_steps
 from stepdump.cli.exitcodes import Exit
-from stepdump.cli.tables import print_frame
+from stepdump.cli.output import add_format_args
+from stepdump.cli.tables import add_limit_arg, print_frame, select_columns
 
 EXAMPLES = """examples:
   stepdump stats demo-run --kind grads --name '0.*' --steps 0:50
+  stepdump stats demo-run --columns norm,nan | grep c_attn    # one TSV line per row in a pipe
   stepdump stats demo-run --kind params --csv > params.csv
 """
+
+# What a table shows without --columns (TSV, CSV and JSON have every column).
+TABLE_COLUMNS = ("norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zero_frac")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--kind", help="only this kind (params, grads, optimizer, ...)")
+    p.add_argument("--kind", help="only this kind (params, grads, optimizer, buffers, ...)")
     p.add_argument("--name", help="glob over tensor names, e.g. 'fc1.*'")
     p.add_argument("--steps", help="N, A:B, A:B:K or N,M,...")
-    p.add_argument("--columns", default="step,kind,name,norm,min,max,mean,std,nan,posinf,neginf,zero_frac",
-                   help="comma-separated columns to show in the table")
-    fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--csv", action="store_true", help="write CSV to stdout (all columns)")
-    fmt.add_argument("--json", action="store_true", help="write JSON records to stdout (all columns)")
-    p.add_argument("--limit", type=int, default=50, help="rows shown in the table (default 50; 0 = all)")
+    p.add_argument("--columns",
+                   help="comma-separated stat columns, e.g. norm,nan (step, kind and name are always kept; "
+                        f"default: {','.join(TABLE_COLUMNS)} in a table, every column otherwise)")
+    add_format_args(p, json_help="write JSON records to stdout")
+    add_limit_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from stepdump.cli.output import output_format
+
     with open_run(args.run) as r:
         df = r.stats(kind=args.kind, name=args.name, steps=parse_steps(args.steps))
-    print_frame(df, args, columns=args.columns.split(","), index=False)
+    default = TABLE_COLUMNS if output_format(args) == "table" else None
+    # A NULL stat is "nothing to describe" (stats skip non-finite elements; an empty tensor has
+    # none): df.isna(), the default, prints it as "-".
+    print_frame(df, args, select_columns(df.columns, args.columns, default))
     return Exit.OK

@@ -4,14 +4,32 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from rich.console import Console
 
 import stepdump
 from stepdump.errors import ConfigError
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# Into a pipe, a file or a CI log, rich would wrap every line and squeeze every table to 80
+# columns (COLUMNS is rarely set there): a finding's message over eleven lines, "tra…" for a
+# tensor name. There, lines are as long as their text and tables as wide as their content.
+# (Commands that print data pick TSV there anyway: cli/output.py.)
+_UNWRAPPED = 10_000  # columns: wider than any table we draw (soft_wrap: text lines are never cut)
+
+
+def _console(stream: object, stderr: bool) -> Console:
+    try:
+        terminal = bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):
+        terminal = False
+    if terminal:
+        return Console(stderr=stderr, highlight=False)
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=_UNWRAPPED)
+
+
+console = _console(sys.stdout, stderr=False)
+err_console = _console(sys.stderr, stderr=True)
 
 
 def parse_steps(text: str | None) -> range | list[int] | None:
@@ -40,11 +58,12 @@ def add_run_arg(p: argparse.ArgumentParser) -> None:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    """``n`` bytes in binary units (KiB = 1024 B, MiB, GiB, TiB): ``"1.5 MiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TB"
+    return f"{n:.1f} TiB"
 
 
 def run_bytes(path: os.PathLike[str] | str) -> int:

@@ -40,7 +40,7 @@ SUMMARIES: dict[str, str] = {
     "scalars": "logged scalars (loss, lr, ...) one row per step, with the skipped flag",
     "diff": "compare two runs: first divergent step and tensors (exit 0 identical, 1 divergent)",
     "check": "check a run for NaN/Inf, exploding/vanishing grads, loss spikes, ... (exit 1 on findings >= --fail-on)",
-    "export": "write a step as a checkpoint: torch.save dict (model/optimizer/scheduler/scaler/step) or safetensors",
+    "export": "write a step as a checkpoint: torch.save dict, safetensors, or one the HF Trainer / Lightning resumes from",
     "export-tb": "write scalars, per-tensor stats and histograms as TensorBoard event files (needs tensorboard)",
     "report": "write a self-contained HTML report (curves, grad-norm heatmap, findings); opens offline",
     "verify": "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption",

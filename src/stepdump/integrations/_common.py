@@ -1,10 +1,10 @@
-"""What the framework callbacks share: GradScaler skips, resume checks, parameter names, log values."""
+"""What the framework callbacks share: GradScaler skips, parameter names, log values."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from torch import nn
 
 from stepdump.core.layout import unwrap as unwrap_module
 from stepdump.errors import ConfigError
-from stepdump.store.format import CATALOG_FILE
+from stepdump.read.export_trainers import TRAINER_META_KEY
 
 log = logging.getLogger(__name__)
 
@@ -28,22 +28,6 @@ def found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer)) or {}
     found = state.get("found_inf_per_device") or {}
     return bool(sum(float(v.item()) for v in found.values()))
-
-
-def check_resume(path: Path, start_step: int) -> None:
-    """Refuse to append steps from ``start_step`` to a run that already has them, saying why."""
-    if not (path / CATALOG_FILE).exists():
-        return
-    import stepdump
-
-    with stepdump.open(path) as run:
-        steps = run.all_steps
-    if steps and steps[-1] >= start_step:
-        raise ConfigError(
-            f"{path} already holds steps up to {steps[-1]}, but training resumes from a checkpoint at step "
-            f"{start_step}: steps {start_step}..{steps[-1]} were recorded after that checkpoint was saved. "
-            "Record the resumed training into a new directory, or remove the old run first."
-        )
 
 
 def param_globs(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -76,3 +60,28 @@ def unwrap(obj: Any, attr: str) -> Any:
             break
         obj, seen = inner, seen + 1
     return obj
+
+
+def with_trainer_setup(metadata: Any, setup: dict[str, Any]) -> dict[str, Any]:
+    """The Recorder's ``metadata=`` with the framework's loop setup added under
+    ``stepdump.trainer`` (read by ``run.export(format="hf-trainer" | "lightning")``).
+
+    Values JSON cannot hold (the inf batches of an iterable loader) become the text
+    ``"inf"``; a ``stepdump.trainer`` the user gave wins.
+    """
+    clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in setup.items()}
+    return {TRAINER_META_KEY: clean, **dict(metadata or {})}
+
+
+def with_grad_clip(metadata: dict[str, Any] | None, clip: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Recorder's ``metadata`` with ``grad_clip`` (how the framework clips) added, unless given.
+
+    ``stepdump.check`` reads it (docs/checks.md, ``exploding_gradient``): whether
+    the recorded grads are before or after clipping, the clip value, and which
+    logged scalar holds the norm before clipping.
+    """
+    if not clip:
+        return metadata
+    out = dict(metadata or {})
+    out.setdefault("grad_clip", clip)
+    return out

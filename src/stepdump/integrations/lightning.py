@@ -24,7 +24,7 @@ import torch
 
 from stepdump.capture.recorder import Recorder
 from stepdump.errors import ConfigError
-from stepdump.integrations._common import check_resume, found_inf, param_globs
+from stepdump.integrations._common import found_inf, param_globs, with_grad_clip, with_trainer_setup
 
 try:
     import lightning.pytorch as pl
@@ -50,7 +50,9 @@ class StepdumpCallback(pl.Callback):
     (so after gradient accumulation), after AMP unscaling (``16-mixed``), and
     *before* Lightning clips gradients (``gradient_clip_val``) and before the
     update. So record *t* holds the params before update *t*, the accumulated,
-    unscaled, **unclipped** gradients, and the optimizer state before update *t*.
+    unscaled, **unclipped** gradients, and the optimizer state before update *t*
+    (the run's metadata records ``gradient_clip_val`` as ``grad_clip``, so
+    ``stepdump.check`` knows the recorded norm is the one before clipping).
     (The optimizer's own step pre-hook, which a plain :class:`~stepdump.Recorder`
     uses, fires too early under Lightning: ``optimizer.step(closure)`` runs the
     closure inside ``step``, after the pre-hook, so the pre-hook would see the
@@ -74,10 +76,10 @@ class StepdumpCallback(pl.Callback):
     given) and numbers its own steps from 0.
 
     **Resuming.** A fit resumed from a Lightning checkpoint (``ckpt_path=``), or
-    any fit that starts at ``trainer.global_step > 0``, appends to the same run
-    (``resume=True``) from step ``trainer.global_step``. If the run already has
-    that step (it went on past the checkpoint), it raises ConfigError rather
-    than mixing two histories.
+    any fit that starts at ``trainer.global_step > 0``, records into the same run
+    (``resume=True``) from step ``trainer.global_step``. Steps the run already has
+    from there on (it went on past the checkpoint) are dropped and recorded
+    again, so the run stays one history (``run.meta["history"]``).
 
     Only global rank 0 records (parameters and gradients are the same on every
     DDP rank); sharded strategies (FSDP, DeepSpeed) are not supported.
@@ -134,17 +136,19 @@ class StepdumpCallback(pl.Callback):
         if resume is None:
             resume = trainer.ckpt_path is not None or trainer.global_step > 0
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        kwargs["metadata"] = with_grad_clip(kwargs.get("metadata"), _grad_clip(trainer))
         several = len(optimizers) > 1
         try:
             for i, opt in enumerate(optimizers):
                 path = self.path / f"opt{i}" if several else self.path
                 start = kwargs.get("start_step")
-                if start is None and resume and not several:
+                if start is None and resume and not several:  # later steps are dropped, recorded again
                     start = trainer.global_step
-                    check_resume(path, start)
                 rec_kwargs = {**kwargs, "resume": resume, "start_step": start}
                 if several:
                     _only_params_of(rec_kwargs, param_globs(pl_module, opt))
+                else:  # what a .ckpt's loop counters need (run.export(format="lightning"))
+                    rec_kwargs["metadata"] = with_trainer_setup(rec_kwargs.get("metadata"), _setup(trainer, opt))
                 # auto_capture=False: the optimizer's pre-hook fires too early under Lightning's
                 # closure; on_before_optimizer_step captures, the post-hook still ends each update.
                 rec = Recorder(path, pl_module, opt, scheduler=_scheduler_for(trainer, opt), scaler=scaler,
@@ -193,6 +197,18 @@ class StepdumpCallback(pl.Callback):
         self._captured.clear()
         self._losses.clear()
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        # A .ckpt written by run.export(format="lightning") carries the RNG at the start of the
+        # step it resumes (Lightning's own checkpoints keep none): restore it, so dropout and the
+        # next epoch's shuffling draw what the recorded run drew.
+        rng = (checkpoint.get("stepdump") or {}).get("rng")
+        if rng is not None:
+            from stepdump.core.rng import set_rng_state
+
+            set_rng_state(rng)
+            log.info("stepdump: RNG restored from the checkpoint of step %s", checkpoint["stepdump"].get("step"))
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
 
@@ -230,12 +246,32 @@ def _only_params_of(kwargs: dict[str, Any], globs: list[str]) -> None:
         kwargs["record"] = dataclasses.replace(record, include=globs)
 
 
+def _grad_clip(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """How the Trainer clips (``gradient_clip_val``): after the record, so the recorded grads are unclipped."""
+    val = getattr(trainer, "gradient_clip_val", None)
+    if not val:
+        return None
+    alg = getattr(trainer, "gradient_clip_algorithm", None) or "norm"  # None: Lightning's default, norm
+    algorithm = str(getattr(alg, "value", alg))
+    key = "max_norm" if algorithm == "norm" else "max_value"
+    return {"grads": "unclipped", "algorithm": algorithm, key: float(val)}
+
+
 def _scheduler_for(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> Any:
     for config in getattr(trainer, "lr_scheduler_configs", []):
         sched = config.scheduler
         if getattr(sched, "optimizer", None) is optimizer and hasattr(sched, "state_dict"):
             return sched
     return None
+
+
+def _setup(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    interval = None
+    for config in getattr(trainer, "lr_scheduler_configs", []):
+        if getattr(config.scheduler, "optimizer", None) is optimizer:
+            interval = config.interval
+    return {"framework": "lightning", "num_training_batches": float(trainer.num_training_batches),
+            "accumulate_grad_batches": int(trainer.accumulate_grad_batches), "scheduler_interval": interval}
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:

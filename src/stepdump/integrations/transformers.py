@@ -19,7 +19,7 @@ from typing import Any
 
 from stepdump.capture.recorder import Recorder
 from stepdump.errors import ConfigError
-from stepdump.integrations._common import check_resume, scalar_items, unwrap
+from stepdump.integrations._common import scalar_items, unwrap, with_grad_clip, with_trainer_setup
 
 try:
     from transformers import TrainerCallback
@@ -57,10 +57,15 @@ class StepdumpTrainerCallback(TrainerCallback):
     eval metrics) goes to the step that was just taken. The Trainer's ``loss``
     is the mean over the steps since the previous log, so set
     ``logging_steps=1`` for a loss per step. ``lr`` is added by the Recorder.
+    With ``max_grad_norm > 0`` the run's metadata says so (``grad_clip``), and
+    ``stepdump.check`` judges exploding gradients by the logged pre-clip
+    ``grad_norm`` rather than the clipped grads (``logging_steps=1`` gives it
+    at every step).
 
-    **Resuming.** ``trainer.train(resume_from_checkpoint=...)`` appends to the
-    same run (``resume=True``) from ``state.global_step``; if the run already
-    has that step, ConfigError says so rather than mixing two histories.
+    **Resuming.** ``trainer.train(resume_from_checkpoint=...)`` records into the
+    same run (``resume=True``) from ``state.global_step``; steps the run already
+    has from there on (recorded after that checkpoint was saved) are dropped and
+    recorded again, so the run stays one history (``run.meta["history"]``).
 
     Only the main process records; DeepSpeed and FSDP (sharded parameters) are
     not supported.
@@ -109,9 +114,13 @@ class StepdumpTrainerCallback(TrainerCallback):
         if resume is None:
             resume = state.global_step > 0
         start = kwargs_.pop("start_step", None)
-        if start is None and resume:
+        if start is None and resume:  # steps the run has from there on are dropped and recorded again
             start = state.global_step
-            check_resume(self.path, start)
+        kwargs_["metadata"] = with_trainer_setup(kwargs_.get("metadata"), _setup(args, state, kwargs))
+        # Grads are recorded after max_grad_norm clipping; the pre-clip norm is the logged grad_norm.
+        max_norm = getattr(args, "max_grad_norm", None) or 0
+        clip = {"max_norm": float(max_norm), "grads": "clipped", "norm_scalar": "grad_norm"} if max_norm > 0 else None
+        kwargs_["metadata"] = with_grad_clip(kwargs_.get("metadata"), clip)
         self._recorder = Recorder(self.path, model, opt, scheduler=sched, scaler=scaler, resume=resume,
                                   start_step=start, **kwargs_)
         log.info("stepdump: recording into %s from step %d", self.path, self._recorder.step)
@@ -134,3 +143,17 @@ class StepdumpTrainerCallback(TrainerCallback):
         rec, self._recorder = self._recorder, None
         if rec is not None:
             rec.close()
+
+
+def _setup(args: Any, state: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What ``trainer_state.json`` needs beyond the record, for ``run.export(format="hf-trainer")``."""
+    loader = kwargs.get("train_dataloader")
+    accumulate = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+    try:
+        per_epoch: int | None = max(1, -(-len(loader) // accumulate)) if loader is not None else None
+    except TypeError:  # an iterable dataset has no length
+        per_epoch = None
+    return {"framework": "hf-trainer", "train_batch_size": state.train_batch_size,
+            "logging_steps": state.logging_steps, "eval_steps": state.eval_steps, "save_steps": state.save_steps,
+            "max_steps": state.max_steps, "num_train_epochs": state.num_train_epochs,
+            "steps_per_epoch": per_epoch}

@@ -360,6 +360,38 @@ class BlobReader:
         dst[:] = np.frombuffer(raw, dtype=np.uint8)
         return out
 
+    def read_ahead(self, out: torch.Tensor, b: BlobRow, fingerprint: int | None) -> bool:
+        """Fill ``out`` with blob ``b`` (its row already read) and verify it: the checksum, then the
+        tensor's ``fingerprint``. Safe on another thread than the reading one, while it goes on:
+        only the segment file and ``out`` are touched (no catalog, cache or read-call scope), and
+        the file read and the hashing let go of the GIL. For a blob stored on its own (no delta
+        base) in a store with :meth:`~stepdump.store.storage.LocalStorage.read_into` (pread);
+        ``out`` must be contiguous, on the CPU and exactly the blob's size.
+
+        True when ``out`` holds the verified bytes. False, never an error, for anything else:
+        damaged bytes, a missing file, a blob on a delta base. The reading thread then reads the
+        blob with :meth:`read_into`, which raises the error that says what is wrong, so a
+        failure on this thread reaches the caller exactly as it would without it.
+        """
+        direct = getattr(self.storage, "read_into", None)
+        if (direct is None or b.base is not None or out.device.type != "cpu" or not out.is_contiguous()
+                or out.numel() * out.element_size() != b.raw_length):
+            return False
+        try:
+            view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            if b.codec == "raw" and b.length == b.raw_length:
+                direct(b.segment_key, b.offset, view)
+                if fingerprint_bytes(view) != b.checksum:
+                    return False
+                raw: bytes | bytearray | memoryview = view
+            else:
+                raw = self._decode(b, None)  # a base-less codec: no catalog (zstd, ... let go of the GIL too)
+                view[:] = raw
+            self._check_fingerprint(b, raw, fingerprint)
+        except Exception:  # noqa: BLE001 - read_into on the reading thread reports it
+            return False
+        return True
+
     @staticmethod
     def _check_fingerprint(b: BlobRow, raw: bytes | bytearray | memoryview, fingerprint: int | None) -> None:
         # For the raw codec the checksum just verified *is* the fingerprint.

@@ -1,32 +1,60 @@
-"""Export a recorded step as an ordinary checkpoint (torch.save dict or safetensors)."""
+"""Export a recorded step as an ordinary checkpoint: a torch.save dict, a safetensors file,
+or a checkpoint the Hugging Face Trainer or Lightning resumes from (read/export_trainers.py)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepdump.errors import ConfigError
+from stepdump.errors import ConfigError, TensorNotFoundError
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
 
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "hf-trainer", "lightning")
 
 
-def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False) -> Path:
+def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False,
+           trainer: Mapping[str, Any] | None = None) -> Path:
     """Write step ``step`` of ``run`` to ``path``.
 
-    ``torch``: a dict with ``model``, ``optimizer``, ``scheduler``, ``scaler`` and
-    ``step`` that ``torch.load(path, weights_only=True)`` reads and each object's
-    ``load_state_dict`` accepts. ``safetensors``: the params (and with ``grads``
-    the grads, as ``grads/<name>``) of the step, by recorded name.
+    Record *t* is the state after *t* optimizer steps: params, buffers and optimizer /
+    scheduler / scaler state before update *t*, and the RNG at the start of iteration *t*.
+
+    Formats:
+        ``torch``: a dict with ``model``, ``optimizer``, ``scheduler``, ``scaler`` and
+        ``step`` that ``torch.load(path, weights_only=True)`` reads and each object's
+        ``load_state_dict`` accepts. ``safetensors``: the params (and with ``grads``
+        the grads, as ``grads/<name>``) of the step, by recorded name.
+        ``hf-trainer``: a folder for ``Trainer.train(resume_from_checkpoint=path)``.
+        ``lightning``: a ``.ckpt`` for ``Trainer.fit(model, ckpt_path=path)``.
+
+    Args:
+        trainer: For ``hf-trainer`` and ``lightning``: the training setup the checkpoint's
+            loop counters need (``train_batch_size``; ``num_training_batches``,
+            ``accumulate_grad_batches``), over what the stepdump callback recorded.
+
+    Raises:
+        ConfigError: an unknown format, options that do not fit it, or a setup the run lacks.
+        StepNotFoundError: ``step`` is not stored in full (nor rebuildable).
     """
     if format not in FORMATS:
-        raise ConfigError(f"unknown export format {format!r}; choose {' or '.join(FORMATS)}")
+        raise ConfigError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
     out = Path(path)
+    if format in ("hf-trainer", "lightning"):
+        from stepdump.read import export_trainers
+
+        if grads:
+            raise ConfigError(f"a {format} checkpoint holds no gradients; drop grads=True (--grads)")
+        if format == "hf-trainer":
+            return export_trainers.export_hf_trainer(run, step, out, trainer)
+        return export_trainers.export_lightning(run, step, out, trainer)
+    if trainer is not None:
+        raise ConfigError(f"trainer= is for the hf-trainer and lightning formats, not {format}")
     if out.is_dir():
         raise ConfigError(f"{out} is a directory; give a file path for the checkpoint")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +73,13 @@ def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "tor
 
         tensors = {name: t.contiguous() for name, t in run.tensors(step, "params").items()}
         if grads:
-            tensors.update({f"grads/{n}": t.contiguous() for n, t in run.tensors(step, "grads").items()})
+            found = run.tensors(step, "grads")
+            if not found:
+                raise TensorNotFoundError(
+                    f"step {step} of {run.path} has no gradients (the run was recorded without them, or this is "
+                    "the final record, taken after the last update); export it without grads (leave out --grads)"
+                )
+            tensors.update({f"grads/{n}": t.contiguous() for n, t in found.items()})
         save_file(tensors, str(tmp), metadata={"stepdump_step": str(step), "stepdump_run": str(run.path)})
     # Write then rename, so a failed export never leaves a half checkpoint at ``path``.
     os.replace(tmp, out)

@@ -24,11 +24,13 @@ refused up front with the same error.
 One chain is cached per run: reading steps in order re-applies one update per step, and
 reading several tensors of one step rebuilds it once.
 
-What a read costs beyond the optimizer steps themselves is kept to a copy and a hash per
-gradient: each param's gradient is read into one buffer the chain keeps (a fresh buffer per
-gradient per step costs more in page faults than the optimizer step, and holding them to
-the end of the call made the process grow by a model's worth of gradients per update), the
-keyframe is read once into the tensors the optimizer steps, and the verified state is handed
+What a read costs beyond the optimizer steps is a copy and a hash per gradient, run beside
+them: grads are read into buffers the chain keeps (fresh ones page-fault more than the update
+costs), two per param, so that a worker thread reads and checks the grads of update t + 1 while
+update t runs (pread, xxh3 and torch's kernels let go of the GIL): an update costs the longer
+of the two, not their sum. The worker is the read call's own, joined when it ends however it
+ends; what it could not read and verify the reading thread reads itself, raising the errors a
+read without a worker raises. The keyframe is read once into the tensors the optimizer steps, and the verified state is handed
 out from the chain itself, copied only when the chain moves on while it is still cached.
 """
 
@@ -37,7 +39,9 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +63,10 @@ from stepdump.read.gradlog_parts import (
     SegmentReport,
     Snapshot,
     copied,
+    grad_buffer,
     live,
+    read_ahead,
+    ready_grads,
     refusal_of,
     take,
     warm_allocator,
@@ -98,6 +105,7 @@ class GradientLog:
         self._chain: Chain | None = None
         self._snapshot: Snapshot | None = None
         self._refusal: RebuildError | None | bool = False  # False: not decided yet
+        self._pool: ThreadPoolExecutor | None = None  # the worker of the read call under way (_overlap)
         self.updates_applied = 0  # optimizer steps re-run so far (what a read costs)
 
     # -- which steps ---------------------------------------------------------------
@@ -206,24 +214,37 @@ class GradientLog:
         keys = self.keyframes()
         logged = self._run.catalog.steps(LEVEL_STATS)
         ends = [*keys[1:], max(logged, default=keys[-1]) if keys else 0]
-        for i, (k, end) in enumerate(zip(keys, ends, strict=True)):
-            try:
-                chain = self._start(k)
-                while chain.step < end:
-                    self._advance(chain, target=end, check=True)
-                report.checked += 1
-            except RebuildError as e:
-                if isinstance(e, GroupsChanged):
-                    report.unchecked.append(str(e))
-                else:
-                    report.problems.append((k if e.step is None else e.step, str(e)))
-            except StepdumpError as e:  # a damaged blob or record on the way (the blob checks name it too)
-                report.problems.append((k, f"the segment from keyframe {k} cannot be re-applied: {e}"))
-            if progress is not None:
-                progress(i + 1, len(keys))
+        with self._overlap():
+            for i, (k, end) in enumerate(zip(keys, ends, strict=True)):
+                try:
+                    chain = self._start(k)
+                    while chain.step < end:
+                        self._advance(chain, target=end, check=True)
+                    report.checked += 1
+                except RebuildError as e:
+                    if isinstance(e, GroupsChanged):
+                        report.unchecked.append(str(e))
+                    else:
+                        report.problems.append((k if e.step is None else e.step, str(e)))
+                except StepdumpError as e:  # a damaged blob or record on the way (the blob checks name it too)
+                    report.problems.append((k, f"the segment from keyframe {k} cannot be re-applied: {e}"))
+                if progress is not None:
+                    progress(i + 1, len(keys))
         return report
 
     # -- the chain -------------------------------------------------------------------
+    @contextmanager
+    def _overlap(self) -> Iterator[None]:
+        """The worker thread of one read call (``read_ahead``: the next update's grads), joined when
+        the call ends, however it ends: no thread outlives a read, no buffer is written after."""
+        pool = self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepdump-gradlog")
+        try:
+            yield
+        finally:  # (a chain's last Ahead, if any, is done now: its buffers hold verified grads)
+            if self._pool is pool:  # not another thread's call since
+                self._pool = None
+            pool.shutdown(wait=True)
+
     def _state(self, step: int, kind: str) -> Snapshot:
         """The state before update ``step``, its ``kind`` verified; cached, and built from the
         cached chain when it is at or before ``step`` in the same segment."""
@@ -232,6 +253,11 @@ class GradientLog:
         snap = self._snapshot
         if snap is not None and snap.step == step and kind in snap.verified:
             return snap
+        with self._overlap():
+            return self._rebuild(step, kind)
+
+    def _rebuild(self, step: int, kind: str) -> Snapshot:
+        """:meth:`_state` past its cache, in the read call's :meth:`_overlap`."""
         refusal = self.refusal()
         if refusal is not None:
             raise refusal
@@ -344,7 +370,9 @@ class GradientLog:
         opt = chain.optimizer
         for group, g in zip(opt.param_groups, groups, strict=True):
             group.update({k: v for k, v in g["hyper"].items() if k != "params"})
-        rows = chain.rows if chain.rows else self._rows(t)
+        ahead, chain.ahead = chain.ahead, None
+        ready = ready_grads(ahead, t)  # name -> the row read from; waits for the worker: the buffers are ours
+        rows = chain.rows or (ahead.rows if ahead is not None and ahead.step == t else self._rows(t))
         for n, p in chain.params.items():
             if n not in chain.optimized:
                 continue
@@ -352,7 +380,9 @@ class GradientLog:
             if row is None:
                 p.grad = None  # no gradient at this step: the optimizer leaves p (and its state) alone
                 continue
-            p.grad = self._grad(chain, target, t, n, p, row)
+            p.grad = self._grad(chain, target, t, n, p, row, ready.get(n) == row)  # read ahead from this row
+        if self._pool is not None and t + 1 < target:  # update t + 1 follows: read its grads meanwhile
+            chain.ahead = read_ahead(self._pool, self._blobs, chain, t + 1, self._rows(t + 1))
         if not self._skipped(t):
             try:
                 with torch.no_grad():  # as in training: no autograd bookkeeping of the in-place updates
@@ -368,26 +398,29 @@ class GradientLog:
             self._check(chain, target)
 
     def _grad(self, chain: Chain, target: int, t: int, n: str, p: torch.Tensor,
-              row: tuple[Any, ...]) -> torch.Tensor:
-        """The recorded gradient of ``n`` at step ``t``, read into the chain's buffer for ``n``."""
+              row: tuple[Any, ...], ready: bool) -> torch.Tensor:
+        """The recorded gradient of ``n`` at step ``t``, in the chain's buffer for ``n`` and ``t``:
+        read here unless ``ready`` (the worker read and verified it there, from this ``row``)."""
         dtype, shape, fp, blob = row
         if blob is None:
             raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} has stats only, its "
                               f"values were not stored, so update {t} cannot be re-applied")
-        tdtype, dims, _ = check_layout(dtype, shape)
+        tdtype, dims, want = check_layout(dtype, shape)
         if tdtype != p.dtype or dims != tuple(p.shape):
             raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} is {tdtype} {dims} "
                               f"but the param is {p.dtype} {tuple(p.shape)}")
-        buf = chain.grads.get(n)
-        if buf is None:
-            buf = chain.grads[n] = torch.empty(dims, dtype=tdtype)
-        self._blobs.read_into(buf, blob, dtype, shape, fp)
+        buf = grad_buffer(chain, t, n, tdtype, dims)
+        if ready:
+            with self._blobs.call() as scope:
+                scope.returned += want  # what read_into counts: the call's decode budget stays the same
+        else:
+            self._blobs.read_into(buf, blob, dtype, shape, fp)
         if p.device.type == "cpu":
             return buf
-        # Another device: one buffer there too, filled from the host buffer.
-        dev = chain.grads.get(f"{n}\0{p.device}")
+        # Another device: one buffer there too, filled from the host buffer (synchronously: then free).
+        dev = chain.on_device.get(n)
         if dev is None:
-            dev = chain.grads[f"{n}\0{p.device}"] = torch.empty(dims, dtype=tdtype, device=p.device)
+            dev = chain.on_device[n] = torch.empty(dims, dtype=tdtype, device=p.device)
         return dev.copy_(buf)
 
     def _check(self, chain: Chain, target: int | None = None) -> None:

@@ -1,18 +1,23 @@
 """The pieces of the gradient-log engine (read/gradlog.py) that need no engine: its chain and
-snapshot records, what a verification of the segments found, and why a run cannot be re-run."""
+snapshot records, the read of the next update's grads on a worker thread, what a verification
+of the segments found, and why a run cannot be re-run."""
 
 from __future__ import annotations
 
 import inspect
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepdump.errors import RebuildError
+from stepdump.errors import RebuildError, StepdumpError
+from stepdump.read.blobs import check_layout
 
 if TYPE_CHECKING:
+    from stepdump.read.blobs import BlobReader
     from stepdump.read.run import Run
+    from stepdump.store.schema import BlobRow
 
 Key = tuple[str, str]
 #: The kinds a gradient log rebuilds; grads (and module buffers) are stored at every step.
@@ -53,7 +58,78 @@ class Chain:
     optimizer: torch.optim.Optimizer
     checked: frozenset[str] = frozenset()  # kinds whose state at ``step`` matched that step's record
     rows: dict[Key, tuple[Any, ...]] = field(default_factory=dict)  # step's rows: (dtype, shape, fp, blob)
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # one buffer per param, reused every update
+    # Two host buffers per param, reused every update: update t reads its grads from set t % 2,
+    # so those of t + 1 can be read into the other set while update t runs (see Ahead).
+    grads: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = field(default_factory=lambda: ({}, {}))
+    on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # one per param on another device
+    ahead: Ahead | None = None  # the grads of update ``step`` being read on the worker thread
+
+
+@dataclass
+class Ahead:
+    """The grads of update ``step`` being read, on the engine's worker thread, into the chain's
+    buffers for that update while the update before it runs; ``rows`` are the step's rows the
+    jobs were made from. ``done`` gives the names whose buffers then hold grads verified against
+    their checksums and fingerprints; the update reads any other grad itself (read_grads)."""
+
+    step: int
+    rows: dict[Key, tuple[Any, ...]]
+    done: Future[set[str]]
+
+
+def read_grads(blobs: BlobReader, jobs: list[tuple[str, torch.Tensor, BlobRow, int | None]]) -> set[str]:
+    """On the worker thread: fill each job's buffer with its blob and verify it (checksum and
+    fingerprint, :meth:`BlobReader.read_ahead`); the names of those that are in and verified.
+    Never raises: a grad that is not in is read again by the reading thread, whose read raises
+    the error that says what is wrong (so an error is reported there, as without a worker)."""
+    done: set[str] = set()
+    for name, buf, row, fp in jobs:
+        if blobs.read_ahead(buf, row, fp):
+            done.add(name)
+    return done
+
+
+def read_ahead(pool: ThreadPoolExecutor, blobs: BlobReader, chain: Chain, s: int,
+               rows: dict[Key, tuple[Any, ...]]) -> Ahead:
+    """Start reading the grads of update ``s`` (``rows``: the step's) on ``pool``'s worker, into
+    the chain's buffers for ``s``: the other set than the update running meanwhile uses. The
+    catalog is read here, on the reading thread (the worker touches only segment files and
+    buffers); a grad whose row is not as the update wants it is left to the update, which
+    says what is wrong with it."""
+    jobs = []
+    for n, p in chain.params.items():
+        row = rows.get(("grads", n))
+        if n not in chain.optimized or row is None or row[3] is None:
+            continue
+        try:
+            tdtype, dims, _ = check_layout(row[0], row[1])
+            b = blobs.blob_row(row[3])
+        except StepdumpError:
+            continue
+        if tdtype == p.dtype and dims == tuple(p.shape):
+            jobs.append((n, grad_buffer(chain, s, n, tdtype, dims), b, row[2]))
+    return Ahead(s, rows, pool.submit(read_grads, blobs, jobs))
+
+
+def ready_grads(ahead: Ahead | None, t: int) -> dict[str, tuple[Any, ...]]:
+    """The grads of update ``t`` the worker read and verified, once it is done with them: name ->
+    the row it read (the update takes a grad read ahead only from the row it reads itself)."""
+    if ahead is None:
+        return {}
+    try:
+        done = ahead.done.result()  # read_grads never raises; a cancelled job read nothing
+    except Exception:  # noqa: BLE001 - then the update reads every grad itself
+        return {}
+    return {n: ahead.rows[("grads", n)] for n in done} if ahead.step == t else {}
+
+
+def grad_buffer(chain: Chain, t: int, n: str, dtype: torch.dtype, dims: tuple[int, ...]) -> torch.Tensor:
+    """The chain's host buffer for the grad of ``n`` at update ``t`` (one of two, by ``t % 2``)."""
+    bufs = chain.grads[t % 2]
+    buf = bufs.get(n)
+    if buf is None:
+        buf = bufs[n] = torch.empty(dims, dtype=dtype)
+    return buf
 
 
 @dataclass

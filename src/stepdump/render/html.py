@@ -1,7 +1,12 @@
 """``stepdump report``: one self-contained HTML file that opens offline.
 
+One run, or several overlaid (:mod:`stepdump.analysis.report_overlay`); the
+page always draws the overlay layout, a single run being a run of one. The
+live view (:mod:`stepdump.render.live`) serves the same page with a small
+``#stepdump-live`` blob that makes it poll for fresh data.
+
 The page carries everything inline: CSS and the plotting script (package data
-``report.css`` / ``report.js``, plain JS on ``<canvas>``, no libraries) and the
+``report.css`` / ``report_draw.js`` / ``report.js``, plain JS on ``<canvas>``, no libraries) and the
 report data as a JSON blob in ``<script type="application/json">``. Nothing is
 fetched. The summary and findings table are plain HTML, so they read even with
 scripts off.
@@ -21,53 +26,129 @@ import html
 import json
 import math
 import os
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stepdump.read.run import Run
+from stepdump.read.reader import RunReader
 
 _ASSET_PACKAGE = "stepdump.render"
 _CODE_MISSING, _CODE_ZERO, _CODE_FIRST, _CODE_LAST = 0, 1, 2, 65535
 
 
-def render_report(data: dict[str, Any]) -> str:
-    """The report page for ``data`` (from :func:`stepdump.analysis.report.build_report_data`)."""
-    s = data["summary"]
-    payload = json.dumps(_pack(data), separators=(",", ":"), allow_nan=False, ensure_ascii=True)
-    payload = payload.replace("<", "\\u003c")  # no "</script>" can end the blob early
-    title = f"stepdump report — {s['path']}"
+#: Series colours, one per run (the page's palette; the first is also a single run's colour).
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+
+
+def page_data(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` in the page's layout: several runs (:func:`~stepdump.analysis.report_overlay.combine`)
+    as they are, one run's :func:`~stepdump.analysis.report.build_report_data` as a run of one."""
+    if "runs" in data:
+        return data
+    from stepdump.analysis.report_overlay import combine
+
+    return combine([data], [Path(str(data["summary"]["path"])).name or str(data["summary"]["path"])])
+
+
+def render_report(data: dict[str, Any], *, live: dict[str, Any] | None = None) -> str:
+    """The report page for ``data``: one run's :func:`stepdump.analysis.report.build_report_data`,
+    or several runs' :func:`stepdump.analysis.report_overlay.build_overlay_data`.
+
+    ``live`` (``{"url": ..., "interval_ms": ...}``, from :mod:`stepdump.render.live`) makes the
+    page poll ``url`` for fresh data; without it the page fetches nothing.
+    """
+    d = page_data(data)
+    runs = d["runs"]
+    title = f"stepdump report — {runs[0]['summary']['path']}" if len(runs) == 1 else \
+        f"stepdump report — {len(runs)} runs: " + ", ".join(r["label"] for r in runs)
+    frag = fragments(d)
     return _PAGE.format(
         title=_e(title),
-        path=_e(s["path"]),
+        path=_e(runs[0]["summary"]["path"] if len(runs) == 1 else " · ".join(r["summary"]["path"] for r in runs)),
         css=_asset("report.css"),
-        js=_asset("report.js"),
-        summary=_summary_html(s),
-        findings=_findings_html(data.get("findings", []), data.get("checks", "given")),
-        nfindings=len(data.get("findings", [])),
-        data=payload,
+        js=_asset("report_draw.js") + "\n" + _asset("report.js"),
+        summary=frag["summary_html"],
+        findings=frag["findings_html"],
+        nfindings=frag["nfindings"],
+        data=page_json(d),
+        live="" if live is None else
+        f'<script type="application/json" id="stepdump-live">{_script_json(live)}</script>',
     )
 
 
-def write_report(run: Run, path: str | os.PathLike[str], findings: list[Any] | None = None) -> Path:
-    """Build the report data for ``run`` and write the page to ``path``; returns the path."""
+def page_json(d: dict[str, Any]) -> str:
+    """The page data (already in page layout) as the JSON the page reads: packed, rounded, safe
+    inside a ``<script>`` element."""
+    return _script_json(_pack(d))
+
+
+def fragments(d: dict[str, Any]) -> dict[str, Any]:
+    """The static HTML parts of a page (summary, findings) for page-layout data ``d``; the
+    live view sends them with each update."""
+    runs = d["runs"]
+    findings = [f for r in runs for f in r["findings"]]
+    checks = {r["checks"] for r in runs}
+    return {
+        "summary_html": _summaries_html(runs),
+        "findings_html": _findings_html(findings, checks.pop() if len(checks) == 1 else "given",
+                                        [r["label"] for r in runs] if len(runs) > 1 else None),
+        "nfindings": len(findings),
+    }
+
+
+def write_report(
+    run: RunReader | Sequence[RunReader],
+    path: str | os.PathLike[str],
+    findings: list[Any] | None = None,
+    *,
+    labels: Sequence[str] | None = None,
+) -> Path:
+    """Build the report data and write the page to ``path``; returns the path.
+
+    Args:
+        run: A run, or several runs to overlay (their curves on shared axes, one colour each).
+        path: The HTML file to write.
+        findings: For one run, findings to mark (None: run the checks). Several runs are
+            always checked.
+        labels: For several runs, a label per run (default: their directory names).
+    """
     from stepdump.analysis.report import build_report_data
+    from stepdump.analysis.report_overlay import build_overlay_data
 
     out = Path(path)
-    out.write_text(render_report(build_report_data(run, findings)), encoding="utf-8")
+    if isinstance(run, RunReader):
+        data = build_report_data(run, findings)
+        if labels:
+            data = page_data(data)
+            data["runs"][0]["label"] = labels[0]
+    else:
+        data = build_overlay_data(list(run), labels)
+    out.write_text(render_report(data), encoding="utf-8")
     return out
+
+
+def _script_json(x: Any) -> str:
+    text = json.dumps(x, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+    return text.replace("<", "\\u003c")  # no "</script>" can end the blob early
 
 
 # -- data packing -----------------------------------------------------------------
 def _pack(data: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``data`` for the page: heatmaps packed, floats rounded."""
-    out = dict(data)
-    if out.get("grad_norms"):
-        out["grad_norms"] = _packed(out["grad_norms"])
-    if out.get("update_ratio"):
-        out["update_ratio"] = {k: _packed(v) if v else v for k, v in out["update_ratio"].items()}
+    """A copy of page-layout ``data`` for the page: heatmaps packed, floats rounded, the palette added."""
+    out = dict(data, palette=list(PALETTE))
+    runs = []
+    for r in data["runs"]:
+        r = dict(r)
+        for key in ("grad_norms", "param_norms"):
+            if r.get(key):
+                r[key] = _packed(r[key])
+        if r.get("update_ratio"):
+            r["update_ratio"] = {k: _packed(v) if v else v for k, v in r["update_ratio"].items()}
+        runs.append(r)
+    out["runs"] = runs
     return _round(out)
 
 
@@ -120,6 +201,18 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _summaries_html(runs: list[dict[str, Any]]) -> str:
+    if len(runs) == 1:
+        return _summary_html(runs[0]["summary"])
+    parts = []
+    for i, r in enumerate(runs):
+        colour = PALETTE[i % len(PALETTE)]
+        parts.append(f'<h3 class="run-head" data-run="{i}"><span class="swatch" style="background:{colour}"></span>'
+                     f'{_e(r["label"])} <span class="mono muted">{_e(r["summary"]["path"])}</span></h3>\n'
+                     + _summary_html(r["summary"]))
+    return "\n".join(parts)
+
+
 def _summary_html(s: dict[str, Any]) -> str:
     steps = f"{s['steps_recorded']:,}"
     if s["steps_recorded"]:
@@ -151,7 +244,7 @@ def _summary_html(s: dict[str, Any]) -> str:
     return f'<dl class="summary">\n{items}\n</dl>'
 
 
-def _findings_html(findings: list[dict[str, Any]], checks: str) -> str:
+def _findings_html(findings: list[dict[str, Any]], checks: str, labels: list[str] | None = None) -> str:
     if not findings:
         text = {"unavailable": "Checks are not available in this stepdump version; no findings to show.",
                 "ran": "The checks found nothing."}.get(checks, "No findings.")
@@ -159,13 +252,15 @@ def _findings_html(findings: list[dict[str, Any]], checks: str) -> str:
     order = {"error": 0, "warning": 1, "info": 2}
     ranked = sorted(findings, key=lambda f: (order.get(str(f.get("severity")), 3),
                                              f.get("step") if f.get("step") is not None else -1))
-    head = "".join(f"<th>{h}</th>" for h in ("Severity", "Step", "Rule", "Where", "Value", "Threshold", "Message"))
+    cols = ("Run",) * bool(labels) + ("Severity", "Step", "Rule", "Where", "Value", "Threshold", "Message")
+    head = "".join(f"<th>{h}</th>" for h in cols)
     body = []
     for f in ranked:
         where = " ".join(str(x) for x in (f.get("kind"), f.get("tensor")) if x)
         sev = str(f.get("severity"))
+        run = f'<td>{_e(labels[int(f.get("run") or 0)])}</td>' if labels else ""
         body.append(
-            f'<tr data-step="{_e(f.get("step"))}"><td><span class="sev sev-{_e(sev)}">{_e(sev)}</span></td>'
+            f'<tr data-step="{_e(f.get("step"))}">{run}<td><span class="sev sev-{_e(sev)}">{_e(sev)}</span></td>'
             f'<td class="num">{_e(f.get("step", ""))}</td><td>{_e(f.get("rule"))}</td><td class="mono">{_e(where)}</td>'
             f'<td class="num">{_e(_fmt(f.get("value")))}</td><td class="num">{_e(_fmt(f.get("threshold")))}</td>'
             f"<td>{_e(f.get('message'))}</td></tr>"
@@ -190,22 +285,28 @@ _PAGE = """<!doctype html>
 </style>
 </head>
 <body>
-<header><h1>stepdump report</h1><div class="path mono">{path}</div></header>
+<header><h1>stepdump report <span id="live-status" class="badge" hidden></span></h1><div class="path mono">{path}</div>
+<label class="toggle steps-label" title="stepdump step t is optimizer update t, counted from 0 (the record holds the weights before it and the scalars logged with it). A Hugging Face or Lightning Trainer's global_step counts updates from 1, after the update: the same update is global_step t + 1.">step numbers
+<select id="step-numbering"><option value="0">stepdump step t (from 0)</option><option value="1">Trainer global_step (t + 1)</option></select></label>
+</header>
 <main>
-<section id="summary"><h2>Run</h2>
+<section id="summary"><h2>Run</h2><div id="summary-body">
 {summary}
-</section>
-<section id="findings"><h2>Findings <span class="badge">{nfindings}</span></h2>
+</div></section>
+<section id="findings"><h2>Findings <span class="badge" id="nfindings">{nfindings}</span></h2><div id="findings-body">
 {findings}
-</section>
+</div></section>
 <section id="scalars"><h2>Scalars</h2><div class="grid" id="scalar-charts"></div></section>
+<section id="layers"><h2>Per tensor</h2><div id="layer-charts"></div></section>
 <section id="grad-norms"><h2>Gradient L2 norm per tensor</h2><div id="grad-heatmap"></div></section>
 <section id="update-ratio"><h2>Update / weight ratio per tensor</h2><div id="ratio-heatmaps"></div></section>
 <section id="moments"><h2>Optimizer moment norms</h2><div class="grid" id="moment-charts"></div></section>
 <section id="nonfinite"><h2>NaN / Inf timeline</h2><div id="nonfinite-chart"></div></section>
 </main>
-<footer class="muted">Made by stepdump. Hover a chart for values; dashed lines mark findings.</footer>
+<footer class="muted">Made by stepdump. Hover a chart for values; dashed lines mark findings; click a heatmap row
+to see that tensor's curves.</footer>
 <div id="tip" hidden></div>
+{live}
 <script type="application/json" id="stepdump-data">{data}</script>
 <script>
 {js}

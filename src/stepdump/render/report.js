@@ -1,263 +1,162 @@
-// stepdump report: draws the JSON blob #stepdump-data on <canvas>, no libraries.
-// Every chart shares one step axis [domain[0], domain[1] + 1): step s is the
-// cell [s, s + 1), lines pass through cell centres, heatmap columns fill from
-// their first step to the next column's. Data arrive already downsampled
-// (min/max per bucket for lines, max for heatmaps), so spikes are kept.
+// stepdump report: builds the sections from the JSON blob #stepdump-data with report_draw.js.
+// The data hold one or more runs (one colour each, overlaid on shared step axes). With
+// #stepdump-live (stepdump report --watch) the page polls for fresh data and rebuilds itself,
+// keeping what the reader chose: the tensor, log toggles, the step numbering.
 (function () {
   "use strict";
-  const D = JSON.parse(document.getElementById("stepdump-data").textContent);
-  const tip = document.getElementById("tip");
-  const SEV = { error: "#d62728", warning: "#e08a00", info: "#1f77b4" };
-  const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"];
-  const WIDE = { l: 150, r: 16, t: 14, b: 24 };   // full-width charts: room for tensor names
-  const SMALL = { l: 58, r: 12, t: 10, b: 24 };   // small multiples
-  const X0 = D.domain[0], X1 = D.domain[1] + 1;
-  const findings = D.findings.filter(f => f.step !== null && f.step !== undefined);
-  const charts = [];
+  const { ctx, WIDE, SMALL, el, card, wantsLog, row, addLineChart, addHeatmap } = SD;
+  let D = JSON.parse(document.getElementById("stepdump-data").textContent);
+  const liveEl = document.getElementById("stepdump-live"), LIVE = liveEl ? JSON.parse(liveEl.textContent) : null;
+  const state = { log: {}, layer: null };
+  let charts = [], layerCharts = [];
 
-  // -- helpers -------------------------------------------------------------------
-  const fmt = v => v === null || v === undefined || Number.isNaN(v) ? "—"
-    : v === 0 ? "0" : Math.abs(v) >= 1e4 || Math.abs(v) < 1e-3 ? v.toExponential(3).replace(/\.?0+e/, "e")
-    : String(+v.toPrecision(4));
-  function el(tag, attrs, parent) {
-    const e = document.createElement(tag);
-    for (const k in attrs || {}) k === "text" ? (e.textContent = attrs[k]) : e.setAttribute(k, attrs[k]);
-    if (parent) parent.appendChild(e);
-    return e;
-  }
-  function card(parent, title, note) {
-    const c = el("div", { class: "card" }, parent);
-    const h = el("div", { class: "card-head" }, c);
-    el("span", { class: "card-title", text: title }, h);
-    if (note) el("p", { class: "note", text: note }, c);
-    return { card: c, head: h };
-  }
-  function lower(xs, v) { let lo = 0, hi = xs.length; while (lo < hi) { const m = (lo + hi) >> 1; xs[m] <= v ? lo = m + 1 : hi = m; } return lo - 1; }
-  function niceTicks(lo, hi, n) {
-    const span = hi - lo || 1, raw = span / n, p = Math.pow(10, Math.floor(Math.log10(raw)));
-    const step = [1, 2, 5, 10].map(k => k * p).find(s => span / s <= n) || 10 * p;
-    const out = []; for (let v = Math.ceil(lo / step) * step; v <= hi + 1e-9 * span; v += step) out.push(+v.toPrecision(12));
-    return out;
-  }
-  function frame(cv, height, m) {   // size the canvas for the screen, return drawing geometry
-    const dpr = window.devicePixelRatio || 1;
-    cv.style.height = height + "px";
-    const w = cv.clientWidth;   // CSS width: 100% of the card
-    cv.width = Math.round(w * dpr); cv.height = Math.round(height * dpr);
-    const g = cv.getContext("2d"); g.setTransform(dpr, 0, 0, dpr, 0, 0); g.clearRect(0, 0, w, height);
-    const W = w - m.l - m.r, H = height - m.t - m.b;
-    return { g, m, W, H, dpr, sx: s => m.l + (s - X0) / (X1 - X0) * W, step: px => X0 + (px - m.l) / W * (X1 - X0) };
-  }
-  function xAxis(f) {
-    const { g, m, W, H } = f;
-    g.fillStyle = "#666"; g.font = "11px system-ui, sans-serif"; g.textAlign = "center"; g.textBaseline = "top";
-    for (const s of niceTicks(X0, X1 - 1, Math.max(2, Math.floor(W / 90)))) {
-      if (s !== Math.round(s)) continue;
-      const x = f.sx(s + 0.5); g.fillRect(x, m.t + H, 1, 3); g.fillText(String(s), x, m.t + H + 5);
-    }
-  }
-  function markers(f, full) {   // findings: dashed lines (or ticks above heatmaps)
-    const { g, m, H } = f;
-    for (const fd of findings) {
-      const x = Math.round(f.sx(fd.step + 0.5)) + 0.5;
-      g.strokeStyle = g.fillStyle = SEV[fd.severity] || "#555";
-      if (full) { g.setLineDash([4, 3]); g.beginPath(); g.moveTo(x, m.t); g.lineTo(x, m.t + H); g.stroke(); g.setLineDash([]); }
-      g.beginPath(); g.moveTo(x - 4, m.t - 7); g.lineTo(x + 4, m.t - 7); g.lineTo(x, m.t - 1); g.fill();
-    }
-  }
-  function findingsNear(f, px) {
-    return findings.filter(fd => Math.abs(f.sx(fd.step + 0.5) - px) <= 4)
-      .map(fd => `⚑ step ${fd.step} ${fd.rule} (${fd.severity}): ${fd.message}`);
-  }
-  function hover(cv, fn) {
-    cv.addEventListener("mousemove", ev => {
-      const r = cv.getBoundingClientRect(), lines = fn(ev.clientX - r.left, ev.clientY - r.top);
-      if (!lines || !lines.length) { tip.hidden = true; return; }
-      tip.textContent = lines.join("\n"); tip.hidden = false;
-      const x = Math.min(ev.clientX + 14, window.innerWidth - tip.offsetWidth - 8);
-      tip.style.left = x + "px"; tip.style.top = (ev.clientY + 14) + "px";
-    });
-    cv.addEventListener("mouseleave", () => { tip.hidden = true; });
-  }
-
-  // -- line and bar charts ---------------------------------------------------------
-  // spec: {series: [{x, y, label}], log, height, margin, bars, skipped: [[a, b]], bad: [steps]}
-  function lineChart(cv, spec) {
-    const f = frame(cv, spec.height, spec.margin), { g, m, W, H } = f;
-    const T = v => spec.log ? (v > 0 ? Math.log10(v) : null) : v;
-    let lo = Infinity, hi = -Infinity;
-    for (const s of spec.series) for (const v of s.y) { const t = v === null ? null : T(v); if (t !== null) { lo = Math.min(lo, t); hi = Math.max(hi, t); } }
-    if (spec.bars) lo = 0;
-    if (!isFinite(lo)) { lo = 0; hi = 1; }
-    if (hi - lo < 1e-12) { const p = spec.log ? 0.1 : Math.abs(hi) * 0.1 || 0.5; lo -= p; hi += p; }   // flat line
-    else if (!spec.bars) { const p = (hi - lo) * 0.06; lo -= p; hi += p; }
-    const sy = t => m.t + H - (t - lo) / (hi - lo) * H;
-    g.fillStyle = "#fafafa"; g.fillRect(m.l, m.t, W, H);
-    for (const [a, b] of spec.skipped || []) { g.fillStyle = "rgba(120,120,120,0.25)"; g.fillRect(f.sx(a), m.t, Math.max(2, f.sx(b + 1) - f.sx(a)), H); }
-    g.font = "11px system-ui, sans-serif"; g.textAlign = "right"; g.textBaseline = "middle";
-    let ticks = spec.log ? niceTicks(Math.floor(lo), Math.ceil(hi), 5).filter(t => t === Math.round(t) && t >= lo && t <= hi)
-      : niceTicks(lo, hi, Math.max(2, Math.floor(H / 28)));
-    if (spec.log && ticks.length < 2)   // less than a decade: nice values, placed on the log axis
-      ticks = niceTicks(Math.pow(10, lo), Math.pow(10, hi), 4).filter(v => v > 0).map(Math.log10);
-    for (const t of ticks) {
-      const y = Math.round(sy(t)) + 0.5; g.strokeStyle = "#e4e4e4"; g.beginPath(); g.moveTo(m.l, y); g.lineTo(m.l + W, y); g.stroke();
-      g.fillStyle = "#666"; g.fillText(!spec.log ? fmt(t) : t === Math.round(t) && Math.abs(t) > 3 ? "1e" + t : fmt(+Math.pow(10, t).toPrecision(6)), m.l - 5, y);
-    }
-    let drawn = 0;
-    spec.series.forEach((s, i) => {
-      g.strokeStyle = g.fillStyle = s.color || COLORS[i % COLORS.length]; g.lineWidth = 1.3;
-      if (spec.bars) {
-        s.y.forEach((v, j) => {
-          if (!v) return; const a = f.sx(s.x[j]), b = f.sx((s.x1 || s.x)[j] + 1);
-          g.fillRect(a, sy(T(v)), Math.max(1.5, b - a), sy(lo) - sy(T(v))); drawn++;
-        });
-        return;
-      }
-      g.beginPath(); let pen = false;
-      s.y.forEach((v, j) => {
-        const t = v === null ? null : T(v);
-        if (t === null) { pen = false; return; }
-        const x = f.sx(s.x[j] + 0.5), y = sy(t);
-        pen ? g.lineTo(x, y) : g.moveTo(x, y); pen = true; drawn++;
-      });
-      g.stroke();
-      if (s.y.length === 1 && drawn) { g.beginPath(); g.arc(f.sx(s.x[0] + 0.5), sy(T(s.y[0])), 2.5, 0, 7); g.fill(); }
-    });
-    g.lineWidth = 1;
-    for (const b of spec.bad || []) {   // non-finite values: red ticks on the floor
-      const x = f.sx(b + 0.5); g.fillStyle = "#d62728"; g.fillRect(x - 1, m.t + H - 6, 2, 6);
-    }
-    g.strokeStyle = "#999"; g.strokeRect(m.l + 0.5, m.t + 0.5, W - 1, H - 1);
-    markers(f, true); xAxis(f);
-    cv.dataset.drawn = drawn;
-    return f;
-  }
-  function lineHover(cv, spec, fref) {
-    hover(cv, (px, py) => {
-      const f = fref(); if (px < f.m.l || px > f.m.l + f.W) return null;
-      const s = f.step(px), out = [];
-      for (const se of spec.series) {
-        const j = lower(se.x, s); if (j < 0) continue;
-        const k = j + 1 < se.x.length && Math.abs(se.x[j + 1] - s) < Math.abs(se.x[j] - s) ? j + 1 : j;
-        const range = se.x1 && se.x1[k] !== se.x[k] ? `steps ${se.x[k]}–${se.x1[k]}` : `step ${se.x[k]}`;
-        out.push(`${range}  ${se.label}: ${fmt(se.y[k])}`);
-      }
-      return out.concat(findingsNear(f, px));
-    });
-  }
-  function addLineChart(parent, title, spec, note) {
-    const c = card(parent, title, note);
-    if (spec.toggle) {
-      const lab = el("label", { class: "toggle" }, c.head), box = el("input", { type: "checkbox" }, lab);
-      lab.appendChild(document.createTextNode(" log"));
-      box.checked = !!spec.log;
-      box.addEventListener("change", () => { spec.log = box.checked; draw(); });
-    }
-    const cv = el("canvas", { "data-plot": spec.id }, c.card);
-    let f = null; const draw = () => { f = lineChart(cv, spec); };
-    lineHover(cv, spec, () => f); charts.push(draw);
-  }
-
-  // -- heatmaps ---------------------------------------------------------------------
-  const VIRIDIS = ["#440154", "#482878", "#3e4a89", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b", "#fde725"]
-    .map(h => [1, 3, 5].map(i => parseInt(h.slice(i, i + 2), 16)));
-  function color(t) {   // t in [0, 1] -> [r, g, b]
-    const p = Math.min(Math.max(t, 0), 1) * (VIRIDIS.length - 1), i = Math.min(Math.floor(p), VIRIDIS.length - 2), a = p - i;
-    return VIRIDIS[i].map((c, k) => Math.round(c + (VIRIDIS[i + 1][k] - c) * a));
-  }
-  const LUT = Array.from({ length: 256 }, (_, i) => color(i / 255)), ZERO = [20, 20, 20];
-  function decode(p) {   // uint16 codes -> log10 values (NaN: none, -Infinity: zero)
-    const bin = atob(p.b64), n = p.rows * p.cols, out = new Float32Array(n), span = p.hi - p.lo;
-    for (let i = 0; i < n; i++) {
-      const c = bin.charCodeAt(2 * i) | (bin.charCodeAt(2 * i + 1) << 8);
-      out[i] = c === 0 ? NaN : c === 1 ? -Infinity : p.lo + (c - 2) / 65533 * span;
-    }
-    return out;
-  }
-  function heatmap(cv, hm, vals) {
-    const rows = hm.names.length, cols = hm.x0.length, p = hm.packed;
-    const rh = Math.max(2, Math.min(16, Math.floor(520 / rows)));
-    const f = frame(cv, rows * rh + WIDE.t + WIDE.b + 30, { ...WIDE, b: WIDE.b + 30 }), { g, m, W } = f;
-    f.rh = rh; const H = rows * rh;
-    const PW = Math.max(1, Math.round(W * f.dpr)), best = new Float32Array(rows * PW).fill(NaN);
-    for (let c = 0; c < cols; c++) {   // columns -> device pixels, keeping the max
-      const end = c + 1 < cols ? hm.x0[c + 1] : hm.x1[c] + 1;
-      const a = Math.floor((f.sx(hm.x0[c]) - m.l) * f.dpr), b = Math.max(a + 1, Math.floor((f.sx(end) - m.l) * f.dpr));
-      for (let r = 0; r < rows; r++) {
-        const v = vals[r * cols + c]; if (Number.isNaN(v)) continue;
-        for (let x = Math.max(0, a); x < Math.min(b, PW); x++) { const o = r * PW + x; if (!(best[o] >= v)) best[o] = v; }
-      }
-    }
-    const img = new ImageData(PW, rows), px = img.data, span = p.hi - p.lo || 1; let drawn = 0;
-    for (let i = 0; i < best.length; i++) {
-      const v = best[i]; if (Number.isNaN(v)) continue;
-      const rgb = v === -Infinity ? ZERO : LUT[Math.round(Math.min(Math.max((v - p.lo) / span, 0), 1) * 255)];
-      px[4 * i] = rgb[0]; px[4 * i + 1] = rgb[1]; px[4 * i + 2] = rgb[2]; px[4 * i + 3] = 255; drawn++;
-    }
-    const off = document.createElement("canvas"); off.width = PW; off.height = rows; off.getContext("2d").putImageData(img, 0, 0);
-    g.fillStyle = "#eee"; g.fillRect(m.l, m.t, W, H);
-    g.imageSmoothingEnabled = false; g.drawImage(off, m.l, m.t, W, H);
-    g.strokeStyle = "#999"; g.strokeRect(m.l + 0.5, m.t + 0.5, W - 1, H - 1);
-    g.fillStyle = "#333"; g.font = "10px ui-monospace, monospace"; g.textAlign = "right"; g.textBaseline = "middle";
-    const every = Math.ceil(11 / rh);   // label every row that has room
-    for (let r = 0; r < rows; r += every) {
-      let name = hm.names[r]; while (name.length > 3 && g.measureText(name).width > m.l - 10) name = name.slice(1);
-      g.fillText(name === hm.names[r] ? name : "…" + name, m.l - 5, m.t + (r + 0.5) * rh);
-    }
-    markers({ ...f, H }, false);
-    xAxis({ ...f, H });
-    const cy = m.t + H + 30, cw = Math.min(260, W);   // colour bar
-    for (let i = 0; i < cw; i++) { const [R, G, B] = color(i / (cw - 1)); g.fillStyle = `rgb(${R},${G},${B})`; g.fillRect(m.l + i, cy, 1, 9); }
-    g.fillStyle = "#555"; g.font = "11px system-ui, sans-serif"; g.textBaseline = "middle"; g.textAlign = "right";
-    g.fillText(fmt(Math.pow(10, p.lo)), m.l - 5, cy + 5); g.textAlign = "left";
-    g.fillText(`${fmt(Math.pow(10, p.hi))}   (log colour scale; ${hm.label}; black: 0, grey: no value)`, m.l + cw + 6, cy + 5);
-    cv.dataset.drawn = drawn;
-    return f;
-  }
-  function addHeatmap(parent, id, hm, title) {
-    const c = card(parent, title, hm.note), cv = el("canvas", { "data-plot": id }, c.card), vals = decode(hm.packed);
-    let f = null; charts.push(() => { f = heatmap(cv, hm, vals); });
-    hover(cv, (px, py) => {
-      if (!f || px < f.m.l || px > f.m.l + f.W) return null;
-      const r = Math.floor((py - f.m.t) / f.rh), c = lower(hm.x0, f.step(px));
-      const near = findingsNear(f, px);
-      if (r < 0 || r >= hm.names.length || c < 0) return near;
-      const v = vals[r * hm.x0.length + c], range = hm.x1[c] !== hm.x0[c] ? `steps ${hm.x0[c]}–${hm.x1[c]} (max)` : `step ${hm.x0[c]}`;
-      return [`${hm.names[r]}  ${range}`, `${hm.label}: ${Number.isNaN(v) ? "—" : v === -Infinity ? "0" : fmt(Math.pow(10, v))}`].concat(near);
-    });
-  }
-
-  // -- sections ---------------------------------------------------------------------
+  const colour = i => D.palette[i % D.palette.length];
+  const legend = series => several() ? [...new Map(series.map(s => [s.run, [D.runs[s.run].label, colour(s.run)]])).values()] : null;
+  const several = () => D.runs.length > 1;
+  const who = (i, name) => several() ? `${D.runs[i].label}: ${name}` : name;
   function empty(parent, text) { el("p", { class: "muted", text }, parent); }
-  const skipped = D.nonfinite.skipped_x0.map((a, i) => [a, D.nonfinite.skipped_x1[i]]);   // grey bands
-  const sc = document.getElementById("scalar-charts");
-  if (!D.scalars.length) empty(sc, "No scalars were logged.");
-  for (const s of D.scalars) {
-    const note = s.points > s.x.length ? `${s.points} points, drawn as ${s.x.length} (min and max per bucket)` : `${s.points} points`;
-    addLineChart(sc, s.name, { id: "scalar:" + s.name, series: [{ x: s.x, y: s.y, label: s.name }], log: s.log, toggle: true,
-      height: 190, margin: SMALL, bad: s.nonfinite_steps, skipped }, note);
-  }
-  const gh = document.getElementById("grad-heatmap");
-  if (D.grad_norms) addHeatmap(gh, "grad_norms", D.grad_norms,
-    `${D.grad_norms.names.length} tensors × ${D.grad_norms.steps} steps` + (D.grad_norms.steps > D.grad_norms.x0.length ? ` in ${D.grad_norms.x0.length} columns (max per column)` : ""));
-  else empty(gh, "No gradients were recorded.");
-  const rh = document.getElementById("ratio-heatmaps"), ur = D.update_ratio || {};
-  if (ur.exact) addHeatmap(rh, "update_ratio:exact", ur.exact, "Exact ‖θ_{t+1} − θ_t‖ / ‖θ_t‖");
-  if (ur.lower_bound) addHeatmap(rh, "update_ratio:lower_bound", ur.lower_bound, "Lower bound | ‖θ_{t+1}‖ − ‖θ_t‖ | / ‖θ_t‖ (from stats)");
-  if (!ur.exact && !ur.lower_bound) empty(rh, "No parameters were recorded.");
-  const mc = document.getElementById("moment-charts");
-  if (!D.moments.length) empty(mc, "No optimizer moments (exp_avg, exp_avg_sq, momentum_buffer) were recorded.");
-  for (const mo of D.moments)
-    addLineChart(mc, mo.label, { id: "moments:" + mo.key, series: [{ x: mo.x, y: mo.y, label: mo.key }], log: mo.log, toggle: true,
-      height: 190, margin: SMALL, skipped });
-  const nf = D.nonfinite, nc = document.getElementById("nonfinite-chart");
-  addLineChart(nc, `tensors with NaN/Inf per step: ${nf.steps_with_nonfinite} steps affected, at most ${nf.max_count} tensors; ` +
-    `${D.summary.skipped_steps} skipped steps (grey)`,
-    { id: "nonfinite", series: [{ x: nf.x0, x1: nf.x1, y: nf.count, label: "tensors with NaN/Inf", color: "#d62728" }],
-      bars: true, height: 150, margin: WIDE, skipped });
+  function clear(id) { const e = document.getElementById(id); e.replaceChildren(); return e; }
 
+  // -- scalars and moments: one chart per quantity, one series per run -----------------
+  function skippedBands() {
+    const out = [];
+    for (const r of D.runs) r.nonfinite.skipped_x0.forEach((a, i) => out.push([a, r.nonfinite.skipped_x1[i]]));
+    return out;
+  }
+  function scalars(skipped) {
+    const sc = clear("scalar-charts");
+    if (!D.scalars.length) empty(sc, "No scalars were logged.");
+    for (const ch of D.scalars) {
+      const pts = ch.series.map(s => s.points > s.x.length ? `${s.points} points, drawn as ${s.x.length} (min and max per bucket)` : `${s.points} points`);
+      const note = [several() ? ch.series.map((s, i) => `${D.runs[s.run].label}: ${pts[i]}`).join("; ") : pts[0]].concat(ch.notes).join(". ");
+      const series = ch.series.map(s => ({ x: s.x, y: s.y, label: who(s.run, s.name), color: colour(s.run) }));
+      charts.push(addLineChart(sc, ch.title, { id: "scalar:" + ch.id, series, legend: legend(ch.series), log: ch.log, toggle: true, height: 190, margin: SMALL,
+        bad: ch.series.flatMap(s => s.nonfinite_steps), skipped }, note, state.log));
+    }
+  }
+  function moments(skipped) {
+    const mc = clear("moment-charts");
+    if (!D.moments.length) empty(mc, "No optimizer moments (exp_avg, exp_avg_sq, momentum_buffer) were recorded.");
+    for (const ch of D.moments) {
+      const series = ch.series.map(s => ({ x: s.x, y: s.y, label: who(s.run, ch.id), color: colour(s.run) }));
+      charts.push(addLineChart(mc, ch.title, { id: "moments:" + ch.id, series, legend: legend(ch.series), log: ch.log, toggle: true, height: 190,
+        margin: SMALL, skipped, connect: true }, "", state.log));
+    }
+  }
+
+  // -- per tensor: grad norm, weight norm, update ratio of the tensor the selector names --
+  const LAYER_KINDS = [
+    ["grad_norm", "gradient L2 norm", r => r.grad_norms],
+    ["param_norm", "weight L2 norm", r => r.param_norms],
+    ["update_ratio", "update / weight ratio", r => r.update_ratio && (r.update_ratio.exact || r.update_ratio.lower_bound)],
+  ];
+  function layerNames() {   // every tensor any run has, in recording order
+    const seen = new Set(), out = [];
+    for (const r of D.runs) for (const [, , get] of LAYER_KINDS) { const hm = get(r); if (hm) for (const n of hm.names) if (!seen.has(n)) { seen.add(n); out.push(n); } }
+    return out;
+  }
+  function layers(skipped) {
+    const box = clear("layer-charts"), names = layerNames();
+    layerCharts = [];
+    if (!names.length) { empty(box, "No parameters or gradients were recorded."); return; }
+    if (!names.includes(state.layer)) state.layer = names[0];
+    const bar = el("div", { class: "layer-bar" }, box);
+    el("label", { for: "layer-select", text: "Tensor " }, bar);
+    const sel = el("select", { id: "layer-select" }, bar);
+    for (const n of names) { const o = el("option", { value: n, text: n, title: n }, sel); if (n === state.layer) o.selected = true; }
+    sel.addEventListener("change", () => { state.layer = sel.value; drawLayers(grid, skipped); });
+    el("span", { class: "muted note", text: " (or click a row of a heatmap)" }, bar);
+    const grid = el("div", { class: "grid" }, box);
+    drawLayers(grid, skipped);
+  }
+  function drawLayers(grid, skipped) {
+    grid.replaceChildren(); layerCharts = [];
+    const name = state.layer;
+    for (const [key, what, get] of LAYER_KINDS) {
+      const series = [], notes = [];
+      D.runs.forEach((r, i) => {
+        const hm = get(r), k = hm ? hm.names.indexOf(name) : -1;
+        if (k < 0) return;
+        series.push({ run: i, x: hm.x0, x1: hm.x1, y: row(hm, k), label: who(i, `${name} ${what}`), color: colour(i) });
+        if (hm.steps > hm.x0.length) notes.push(`${several() ? r.label + ": " : ""}max per bucket of ${Math.ceil(hm.steps / hm.x0.length)} steps`);
+        if (key === "update_ratio" && !r.update_ratio.exact) notes.push(`${several() ? r.label + ": " : ""}lower bound from norms`);
+      });
+      if (!series.length) continue;
+      const id = "layer:" + key, log = id in state.log ? state.log[id] : wantsLog(series.flatMap(s => s.y));
+      const c = addLineChart(grid, what, { id, series, legend: legend(series), log, toggle: true, height: 190, margin: SMALL, skipped, connect: true },
+        [name].concat(notes).join(" · "), state.log, cv => { cv.dataset.tensor = name; });
+      layerCharts.push(c); c.draw();
+    }
+  }
+  function pick(name) {
+    state.layer = name;
+    const sel = document.getElementById("layer-select");
+    if (sel) { sel.value = name; sel.dispatchEvent(new Event("change")); sel.scrollIntoView({ block: "nearest" }); }
+  }
+
+  // -- heatmaps and the NaN/Inf timeline, per run ---------------------------------------
+  function heatmaps() {
+    const gh = clear("grad-heatmap"), rh = clear("ratio-heatmaps");
+    D.runs.forEach((r, i) => {
+      const pre = several() ? `${r.label}: ` : "", tag = several() ? `@${i}` : "", hm = r.grad_norms;
+      if (hm) charts.push(addHeatmap(gh, "grad_norms" + tag, hm, pre + `${hm.names.length} tensors × ${hm.steps} steps` +
+        (hm.steps > hm.x0.length ? ` in ${hm.x0.length} columns (max per column)` : ""), pick));
+      else empty(gh, pre + "No gradients were recorded.");
+      const ur = r.update_ratio || {};
+      if (ur.exact) charts.push(addHeatmap(rh, "update_ratio:exact" + tag, ur.exact, pre + "Exact ‖θ_{t+1} − θ_t‖ / ‖θ_t‖", pick));
+      if (ur.lower_bound) charts.push(addHeatmap(rh, "update_ratio:lower_bound" + tag, ur.lower_bound, pre + "Lower bound | ‖θ_{t+1}‖ − ‖θ_t‖ | / ‖θ_t‖ (from stats)", pick));
+      if (!ur.exact && !ur.lower_bound) empty(rh, pre + "No parameters were recorded.");
+    });
+  }
+  function nonfinite(skipped) {
+    const nc = clear("nonfinite-chart"), nf = D.runs.map(r => r.nonfinite);
+    const affected = nf.map((n, i) => `${several() ? D.runs[i].label + ": " : ""}${n.steps_with_nonfinite} steps affected, at most ${n.max_count} tensors; ` +
+      `${D.runs[i].summary.skipped_steps} skipped steps`).join(" · ");
+    charts.push(addLineChart(nc, `tensors with NaN/Inf per step: ${affected} (grey)`, { id: "nonfinite",
+      series: nf.map((n, i) => ({ x: n.x0, x1: n.x1, y: n.count, label: who(i, "tensors with NaN/Inf"), color: several() ? colour(i) : "#d62728" })),
+      bars: true, height: 150, margin: WIDE, skipped }));
+  }
+
+  // -- the whole page -------------------------------------------------------------------
+  function build() {
+    ctx.X0 = D.domain[0]; ctx.X1 = D.domain[1] + 1;
+    ctx.findings = D.runs.flatMap(r => r.findings.filter(f => f.step !== null && f.step !== undefined));
+    ctx.labels = D.runs.map(r => r.label);
+    charts = [];
+    const skipped = skippedBands();
+    scalars(skipped); layers(skipped); heatmaps(); moments(skipped); nonfinite(skipped);
+  }
+  const drawAll = () => { for (const c of charts) c.draw(); for (const c of layerCharts) c.draw(); document.body.dataset.ready = "1"; };
+  const numbering = document.getElementById("step-numbering");
+  numbering.addEventListener("change", () => { ctx.offset = +numbering.value; drawAll(); });
+  ctx.offset = +numbering.value;
   let pending = 0;
-  const drawAll = () => { for (const d of charts) d(); document.body.dataset.ready = "1"; };
   window.addEventListener("resize", () => { clearTimeout(pending); pending = setTimeout(drawAll, 120); });
-  drawAll();
+  build(); drawAll();
+
+  if (LIVE) {   // stepdump report --watch: poll, rebuild when the run has moved on
+    const status = document.getElementById("live-status");
+    let version = LIVE.version, busy = false;
+    status.hidden = false; status.textContent = "live";
+    const poll = async () => {
+      if (busy) return; busy = true;
+      try {
+        const r = await fetch(LIVE.url, { cache: "no-store" });
+        const j = await r.json();
+        if (j.version !== version) {
+          version = j.version; D = j.data;
+          document.getElementById("summary-body").innerHTML = j.summary_html;
+          document.getElementById("findings-body").innerHTML = j.findings_html;
+          document.getElementById("nfindings").textContent = j.nfindings;
+          build(); drawAll();
+          document.body.dataset.version = version;
+        }
+        status.textContent = `live · updated ${new Date().toLocaleTimeString()}`;
+      } catch (e) {
+        status.textContent = "live · not reachable (is stepdump report --watch still running?)";
+      } finally { busy = false; }
+    };
+    document.body.dataset.version = version;
+    setInterval(poll, LIVE.interval_ms);
+  }
 })();

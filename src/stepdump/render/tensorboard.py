@@ -149,10 +149,11 @@ def _export(run: Run, logdir: Path, scalars: bool, stats: Sequence[str] | None, 
                         n_stats += 1
 
         if hist_kinds and max_histogram_steps:
-            hist_steps = _spread(run.steps, max_histogram_steps)
+            picks = {k: _spread(_steps_with(run, k), max_histogram_steps) for k in hist_kinds if k in kinds_present}
+            hist_steps = sorted({s for steps in picks.values() for s in steps})
             for step in hist_steps:
-                for kind in hist_kinds:
-                    if kind not in kinds_present:
+                for kind, steps in picks.items():
+                    if step not in steps:
                         continue
                     for name, tensor in run.tensors(step, kind).items():
                         values = _finite_values(tensor)
@@ -164,6 +165,17 @@ def _export(run: Run, logdir: Path, scalars: bool, stats: Sequence[str] | None, 
         writer.close()
     log.info("stepdump: wrote %d scalars, %d stats, %d histograms to %s", n_scalars, n_stats, n_hist, logdir)
     return TensorBoardExport(logdir, n_scalars, n_stats, n_hist, tuple(hist_steps))
+
+
+def _steps_with(run: Run, kind: str) -> list[int]:
+    """The full steps that can hold ``kind``: the final record (FORMAT.md ``final_step``) only
+    where it has that kind (it has no grads, activations or inputs: no update ran there)."""
+    steps = run.steps
+    final = run.meta.get("final_step")
+    if isinstance(final, int) and steps and steps[-1] == final:
+        if not run.fingerprints(final, (kind,)):
+            return steps[:-1]
+    return steps
 
 
 def _spread(steps: Sequence[int], n: int) -> list[int]:

@@ -105,6 +105,55 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def resume(run_dir: Path, drop_from: int | None, history: list[Any]) -> None:
+    """Before a resumed Recorder writes: drop the steps from ``drop_from`` on (None: none) and
+    set ``meta.history``, in one transaction.
+
+    Only catalog rows go: the steps' ``steps``, ``tensors`` and ``scalars`` rows, the ``blobs``
+    rows no remaining tensor reads (directly or as a delta base), ``series`` left with no
+    tensor, and ``meta.final_step`` if that step is dropped. The segment bytes stay where they
+    are, unreferenced, like the bytes of steps a crash kept from committing (FORMAT.md): the
+    store stays append-only and every remaining blob verifies as before.
+    """
+    check_writable_layout(run_dir)
+    con = sqlite3.connect(catalog_path(run_dir), isolation_level=None)
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            if drop_from is not None:
+                _drop_steps(con, drop_from)
+            con.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('history', ?)", (json.dumps(history),))
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+    finally:
+        con.close()
+
+
+def _drop_steps(con: sqlite3.Connection, first: int) -> None:
+    dropped = {r[0] for r in con.execute("SELECT DISTINCT blob FROM tensors WHERE step >= ? AND blob IS NOT NULL",
+                                         (first,))}
+    for table in ("tensors", "steps", "scalars"):
+        con.execute(f"DELETE FROM {table} WHERE step >= ?", (first,))
+    if dropped:
+        # A base is an earlier blob, so only remaining blobs at or after the first dropped one can
+        # lead (through their bases) to a dropped blob; keep whatever they lead to.
+        kept = {r[0] for r in con.execute(
+            "WITH RECURSIVE keep(id) AS (SELECT blob FROM tensors WHERE blob >= ? UNION "
+            "SELECT b.base FROM blobs b JOIN keep k ON b.id = k.id WHERE b.base IS NOT NULL) SELECT id FROM keep",
+            (min(dropped),))}
+        con.executemany("DELETE FROM blobs WHERE id = ?", [(b,) for b in sorted(dropped - kept)])
+    con.execute("DELETE FROM series WHERE NOT EXISTS (SELECT 1 FROM tensors t WHERE t.series = series.id)")
+    row = con.execute("SELECT value FROM meta WHERE key = 'final_step'").fetchone()
+    try:
+        final = json.loads(row[0]) if row is not None else None
+    except (TypeError, ValueError):
+        final = first  # not a step number: nothing to keep
+    if row is not None and not (isinstance(final, int) and final < first):
+        con.execute("DELETE FROM meta WHERE key = 'final_step'")
+
+
 class CatalogWriter:
     """The writer thread's connection. Not thread-safe: one thread owns it."""
 

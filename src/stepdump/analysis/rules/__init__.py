@@ -3,11 +3,15 @@
 * :mod:`.nonfinite` -- ``nan_inf``
 * :mod:`.gradients` -- ``exploding_gradient``, ``vanishing_gradient``, ``dead_units``
 * :mod:`.loss` -- ``loss_spike``, ``loss_not_decreasing``
+* :mod:`.lr` -- ``lr_jump``
 * :mod:`.params` -- ``unchanged_tensor``, ``weight_norm_growth``, ``update_ratio``
 * :mod:`.optimizer` -- ``optimizer_state``
 * :mod:`.recording` -- ``recording_stopped``
 
 Importing this package registers them (see :func:`.base.register_rule`).
+Helpers the rules share: :mod:`._frames` (series from stats frames),
+:mod:`._gradnorm` (the grad norm before clipping), :mod:`._damage` (what the
+loss did after a flagged step, which sets the severity).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from stepdump.analysis.rules.gradients import (
     VanishingGradient,
 )
 from stepdump.analysis.rules.loss import LossNotDecreasing, LossSpike
+from stepdump.analysis.rules.lr import LrJump
 from stepdump.analysis.rules.nonfinite import NanInf
 from stepdump.analysis.rules.optimizer import OptimizerState
 from stepdump.analysis.rules.params import (
@@ -35,6 +40,7 @@ DEFAULT_RULES: tuple[type[Rule], ...] = (
     VanishingGradient,
     LossSpike,
     LossNotDecreasing,
+    LrJump,
     UpdateRatio,
     UnchangedTensor,
     DeadUnits,
@@ -49,6 +55,7 @@ __all__ = [
     "ExplodingGradient",
     "LossNotDecreasing",
     "LossSpike",
+    "LrJump",
     "NanInf",
     "OptimizerState",
     "RecordingStopped",

@@ -143,6 +143,11 @@ def fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def times(x: float) -> str:
+    """A ratio for a message: ``"1000x"``, ``"23.9x"`` (no exponent below a million)."""
+    return f"{x:.0f}x" if 100 <= abs(x) < 1e6 else f"{x:.3g}x"
+
+
 def param_hypers(run: Any) -> dict[str, dict[str, Any]]:
     """Parameter name -> hyperparameters of its param group (lr, eps, betas, ...).
 

@@ -53,8 +53,14 @@ class Rule:
         tensor: str | None = None,
         value: float | None = None,
         threshold: float | None = None,
+        tensors: Iterable[str] = (),
     ) -> Finding:
-        """A :class:`Finding` of this rule; numbers are turned into plain floats."""
+        """A :class:`Finding` of this rule; numbers are turned into plain floats.
+
+        ``tensors``: every tensor one cause touched, when it is more than ``tensor``
+        (a grouped finding); left empty when there is only one.
+        """
+        grouped = tuple(str(t) for t in tensors)
         return Finding(
             rule=self.name,
             severity=severity,
@@ -64,6 +70,7 @@ class Rule:
             value=None if value is None else float(value),
             threshold=None if threshold is None else float(threshold),
             message=message,
+            tensors=grouped if len(grouped) > 1 else (),
         )
 
     @classmethod

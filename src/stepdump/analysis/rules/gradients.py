@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.rules._damage import loss_damage
 from stepdump.analysis.rules._frames import (
     episodes,
     fmt,
@@ -17,8 +18,10 @@ from stepdump.analysis.rules._frames import (
     optimized_params,
     skipped_steps,
     sustained,
+    times,
     trailing_median,
 )
+from stepdump.analysis.rules._gradnorm import GradNorm, grad_norms
 from stepdump.analysis.rules.base import (
     Rule,
     check_fraction,
@@ -28,6 +31,8 @@ from stepdump.analysis.rules.base import (
     check_positive,
     register_rule,
 )
+from stepdump.analysis.rules.lr import lr_cause
+from stepdump.errors import ConfigError
 from stepdump.store.format import TENSOR_KINDS
 
 
@@ -42,19 +47,28 @@ def _grads(run: Any) -> pd.DataFrame:
 class ExplodingGradient(Rule):
     """The global gradient norm ``sqrt(sum of squared per-tensor grad norms)`` blows up.
 
-    A step is flagged when the global norm is above ``max_norm`` (ERROR) or
-    more than ``factor`` times the median of the ``window`` steps before it
-    (WARNING; only once ``min_history`` earlier steps exist). Consecutive
-    flagged steps form one episode and give one finding at its first step,
-    naming the grad tensor whose norm jumped most against its own trailing
-    median. Skipped steps and steps with NaN/Inf grads are left out
-    (``nan_inf`` reports those).
+    The norm judged is the one backward produced, **before clipping**, when the
+    run shows clipping (:mod:`._gradnorm`): a logged ``norm_scalar`` (the HF
+    ``Trainer`` logs ``grad_norm``) or the integrations' ``grad_clip`` metadata.
+    Recorded grads clipped before ``optimizer.step()`` sit at the clip value and
+    hide a blow-up; when that is all the run has, an INFO finding says what to log.
+
+    A step is flagged when the norm is above ``max_norm`` or more than
+    ``factor`` times the median of the ``window`` steps before it (only once
+    ``min_history`` earlier steps exist). All flagged steps give **one** finding,
+    at the first, naming the grad tensor whose norm jumped most against its own
+    trailing median, with the number of flagged steps and the peak. ERROR when
+    the norm passed ``max_norm`` or the loss then went up by an order of
+    magnitude or turned NaN/Inf; WARNING otherwise. Skipped steps and steps with
+    NaN/Inf grads are left out (``nan_inf`` reports those).
 
     Attributes:
         max_norm: Absolute limit on the global grad norm (None: no absolute test).
         factor: Allowed jump over the trailing median.
         window: Number of earlier steps in the trailing median.
         min_history: Earlier steps needed before the relative test applies.
+        norm_scalar: Logged scalar holding the pre-clip global norm (None: never read one).
+        loss: Name of the logged loss, read to judge the damage.
     """
 
     name: ClassVar[str] = "exploding_gradient"
@@ -62,6 +76,8 @@ class ExplodingGradient(Rule):
     factor: float = 10.0
     window: int = 50
     min_history: int = 10
+    norm_scalar: str | None = "grad_norm"
+    loss: str = "loss"
 
     def __post_init__(self) -> None:
         if self.max_norm is not None:
@@ -69,38 +85,65 @@ class ExplodingGradient(Rule):
         check_positive(self.name, "factor", self.factor)
         check_int(self.name, "window", self.window, 1)
         check_int(self.name, "min_history", self.min_history, 1)
+        if self.norm_scalar is not None and (not isinstance(self.norm_scalar, str) or not self.norm_scalar):
+            raise ConfigError(f"{self.name}: norm_scalar must be a scalar name or None, got {self.norm_scalar!r}")
+        if not isinstance(self.loss, str) or not self.loss:
+            raise ConfigError(f"{self.name}: loss must be the name of a logged scalar, got {self.loss!r}")
 
     def __call__(self, run: Any) -> list[Finding]:
         grads = _grads(run)
-        g = global_grad_norm(grads, skipped_steps(run))
+        gn = grad_norms(run, grads, skipped_steps(run), self.norm_scalar)
+        out = [self._hidden(gn)] if gn.hidden else []
+        g = gn.norms
         if g.empty:
-            return []
+            return out
         med = trailing_median(g, self.window, self.min_history)
         over_abs = g > self.max_norm if self.max_norm is not None else pd.Series(False, index=g.index)
         over_rel = g > self.factor * med
         flagged = [int(s) for s in g.index[over_abs | over_rel]]
         if not flagged:
-            return []
+            return out
+        # Per-tensor norms as backward made them: clipping scaled every tensor of a step alike.
         per_tensor = grads.pivot_table(index="step", columns="name", values="norm", aggfunc="last")
+        per_tensor = per_tensor.mul(gn.scale().reindex(per_tensor.index).fillna(1.0), axis=0)
         tensor_med = per_tensor.shift(1).rolling(self.window, min_periods=1).median()
-        out = []
-        for ep in episodes(flagged, [int(s) for s in g.index]):
-            s, peak = ep[0], max(ep, key=lambda t: g[t])
-            absolute = bool(over_abs[s])
-            name = _most_jumped(per_tensor, tensor_med, s)
-            if absolute:
-                limit, why = float(self.max_norm), f"above max_norm={fmt(self.max_norm)}"  # type: ignore[arg-type]
-            else:
-                limit = self.factor * float(med[s])
-                why = f"{fmt(g[s] / med[s])}x the median {fmt(med[s])} of the {self.window} steps before"
-            span = f"; it stays flagged for {len(ep)} steps (peak {fmt(g[peak])} at step {peak})" if len(ep) > 1 else ""
-            out.append(self.finding(
-                Severity.ERROR if absolute else Severity.WARNING, s,
-                f"global grad norm {fmt(g[s])} at step {s} is {why}; largest jump in grads {name!r}{span}. "
-                "Lower the learning rate, clip gradients, or look at the batch of this step",
-                kind="grads", tensor=name, value=g[s], threshold=limit,
-            ))
+        eps = episodes(flagged, [int(s) for s in g.index])
+        s, peak = flagged[0], max(flagged, key=lambda t: g[t])
+        name = _most_jumped(per_tensor, tensor_med, s)
+        absolute = bool(over_abs[s])
+        if absolute:
+            limit, why = float(self.max_norm), f"above max_norm={fmt(self.max_norm)}"  # type: ignore[arg-type]
+        else:
+            limit = self.factor * float(med[s])
+            why = f"{times(g[s] / med[s])} the median {fmt(med[s])} of the {self.window} steps before"
+        source = f" ({gn.source})" if gn.source else ""
+        where = f"; largest jump in grads {name!r}" if name else ""
+        span = ""
+        if len(flagged) > 1:
+            span = (f"; {len(flagged)} steps flagged in {len(eps)} stretch(es), peak {fmt(g[peak])} at step {peak}")
+        if gn.clip and gn.source:
+            span += f"; clipping to {fmt(gn.clip)} scaled this step's gradient down {times(g[s] / gn.clip)}"
+        damage = loss_damage(run, s, self.loss)
+        cause = lr_cause(run, s)
+        todo = ("Fix the lr at the step lr_jump names" if cause else
+                f"Lower the learning rate (or the clip value), or look at the batch of step {s}")
+        out.append(self.finding(
+            Severity.ERROR if absolute else damage.severity(), s,
+            f"global grad norm {fmt(g[s])}{source} at step {s} is {why}{where}{span}{damage.text}{cause}. {todo}",
+            kind="grads", tensor=name, value=g[s], threshold=limit,
+        ))
         return out
+
+    def _hidden(self, gn: GradNorm) -> Finding:
+        scalar = self.norm_scalar or "grad_norm"
+        return self.finding(
+            Severity.INFO, int(gn.recorded.index[0]),
+            f"the recorded grads look clipped: their global norm is at {fmt(gn.clip or 0)} at {gn.at_clip} of "
+            f"{len(gn.recorded)} steps, so a gradient blow-up before clipping cannot be seen. Log the pre-clip norm "
+            f"each step: rec.log({scalar}=torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) "
+            "(it returns the norm before clipping)",
+            kind="grads", value=gn.at_clip, threshold=gn.clip,
+        )
 
 
 def _most_jumped(norms: pd.DataFrame, medians: pd.DataFrame, step: int) -> str | None:
@@ -205,7 +248,9 @@ class DeadUnits(Rule):
                 if matches(str(name), self.exclude):
                     continue
                 rows = rows.sort_values("step")
-                zf = rows.set_index("step")["zero_frac"]
+                # NULL zero_frac: not measured (large tensors at lean stats-only steps), not "no zeros";
+                # the stretch is counted over the steps that measured it.
+                zf = rows.set_index("step")["zero_frac"].astype(float).dropna()
                 flagged = [int(s) for s in zf.index[zf > self.max_zero_frac]]
                 eps = sustained(flagged, [int(s) for s in zf.index], self.patience)
                 if not eps:

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.rules._damage import loss_damage
 from stepdump.analysis.rules._frames import episodes, fmt, robust_z
 from stepdump.analysis.rules.base import (
     Rule,
@@ -19,6 +20,7 @@ from stepdump.analysis.rules.base import (
     check_positive,
     register_rule,
 )
+from stepdump.analysis.rules.lr import lr_cause
 from stepdump.errors import ConfigError
 
 
@@ -44,7 +46,9 @@ class LossSpike(Rule):
     Robust z-score of each logged value against the ``window`` values before
     it: ``z = (x - median) / max(1.4826 * MAD, floor)``. A step with ``z > z``
     (upward jumps only, once ``min_history`` earlier values exist) is flagged;
-    consecutive flagged steps give one WARNING at the first. ``1.4826 * MAD``
+    consecutive flagged steps give one finding at the first: WARNING, or ERROR
+    when the loss goes up by an order of magnitude or turns NaN/Inf within
+    ten steps. ``1.4826 * MAD``
     estimates the standard deviation of normal noise, so z=6 is a six-sigma
     jump.
 
@@ -96,12 +100,17 @@ class LossSpike(Rule):
             s = ep[0]
             peak = max(ep, key=lambda t: loss[t])
             span = f"; elevated for {len(ep)} steps, peak {fmt(loss[peak])} at step {peak}" if len(ep) > 1 else ""
+            # An order of magnitude above the level (or NaN/Inf right after) is damage, not noise: ERROR.
+            damage = loss_damage(run, s, self.scalar)
+            cause = lr_cause(run, s)
+            todo = ("Fix the lr at the step lr_jump names" if cause else
+                    f"Look at the batch of step {s} (record inputs, or rec.log_batch), the learning rate and the "
+                    "gradient norm of the steps before")
             out.append(self.finding(
-                Severity.WARNING, s,
+                damage.severity(), s,
                 f"{self.scalar} spikes to {fmt(loss[s])} at step {s} (median of the previous {self.window} values "
                 f"{fmt(zs['median'][s])}, robust z={fmt(zs['z'][s])} > {fmt(self.z)}{' on a log scale' if log else ''})"
-                f"{span}. Look at this step's "
-                "batch, learning rate and gradient norm",
+                f"{span}{damage.text}{cause}. {todo}",
                 kind=None, tensor=self.scalar, value=zs["z"][s], threshold=self.z,
             ))
         return out

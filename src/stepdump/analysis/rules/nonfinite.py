@@ -43,6 +43,26 @@ _ORIGIN_HINT = {
     "grads": "the backward pass produced it (the first tensor in backward order is named)",
 }
 
+# The next thing to do, when the run lacks the kind that would name the module.
+_CAPTURE = 'capture=("params", "grads", "optimizer", "{kind}")'
+_RING = 'ring=16, trigger="nan_inf" keeps the cost to the steps around it'
+
+
+def _next_action(kind: str, step: int, recorded: set[str]) -> str:
+    """What to do next for an origin of ``kind``, given the kinds the run recorded."""
+    if kind == "scalar":
+        if "activations" not in recorded:
+            return (f"record activations ({_CAPTURE.format(kind='activations')}; {_RING}) to find the module "
+                    "that produced it")
+        return (f"every recorded module output was finite: the loss computation itself produced it (log(0), a "
+                f"division, bad labels); look at the batch of step {step} (record inputs, or rec.log_batch)")
+    if kind in ("grads", "activation_grads") and "activation_grads" not in recorded:
+        return (f"record activation_grads ({_CAPTURE.format(kind='activation_grads')}; {_RING}) to find the "
+                "module whose backward produced it")
+    if kind == "activations":
+        return f"look at this module's input and weights at step {step}"
+    return ""
+
 
 @register_rule
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +74,9 @@ class NanInf(Rule):
     (optimizer state, params, inputs, activations, loss, activation grads,
     grads; param grads in backward order, i.e. last parameter first). At steps
     the GradScaler skipped, non-finite grads are expected: they give one INFO
-    finding (first step and count) instead.
+    finding (first step and count) instead. The message ends with the next
+    thing to do; when the run lacks the kind that would name the module (a NaN
+    first seen in the loss without activations), that is to record it.
 
     Attributes:
         scalars: Globs of scalar names to check (default every logged scalar).
@@ -75,7 +97,7 @@ class NanInf(Rule):
         real = [e for e in events if not (e["step"] in skipped and e["kind"] in EXPECTED_WHEN_SKIPPED)]
         out: list[Finding] = []
         if real:
-            out.append(self._origin(real))
+            out.append(self._origin(real, set(run.kinds())))
         if expected:
             steps = sorted({e["step"] for e in expected})
             first = min(expected, key=_order)
@@ -88,7 +110,7 @@ class NanInf(Rule):
             ))
         return out
 
-    def _origin(self, events: list[dict[str, Any]]) -> Finding:
+    def _origin(self, events: list[dict[str, Any]], recorded: set[str]) -> Finding:
         first = min(events, key=_order)
         s, kind = first["step"], first["kind"]
         same_step = sum(1 for e in events if e["step"] == s) - 1
@@ -99,10 +121,11 @@ class NanInf(Rule):
         if later:
             tail += f"; non-finite values at {len(later)} later step(s) up to {later[-1]}"
         hint = _ORIGIN_HINT[kind].format(prev=s - 1)
+        action = _next_action(kind, s, recorded)
         return self.finding(
             Severity.ERROR, s,
             f"first non-finite value: {what} {first['tensor']!r} at step {s} has {counts or 'NaN/Inf'}; "
-            f"{hint}{tail}",
+            f"{hint}{tail}{f'. Next: {action}' if action else ''}",
             kind=None if kind == "scalar" else kind, tensor=first["tensor"],
             value=first["nan"] + first["inf"], threshold=0,
         )

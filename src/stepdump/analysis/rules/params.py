@@ -10,6 +10,7 @@ import pandas as pd
 import torch
 
 from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.rules._damage import loss_damage
 from stepdump.analysis.rules._frames import (
     fmt,
     matches,
@@ -18,6 +19,7 @@ from stepdump.analysis.rules._frames import (
     optimized_params,
     param_hypers,
     skipped_steps,
+    times,
 )
 from stepdump.analysis.rules.base import (
     Rule,
@@ -26,6 +28,7 @@ from stepdump.analysis.rules.base import (
     check_positive,
     register_rule,
 )
+from stepdump.analysis.rules.lr import lr_cause
 from stepdump.errors import ConfigError
 
 
@@ -107,7 +110,8 @@ class WeightNormGrowth(Rule):
 
     Compares each parameter's norm at every recorded step with its norm at
     its first recorded step; the first step where the ratio passes ``factor``
-    gives a WARNING. Only tensors with at least ``min_dims`` dimensions are
+    gives a WARNING; all such weights share one finding (``Finding.tensors``),
+    at the earliest of those steps. Only tensors with at least ``min_dims`` dimensions are
     examined (by default weight matrices: biases and norm scales often start
     at or near zero, so a ratio to their start means little). Steady growth
     suggests missing weight decay or a learning rate too high.
@@ -132,7 +136,8 @@ class WeightNormGrowth(Rule):
 
     def __call__(self, run: Any) -> list[Finding]:
         params = _params(run)
-        out = []
+        grown: list[tuple[int, str, float, float, float, int]] = []  # step, name, ratio, norm, first norm, first step
+        last: dict[str, float] = {}
         for name, rows in params.groupby("name", sort=False):
             if not matches(str(name), self.names) or ndim(rows["shape"].iloc[0]) < self.min_dims:
                 continue
@@ -145,14 +150,32 @@ class WeightNormGrowth(Rule):
             if over.empty:
                 continue
             s = int(over.index[0])
-            out.append(self.finding(
-                Severity.WARNING, s,
-                f"param {name!r}: norm {fmt(norms[s])} at step {s} is {fmt(ratio[s])}x its norm "
-                f"{fmt(norms.iloc[0])} at step {int(norms.index[0])} (limit {fmt(self.factor)}x; "
-                f"{fmt(ratio.iloc[-1])}x at the last step). Weight decay missing, or the learning rate too high?",
-                kind="params", tensor=str(name), value=ratio[s], threshold=self.factor,
-            ))
-        return out
+            grown.append((s, str(name), float(ratio[s]), float(norms[s]), float(norms.iloc[0]), int(norms.index[0])))
+            last[str(name)] = float(ratio.iloc[-1])
+        if not grown:
+            return []
+        # One cause (weight decay missing, an lr too high) grows many weights: one finding lists them.
+        grown.sort(key=lambda g: (g[0], -g[2]))
+        s, name, r, norm, first, first_step = grown[0]
+        names = [g[1] for g in grown]
+        others = ""
+        if len(grown) > 1:
+            worst = max(last, key=lambda n: last[n])
+            others = (f"; {len(grown)} weights in all grew past {fmt(self.factor)}x ({_listed(names)}), "
+                      f"the most {worst!r}: {times(last[worst])} at the last step")
+        return [self.finding(
+            Severity.WARNING, s,
+            f"param {name!r}: norm {fmt(norm)} at step {s} is {times(r)} its norm {fmt(first)} at step {first_step} "
+            f"(limit {times(self.factor)}; {times(last[name])} at the last step){others}. Weight decay missing, or the "
+            "learning rate too high? Compare with the lr_jump and exploding_gradient findings at that step",
+            kind="params", tensor=name, value=r, threshold=self.factor, tensors=names,
+        )]
+
+
+def _listed(names: list[str], most: int = 6) -> str:
+    """Names for a message: the first ``most`` quoted, then how many more (all are in ``Finding.tensors``)."""
+    head = ", ".join(repr(n) for n in names[:most])
+    return head if len(names) <= most else f"{head} and {len(names) - most} more"
 
 
 @register_rule
@@ -167,10 +190,13 @@ class UpdateRatio(Rule):
     evenly over the run. Every stats step is also screened with that lower
     bound, so a huge update is caught even at steps not stored in full.
 
-    Per parameter, three WARNINGs:
+    Three verdicts per parameter, and one finding per verdict listing every
+    parameter that got it (one cause, not one finding per weight):
 
     * one update above ``step_hi`` (default 1: the update is larger than the
-      weight itself), at the first such step: a learning-rate blow-up;
+      weight itself), at the first such step: a learning-rate blow-up (ERROR
+      when the loss then goes up by an order of magnitude or turns NaN/Inf,
+      else WARNING);
     * the median ratio over the measured steps above ``hi``: the learning rate
       is too high for this tensor all along (single early steps of a small
       layer may pass ``hi``, hence the median);
@@ -188,6 +214,7 @@ class UpdateRatio(Rule):
         min_dims: Fewest dimensions a parameter needs to be examined.
         max_pairs: Most pairs of consecutive full steps read.
         names: Globs of parameter names examined.
+        loss: Name of the logged loss, read to judge the damage of a blow-up.
     """
 
     name: ClassVar[str] = "update_ratio"
@@ -197,6 +224,7 @@ class UpdateRatio(Rule):
     min_dims: int = 2
     max_pairs: int = 32
     names: tuple[str, ...] = ("*",)
+    loss: str = "loss"
 
     def __post_init__(self) -> None:
         check_positive(self.name, "lo", self.lo)
@@ -209,6 +237,8 @@ class UpdateRatio(Rule):
         check_int(self.name, "min_dims", self.min_dims, 0)
         check_int(self.name, "max_pairs", self.max_pairs, 0)
         check_globs(self.name, "names", self.names)
+        if not isinstance(self.loss, str) or not self.loss:
+            raise ConfigError(f"{self.name}: loss must be the name of a logged scalar, got {self.loss!r}")
 
     def __call__(self, run: Any) -> list[Finding]:
         params = _params(run)
@@ -226,54 +256,81 @@ class UpdateRatio(Rule):
         pairs = [t for t in sorted(full) if t + 1 in full and t not in skipped]
         pairs, spread = _choose_pairs(pairs, bound, self.max_pairs)
         measured = _measure(run, names, pairs)
-        out = []
+        verdicts: dict[str, list[_Verdict]] = {"blow_up": [], "high": [], "low": []}
         for name in names:
             ratios = measured.get(name, {})
             typical = {t: r for t, r in ratios.items() if t in spread}
-            out.extend(self._judge(name, ratios, typical, bound.get(name, pd.Series(dtype=float))))
-        return out
+            for v in self._judge(name, ratios, typical, bound.get(name, pd.Series(dtype=float))):
+                verdicts[v.what].append(v)
+        return [f for what, vs in verdicts.items() if vs for f in [self._grouped(run, what, vs)]]
 
     def _judge(self, name: str, ratios: dict[int, float], typical: dict[int, float],
-               bound: pd.Series) -> list[Finding]:
-        """Findings for one tensor: ``ratios`` all measured, ``typical`` the evenly spread ones."""
+               bound: pd.Series) -> list[_Verdict]:
+        """Verdicts for one tensor: ``ratios`` all measured, ``typical`` the evenly spread ones."""
         out = []
         big = {t: r for t, r in ratios.items() if r > self.step_hi}
         big_bound = {int(t): float(r) for t, r in bound.items() if r > self.step_hi and int(t) not in ratios}
         if big or big_bound:
             s = min([*big, *big_bound])
             measured = s in big
-            r = big[s] if measured else big_bound[s]
-            n = len(big) + len(big_bound)
-            out.append(self.finding(
-                Severity.WARNING, s,
-                f"param {name!r}: update {s} changed it by {'' if measured else 'at least '}{fmt(r)} times its norm "
-                f"(above step_hi={fmt(self.step_hi)}; {n} such step(s) in all): the step blew the weight away; "
-                "look at the learning rate and gradient norm of that step",
-                kind="params", tensor=name, value=r, threshold=self.step_hi,
-            ))
+            out.append(_Verdict("blow_up", name, s, big[s] if measured else big_bound[s], not measured,
+                                len(big) + len(big_bound)))
         nonzero = {t: r for t, r in typical.items() if r > 0}
         if not nonzero:
             return out
         med = float(pd.Series(nonzero).median())
         if med > self.hi:
             s = min(t for t, r in nonzero.items() if r > self.hi)
-            out.append(self.finding(
-                Severity.WARNING, s,
-                f"param {name!r}: median update ratio {fmt(med)} over {len(nonzero)} measured steps is above "
-                f"hi={fmt(self.hi)} (first above at step {s}); each update rewrites a large part of the weight: "
-                "the learning rate is too high for this tensor",
-                kind="params", tensor=name, value=med, threshold=self.hi,
-            ))
+            out.append(_Verdict("high", name, s, med, False, len(nonzero)))
         elif med < self.lo:
             s = min(t for t, r in nonzero.items() if r < self.lo)
-            out.append(self.finding(
-                Severity.WARNING, s,
-                f"param {name!r}: median update ratio {fmt(med)} over {len(nonzero)} measured steps is below "
-                f"lo={fmt(self.lo)} (first below at step {s}); updates this small are lost to rounding: the learning "
-                "rate or the gradients are far too small",
-                kind="params", tensor=name, value=med, threshold=self.lo,
-            ))
+            out.append(_Verdict("low", name, s, med, False, len(nonzero)))
         return out
+
+    def _grouped(self, run: Any, what: str, verdicts: list[_Verdict]) -> Finding:
+        """One finding for every tensor with the same verdict: one cause, not one per weight."""
+        low = what == "low"
+        verdicts = sorted(verdicts, key=lambda v: (v.step, v.ratio if low else -v.ratio))
+        lead = verdicts[0]
+        names = [v.name for v in verdicts]
+        steps = sorted({v.step for v in verdicts})
+        n = len(verdicts)
+        at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        them = f"{n} weights ({_listed(names)})" if n > 1 else f"param {lead.name!r}"
+        if what == "blow_up":
+            worst = max(verdicts, key=lambda v: v.ratio)
+            damage = loss_damage(run, lead.step, self.loss)
+            cause = lr_cause(run, lead.step)
+            message = (f"update {lead.step} changed {them} by {'at least ' if worst.lower_bound else ''}"
+                       f"{fmt(worst.ratio)} times {'its' if n == 1 else 'their'} norm"
+                       f"{f' (most: {worst.name!r})' if n > 1 else ''}, above step_hi={fmt(self.step_hi)}, "
+                       f"at {at}: the update blew the weights away{damage.text}{cause}. "
+                       f"Look at the learning rate and the gradient norm of step {lead.step}")
+            return self.finding(damage.severity(), lead.step, message, kind="params", tensor=worst.name,
+                                value=worst.ratio, threshold=self.step_hi, tensors=names)
+        if what == "high":
+            message = (f"median update ratio of {them} is above hi={fmt(self.hi)} (up to {fmt(lead.ratio)} over "
+                       f"{lead.count} measured steps; first above at {at}): each update rewrites a large part of "
+                       "the weight. Lower the learning rate for these tensors")
+            return self.finding(Severity.WARNING, lead.step, message, kind="params", tensor=lead.name,
+                                value=lead.ratio, threshold=self.hi, tensors=names)
+        message = (f"median update ratio of {them} is below lo={fmt(self.lo)} (down to {fmt(lead.ratio)} over "
+                   f"{lead.count} measured steps; first below at {at}): updates this small are lost to rounding. "
+                   "Raise the learning rate, or find why the gradients are so small (a loss scaled down?)")
+        return self.finding(Severity.WARNING, lead.step, message, kind="params", tensor=lead.name,
+                            value=lead.ratio, threshold=self.lo, tensors=names)
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What ``update_ratio`` found for one tensor, before findings are grouped per cause."""
+
+    what: str  # "blow_up", "high" or "low"
+    name: str
+    step: int
+    ratio: float  # the single update's ratio (blow_up) or the median ratio
+    lower_bound: bool  # blow_up known only as a lower bound, from the stats
+    count: int  # blow-up steps, or measured steps behind the median
 
 
 def _norm_change(params: pd.DataFrame, skipped: set[int]) -> dict[str, pd.Series]:

@@ -1,0 +1,133 @@
+"""The final record: what ``Recorder.close()`` writes after the last update.
+
+Record *t* holds the params *before* update *t*, so after optimizer steps
+0..N-1 no ordinary record holds the trained model. ``close()`` writes record
+*N*: params, module buffers (as they are at close), optimizer state, scheduler /
+scaler state and the RNG state right after the last update, and no gradients
+(update *N* never ran). It is stored in full whatever the schedule (a lean or
+tiered run, a gradient log: there it is also the last keyframe) and named by
+the catalog's ``meta.final_step`` so readers know why it has no grads.
+A Recorder resumed into the run replaces it (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stepdump.capture.assemble import Assembler
+from stepdump.capture.naming import full_state, state_json, tensor_entries
+from stepdump.capture.staging import StagingPool
+from stepdump.capture.writer import StepMessage, Writer
+from stepdump.store.format import LEVEL_FULL
+
+log = logging.getLogger(__name__)
+
+_MT_WORDS = 624  # MT19937: 624 uint32 words, then the position (a C int)
+
+
+def _numpy_mt() -> tuple[bytes, int] | None:
+    """numpy's global MT19937 words and position, read from its C struct (about 1 us;
+    ``np.random.get_state()`` takes about 100 us). None where that struct is not reachable."""
+    try:
+        bitgen = np.random.mtrand._rand._bit_generator  # type: ignore[attr-defined]
+        raw = ctypes.string_at(bitgen.ctypes.state_address, _MT_WORDS * 4 + 4)
+    except Exception:  # noqa: BLE001 - another numpy: fall back to get_state at close
+        return None
+    return raw[: _MT_WORDS * 4], int.from_bytes(raw[_MT_WORDS * 4:], "little", signed=True)
+
+
+@dataclass
+class RngAfterUpdate:
+    """The RNG state right after the latest update, taken cheaply at every optimizer post-hook.
+
+    Code between the last update and ``close()`` (an evaluation with dropout, a data
+    loader's shuffle) may draw random numbers; the final record needs the state from
+    before that, the one the next iteration would have started from.
+    """
+
+    torch_cpu: torch.Tensor | None = None
+    numpy: tuple[bytes, int] | None = None
+    python: Any = None
+    cuda: list[torch.Tensor] | None = None
+
+    def take(self) -> None:
+        self.torch_cpu = torch.get_rng_state()
+        self.numpy = _numpy_mt()
+        self.python = random.getstate()
+        self.cuda = (list(torch.cuda.get_rng_state_all())
+                     if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    def state(self) -> dict[str, Any]:
+        """In :func:`stepdump.core.rng.get_rng_state`'s form."""
+        from stepdump.core.rng import get_rng_state
+
+        now = get_rng_state()  # numpy's Gaussian cache, and anything not taken
+        if self.torch_cpu is None:
+            return now
+        now["torch"] = self.torch_cpu
+        py_version, py_internal, py_gauss = self.python
+        now["python"] = {"version": py_version, "state": torch.tensor(py_internal, dtype=torch.uint32),
+                         "gauss": py_gauss}
+        if self.numpy is not None:
+            words, pos = self.numpy
+            keys = torch.frombuffer(bytearray(words), dtype=torch.uint32)
+            n = now["numpy"]
+            if not (torch.equal(keys, n["keys"]) and pos == n["pos"]):
+                # numpy was drawn from after the update: its words and position as they were
+                # then. The legacy Gaussian cache is not in that struct; a draw moves past it.
+                now["numpy"] = {"alg": n["alg"], "keys": keys, "pos": pos, "has_gauss": 0, "cached_gaussian": 0.0}
+        if self.cuda is not None:
+            now["cuda"] = self.cuda
+        return now
+
+
+@dataclass
+class FinalRecord:
+    """When the final record is due, and what it holds.
+
+    Args:
+        first: The step the Recorder started at.
+        replaced: The Recorder was resumed into recorded steps and dropped them (the
+            previous final record among them): close() records the state it was given
+            even if no update ran, so the run still ends with its model.
+    """
+
+    first: int
+    replaced: bool = False
+    rng: RngAfterUpdate = field(default_factory=RngAfterUpdate)
+
+    def __post_init__(self) -> None:
+        self.rng.take()  # no update yet: the state the Recorder starts from
+
+    def due(self, step: int, captured_at: int | None, kinds: tuple[str, ...]) -> bool:
+        """Whether close() at iteration ``step`` writes a final record: an update ran since the
+        start (or recorded steps were replaced), record ``step`` was not taken yet (an update in
+        progress), and there is params or optimizer state to record."""
+        return ((step > self.first or self.replaced) and captured_at != step
+                and any(k in kinds for k in ("params", "optimizer")))
+
+    def message(self, asm: Assembler, model: torch.nn.Module, step: int, pool: StagingPool,
+                writer: Writer) -> StepMessage:
+        """The final record ``step``'s message, its tensors staged into a slot of ``pool``."""
+        meta = asm.refresh_layout(model, step) or {}  # add_param_group after the last record
+        kinds = tuple(k for k in asm.kinds if k in ("params", "optimizer"))
+        buffers = {n: b for n, b in asm.layout.buffers.items() if asm.selected(n)} if "params" in kinds else {}
+        entries = tensor_entries(asm.layout, asm.optimizer, kinds, asm.selected, True, buffers)
+        state = full_state(asm.layout, asm.optimizer, asm.scheduler, asm.scaler)
+        msg = StepMessage(step=step, level=LEVEL_FULL, meta={**meta, "final_step": step})
+        msg.state_json = state_json(state, {"rng": self.rng.state()}, None, entries)
+        msg.slot = slot = pool.acquire(lambda: writer.error)
+        try:
+            msg.items = asm.stager.stage(slot, entries)
+        except BaseException:
+            pool.release(slot)  # never sent: the writer will not hand it back
+            raise
+        log.debug("stepdump: final record %d (%d tensors)", step, len(msg.items))
+        return msg
