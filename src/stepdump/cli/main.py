@@ -38,11 +38,13 @@ SUMMARIES: dict[str, str] = {
     "show": "show one tensor at one step: dtype, shape, stats and a preview of its values",
     "stats": "per-tensor health stats (norm, min, max, NaN/Inf counts, ...) per step",
     "scalars": "logged scalars (loss, lr, ...) one row per step, with the skipped flag",
-    "diff": "compare two runs: first divergent step and tensors (exit 0 identical, 1 divergent)",
+    "diff": "compare two runs: the first divergent step, its cause and tensors (exit 0 identical, 1 divergent, "
+            "6 nothing to compare)",
     "check": "check a run for NaN/Inf, exploding/vanishing grads, loss spikes, ... (exit 1 on findings >= --fail-on)",
     "export": "write a step as a checkpoint: torch.save dict, safetensors, or one the HF Trainer / Lightning resumes from",
     "export-tb": "write scalars, per-tensor stats and histograms as TensorBoard event files (needs tensorboard)",
-    "report": "write a self-contained HTML report (curves, grad-norm heatmap, findings); opens offline",
+    "report": "write a self-contained HTML report (curves, per-tensor charts, findings) of one run or several "
+              "overlaid; --watch serves it live while a run records",
     "verify": "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption",
 }
 
