@@ -7,7 +7,13 @@ comparing a run with a snapshot checks stepdump's naming too.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -292,3 +298,37 @@ def catalog_sql(run_dir: Any, sql: str, args: Any = ()) -> list[Any]:
         return con.execute(sql, args).fetchall()
     finally:
         con.close()
+
+
+def sigkill_child_when(script: Path, args: Iterable[Any], log_path: Path, ready: Callable[[], bool],
+                       timeout: float = 120) -> None:
+    """Run ``python script ARGS`` (output to ``log_path``) and SIGKILL it once ``ready()``; the
+    test fails if the child dies or makes no progress first, and no child is left running."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, f"child died: {log_path.read_text()}"
+            assert time.monotonic() < deadline, "child made no progress"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def tensor_row(run_dir: Any, step: int, kind: str, name: str) -> tuple[Any, Any]:
+    """The (blob id, fingerprint) of one tensor row of a run's catalog."""
+    (row,) = catalog_sql(run_dir, "SELECT blob, fingerprint FROM tensors WHERE step = ? AND series = "
+                                  "(SELECT id FROM series WHERE kind = ? AND name = ?)", (step, kind, name))
+    return row[0], row[1]
+
+
+def set_tensor_row(run_dir: Any, step: int, kind: str, name: str, blob: Any, fp: Any) -> None:
+    """Point one tensor row at another blob and fingerprint (a tampered record whose blob checks pass)."""
+    catalog_sql(run_dir, "UPDATE tensors SET blob = ?, fingerprint = ? WHERE step = ? AND series = "
+                         "(SELECT id FROM series WHERE kind = ? AND name = ?)", (blob, fp, step, kind, name))

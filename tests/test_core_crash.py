@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -19,6 +15,7 @@ from helpers import (
     assert_run_matches,
     assert_same,
     regression_batch,
+    sigkill_child_when,
     snapshot,
 )
 from reliability.faults import FullDisk
@@ -87,21 +84,7 @@ def test_sigkill_mid_run_keeps_a_readable_prefix_and_resumes(tmp_path):
     script.write_text(CHILD)
     run_dir, side = tmp_path / "run", tmp_path / "side.jsonl"
     side.touch()
-    with open(tmp_path / "child.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script), str(run_dir), str(side)], stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 120
-        while len(_read_side(side)) < 20:
-            assert proc.poll() is None, f"child died: {(tmp_path / 'child.log').read_text()}"
-            assert time.monotonic() < deadline, "child made no progress"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_child_when(script, (run_dir, side), tmp_path / "child.log", lambda: len(_read_side(side)) >= 20)
     reported = _read_side(side)
 
     run = stepdump.open(run_dir)

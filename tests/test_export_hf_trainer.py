@@ -22,25 +22,15 @@ from safetensors.torch import load_file
 import stepdump
 
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
+
+from tiny_gpt2 import tiny_gpt2, token_dataset  # noqa: E402
 
 from stepdump.integrations.transformers import StepdumpTrainerCallback
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
 MAX_STEPS = 6
-
-
-def _model(seed: int = 0) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(cfg)
-
-
-def _dataset(n: int = 16) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 100, (n, 12), generator=g)
-    return [{"input_ids": x, "labels": x.clone()} for x in ids]
 
 
 def _args(out: Path, **kw: Any) -> TrainingArguments:
@@ -60,9 +50,9 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _train(tmp: Path, **recorder_kwargs: Any) -> dict[str, Any]:
     """The original run: recorded, with the Trainer's own checkpoints at steps 2 and 4."""
-    model = _model()
+    model = tiny_gpt2()
     trainer = Trainer(model=model, args=_args(tmp / "out", save_strategy="steps", save_steps=2),
-                      train_dataset=_dataset(), callbacks=[StepdumpTrainerCallback(tmp / "run", **recorder_kwargs)])
+                      train_dataset=token_dataset(), callbacks=[StepdumpTrainerCallback(tmp / "run", **recorder_kwargs)])
     trainer.train()
     return {"run": tmp / "run", "out": tmp / "out", "final": _params(model)}
 
@@ -115,8 +105,8 @@ def test_trainer_resumed_from_export_ends_bit_identical(original: dict[str, Any]
 
     with stepdump.open(original["run"]) as run:
         ckpt = export_checkpoint(run, step, tmp_path / "ckpt", format="hf-trainer")
-    model = _model(seed=123)  # other initial weights: everything must come from the checkpoint
-    trainer = Trainer(model=model, args=_args(tmp_path / "out2"), train_dataset=_dataset(),
+    model = tiny_gpt2(seed=123)  # other initial weights: everything must come from the checkpoint
+    trainer = Trainer(model=model, args=_args(tmp_path / "out2"), train_dataset=token_dataset(),
                       callbacks=[StepdumpTrainerCallback(tmp_path / "resumed")])
     trainer.train(resume_from_checkpoint=str(ckpt))
     assert trainer.state.global_step == MAX_STEPS
@@ -140,8 +130,8 @@ def test_export_without_grads_and_at_the_last_record(tmp_path: Path) -> None:
         _assert_same_checkpoint(out, orig["out"] / "checkpoint-4")
         # the last record: resuming it trains the remaining steps, if any, to the same end
         end = run.export(last, tmp_path / "last", format="hf-trainer")
-    model = _model(seed=123)
-    Trainer(model=model, args=_args(tmp_path / "out2"), train_dataset=_dataset()).train(
+    model = tiny_gpt2(seed=123)
+    Trainer(model=model, args=_args(tmp_path / "out2"), train_dataset=token_dataset()).train(
         resume_from_checkpoint=str(end))
     for n, p in model.named_parameters():
         assert_same(p.detach(), orig["final"][n], n)

@@ -12,24 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers import assert_same, assert_same_tree, catalog_sql, record_run, tiny_batch
+from helpers import assert_same, assert_same_tree, catalog_sql, record_run, set_tensor_row, tensor_row, tiny_batch
 
 import stepdump
 from stepdump.analysis.verify import verify
 
 K = 4
 STEPS = 13
-
-
-def _set_row(path: Path, step: int, kind: str, name: str, blob: Any, fp: Any) -> None:
-    catalog_sql(path, "UPDATE tensors SET blob = ?, fingerprint = ? WHERE step = ? AND series = "
-                      "(SELECT id FROM series WHERE kind = ? AND name = ?)", (blob, fp, step, kind, name))
-
-
-def _row(path: Path, step: int, kind: str, name: str) -> tuple[Any, Any]:
-    (row,) = catalog_sql(path, "SELECT blob, fingerprint FROM tensors WHERE step = ? AND series = "
-                               "(SELECT id FROM series WHERE kind = ? AND name = ?)", (step, kind, name))
-    return row[0], row[1]
 
 
 def _train_on(model: torch.nn.Module, opt: Any, sched: Any, steps: range) -> None:
@@ -107,7 +96,7 @@ def test_verify_re_applies_every_segment_of_a_gradient_log(tmp_path: Path) -> No
 def test_verify_reports_a_tampered_gradient_whose_blob_checks_pass(tmp_path: Path) -> None:
     path = record_run(tmp_path / "run", steps=STEPS, gradient_log=K)
     # Step 5's grad now names step 6's blob and fingerprint: every blob is intact and matches its row.
-    _set_row(path, 5, "grads", "0.weight", *_row(path, 6, "grads", "0.weight"))
+    set_tensor_row(path, 5, "grads", "0.weight", *tensor_row(path, 6, "grads", "0.weight"))
     with stepdump.open(path) as run:
         report = verify(run)
     assert not report.ok

@@ -31,7 +31,9 @@ from helpers import (
     assert_same_tree,
     catalog_sql,
     record_run,
+    set_tensor_row,
     snapshot,
+    tensor_row,
     tiny_batch,
     tiny_model,
 )
@@ -56,6 +58,16 @@ def as_gradient_log(src: Path, dst: Path, every: int) -> Path:
         catalog_sql(dst, "UPDATE steps SET level = 1 WHERE step = ?", (s,))
     catalog_sql(dst, "INSERT OR REPLACE INTO meta(key, value) VALUES ('gradient_log', ?)", (json.dumps(every),))
     return dst
+
+
+def _train_on(model: torch.nn.Module, opt: Any, sched: Any, start: int) -> None:
+    """The iterations ``start`` .. STEPS-1 of the recorded training, without a Recorder."""
+    for t in range(start, STEPS):
+        x, y = tiny_batch(t)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
 
 
 def _objects(seed: int = 0) -> tuple[torch.nn.Module, Any, Any]:
@@ -129,23 +141,12 @@ def test_engine_on_a_full_run_treats_chosen_steps_as_keyframes_and_matches_store
                     assert_same(t, snaps[s][kind][name], f"step {s} {kind} {name} (live)")
 
 
-def _set_row(path: Path, step: int, kind: str, name: str, blob: Any, fp: Any) -> None:
-    catalog_sql(path, "UPDATE tensors SET blob = ?, fingerprint = ? WHERE step = ? AND series = "
-                      "(SELECT id FROM series WHERE kind = ? AND name = ?)", (blob, fp, step, kind, name))
-
-
-def _row(path: Path, step: int, kind: str, name: str) -> tuple[Any, Any]:
-    (row,) = catalog_sql(path, "SELECT blob, fingerprint FROM tensors WHERE step = ? AND series = "
-                               "(SELECT id FROM series WHERE kind = ? AND name = ?)", (step, kind, name))
-    return row[0], row[1]
-
-
 def test_a_tampered_gradient_makes_the_read_raise_instead_of_returning_values(runs: Any, tmp_path: Path) -> None:
     _, log_path, snaps, _ = runs
     path = tmp_path / "tampered"
     shutil.copytree(log_path, path)
     # A consistent swap (blob and its fingerprint): reading the grad itself passes its checks.
-    _set_row(path, 5, "grads", "0.weight", *_row(path, 6, "grads", "0.weight"))
+    set_tensor_row(path, 5, "grads", "0.weight", *tensor_row(path, 6, "grads", "0.weight"))
     with stepdump.open(path) as run:
         assert_same(run.tensor("0.weight", 5, "params"), snaps[5]["params"]["0.weight"])  # before the damage
         with pytest.raises(RebuildError, match=r"step 6 .*cannot be rebuilt.*differs from its recorded fingerprint") as e:
@@ -176,8 +177,8 @@ def test_a_missing_gradient_blob_is_refused(runs: Any, tmp_path: Path) -> None:
     _, log_path, _, _ = runs
     path = tmp_path / "nograd"
     shutil.copytree(log_path, path)
-    _, fp = _row(path, 1, "grads", "2.weight")
-    _set_row(path, 1, "grads", "2.weight", None, fp)
+    _, fp = tensor_row(path, 1, "grads", "2.weight")
+    set_tensor_row(path, 1, "grads", "2.weight", None, fp)
     with stepdump.open(path) as run, pytest.raises(RebuildError, match="gradient of '2.weight' at step 1 has stats"):
         run.tensor("2.weight", 2, "params")
 
@@ -234,12 +235,7 @@ def test_restore_at_a_non_keyframe_step_then_training_on_is_bitwise_the_original
     model, opt, sched = _objects(seed=7)  # another seed: nothing matches by accident
     with stepdump.open(log_path) as run:
         run.restore(at, model, opt, sched)
-    for t in range(at, STEPS):
-        x, y = tiny_batch(t)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        sched.step()
+    _train_on(model, opt, sched, at)
     assert_same_tree(dict(model.state_dict()), dict(end_model.state_dict()), "params after training on")
     assert_same_tree(opt.state_dict(), end_opt.state_dict(), "optimizer after training on")
 
@@ -320,12 +316,7 @@ def test_a_recorded_gradient_log_restores_at_a_non_keyframe_and_trains_on_bitwis
     with stepdump.open(tmp_path / "run") as run:
         # The data is seeded by step and the model has no dropout: no RNG state needed.
         run.restore(K + 1, model, opt, sched, rng="rng" in run.step_state(K + 1))
-    for t in range(K + 1, STEPS):
-        x, y = tiny_batch(t)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        sched.step()
+    _train_on(model, opt, sched, K + 1)
     assert_same_tree(dict(model.state_dict()), dict(end_model.state_dict()), "params after training on")
     assert_same_tree(opt.state_dict(), end_opt.state_dict(), "optimizer after training on")
 

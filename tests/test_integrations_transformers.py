@@ -12,30 +12,18 @@ import stepdump
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
-    GPT2Config,
-    GPT2LMHeadModel,
     Trainer,
     TrainerCallback,
     TrainingArguments,
 )
+
+from tiny_gpt2 import tiny_gpt2, token_dataset  # noqa: E402
 
 from stepdump.integrations.transformers import StepdumpTrainerCallback  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
 MAX_GRAD_NORM = 0.05
-
-
-def _model() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(cfg)
-
-
-def _dataset(n: int = 16) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 100, (n, 12), generator=g)
-    return [{"input_ids": x, "labels": x.clone()} for x in ids]
 
 
 def _args(out, **kw) -> TrainingArguments:
@@ -85,9 +73,9 @@ def _check(run: stepdump.Run, seen: list[dict], first: int = 0) -> None:
 
 
 def test_trainer_records_equal_live_tensors(tmp_path):
-    model, probe = _model(), Probe()
+    model, probe = tiny_gpt2(), Probe()
     cb = StepdumpTrainerCallback(tmp_path / "run")
-    trainer = Trainer(model=model, args=_args(tmp_path / "out"), train_dataset=_dataset(), callbacks=[probe, cb])
+    trainer = Trainer(model=model, args=_args(tmp_path / "out"), train_dataset=token_dataset(), callbacks=[probe, cb])
     trainer.train()
     assert trainer.state.global_step == 3 and len(probe.seen) == 3
     with pytest.raises(stepdump.ConfigError):
@@ -114,7 +102,7 @@ def test_trainer_records_equal_live_tensors(tmp_path):
         sd = run.state_dict(2)
         assert_same(sd["lm_head.weight"], sd["transformer.wte.weight"])
         # the last record plus its update give the trained model: redo update 2 with AdamW
-        restored = _model()
+        restored = tiny_gpt2()
         named = dict(restored.named_parameters())  # the Trainer's two groups (decay / no decay)
         opt = torch.optim.AdamW([{"params": [named[n] for n in g]} for g in run.meta["layout"]["groups"]])
         run.restore(2, restored, opt, rng=False)
@@ -128,8 +116,8 @@ def test_trainer_records_equal_live_tensors(tmp_path):
 
 def test_resume_from_checkpoint_appends(tmp_path):
     out, run_dir = tmp_path / "out", tmp_path / "run"
-    t1 = Trainer(model=_model(), args=_args(out, max_steps=2, save_strategy="steps", save_steps=2),
-                 train_dataset=_dataset(), callbacks=[StepdumpTrainerCallback(run_dir)])
+    t1 = Trainer(model=tiny_gpt2(), args=_args(out, max_steps=2, save_strategy="steps", save_steps=2),
+                 train_dataset=token_dataset(), callbacks=[StepdumpTrainerCallback(run_dir)])
     t1.train()
     ckpt = out / "checkpoint-2"
     assert ckpt.is_dir()
@@ -138,7 +126,7 @@ def test_resume_from_checkpoint_appends(tmp_path):
     saved = load_file(ckpt / "model.safetensors")
 
     probe = Probe()
-    t2 = Trainer(model=_model(), args=_args(out, max_steps=4), train_dataset=_dataset(),
+    t2 = Trainer(model=tiny_gpt2(), args=_args(out, max_steps=4), train_dataset=token_dataset(),
                  callbacks=[probe, StepdumpTrainerCallback(run_dir)])
     t2.train(resume_from_checkpoint=str(ckpt))
     with stepdump.open(run_dir) as run:
@@ -150,7 +138,7 @@ def test_resume_from_checkpoint_appends(tmp_path):
         _check(run, probe.seen, first=2)
 
     # resuming checkpoint-2 again records steps 2 and 3 again into the same run: 2..4 are dropped first
-    t3 = Trainer(model=_model(), args=_args(out, max_steps=4), train_dataset=_dataset(),
+    t3 = Trainer(model=tiny_gpt2(), args=_args(out, max_steps=4), train_dataset=token_dataset(),
                  callbacks=[StepdumpTrainerCallback(run_dir)])
     t3.train(resume_from_checkpoint=str(ckpt))
     with stepdump.open(run_dir) as run:

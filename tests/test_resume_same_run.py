@@ -4,16 +4,11 @@ step and reads as one uninterrupted run; ``start_step=k`` drops steps k.. and no
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
 import torch
-from helpers import assert_run_matches, catalog_sql, snapshot, tiny_batch, tiny_model
+from helpers import assert_run_matches, catalog_sql, sigkill_child_when, snapshot, tiny_batch, tiny_model
 from torch import nn
 
 import stepdump
@@ -142,21 +137,7 @@ CHILD = textwrap.dedent(
 def test_a_sigkilled_recording_resumes_into_its_own_directory(tmp_path):
     script, run_dir, flag = tmp_path / "child.py", tmp_path / "run", tmp_path / "flag"
     script.write_text(CHILD)
-    with open(tmp_path / "child.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script), str(run_dir), str(flag)], stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 120
-        while not flag.exists():
-            assert proc.poll() is None, f"child died: {(tmp_path / 'child.log').read_text()}"
-            assert time.monotonic() < deadline, "child made no progress"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_child_when(script, (run_dir, flag), tmp_path / "child.log", flag.exists)
 
     with stepdump.open(run_dir) as run:
         assert not run.live and "final_step" not in run.meta  # killed: no close(), no final record

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -120,20 +120,18 @@ def _large_stats(t: torch.Tensor, norm_t: torch.Tensor) -> StatsTuple:
 class LeanJob:
     """Rows being computed on the worker for tensors whose versions were noted at submit."""
 
-    def __init__(self, entries: Sequence[Entry], future: Future[list[LeanRow | None]] | None) -> None:
-        self._entries = list(entries)
-        self._versions = [_version(e[2]) for e in self._entries]
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
+    def __init__(self, entries: list[Entry], pool: ThreadPoolExecutor,
+                 compute: Callable[[list[Entry]], list[LeanRow | None]]) -> None:
+        self._entries = entries
+        self._versions = [_version(e[2]) for e in entries]  # before the worker may read them
+        self._future: Future[list[LeanRow | None]] = pool.submit(compute, entries)
 
     def rows_for(self, entries: Sequence[Entry], warned: set[tuple[str, str]],
                  recompute: bool = True) -> tuple[list[LeanRow], int]:
         """Rows for ``entries`` (the tensors as they are now): the worker's where the same
         tensor is unchanged since submit, else computed here (``recompute``) or left out;
         and how many were not the worker's."""
-        results = self._future.result() if self._future is not None else [None] * len(self._entries)
+        results = self._future.result()
         # A row is good for an entry when it was computed from the same tensor object,
         # and no in-place op touched that tensor from submit until now.
         ready: dict[tuple[str, str], tuple[torch.Tensor, LeanRow]] = {}
@@ -169,10 +167,7 @@ class LeanWorker:
         return self._warned
 
     def submit(self, entries: Sequence[Entry]) -> LeanJob:
-        entries = list(entries)
-        job = LeanJob(entries, None)
-        job._future = self._pool.submit(self._compute, entries)
-        return job
+        return LeanJob(list(entries), self._pool, self._compute)
 
     def _compute(self, entries: list[Entry]) -> list[LeanRow | None]:
         rows = {(r.kind, r.name): r for r in lean_rows(entries, self._warned)}

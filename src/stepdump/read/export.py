@@ -4,7 +4,7 @@ or a checkpoint the Hugging Face Trainer or Lightning resumes from (read/export_
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,10 +55,6 @@ def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "tor
         return export_trainers.export_lightning(run, step, out, trainer)
     if trainer is not None:
         raise ConfigError(f"trainer= is for the hf-trainer and lightning formats, not {format}")
-    if out.is_dir():
-        raise ConfigError(f"{out} is a directory; give a file path for the checkpoint")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
     if format == "torch":
         ckpt: dict[str, Any] = {
             "model": run.state_dict(step),
@@ -67,20 +63,33 @@ def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "tor
             "scaler": run.scaler_state_dict(step),
             "step": step,
         }
-        torch.save(ckpt, tmp)
-    else:
-        from safetensors.torch import save_file
+        return save_atomically(out, lambda tmp: torch.save(ckpt, tmp))
+    from safetensors.torch import save_file
 
-        tensors = {name: t.contiguous() for name, t in run.tensors(step, "params").items()}
-        if grads:
-            found = run.tensors(step, "grads")
-            if not found:
-                raise TensorNotFoundError(
-                    f"step {step} of {run.path} has no gradients (the run was recorded without them, or this is "
-                    "the final record, taken after the last update); export it without grads (leave out --grads)"
-                )
-            tensors.update({f"grads/{n}": t.contiguous() for n, t in found.items()})
-        save_file(tensors, str(tmp), metadata={"stepdump_step": str(step), "stepdump_run": str(run.path)})
-    # Write then rename, so a failed export never leaves a half checkpoint at ``path``.
-    os.replace(tmp, out)
+    tensors = {name: t.contiguous() for name, t in run.tensors(step, "params").items()}
+    if grads:
+        found = run.tensors(step, "grads")
+        if not found:
+            raise TensorNotFoundError(
+                f"step {step} of {run.path} has no gradients (the run was recorded without them, or this is "
+                "the final record, taken after the last update); export it without grads (leave out --grads)"
+            )
+        tensors.update({f"grads/{n}": t.contiguous() for n, t in found.items()})
+    meta = {"stepdump_step": str(step), "stepdump_run": str(run.path)}
+    return save_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def save_atomically(out: Path, write: Callable[[Path], object]) -> Path:
+    """Write the file ``out`` with ``write(tmp)`` and a rename, so a failed export never leaves
+    half a checkpoint at ``out`` (nor a ``.partial`` file beside it)."""
+    if out.is_dir():
+        raise ConfigError(f"{out} is a directory; give a file path for the checkpoint")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return out

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from stepdump.errors import ConfigError
+from stepdump.read.export import save_atomically
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
@@ -194,7 +195,7 @@ def export_lightning(run: Run, step: int, out: Path, trainer: Mapping[str, Any] 
         ckpt["epoch"], ckpt["loops"] = _lightning_loops(run, step, setup, state.get("scheduler") is not None)
     # Lightning keeps no RNG in its checkpoints; StepdumpCallback restores this one on load.
     ckpt["stepdump"] = {"run": str(run.path), "step": step, "rng": state.get("rng")}
-    _save_file(ckpt, out)
+    save_atomically(out, lambda tmp: torch.save(ckpt, tmp))
     return out
 
 
@@ -289,16 +290,3 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     if out.is_dir():
         out.rmdir()  # empty (checked by _fresh_dir)
     os.replace(tmp, out)
-
-
-def _save_file(obj: Any, out: Path) -> None:
-    if out.is_dir():
-        raise ConfigError(f"{out} is a directory; give a file path for the checkpoint")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
