@@ -173,7 +173,9 @@ class RingSchedule:
     """Flight-recorder mode: full copies of the last ``size`` steps are kept in memory
     (``size`` x one step's size) and written only when ``trigger`` fires, then
     ``after`` more steps in full; stats and fingerprints are written every step.
-    Flat spelling: ``ring=N, trigger=..., after=...``.
+    One episode per condition: while the trigger stays true after that, steps are
+    held as usual (logged once), and it fires again only after a step where it
+    was false. Flat spelling: ``ring=N, trigger=..., after=...``.
 
     Attributes:
         size: Steps kept in memory.

@@ -36,6 +36,13 @@ class Held:
 class Ring:
     """The held steps, and when to write them: ``trigger`` fires, then ``after`` more steps in full.
 
+    One episode per condition: the trigger is asked at every step, but once it has
+    fired it fires again only after a step where it was false (re-armed). While the
+    condition lasts past the ``after`` steps, steps are held as when nothing
+    happened (a NaN that stays would otherwise write every step in full), and that
+    is logged once. A trigger step inside the ``after`` window of the previous one
+    (the condition cleared, then came back) starts the ``after`` count again.
+
     The Recorder stages every step in full while a ring is on and hands the
     staged step to :meth:`take`, which decides; the ring never reaches into the
     Recorder (its only inputs are the step's message, the grads and the scalars).
@@ -48,6 +55,8 @@ class Ring:
         self.trigger = trigger
         self.after = after
         self.after_left = 0
+        self.episode: int | None = None  # the trigger step of the condition going on; None: armed
+        self._persist_logged = False
         self.history: dict[str, deque[float]] = {}  # recent scalar values, for the trigger
 
     def remember(self, scalars: list[tuple[int, str, Any]]) -> None:
@@ -65,13 +74,23 @@ class Ring:
         full copy is held here: ``msg`` keeps only stats (its slot stays held) and
         nothing is returned.
         """
-        full_after = self.after_left > 0
+        latest = {n: h[-1] for n, h in self.history.items() if h}
+        on = bool(self.trigger(TriggerInfo(t, latest, grads, self.history)))
+        fired = on and self.episode is None
+        full_after = not fired and self.after_left > 0
         if full_after:
             self.after_left -= 1
-            fired = False
-        else:
-            latest = {n: h[-1] for n, h in self.history.items() if h}
-            fired = bool(self.trigger(TriggerInfo(t, latest, grads, self.history)))
+        if fired:
+            self.episode, self._persist_logged = t, False
+        elif not on and self.episode is not None:
+            log.info("stepdump: the trigger condition of step %d is gone at step %d; the trigger is armed again",
+                     self.episode, t)
+            self.episode = None
+        elif on and not full_after and not self._persist_logged:
+            self._persist_logged = True
+            log.warning("stepdump: the trigger condition persists since step %d; its episode is written "
+                        "(ring, trigger step, %d after), later steps are held as usual until a healthy step "
+                        "re-arms the trigger", self.episode, self.after)
         if fired or full_after:
             held = self.drain()
             msg.level = LEVEL_FULL
