@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(Ctrl-C stops); writes no file")
     p.add_argument("--port", type=int, default=8765, help="--watch: port to serve on (0: any free port; default 8765)")
     p.add_argument("--host", default="127.0.0.1", help="--watch: address to bind (default 127.0.0.1, this machine only)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="--watch: also answer requests for this host name (a name other machines use for this "
+                        "one, with --host 0.0.0.0); others than localhost, 127.0.0.1, [::1] and --host are "
+                        "refused (403), which stops web pages from reading the report through DNS rebinding")
     p.add_argument("--interval", type=float, default=2.0, help="--watch: seconds between page refreshes (default 2)")
 
 
@@ -57,5 +61,5 @@ def _watch(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:  # open once up front: a wrong path fails here, exit 3
         for p in paths:
             stack.enter_context(open_run(p))
-    serve(LiveReport(paths, args.label, interval_s=args.interval), args.host, args.port, ready)
+    serve(LiveReport(paths, args.label, interval_s=args.interval), args.host, args.port, ready, args.allow_host)
     return Exit.OK

@@ -10,15 +10,22 @@ step at most per poll. :func:`serve` serves it on a local port:
 * ``GET /data.json``: ``{"version", "data", "summary_html", "findings_html", "nfindings"}``,
   where ``version`` changes whenever the data do.
 
-The server binds to 127.0.0.1 unless told otherwise; it only reads the runs.
+The server binds to 127.0.0.1 unless told otherwise; it only reads the runs. It answers only
+requests whose ``Host`` names this machine's loopback (``localhost``, ``127.0.0.1``, ``[::1]``),
+the bound address or a name given in ``allowed_hosts``, with the served port or none: a web page
+that rebinds its own domain name to 127.0.0.1 (DNS rebinding) gets 403, not the runs. Error
+responses carry the standard reason phrase only; the error text goes, HTML-escaped, into the
+body (it can hold a run's path, which may hold any character).
 """
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import os
 import threading
+from http import HTTPStatus
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -101,11 +108,47 @@ class LiveReport:
         return render_report(doc["data"], live=live).encode("utf-8")
 
 
-def make_server(report: LiveReport, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
-    """An HTTP server for ``report`` bound to ``host:port`` (0: any free port), not yet serving."""
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def host_allowed(header: str, port: int, names: set[str]) -> bool:
+    """Whether a request's ``Host`` header is one of ``names`` (lower case), with ``port`` or none."""
+    h = header.strip().lower()
+    if h.startswith("["):  # an IPv6 literal: [::1]:8765
+        end = h.find("]") + 1
+        if end == 0:
+            return False
+        name, rest = h[:end], h[end:]
+    else:
+        name, colon, given = h.partition(":")
+        rest = colon + given
+    if rest and rest != f":{port}":
+        return False
+    return name.removesuffix(".") in names  # "localhost." is localhost
+
+
+def make_server(report: LiveReport, host: str = "127.0.0.1", port: int = 0,
+                allowed_hosts: Sequence[str] = ()) -> ThreadingHTTPServer:
+    """An HTTP server for ``report`` bound to ``host:port`` (0: any free port), not yet serving.
+
+    Requests are answered only when their ``Host`` header is a loopback name, ``host`` itself or
+    one of ``allowed_hosts`` (the names a browser on another machine uses for this one, when
+    ``host`` is not a loopback address), with the bound port or none.
+    """
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+            host_header = self.headers.get("Host")
+            if host_header is None:
+                self.send_error(400, "a request without a Host header")
+                return
+            if not host_allowed(host_header, bound_port, names):
+                log.warning("report --watch: refused a request for Host %r", host_header)
+                self.send_error(403, f"this server answers requests for {', '.join(sorted(names))} only "
+                                     "(a page on another site may be trying to read the report through DNS "
+                                     "rebinding); to serve it under another name, start it with "
+                                     "stepdump report --watch --allow-host NAME")
+                return
             route: dict[str, tuple[Callable[[], bytes], str]] = {
                 "/": (report.page, "text/html; charset=utf-8"),
                 "/index.html": (report.page, "text/html; charset=utf-8"),
@@ -121,25 +164,49 @@ def make_server(report: LiveReport, host: str = "127.0.0.1", port: int = 0) -> T
                 log.warning("report --watch: %s", e)
                 self.send_error(500, f"{type(e).__name__}: {e}")
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", target[1])
+            self._reply(200, body, target[1])
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """Every error, ours and http.server's: the fixed reason phrase in the status line (a
+            message there could split the response with CR/LF or fail to encode), the text escaped
+            in the body."""
+            try:
+                status = HTTPStatus(code)
+                phrase, text = status.phrase, message or status.description
+            except ValueError:
+                phrase, text = "Error", message or ""
+            self.close_connection = True
+            body = (f"<!doctype html><meta charset='utf-8'><title>{code} {phrase}</title>"
+                    f"<h1>{code} {phrase}</h1><p>{html.escape(text)}</p>").encode("utf-8", "replace")
+            self._reply(code, body, "text/html; charset=utf-8", phrase)
+
+        def _reply(self, code: int, body: bytes, ctype: str, phrase: str | None = None) -> None:
+            self.send_response(code, phrase)
+            self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: Any) -> None:  # requests go to logging, not stderr
             log.debug("report --watch: " + format, *args)
 
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
+    bound_port = int(server.server_address[1])
+    bound = str(server.server_address[0]).lower()
+    names = {*LOOPBACK_NAMES, f"[{bound}]" if ":" in bound else bound,
+             *(h.strip().lower().removesuffix(".") for h in allowed_hosts)}
     return server
 
 
 def serve(report: LiveReport, host: str = "127.0.0.1", port: int = 0,
-          ready: Callable[[str], None] | None = None) -> None:
-    """Serve ``report`` until interrupted; ``ready(url)`` is called once the port is bound."""
-    server = make_server(report, host, port)
+          ready: Callable[[str], None] | None = None, allowed_hosts: Sequence[str] = ()) -> None:
+    """Serve ``report`` until interrupted; ``ready(url)`` is called once the port is bound.
+    ``allowed_hosts``: as for :func:`make_server`."""
+    server = make_server(report, host, port, allowed_hosts)
     try:
         report.current()  # fail now, not on the first request, when a run cannot be read
         bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
