@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import stepdump
+from stepdump.core.host import kernels_meta
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError
 from stepdump.store import catalog
 from stepdump.store.format import CATALOG_FILE, LOCK_FILE
@@ -72,6 +73,8 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
         # Identifies this run among runs recorded at the same path (a URL reader's cache keys on it).
         "run_id": uuid.uuid4().hex,
         "num_threads": torch.get_num_threads(),
+        # The kernels the numbers were computed with: a rebuild on another host names a difference.
+        **kernels_meta(),
         **meta,
     }
     if not (path / CATALOG_FILE).exists():

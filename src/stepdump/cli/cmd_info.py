@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         add("format_version", "store format", str(r.format_version), r.format_version)
         add("written_by", "written by", f"stepdump {m.get('stepdump_version')}, torch {m.get('torch_version')}",
             {"stepdump": m.get("stepdump_version"), "torch": m.get("torch_version")})
+        if m.get("cpu_capability") or m.get("blas"):  # runs made before these keys do not say
+            add("kernels", "CPU kernels", f"{m.get('cpu_capability')}, BLAS {m.get('blas')}",
+                {"cpu_capability": m.get("cpu_capability"), "blas": m.get("blas")})
         created = m.get("created")
         if created:
             add("created", "created", dt.datetime.fromtimestamp(created).isoformat(timespec="seconds"), created)
