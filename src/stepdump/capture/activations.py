@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stepdump.capture.handles import Hook
 from stepdump.core.layout import unwrap
 from stepdump.core.nested import flatten
 
@@ -56,9 +57,10 @@ class ModuleCapture:
         if "activations" in kinds or "activation_grads" in kinds:
             for name, mod in root.named_modules():
                 if name and any(fnmatch.fnmatchcase(name, p) for p in patterns):
-                    self._handles.append(mod.register_forward_hook(self._make_hook(name)))
+                    self._handles.append(mod.register_forward_hook(Hook(self._make_hook(name))))
         if "inputs" in kinds:
-            self._handles.append(root.register_forward_pre_hook(self._on_root_input, with_kwargs=True))
+            # Hooks: a deepcopy or pickle of the model never carries this capture along (handles.py).
+            self._handles.append(root.register_forward_pre_hook(Hook(self._on_root_input), with_kwargs=True))
 
     # -- hooks -----------------------------------------------------------------
     def _indexed(self, kind: str, name: str) -> str:
@@ -77,7 +79,7 @@ class ModuleCapture:
                         if "activations" in self.kinds:
                             self._keep("activations", path, t)
                         if "activation_grads" in self.kinds and t.requires_grad:
-                            t.register_hook(self._grad_hook(path))
+                            t.register_hook(Hook(self._grad_hook(path)))
             except Exception as e:  # noqa: BLE001 - do no harm
                 self._failed(e, f"forward hook of module {name!r}")
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from stepdump.capture.handles import Hook, ScalerStep
 
 
 def _step_wrapper_code() -> Any:
@@ -59,10 +60,11 @@ def attach(rec: Steps, scaler: Any, *, auto_capture: bool) -> list[Any]:
     the grads are final). A scaler wrapper is undone by :func:`detach_scaler`.
     """
     opt = rec.optimizer
-    handles = [opt.register_step_post_hook(lambda o, a, k: None if nested_step(o) else rec.end_step())]
+    # Hooks, not bare lambdas: a copy or pickle of the optimizer never carries the Recorder (handles.py).
+    handles = [opt.register_step_post_hook(Hook(lambda o, a, k: None if nested_step(o) else rec.end_step()))]
     if auto_capture:
         handles.append(opt.register_step_pre_hook(
-            lambda o, a, k: None if nested_step(o) else capture_at_pre_hook(rec, a, k)))
+            Hook(lambda o, a, k: None if nested_step(o) else capture_at_pre_hook(rec, a, k))))
         if scaler is not None:
             scaler.step = watch_scaler(scaler, rec)  # an instance attribute shadows the method
     return handles
@@ -132,8 +134,9 @@ def record_after_closure(args: tuple[Any, ...], kwargs: dict[str, Any],
     return (args[0], closure_then_record, *args[2:]), kwargs
 
 
-def watch_scaler(scaler: Any, rec: Steps) -> Callable[..., Any]:
-    """A ``scaler.step`` that records a step the scaler skips (inf/NaN found: no optimizer hook fires)."""
+def watch_scaler(scaler: Any, rec: Steps) -> ScalerStep:
+    """A ``scaler.step`` that records a step the scaler skips (inf/NaN found: no optimizer hook fires);
+    a copy or pickle of the scaler gets its own ``step`` back (handles.py)."""
     original = scaler.step
 
     def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -144,4 +147,4 @@ def watch_scaler(scaler: Any, rec: Steps) -> Callable[..., Any]:
             rec.end_step()
         return out
 
-    return step
+    return ScalerStep(scaler, step)

@@ -37,6 +37,7 @@ from stepdump.capture.activations import ModuleCapture
 from stepdump.capture.assemble import Assembler
 from stepdump.capture.final import FinalRecord
 from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
+from stepdump.capture.handles import Hook
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
 from stepdump.capture.naming import begin_state
@@ -146,7 +147,7 @@ class Recorder:
         if not self.recording:  # a rank ranks= leaves out: only count steps, so rec.step agrees on every rank
             self.path = path  # type: ignore[assignment]
             self._hooks.append(optimizer.register_step_post_hook(
-                lambda o, a, k: None if nested_step(o) else self.end_step()))
+                Hook(lambda o, a, k: None if nested_step(o) else self.end_step())))
             return
         self._start(path)
 
@@ -204,7 +205,7 @@ class Recorder:
         self._hooks.extend(attach(self, self.scaler, auto_capture=opts.auto_capture))
         # On the module given (a torch.compile wrapper runs its own hooks eagerly: no graph break).
         if not isinstance(self.model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
-            self._hooks.append(self.model.register_forward_pre_hook(self._saw_forward))
+            self._hooks.append(self.model.register_forward_pre_hook(Hook(self._saw_forward)))  # copies: handles.py
         self._begin_iteration(self._step)
         # If the user forgets close(), still flush and release the lock at exit.
         self._finalizer = weakref.finalize(self, close_quietly, weakref.ref(self))
