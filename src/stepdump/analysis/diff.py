@@ -16,6 +16,13 @@ What could not be compared is said, never taken as equal: ``coverage`` counts wh
 and lists what is in one run only, and two runs with no tensor in common at a common step are
 not ``identical`` but not ``comparable``.
 
+An RNG stream is compared but is not, by itself, a divergence: two runs that seed torch only
+have different (unused) numpy and python states, and their training is the same. Where the RNG
+differs and nothing computed from it does (the batch, params, loss, grads, optimizer state), it
+is a note (``notes``, ``rng``); where something computed differs too, the verdict is that
+earliest computed difference and the reading names the RNG as its likely or possible cause.
+``ignore=`` leaves parts out of the comparison altogether (:mod:`~stepdump.analysis.diff_ignore`).
+
 Two multi-rank runs are compared rank by rank (rank r of A with rank r of B); the result is the
 rank that diverges first. Runs recorded by different ranks are refused rather than compared in
 part.
@@ -27,14 +34,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepdump.analysis.diff_reading import headline, reading, summary_lines
-from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, config_differences, parse_state,
+from stepdump.analysis.diff_ignore import RNG_STREAMS, Ignore, parse_ignore
+from stepdump.analysis.diff_reading import headline, reading, rng_notes, summary_lines
+from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, RngDiff, config_differences, parse_state,
                                           scalar_differences, scalar_table, scalars_equal, state_differences)
 from stepdump.analysis.diff_values import TensorDiff, compare_tensors
 from stepdump.errors import ConfigError, StepNotFoundError
 from stepdump.read.reader import RunReader
 
-__all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "TensorDiff", "compare_tensors", "diff"]
+__all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "RngDiff", "TensorDiff", "compare_tensors", "diff"]
 
 #: Order of tensor kinds at one step, earliest cause first (the batch, the params the forward
 #: pass reads, its activations, the backward pass, the optimizer state).
@@ -69,6 +77,8 @@ class Coverage:
     #: Steps (as far as the state was compared) where one run or both had no recorded state:
     #: their hyperparameters other than the lr, scheduler, scaler and RNG state are unknown.
     state_missing: int = 0
+    #: Steps whose RNG state both runs recorded and the diff compared (see ``DiffResult.rng``).
+    rng_steps: int = 0
     #: Scalars compared (logged by both; the recorder's ``sys/*`` timings are never compared),
     #: steps at which the ``lr`` scalars were, and scalars logged by one run only.
     scalars: list[str] = field(default_factory=list)
@@ -82,8 +92,9 @@ class DiffResult:
     """What :func:`diff` found.
 
     ``identical`` means something was compared (``comparable``) and nothing compared differs:
-    no tensor at a common step, no hyperparameter, scheduler, scaler or RNG state, no logged
-    scalar. What was not compared (names, steps, scalars in one run only) is listed, and
+    no tensor at a common step, no hyperparameter, scheduler, scaler state or batch, no logged
+    scalar. An RNG state that differs while none of these does is a note (``notes``), not a
+    difference. What was not compared (names, steps, scalars in one run only) is listed, and
     ``complete`` says whether there was any.
     """
 
@@ -112,6 +123,13 @@ class DiffResult:
     config: list[tuple[str, Any, Any]] = field(default_factory=list)
     #: One line: what the first differences point at ("" when nothing differs).
     reading: str = ""
+    #: RNG streams that differ where they were compared (up to ``first_step``): not divergences.
+    rng: list[RngDiff] = field(default_factory=list)
+    #: What is worth knowing but is no divergence ("numpy and python RNG differ at every step
+    #: compared (0-99); nothing computed differs").
+    notes: list[str] = field(default_factory=list)
+    #: The parts left out with ``ignore=``, sorted.
+    ignored: list[str] = field(default_factory=list)
 
     @property
     def comparable(self) -> bool:
@@ -149,7 +167,7 @@ class DiffResult:
 
 
 def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.0,
-         kinds: Iterable[str] | None = None) -> DiffResult:
+         kinds: Iterable[str] | None = None, ignore: str | Iterable[str] | None = None) -> DiffResult:
     """Find the first step where two runs differ, its earliest cause, and the tensors that differ.
 
     Args:
@@ -159,6 +177,12 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
             value differs when ``|a - b| > atol + rtol * |b|``. State (hyperparameters,
             scheduler, scaler, RNG) is always compared exactly.
         kinds: Only compare tensors of these kinds (default: all recorded kinds).
+        ignore: Parts to leave out of the comparison: ``"rng"`` (or one stream:
+            ``"rng.numpy"``, ``"rng.python"``, ``"rng.torch"``, ``"rng.cuda"``),
+            ``"hyperparameters"``, ``"scheduler"``, ``"scaler"``, ``"batch"``, ``"scalars"``
+            (or one: ``"scalars.NAME"``), or a tensor kind (module
+            :mod:`~stepdump.analysis.diff_ignore`). An RNG that differs is never a
+            divergence by itself, ignored or not; leaving it out also drops its note.
 
     Returns:
         For single stores, their comparison. For multi-rank runs, the comparison
@@ -167,8 +191,8 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
         over ranks) with every rank's own result in ``per_rank``.
 
     Raises:
-        ConfigError: Bad tolerances or kinds, or runs recorded by different
-            ranks (compare one rank of each: ``run.rank(r)``).
+        ConfigError: Bad tolerances, kinds or ignored parts, or runs recorded by
+            different ranks (compare one rank of each: ``run.rank(r)``).
     """
     if atol < 0 or rtol < 0:
         raise ConfigError("atol and rtol must be >= 0")
@@ -176,6 +200,8 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
     for k in wanted:
         if k not in KIND_ORDER:
             raise ConfigError(f"unknown kind {k!r}; choose from {', '.join(KIND_ORDER)}")
+    left_out = parse_ignore(ignore)
+    wanted = left_out.kinds(wanted)
     stores_a, stores_b = list(run_a.stores()), list(run_b.stores())
     ranks_a, ranks_b = [r for r, _ in stores_a], [r for r, _ in stores_b]
     if ranks_a != ranks_b:
@@ -186,8 +212,8 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
             "rank. Compare one rank of each: stepdump.diff(run_a.rank(r), run_b.rank(r)) (or the single run)"
         )
     if ranks_a == [None]:
-        return _diff_store(stores_a[0][1], stores_b[0][1], atol, rtol, wanted)
-    per_rank = {r: _diff_store(a, b, atol, rtol, wanted)
+        return _diff_store(stores_a[0][1], stores_b[0][1], atol, rtol, wanted, left_out)
+    per_rank = {r: _diff_store(a, b, atol, rtol, wanted, left_out)
                 for (r, a), (_, b) in zip(stores_a, stores_b, strict=True) if r is not None}
     return _merge(per_rank)
 
@@ -216,7 +242,8 @@ def _merge(per_rank: dict[int, DiffResult]) -> DiffResult:
         first_scalar_diff=min(scalar_diffs)[0] if scalar_diffs else None,
         rank=rank if diverged else None, per_rank=per_rank,
         differences=first.differences, first_tensor_step=first.first_tensor_step, coverage=coverage,
-        config=first.config, reading=first.reading,
+        config=first.config, reading=first.reading, rng=first.rng, ignored=first.ignored,
+        notes=[f"rank {r}: {n}" for r, res in sorted(per_rank.items()) for n in res.notes],
     )
 
 
@@ -232,16 +259,23 @@ class _Scan:
     state_missing: int = 0
     keys: set[Key] = field(default_factory=set)
     checks: int = 0
+    rng: dict[str, list[int]] = field(default_factory=dict)  # stream -> [first step, last step, steps]
+    rng_steps: int = 0  # steps whose RNG was compared
+
+    def rng_differs(self, step: int, stream: str) -> None:
+        seen = self.rng.setdefault(stream, [step, step, 0])
+        seen[1], seen[2] = step, seen[2] + 1
 
 
-def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...]) -> DiffResult:
+def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...],
+                left_out: Ignore) -> DiffResult:
     """:func:`diff` of two single stores (Runs: ``run.catalog`` answers the queries)."""
     steps_a, steps_b = set(run_a.stats_steps), set(run_b.stats_steps)
     common = sorted(steps_a & steps_b)
     result = DiffResult(
         first_step=None, tensors=[], steps_compared=len(common),
         steps_only_in_a=sorted(steps_a - steps_b), steps_only_in_b=sorted(steps_b - steps_a),
-        config=config_differences(run_a.meta, run_b.meta),
+        config=config_differences(run_a.meta, run_b.meta), ignored=left_out.listed,
     )
     names_a, names_b = _names(run_a, wanted), _names(run_b, wanted)
     result.names_only_in_a = sorted(names_a - names_b, key=_order)
@@ -249,8 +283,13 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
 
     # Scalars first (one query a run): their first difference bounds the state comparison.
     ta, tb = scalar_table(run_a.scalar_rows()), scalar_table(run_b.scalar_rows())
+    for table in (ta, tb):
+        for name in [n for n in table if left_out.scalar(n)]:
+            del table[name]
     by_step = scalar_differences(ta, tb, atol, rtol)
     skipped_a, skipped_b = set(run_a.skipped_steps), set(run_b.skipped_steps)
+    if "scaler" in left_out.parts:
+        skipped_a = skipped_b = set()
     for step in sorted((skipped_a ^ skipped_b) & set(run_a.all_steps) & set(run_b.all_steps)):
         by_step.setdefault(step, []).append(Difference(
             step, "optimizer", "skipped by the GradScaler", "skipped" if step in skipped_a else "not skipped",
@@ -258,7 +297,7 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
     scalar_step = min(by_step) if by_step else None
     result.first_scalar_diff = _first_scalar(ta, tb, atol, rtol)
 
-    scan = _scan(run_a, run_b, atol, rtol, wanted, common, scalar_step)
+    scan = _scan(run_a, run_b, atol, rtol, wanted, common, scalar_step, left_out)
     firsts = [s for s in (scalar_step, scan.state_step, scan.tensor_step) if s is not None]
     result.first_step = min(firsts) if firsts else None
     result.first_tensor_step, result.tensors = scan.tensor_step, scan.tensor_diffs
@@ -274,6 +313,9 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
     cov.state_steps = len(scan.state_seen)
     cov.state_parts = sorted({p for parts in scan.state_seen.values() for p in parts})
     cov.state_missing = scan.state_missing
+    cov.rng_steps = scan.rng_steps
+    result.rng = [RngDiff(s, *scan.rng[s]) for s in sorted(scan.rng, key=_stream_rank)]
+    result.notes = rng_notes(result.rng, cov.rng_steps, result.first_step)
     cov.scalars = sorted(ta.keys() & tb.keys())
     cov.scalars_only_in_a, cov.scalars_only_in_b = sorted(ta.keys() - tb.keys()), sorted(tb.keys() - ta.keys())
     stop = result.first_step
@@ -286,9 +328,10 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
 
 
 def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...], common: list[int],
-          bound: int | None) -> _Scan:
+          bound: int | None, left_out: Ignore) -> _Scan:
     """Walk the common steps a block at a time: the state of each step until the first step
-    where it (or a scalar, ``bound``) differs, the tensors until the first step where they do."""
+    where it (or a scalar, ``bound``) differs, the tensors until the first step where they do.
+    An RNG difference is noted along the way and stops nothing."""
     scan = _Scan()
     stats = set(common)
     steps = sorted(set(run_a.all_steps) & set(run_b.all_steps))
@@ -298,7 +341,7 @@ def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, .
         for step in block:
             limit = min((s for s in (bound, scan.state_step) if s is not None), default=None)
             if limit is None or step <= limit:
-                _compare_state(run_a, run_b, step, fa.get(step, {}), fb.get(step, {}), scan)
+                _compare_state(run_a, run_b, step, fa.get(step, {}), fb.get(step, {}), scan, left_out)
             if step in stats:
                 _compare_tensors_at(run_a, run_b, step, fa.get(step, {}), fb.get(step, {}), atol, rtol, wanted,
                                     scan)
@@ -308,8 +351,9 @@ def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, .
 
 
 def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, ...]],
-                   fb: dict[Key, tuple[Any, ...]], scan: _Scan) -> None:
-    """The recorded state of ``step`` in both runs, where both have one."""
+                   fb: dict[Key, tuple[Any, ...]], scan: _Scan, left_out: Ignore) -> None:
+    """The recorded state of ``step`` in both runs, where both have one (less what is left out).
+    RNG streams that differ are noted in ``scan.rng``; only the rest can be the state's divergence."""
     sa = parse_state(run_a.catalog.step_state(step), f"step {step} of {run_a.path}")
     sb = parse_state(run_b.catalog.step_state(step), f"step {step} of {run_b.path}")
     if sa is None or sb is None:
@@ -317,10 +361,17 @@ def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, .
         return
     state_a = {n: v[:3] for (k, n), v in fa.items() if k == "state"}
     state_b = {n: v[:3] for (k, n), v in fb.items() if k == "state"}
-    found, parts = state_differences(step, sa, sb, state_a, state_b)
+    found, parts = state_differences(step, left_out.state(sa), left_out.state(sb), state_a, state_b)
     scan.state_seen[step] = parts
-    if found and scan.state_step is None:
-        scan.state_step, scan.state_diffs = step, found
+    scan.rng_steps += "rng" in parts
+    computed = []
+    for d in found:
+        if d.stage == "rng":  # "rng numpy": a stream, judged by what is computed from it
+            scan.rng_differs(step, d.what.split(" ", 1)[1] if " " in d.what else d.what)
+        else:
+            computed.append(d)
+    if computed and scan.state_step is None:
+        scan.state_step, scan.state_diffs = step, computed
 
 
 def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, tuple[Any, ...]],
@@ -368,6 +419,10 @@ def _first_scalar(ta: dict[str, dict[int, float | None]], tb: dict[str, dict[int
     firsts = [(s, n) for n in ta.keys() & tb.keys()
               for s in sorted(ta[n].keys() & tb[n].keys()) if not scalars_equal(ta[n][s], tb[n][s], atol, rtol)]
     return min(firsts) if firsts else None
+
+
+def _stream_rank(stream: str) -> tuple[int, str]:
+    return (RNG_STREAMS.index(stream) if stream in RNG_STREAMS else len(RNG_STREAMS), stream)
 
 
 def _kind_rank(kind: str) -> int:

@@ -3,6 +3,10 @@
 The reading follows the causal order of one iteration: whatever differs earliest at the first
 divergent step is the cause, and what was recorded *equal* at that step narrows it down (params
 equal and grads different, with the batch and the RNG recorded equal, leaves the model's code).
+
+An RNG stream is never the verdict (it may differ while nothing computed from it does); where it
+differs at the start of the divergent step and the loss or grads differ from equal params, the
+reading names it as the likely cause, and where it differs and nothing computed does, a note says so.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stepdump.analysis.diff import DiffResult
+    from stepdump.analysis.diff_state import RngDiff
 
 _SHOWN = 5
 
@@ -52,15 +57,13 @@ def reading(res: DiffResult, *, prev_compared: bool | None, parts_at_step: set[s
             text = f"{named} {verb} at step {k} → the AMP loss scaling differs"
         else:
             text = f"{named} {verb} at step {k} → the schedule/hyperparameters differ"
-    elif stage == "rng":
-        text = (f"the RNG state differs at the start of step {k} ({named}) → the seeds differ, or one run drew "
-                "random numbers the other did not (dropout, sampling, augmentation)")
     elif stage == "batch":
-        text = f"the batch differs at step {k} ({named}) → the data differs (order, shuffling seed, augmentation)"
+        text = (f"the batch differs at step {k} ({named}) → the data differs (order, shuffling seed, augmentation)"
+                + _rng_too(res, k, parts_at_step))
     elif stage == "params":
         if prev_compared is None:
             text = (f"params differ at the first compared step ({k}) → the runs start from different weights "
-                    "(initialization seed or checkpoint)")
+                    "(initialization seed or checkpoint)" + _rng_too(res, k, parts_at_step))
         elif prev_compared:
             text = (f"params differ at step {k} while everything compared at step {k - 1} was equal → the weights "
                     "were changed outside the optimizer step (a manual edit, an EMA written back), or the update "
@@ -70,7 +73,8 @@ def reading(res: DiffResult, *, prev_compared: bool | None, parts_at_step: set[s
     elif stage in ("forward", "grads"):
         lead = "params equal, " if params_equal else ""
         what = named if stage == "forward" else "grads"
-        text = f"{lead}{what} {verb if stage == 'forward' else 'differ'} at step {k} → {_inputs_cause(res, parts_at_step)}"
+        text = (f"{lead}{what} {verb if stage == 'forward' else 'differ'} at step {k} → "
+                f"{_inputs_cause(res, k, parts_at_step)}")
     elif whats == ["skipped by the GradScaler"]:
         text = (f"the GradScaler skipped step {k} in one run only → the grads held inf/NaN in one run "
                 "(the loss scale or the grads differ)")
@@ -82,17 +86,67 @@ def reading(res: DiffResult, *, prev_compared: bool | None, parts_at_step: set[s
     return text
 
 
-def _inputs_cause(res: DiffResult, parts: set[str]) -> str:
-    """What makes the outputs differ from equal params: narrowed by the inputs recorded equal."""
+def _inputs_cause(res: DiffResult, k: int, parts: set[str]) -> str:
+    """What makes the outputs differ from equal params: the RNG where it differs at the start of
+    the step, else narrowed by the inputs recorded equal."""
+    at_k = [d.stream for d in res.rng if d.last_step == k]
+    if "rng" in parts and at_k:
+        return (f"the {_and(at_k)} RNG {_verb(at_k)} at the start of step {k} (the likely cause: dropout, "
+                "sampling or augmentation drew other numbers)")
     rng = "rng" in parts
     batch = "inputs" in res.coverage.kinds or "batch" in parts
+    unknown = "was left out" if "rng" in res.ignored else "was not recorded"
     if rng and batch:
         return "the model's code, the loss or their numerics differ (the batch and the RNG are equal)"
     if rng:
         return "the batch or the model's code differs (the RNG is equal; the batch was not recorded)"
     if batch:
-        return "the RNG (dropout) or the model's code differs (the batch is equal; the RNG was not recorded)"
-    return "the batch or the RNG differs, or the model's code (neither was recorded to tell)"
+        return (f"the RNG (dropout) or the model's code differs (the batch is equal; the RNG {unknown})"
+                + _rng_too(res, k, parts))
+    return ("the batch or the RNG differs, or the model's code (neither was recorded to tell)"
+            + _rng_too(res, k, parts))
+
+
+def _rng_too(res: DiffResult, k: int, parts: set[str]) -> str:
+    """``; the numpy RNG differs too (...)``: RNG streams that may explain a difference at step
+    ``k`` without being the verdict ("" when none does)."""
+    if "rng" in parts:  # step k's RNG was compared: only a stream differing there can explain it
+        at_k = [d.stream for d in res.rng if d.last_step == k]
+        return f"; the {_and(at_k)} RNG {_verb(at_k)} too (a possible cause)" if at_k else ""
+    if not res.rng:
+        return ""
+    first = min(d.first_step for d in res.rng)
+    streams = [d.stream for d in res.rng]
+    return (f"; the {_and(streams)} RNG {_verb(streams)} from step {first} on (a possible cause; the RNG of "
+            f"step {k} was not recorded)")
+
+
+def rng_notes(rng: list[RngDiff], compared: int, first_step: int | None) -> list[str]:
+    """One note per group of RNG streams that differ alike: where, and that nothing computed
+    differs (before ``first_step``, when the runs diverge later)."""
+    groups: dict[tuple[int, int, int], list[str]] = {}
+    for d in rng:
+        groups.setdefault((d.first_step, d.last_step, d.steps), []).append(d.stream)
+    notes = []
+    for (first, last, steps), streams in groups.items():
+        span = f"{first}-{last}" if first != last else f"step {first}"
+        where = (f"every step compared ({span})" if steps == compared
+                 else f"{steps} of {compared} steps compared (first at step {first})")
+        text = f"{_and(streams)} RNG {_verb(streams)} at {where}"
+        if first_step is None:
+            text += "; nothing computed differs"
+        elif first < first_step:
+            text += f"; nothing computed differs before step {first_step}"
+        notes.append(text)
+    return notes
+
+
+def _and(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
+
+
+def _verb(words: list[str]) -> str:
+    return "differs" if len(words) == 1 else "differ"
 
 
 def summary_lines(res: DiffResult) -> list[str]:
@@ -106,10 +160,13 @@ def summary_lines(res: DiffResult) -> list[str]:
         lines.append(f"at step {res.first_step}: {'; '.join(whats[:_SHOWN])}{more}")
     if res.first_tensor_step is not None and res.first_tensor_step != res.first_step and res.tensors:
         lines.append(f"tensors first differ at step {res.first_tensor_step}: {res.tensors[0].describe()}")
+    lines += [f"note: {n}" for n in res.notes]
     lines.append("compared: " + compared_text(res))
     missing = not_compared_text(res)
     if missing:
         lines.append("not compared: " + missing)
+    if res.ignored:
+        lines.append(f"ignored: {', '.join(res.ignored)} (left out of the comparison)")
     if res.config:
         lines.append("recorded with different settings: " + "; ".join(f"{k} A {a!r}, B {b!r}" for k, a, b in res.config))
     return lines

@@ -70,6 +70,22 @@ class Difference:
         return self.step, STAGES.index(self.stage) if self.stage in STAGES else len(STAGES)
 
 
+@dataclass(frozen=True)
+class RngDiff:
+    """An RNG stream whose state differs between two runs at the start of some steps.
+
+    ``stream`` is a key of the recorded RNG state (``torch``, ``cuda``, ``numpy``, ``python``);
+    it differs at ``steps`` of the steps whose RNG both runs recorded, the first at
+    ``first_step`` and the last at ``last_step``. By itself it is not a divergence: only what
+    is computed from it (the batch, the loss, the grads) can be.
+    """
+
+    stream: str
+    first_step: int
+    last_step: int
+    steps: int
+
+
 def config_differences(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(key, A's value, B's value) of the recorded settings that differ between two runs."""
     return [(k, meta_a.get(k), meta_b.get(k)) for k in CONFIG_KEYS if meta_a.get(k) != meta_b.get(k)]

@@ -6,16 +6,19 @@ import argparse
 from dataclasses import asdict
 from typing import Any
 
-from stepdump.cli.common import console, open_run
+from stepdump.cli.common import console, err_console, open_run
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
   stepdump diff run-a run-b
   stepdump diff ref port --atol 1e-6 --kinds params,grads
   stepdump diff run-a run-b --json
+  stepdump diff run-a run-b --ignore rng --ignore scalars.tokens_per_sec
 
-exit codes: 0 identical (over what was compared: the output says what was not),
-  1 the runs differ, 6 nothing to compare (no tensor recorded by both at a common step)
+exit codes: 0 identical (over what was compared: the output says what was not; an RNG that
+  differs while nothing computed does is a note, not a difference), 1 the runs differ,
+  2 bad arguments (an unknown --ignore part), 6 nothing to compare (no tensor recorded by
+  both at a common step)
 """
 
 _SHOWN = 20
@@ -27,15 +30,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--kinds", help="comma-separated tensor kinds to compare (default all)")
+    p.add_argument("--ignore", action="append", metavar="PART",
+                   help="leave PART out of the comparison (repeatable, or a comma list): rng, rng.torch, rng.cuda, "
+                        "rng.numpy, rng.python, hyperparameters, scheduler, scaler, batch, scalars, scalars.NAME, "
+                        "or a tensor kind")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     from stepdump.analysis.diff import diff
+    from stepdump.analysis.diff_ignore import parse_ignore
+    from stepdump.errors import ConfigError
 
     kinds = args.kinds.split(",") if args.kinds else None
+    ignore = [w.strip() for item in args.ignore or () for w in item.split(",")]
+    try:
+        parse_ignore(ignore)  # a bad word is a bad command line: refused before any run is opened
+    except ConfigError as e:
+        err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        return Exit.USAGE
     with open_run(args.run_a) as a, open_run(args.run_b) as b:
-        res = diff(a, b, atol=args.atol, rtol=args.rtol, kinds=kinds)
+        res = diff(a, b, atol=args.atol, rtol=args.rtol, kinds=kinds, ignore=ignore)
     if args.json:
         from stepdump.cli.output import print_json
 
@@ -67,4 +82,5 @@ def _as_json(res: Any) -> dict[str, Any]:
         "names_only_in_a": res.names_only_in_a, "names_only_in_b": res.names_only_in_b,
         "first_scalar_diff": res.first_scalar_diff, "coverage": asdict(res.coverage),
         "config": [{"key": k, "a": a, "b": b} for k, a, b in res.config], "rank": res.rank,
+        "notes": res.notes, "rng": [asdict(d) for d in res.rng], "ignored": res.ignored,
     }
