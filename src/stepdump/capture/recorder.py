@@ -53,6 +53,7 @@ from stepdump.capture.selection import Levels, NameFilter
 from stepdump.capture.session import check_objects, init_catalog, prepare_dir, run_meta
 from stepdump.capture.sharding import Ranks, this_rank_records
 from stepdump.capture.staging import StagingPool
+from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.core.layout import build_layout
@@ -206,6 +207,8 @@ class Recorder:
         # On the module given (a torch.compile wrapper runs its own hooks eagerly: no graph break).
         if not isinstance(self.model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
             self._hooks.append(self.model.register_forward_pre_hook(Hook(self._saw_forward)))  # copies: handles.py
+        self._watch = StepWatch(self.model, self.optimizer, lambda: self._step)  # a loop that never steps it: say so
+        self._hooks.extend(self._watch.handles)
         self._begin_iteration(self._step)
         # If the user forgets close(), still flush and release the lock at exit.
         self._finalizer = weakref.finalize(self, close_quietly, weakref.ref(self))
@@ -232,6 +235,7 @@ class Recorder:
         values = {name: checked_scalar(name, value) for name, value in scalars.items()}  # all, before any is kept
         if self._guard.stopped or self._raise_if_writer_failed():
             return
+        self._watch.event()
         for name, value in values.items():
             step = self._step
             if self._prev_open and not self._forward_seen and name not in self._pending.get(step - 1, {}):
@@ -271,6 +275,7 @@ class Recorder:
         self._hooks.clear()
         if not self.recording:
             return
+        self._watch.closing()
         self._modules.remove()
         if self._ring is not None:
             self._ring.release_all()
