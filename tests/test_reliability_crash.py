@@ -7,10 +7,13 @@ imported torch once, so each trial costs a fork rather than a torch import.
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import time
 
 import pytest
 import torch
+from reliability import txkill
 from reliability.crash import run_chain
 from reliability.procs import (
     Zygote,
@@ -162,3 +165,125 @@ def test_a_recorder_killed_before_its_catalog_existed_leaves_a_startable_directo
     model, opt = make_model_opt()
     with pytest.raises(stepdump.RunExistsError):
         stepdump.Recorder(other, model, opt, resume=True)
+
+
+# -- a kill inside each write transaction of the catalog (issue 22, item 10) ----------------------
+
+
+@pytest.fixture(scope="module")
+def txn_bases(zygote, tmp_path_factory):
+    """The reference hashes, and the runs the rows start from: closed, and crashed (see txkill.py)."""
+    work = tmp_path_factory.mktemp("txn-bases")
+    want = txkill.reference(12)
+    txkill.record_base(work / "closed")
+    crashed = work / "crashed"
+    shutil.copytree(work / "closed", crashed)
+    _kill_in(zygote, crashed, work, txkill.Kill(txkill.STEP + "8, 2"), {})
+    return want, {"closed": work / "closed", "crashed": crashed}
+
+
+def _kill_in(zygote, run_dir, work, kill, child) -> None:
+    _wait_killed(*_spawn_kill(zygote, run_dir, work, kill, child))
+
+
+def _spawn_kill(zygote, run_dir, work, kill, child):
+    side, log = work / f"{run_dir.name}.side", work / f"{run_dir.name}.log"
+    pid = zygote.spawn("txn", log, run_dir=str(run_dir), side=str(side), kill=dataclasses.asdict(kill), **child)
+    return pid, side, log
+
+
+def _wait_killed(pid, side, log) -> None:
+    """The child died at its kill point: it got ready to write, never closed, raised nothing."""
+    deadline = time.monotonic() + 120
+    while alive(pid):
+        assert time.monotonic() < deadline, "the child neither died nor finished"
+        time.sleep(0.005)
+    events = [x.get("event") for x in read_side(side)]
+    text = log.read_text()
+    assert "armed" in events and "closed" not in events and "Traceback" not in text, (events, text[-3000:])
+
+
+@pytest.fixture(scope="module")
+def txn_killed(zygote, txn_bases, tmp_path_factory):
+    """Every row's child, all forked at once (they run side by side): row id -> (run dir, follower,
+    the child's pid, side file and log); and "ro": one more hot journal, left alone."""
+    work = tmp_path_factory.mktemp("txn-rows")
+    _, bases = txn_bases
+    out = {}
+    for i, row in enumerate([*txkill.ROWS, None]):
+        base, kill, child = ("closed", txkill.Kill(txkill.DROP + "3"), {"at": 3}) if row is None else \
+            (row.base, row.kill, row.child)
+        run_dir = work / f"run{i:02d}"
+        if base == "empty":
+            run_dir.mkdir()
+        else:
+            shutil.copytree(bases[base], run_dir)
+        follower = stepdump.open(run_dir) if row is not None and row.first == "follower" else None
+        out["ro" if row is None else row.id] = (run_dir, follower, *_spawn_kill(zygote, run_dir, work, kill, child))
+    yield out
+    for _, follower, *_ in out.values():
+        if follower is not None:
+            follower.close()
+
+
+@pytest.mark.parametrize("row", txkill.ROWS, ids=[r.id for r in txkill.ROWS])
+def test_sigkill_inside_each_catalog_transaction(txn_bases, txn_killed, row):
+    """SIGKILL inside one write transaction of the catalog (a one-page cache makes SQLite write
+    its pages before COMMIT): afterwards open, verify (API and CLI), a follower that had the run
+    open and Recorder(resume=True) all work, the run is as of the last committed transaction,
+    and every step stored in full reads back bit-exact (tests/reliability/txkill.py)."""
+    from stepdump.cli.main import main
+
+    want, _ = txn_bases
+    run_dir, follower, *child = txn_killed[row.id]
+    _wait_killed(*child)
+    if row.left is not None:  # the kill left what the row is about
+        side = run_dir / f"catalog.sqlite-{row.left}"
+        assert side.exists() and side.stat().st_size > 0, sorted(p.name for p in run_dir.iterdir())
+    if row.full is None:
+        with pytest.raises(stepdump.NotARunError):
+            stepdump.open(run_dir)
+    else:
+        if follower is not None:
+            assert follower.steps == row.full
+        if row.first == "cli":
+            assert main(["verify", str(run_dir)]) == 0
+        if row.first == "resume":
+            txkill.resume_and_finish(run_dir, want)
+        else:
+            with stepdump.open(run_dir) as run:
+                assert stepdump.verify(run).ok
+                txkill.check_steps(run, want, row.full, row.final)
+                assert run.all_steps == (row.all_steps or row.full)
+                assert len(run.meta.get("history", [])) == row.history
+                assert "recording_stopped" not in run.meta
+    assert not (run_dir / "catalog.sqlite-journal").exists()  # rolled back by whoever opened it first
+    if row.first != "resume":
+        txkill.resume_and_finish(run_dir, want)
+
+
+def test_a_hot_journal_where_it_cannot_be_rolled_back_says_what_happened(txn_bases, txn_killed, tmp_path, capsys):
+    """On a read-only mount nobody can roll the journal back: every opener says what happened and
+    what to do (InterruptedWriteError, CLI exit 5: not the corruption code 4, never "damaged");
+    opened once where it is writable, the run is back, bit-exact."""
+    from test_reliability_hostile_catalog import _read_only_mount
+
+    from stepdump.cli.main import main
+
+    want, _ = txn_bases
+    run_dir, _, *child = txn_killed["ro"]
+    _wait_killed(*child)
+    assert (run_dir / "catalog.sqlite-journal").stat().st_size > 0
+    with _read_only_mount(run_dir, tmp_path / "ro") as ro:
+        with pytest.raises(stepdump.InterruptedWriteError) as err:
+            stepdump.open(ro)
+        msg = str(err.value)
+        assert "interrupted in the middle of a write" in msg and "catalog.sqlite-journal" in msg
+        assert "open the run once as a user who can write" in msg and "damaged" not in msg
+        capsys.readouterr()
+        assert main(["verify", str(ro)]) == 5
+        assert "interrupted in the middle of a write" in capsys.readouterr().err
+    with stepdump.open(run_dir) as run:  # writable: rolled back on open
+        assert stepdump.verify(run).ok
+        txkill.check_steps(run, want, txkill.CLOSED, txkill.BASE_STEPS)
+    assert not (run_dir / "catalog.sqlite-journal").exists()

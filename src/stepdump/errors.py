@@ -57,6 +57,15 @@ class CorruptDataError(StepdumpError):
     """Stored bytes fail their checksum or cannot be decoded."""
 
 
+class InterruptedWriteError(StepdumpError):
+    """A write to the run's catalog was cut off (a process killed mid-transaction left a hot
+    ``catalog.sqlite-journal``), and rolling it back needs write access this process lacks.
+
+    Nothing committed is lost: opening the run once with write access to its directory (any
+    stepdump command, ``stepdump.open``, a Recorder) rolls it back.
+    """
+
+
 class WriterError(StepdumpError):
     """The background writer failed; the message carries the cause."""
 

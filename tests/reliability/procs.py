@@ -224,7 +224,14 @@ def tail_child(run_dir: str, side: str, stop_file: str, poll: float = 0.002) -> 
               "views": views, "reads": reads})
 
 
-FUNCS = {"train": train_child, "hold_lock": hold_lock_child, "tail": tail_child}
+def txn_child(**kwargs: Any) -> None:
+    """tests/reliability/txkill.py: die inside one transaction of the catalog."""
+    from reliability.txkill import txn_child as child
+
+    child(**kwargs)
+
+
+FUNCS = {"train": train_child, "hold_lock": hold_lock_child, "tail": tail_child, "txn": txn_child}
 
 
 # -- the fork server ---------------------------------------------------------------------------

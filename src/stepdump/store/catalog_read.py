@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stepdump.errors import CorruptDataError, FormatVersionError, NotARunError
+from stepdump.errors import CorruptDataError, FormatVersionError, InterruptedWriteError, NotARunError
 from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION
 from stepdump.store.lock import is_locked
 from stepdump.store.schema import (
@@ -28,6 +28,9 @@ from stepdump.store.schema import (
 )
 
 log = logging.getLogger(__name__)
+
+# SQLite's "the database needs a rollback (a hot journal) and this connection is read-only".
+SQLITE_READONLY_ROLLBACK = 776
 
 
 class Rows(list):  # type: ignore[type-arg]
@@ -60,11 +63,21 @@ class ReadConnection:
             return Rows(self._con.execute(sql, params).fetchall())
         except sqlite3.ProgrammingError:
             raise
+        except sqlite3.OperationalError as e:
+            if e.sqlite_errorcode != SQLITE_READONLY_ROLLBACK:
+                raise self._damaged(e) from e
+            # A writer was killed mid-transaction since this connection opened (a reader
+            # following a run whose resumed Recorder died while dropping steps).
+            roll_back_interrupted_write(self.path, e)
+            try:
+                return Rows(self._con.execute(sql, params).fetchall())
+            except (sqlite3.DatabaseError, UnicodeDecodeError) as again:
+                raise self._damaged(again) from again
         except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # the latter: TEXT that is not UTF-8
-            raise CorruptDataError(
-                f"{self.path} is not a readable stepdump catalog: {e} (the file is damaged, or not a "
-                "stepdump catalog; `stepdump verify` checks a run)"
-            ) from e
+            raise self._damaged(e) from e
+
+    def _damaged(self, e: BaseException) -> CorruptDataError:
+        return _unreadable(self.path, e)
 
     def close(self) -> None:
         self._con.close()
@@ -106,9 +119,15 @@ def _connect_read_only(path: Path, run_dir: Path) -> sqlite3.Connection:
     left WAL mode) is opened ``immutable``: no locks, no side files, a snapshot that
     does not follow later writes. Immutable would ignore data in ``-wal``: an error.
     """
-    uri = "file:" + urllib.parse.quote(os.fsencode(path.absolute()))  # a '?' or '#' would end the name
+    uri = _uri(path)
     try:
-        return _probe(sqlite3.connect(uri + "?mode=ro", uri=True, check_same_thread=False))
+        try:
+            return _probe(sqlite3.connect(uri + "?mode=ro", uri=True, check_same_thread=False))
+        except sqlite3.OperationalError as e:
+            if e.sqlite_errorcode != SQLITE_READONLY_ROLLBACK:
+                raise
+            roll_back_interrupted_write(path, e)  # a writer killed mid-transaction: SQLite's own recovery
+            return _probe(sqlite3.connect(uri + "?mode=ro", uri=True, check_same_thread=False))
     except sqlite3.OperationalError as e:
         if e.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY):
             raise _unreadable(path, e) from e
@@ -123,12 +142,8 @@ def _connect_read_only(path: Path, run_dir: Path) -> sqlite3.Connection:
         raise CorruptDataError(f"cannot read {path}: {e}") from e
     if not in_wal and not path.with_name(path.name + "-journal").exists():
         raise _unreadable(path, cause) from cause
-    if not in_wal:  # a hot journal: SQLite must roll it back into the catalog first
-        raise CorruptDataError(
-            f"{path} cannot be opened without write access to {run_dir} ({cause}): a write to it was cut off "
-            "and SQLite must roll it back. Open the run once where its directory is writable, or copy the run "
-            "directory somewhere writable and open the copy"
-        ) from cause
+    if not in_wal:  # a -journal that only a writer could roll back: what happened, never "damaged"
+        raise _interrupted(path, cause) from cause
     if wal.exists() and wal.stat().st_size > 0:
         raise CorruptDataError(
             f"{path}: committed steps are still in {wal.name}, which SQLite can read only by creating "
@@ -145,6 +160,53 @@ def _connect_read_only(path: Path, run_dir: Path) -> sqlite3.Connection:
         return _probe(sqlite3.connect(uri + "?mode=ro&immutable=1", uri=True, check_same_thread=False))
     except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
         raise _unreadable(path, e) from e
+
+
+def _uri(path: Path) -> str:
+    return "file:" + urllib.parse.quote(os.fsencode(path.absolute()))  # a '?' or '#' would end the name
+
+
+def roll_back_interrupted_write(path: Path, cause: BaseException) -> None:
+    """Roll back the write a killed process left half-done in catalog ``path`` (a hot rollback
+    journal), or raise :class:`~stepdump.errors.InterruptedWriteError` saying how to.
+
+    Only a connection that may write can roll a hot journal back (a read-only one gets
+    SQLITE_READONLY_ROLLBACK, for every query). This is SQLite's own recovery, the one any
+    read-write connection runs on open: the journal holds the pages the dead writer had begun
+    to change, they are put back, and the catalog is as of its last committed transaction. It
+    is safe while a Recorder writes: SQLite only treats a journal as hot when no process holds
+    the catalog's write lock. The journal must be a plain file of the run (no link, FIFO, ...).
+    """
+    run_dir = path.parent
+    journal = path.with_name(path.name + "-journal")
+    if not (os.access(run_dir, os.W_OK) and os.access(path, os.W_OK)):
+        raise _interrupted(path, cause) from cause
+    check_side_files(path, single_link=True)
+    try:
+        con = sqlite3.connect(_uri(path) + "?mode=rw", uri=True, isolation_level=None, timeout=10)
+        try:
+            con.execute("PRAGMA trusted_schema=OFF")
+            con.execute("SELECT count(*) FROM sqlite_master").fetchall()  # the read lock: the rollback
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:  # e.g. a read-only file system despite access(2)
+        raise _interrupted(path, e) from e
+    log.warning("stepdump: %s: rolled back a write to its catalog that a killed process left unfinished "
+                "(%s); the run is as of its last committed transaction, nothing committed is lost",
+                run_dir, journal.name)
+
+
+def _interrupted(path: Path, cause: BaseException) -> InterruptedWriteError:
+    run_dir = path.parent
+    return InterruptedWriteError(
+        f"{run_dir} was interrupted in the middle of a write to its catalog: {path.name}-journal holds the "
+        "pages a killed process (a Recorder, e.g. one resuming the run and dropping steps) had begun to "
+        f"change, and SQLite must put them back before the run can be read. That needs write access to "
+        f"{run_dir}, which this process does not have ({cause}). Nothing committed is lost: open the run "
+        f"once as a user who can write {run_dir} (stepdump.open or any stepdump command does it, e.g. "
+        "`stepdump verify RUN`), or copy the whole run directory, the -journal file included, somewhere "
+        "writable and open the copy"
+    )
 
 
 def _probe(con: sqlite3.Connection) -> sqlite3.Connection:
