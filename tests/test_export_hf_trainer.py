@@ -118,6 +118,33 @@ def test_trainer_resumed_from_export_ends_bit_identical(original: dict[str, Any]
         for t in range(step, MAX_STEPS):
             assert resumed.fingerprints(t, ["params", "grads", "optimizer"]) == \
                 run.fingerprints(t, ["params", "grads", "optimizer"]), t
+        assert_resumed_records_equal(run, resumed, step)
+
+
+def assert_resumed_records_equal(run: stepdump.Run, resumed: stepdump.Run, step: int) -> None:
+    """``diff(original, resumed)`` is identical over the resumed steps, RNG included: the first
+    resumed record holds the RNG the trainer restored (issue 22, item 8), not the one before."""
+    res = stepdump.diff(run, resumed)
+    assert res.identical and res.steps_compared == MAX_STEPS - step + 1, res.summary()
+    assert res.rng == [] and res.notes == [], res.summary()  # not even a note: every stream is equal
+    assert res.coverage.rng_steps == MAX_STEPS - step + 1, res.summary()
+    assert_same_tree(resumed.rng_state(step), run.rng_state(step), f"RNG of the first resumed record {step}")
+
+
+@pytest.mark.parametrize("step", [2, 4], ids=["mid-epoch", "epoch-boundary"])
+def test_trainer_resumed_from_its_own_checkpoint_records_what_the_original_did(original: dict[str, Any],
+                                                                              tmp_path: Path, step: int) -> None:
+    """The Trainer's own checkpoint (not an export): the RNG it restores is the one the original
+    run had right after update ``step - 1``, and the resumed run's record ``step`` holds it."""
+    model = tiny_gpt2(seed=123)
+    trainer = Trainer(model=model, args=_args(tmp_path / "out2"), train_dataset=token_dataset(),
+                      callbacks=[StepdumpTrainerCallback(tmp_path / "resumed")])
+    trainer.train(resume_from_checkpoint=str(original["out"] / f"checkpoint-{step}"))
+    for n, p in model.named_parameters():
+        assert_same(p.detach(), original["final"][n], n)
+    with stepdump.open(tmp_path / "resumed") as resumed, stepdump.open(original["run"]) as run:
+        assert resumed.all_steps == list(range(step, MAX_STEPS + 1))
+        assert_resumed_records_equal(run, resumed, step)
 
 
 def test_export_without_grads_and_at_the_last_record(tmp_path: Path) -> None:

@@ -125,11 +125,18 @@ def test_fit_resumed_from_export_ends_bit_identical(original: dict[str, Any], tm
         for t in range(4, MAX_STEPS):
             kinds = ["params", "grads", "optimizer"]
             assert resumed.fingerprints(t, kinds) == run.fingerprints(t, kinds), t
+        # diff(original, resumed): identical, RNG included (issue 22, item 8)
+        res = stepdump.diff(run, resumed)
+        assert res.identical and res.steps_compared == MAX_STEPS - 4 + 1, res.summary()
+        assert res.rng == [] and res.notes == [] and res.coverage.rng_steps == MAX_STEPS - 4 + 1, res.summary()
+        assert_same_tree(resumed.rng_state(4), run.rng_state(4), "RNG of the first resumed record")
 
 
 def test_fit_resumed_mid_epoch_starts_from_the_record(original: dict[str, Any], tmp_path: Path) -> None:
     """Mid-epoch, Lightning restarts a plain DataLoader from its first batch (it warns so), so
-    the batches differ from the original's; what holds is the state the fit resumes from."""
+    the batches differ from the original's; what holds is the state the fit resumes from, and
+    diff says exactly that: at the first resumed step the params, optimizer state and RNG are
+    the original's, and the loss differs (docs/integrations.md: why this cannot be exact)."""
     with stepdump.open(original["run"]) as run:
         ckpt = run.export(2, tmp_path / "step2.ckpt", format="lightning")
     model = Net(seed=123)
@@ -141,6 +148,28 @@ def test_fit_resumed_mid_epoch_starts_from_the_record(original: dict[str, Any], 
         kinds = ["params", "optimizer"]
         assert resumed.fingerprints(2, kinds) == run.fingerprints(2, kinds)
         assert resumed.scheduler_state_dict(2) == run.scheduler_state_dict(2)
+        assert_same_tree(resumed.rng_state(2), run.rng_state(2), "RNG of the first resumed record")
+        res = stepdump.diff(run, resumed)
+        assert res.first_step == 2 and (res.cause.stage, res.cause.what) == ("forward", "loss"), res.summary()
+        assert res.rng == [] and "rng" in res.coverage.state_parts, res.summary()
+        assert res.reading == ("params equal, loss differs at step 2 → the batch or the model's code differs (the "
+                               "RNG is equal; the batch was not recorded)")
+
+
+def test_fit_from_the_export_of_step_zero_is_the_original_fit(original: dict[str, Any], tmp_path: Path) -> None:
+    """Step 0 exports as a fit from the start: with its RNG restored, the fit is the original's,
+    record 0 included (its RNG is the one from before the loader's first draw)."""
+    with stepdump.open(original["run"]) as run:
+        ckpt = run.export(0, tmp_path / "step0.ckpt", format="lightning")
+    L.seed_everything(123, verbose=False)
+    model = Net(seed=123)
+    _trainer([StepdumpCallback(tmp_path / "resumed")]).fit(model, _data(), ckpt_path=str(ckpt))
+    for n, p in model.named_parameters():
+        assert_same(p.detach(), original["final"][n], n)
+    with stepdump.open(tmp_path / "resumed") as resumed, stepdump.open(original["run"]) as run:
+        res = stepdump.diff(run, resumed)
+        assert res.identical and res.complete and res.rng == [] and res.notes == [], res.summary()
+        assert res.coverage.rng_steps == MAX_STEPS + 1, res.summary()
 
 
 def test_step_zero_and_missing_setup(original: dict[str, Any], tmp_path: Path) -> None:

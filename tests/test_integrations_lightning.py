@@ -67,6 +67,10 @@ class Probe(L.Callback):
     def __init__(self) -> None:
         self.seen: list[dict] = []
         self.buffers: list[dict[str, torch.Tensor]] = []  # at the start of each batch
+        self.fit_rng: torch.Tensor | None = None  # the torch RNG the fit starts from
+
+    def on_fit_start(self, trainer, pl_module):
+        self.fit_rng = torch.get_rng_state()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.buffers.append({n: b.clone() for n, b in pl_module.named_buffers()})
@@ -188,6 +192,8 @@ def test_resume_from_checkpoint_appends_to_the_run(tmp_path):
             for n, v in s["grads"].items():
                 assert_same(run.tensor(n, t, "grads"), v, f"grads {n} @ {t}")
             assert run.scheduler_state_dict(t) == s["sched"]
+        # the first resumed record's RNG: the one the fit starts from, before the loader's first draw
+        assert_same(run.rng_state(2)["torch"], probe.fit_rng, "RNG of record 2")
 
     # Resuming the step-2 checkpoint again records into the same run: steps 2..4 are dropped first.
     _trainer([StepdumpCallback(run_dir)], max_steps=4).fit(Net(), _data(), ckpt_path=ckpt)

@@ -72,6 +72,34 @@ def _check(run: stepdump.Run, seen: list[dict], first: int = 0) -> None:
         assert run.scalars().loc[t, "lr"] == s["lr"]
 
 
+def _assert_rng_is_the_checkpoints(recorded: dict, ckpt) -> None:
+    import numpy as np
+
+    saved = torch.load(ckpt / "rng_state.pth", weights_only=False)
+    assert_same(recorded["torch"], saved["cpu"], "torch RNG")
+    assert recorded["numpy"]["pos"] == saved["numpy"][2]
+    assert np.array_equal(recorded["numpy"]["keys"].numpy(), saved["numpy"][1])
+    assert tuple(recorded["python"]["state"].tolist()) == saved["python"][1]
+
+
+def test_a_resume_found_no_trainer_takes_the_rng_at_the_first_step(tmp_path, monkeypatch, caplog):
+    """The fallback when the callback cannot reach the Trainer's RNG restore: on_step_begin of the
+    first step, which is exact mid-epoch (the Trainer restores the RNG after skipping batches)."""
+    import stepdump.integrations.transformers as hf
+
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    Trainer(model=tiny_gpt2(), args=_args(out, max_steps=2, save_strategy="steps", save_steps=2),
+            train_dataset=token_dataset(), callbacks=[StepdumpTrainerCallback(run_dir)]).train()
+    monkeypatch.setattr(hf, "_calling_trainer", lambda depth=8: None)
+    with caplog.at_level("WARNING", logger="stepdump.integrations.transformers"):
+        Trainer(model=tiny_gpt2(), args=_args(out, max_steps=4), train_dataset=token_dataset(),
+                callbacks=[StepdumpTrainerCallback(tmp_path / "resumed")]).train(
+            resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert "no Trainer with _load_rng_state" in caplog.text
+    with stepdump.open(tmp_path / "resumed") as run:
+        _assert_rng_is_the_checkpoints(run.rng_state(2), out / "checkpoint-2")
+
+
 def test_trainer_records_equal_live_tensors(tmp_path):
     model, probe = tiny_gpt2(), Probe()
     cb = StepdumpTrainerCallback(tmp_path / "run")
@@ -136,6 +164,8 @@ def test_resume_from_checkpoint_appends(tmp_path):
         for k, v in saved.items():
             assert_same(sd[k], v, k)
         _check(run, probe.seen, first=2)
+        # and its RNG is the one the Trainer restored from checkpoint-2, not the one from before
+        _assert_rng_is_the_checkpoints(run.rng_state(2), ckpt)
 
     # resuming checkpoint-2 again records steps 2 and 3 again into the same run: 2..4 are dropped first
     t3 = Trainer(model=tiny_gpt2(), args=_args(out, max_steps=4), train_dataset=token_dataset(),

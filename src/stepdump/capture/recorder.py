@@ -371,17 +371,24 @@ class Recorder:
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "optimizer.step() post-hook")
 
-    def begin_iteration(self) -> None:
+    def begin_iteration(self, rng: dict[str, Any] | None = None) -> None:
         """Take the start-of-iteration state (RNG, buffers) of the current step again.
 
         :meth:`end_step` takes it right after the previous update; call this when
         something between that moment and the iteration changes it (a per-epoch
         reseed, loading a checkpoint), so that replay starts where training did.
+
+        ``rng``: the RNG state to record instead of the current one (a trainer restored
+        it, then drew from it before this call could be made), as ``Run.rng_state`` gives it.
         """
+        if rng is not None and not (isinstance(rng, dict) and "torch" in rng):
+            raise ConfigError(f"begin_iteration(rng=) takes a dict like Run.rng_state(), not {type(rng).__name__}")
         if not self.recording or self._closed or self._guard.stopped:
             return
         try:
             self._begin_iteration(self._step)
+            if rng is not None and self._begin is not None:
+                self._begin["rng"] = rng
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "begin_iteration()")
 

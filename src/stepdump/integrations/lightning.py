@@ -81,6 +81,15 @@ class StepdumpCallback(pl.Callback):
     from there on (it went on past the checkpoint) are dropped and recorded
     again, so the run stays one history (``run.meta["history"]``).
 
+    **RNG of the first record.** A record's RNG is the state at the start of its
+    iteration, before its batch is drawn. Lightning draws from the global RNG
+    when it creates the data loader's iterator, before ``on_train_start`` (where
+    the Recorder is made), so the callback keeps the RNG as of ``on_fit_start``
+    (after a checkpoint's RNG is restored) and records that as the first step's.
+    A resumed run's first record then holds the RNG the fit continues from: with
+    a ``.ckpt`` from ``run.export(format="lightning")``, the original's record of
+    that step (docs/integrations.md says when a resumed run diffs identical).
+
     Only global rank 0 records (parameters and gradients are the same on every
     DDP rank); sharded strategies (FSDP, DeepSpeed) are not supported.
 
@@ -103,6 +112,7 @@ class StepdumpCallback(pl.Callback):
         self._by_optimizer: dict[int, Recorder] = {}
         self._captured: dict[int, tuple[int, bool]] = {}  # id(recorder) -> (step, skipped) captured this batch
         self._losses: list[torch.Tensor] = []
+        self._start_rng: dict[str, Any] | None = None  # the RNG the fit starts from (before the loader draws)
 
     # -- access ------------------------------------------------------------------
     @property
@@ -121,6 +131,22 @@ class StepdumpCallback(pl.Callback):
         return self._recorders[0]
 
     # -- lifecycle ---------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After a checkpoint's RNG is restored (on_load_checkpoint comes first, or takes it again
+        # below when a strategy restores after setup) and before the fit loop creates the data
+        # loader's iterator, which draws from the global torch RNG: the first step starts here.
+        self._take_start_rng()
+
+    def _take_start_rng(self) -> None:
+        from stepdump.core.rng import get_rng_state
+
+        try:
+            self._start_rng = get_rng_state()
+        except Exception as e:  # noqa: BLE001 - do no harm: the first record keeps the RNG at on_train_start
+            self._start_rng = None
+            log.warning("stepdump: could not read the RNG state at the start of the fit (%s); the first record holds "
+                        "the one at on_train_start", e)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # By now the optimizers exist and a checkpoint given to fit() is restored, so
         # trainer.global_step is the step training continues from.
@@ -158,6 +184,10 @@ class StepdumpCallback(pl.Callback):
         except BaseException:
             self._close()
             raise
+        start_rng, self._start_rng = self._start_rng, None
+        if start_rng is not None:  # the loader's iterator has drawn since: record the RNG from before it
+            for rec in self._recorders:
+                rec.begin_iteration(rng=start_rng)
         log.info("stepdump: recording %d optimizer(s) into %s from step %d", len(optimizers), self.path,
                  self._recorders[0].step)
 
@@ -208,6 +238,8 @@ class StepdumpCallback(pl.Callback):
 
             set_rng_state(rng)
             log.info("stepdump: RNG restored from the checkpoint of step %s", checkpoint["stepdump"].get("step"))
+        if self._start_rng is not None:  # restored after on_fit_start (a strategy that restores after setup)
+            self._take_start_rng()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()

@@ -12,6 +12,7 @@ run = stepdump.open("runs/exp1")
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -32,6 +33,9 @@ except ImportError as e:
 log = logging.getLogger(__name__)
 
 __all__ = ["StepdumpTrainerCallback"]
+
+# The Trainer method that restores a checkpoint's RNG (transformers 4.x and 5.x).
+_RESTORE = "_load_rng_state"
 
 # The summary ``Trainer.train`` logs once at the end is about the whole run, not a step.
 _SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss")
@@ -66,6 +70,12 @@ class StepdumpTrainerCallback(TrainerCallback):
     same run (``resume=True``) from ``state.global_step``; steps the run already
     has from there on (recorded after that checkpoint was saved) are dropped and
     recorded again, so the run stays one history (``run.meta["history"]``).
+    The Trainer restores the checkpoint's RNG only after ``on_train_begin``
+    (``Trainer._load_rng_state``: at the start of the resumed epoch, or after the
+    skipped batches of a mid-epoch resume), so the callback has the Trainer's
+    ``_load_rng_state`` take the first record's start state again right after it
+    restores: that record holds the RNG the original run had at that step, from
+    before the data loader draws the next epoch's order.
 
     Only the main process records; DeepSpeed and FSDP (sharded parameters) are
     not supported.
@@ -86,6 +96,8 @@ class StepdumpTrainerCallback(TrainerCallback):
         self.path = Path(path)
         self.recorder_kwargs = recorder_kwargs
         self._recorder: Recorder | None = None
+        self._unwatch: Any = None  # undoes the watch on the Trainer's RNG restore
+        self._first_begin = False  # no Trainer found on resume: retake the start state at the first step
 
     @property
     def recorder(self) -> Recorder:
@@ -123,7 +135,42 @@ class StepdumpTrainerCallback(TrainerCallback):
         kwargs_["metadata"] = with_grad_clip(kwargs_.get("metadata"), clip)
         self._recorder = Recorder(self.path, model, opt, scheduler=sched, scaler=scaler, resume=resume,
                                   start_step=start, **kwargs_)
+        if state.global_step > 0:  # a resume: the Trainer restores the checkpoint's RNG after this
+            self._watch_rng_restore()
         log.info("stepdump: recording into %s from step %d", self.path, self._recorder.step)
+
+    def _watch_rng_restore(self) -> None:
+        """Have the Trainer that called ``on_train_begin`` retake the first record's start state
+        right after its ``_load_rng_state`` (the only moment between its restore and the data
+        loader's next draw). Callbacks are not given the Trainer: it is the ``self`` of a caller."""
+        # The Trainer's own (private) restore is the only hook at the right moment; it is reached
+        # by name, as _common.found_inf reads the GradScaler's state, and left as it was at the end.
+        trainer = _calling_trainer()
+        original = getattr(trainer, _RESTORE, None) if trainer is not None else None
+        if trainer is None or not callable(original):
+            self._first_begin = True
+            log.warning("stepdump: no Trainer with _load_rng_state called on_train_begin; the first resumed "
+                        "record takes its RNG at on_step_begin, after the data loader's draw at an epoch start")
+            return
+        rec = self._recorder
+
+        def load_rng_state(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if rec is not None and rec is self._recorder:
+                rec.begin_iteration()  # never raises: a failure is the Recorder's warning
+            return out
+
+        setattr(trainer, _RESTORE, load_rng_state)  # an instance attribute: this Trainer only
+
+        def unwatch() -> None:
+            if trainer.__dict__.get(_RESTORE) is load_rng_state:
+                del trainer.__dict__[_RESTORE]
+        self._unwatch = unwatch
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._first_begin and self._recorder is not None:
+            self._first_begin = False
+            self._recorder.begin_iteration()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
@@ -141,8 +188,28 @@ class StepdumpTrainerCallback(TrainerCallback):
 
     def _close(self) -> None:
         rec, self._recorder = self._recorder, None
+        unwatch, self._unwatch = self._unwatch, None
+        self._first_begin = False
+        if unwatch is not None:
+            unwatch()
         if rec is not None:
             rec.close()
+
+
+def _calling_trainer(depth: int = 8) -> Any:
+    """The ``transformers.Trainer`` among the callers (its training loop calls the callbacks)."""
+    from transformers import Trainer
+
+    here = inspect.currentframe()
+    frame = here.f_back if here is not None else None
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def _setup(args: Any, state: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
