@@ -27,7 +27,8 @@ LEAN = {"every": None, "stats_every": 1}
 
 
 def _fps(snap: dict[str, dict[str, torch.Tensor]]) -> dict[tuple[str, str], int]:
-    return {(kind, name): fingerprint(t.to_dense() if t.is_sparse else t)
+    # A sparse grad is recorded as it is, sparse optimizer state dense (FORMAT.md, "Sparse tensors").
+    return {(kind, name): fingerprint(t.to_dense() if t.is_sparse and kind != "grads" else t)
             for kind, tensors in snap.items() for name, t in tensors.items()}
 
 

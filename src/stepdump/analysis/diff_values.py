@@ -20,7 +20,11 @@ class TensorDiff:
     """How one tensor differs at one step.
 
     ``reason`` is ``values`` (errors computed), ``fingerprint`` (bytes differ but
-    values were not stored at this step), ``dtype`` or ``shape``.
+    values were not stored at this step), ``dtype``, ``shape`` or ``structure`` (two
+    sparse tensors that stand for the same dense values but hold other indices, in
+    another order, or another coalesced flag: an update adds them in another order).
+    For sparse tensors with the same indices the elements compared are their stored
+    values (``at`` indexes those); otherwise the dense tensors they stand for.
 
     For ``values``: ``n_diff`` of ``numel`` elements differ; ``max_abs`` and
     ``max_rel`` are the largest absolute and guarded relative errors over the
@@ -56,6 +60,9 @@ class TensorDiff:
             return text
         if self.reason == "fingerprint":
             return f"{self.kind} {self.name}: bytes differ (values not stored at this step)"
+        if self.reason == "structure":
+            return (f"{self.kind} {self.name}: the sparse structure differs (indices, their order or the coalesced "
+                    "flag); the dense values are equal")
         return f"{self.kind} {self.name}: {self.reason} differs"
 
     def _zero_note(self) -> str:
@@ -80,6 +87,8 @@ def compare_tensors(kind: str, name: str, ta: torch.Tensor, tb: torch.Tensor, at
     NaN; -0.0 differs from 0.0). Otherwise an element differs when
     ``|a - b| > atol + rtol * |b|`` and is not NaN on both sides.
     """
+    if ta.layout == torch.sparse_coo or tb.layout == torch.sparse_coo:
+        return _compare_sparse(kind, name, ta, tb, atol, rtol)
     if ta.is_complex():
         xa, xb = ta.to(torch.complex128), tb.to(torch.complex128)
     else:
@@ -113,6 +122,21 @@ def compare_tensors(kind: str, name: str, ta: torch.Tensor, tb: torch.Tensor, at
         a_at, b_at = float(xa.reshape(-1)[flat]), float(xb.reshape(-1)[flat])
     return TensorDiff(kind, name, "values", max_abs, float(rel.reshape(-1)[flat]), n, ta.numel(), n_nonfinite,
                       at, a_at, b_at, floor)
+
+
+def _compare_sparse(kind: str, name: str, ta: torch.Tensor, tb: torch.Tensor, atol: float,
+                    rtol: float) -> TensorDiff | None:
+    """:func:`compare_tensors` when one side is sparse COO: with the same indices (same order,
+    same coalesced flag) the stored values, element by element; else the dense tensors they
+    stand for, and when those are equal bit for bit the structure itself is the difference."""
+    sparse_a, sparse_b = ta.layout == torch.sparse_coo, tb.layout == torch.sparse_coo
+    if (sparse_a and sparse_b and ta.sparse_dim() == tb.sparse_dim() and ta.is_coalesced() == tb.is_coalesced()
+            and torch.equal(ta._indices(), tb._indices())):
+        return compare_tensors(kind, name, ta._values(), tb._values(), atol, rtol)
+    d = compare_tensors(kind, name, ta.to_dense() if sparse_a else ta, tb.to_dense() if sparse_b else tb, atol, rtol)
+    if d is None and atol == 0 and rtol == 0:
+        return TensorDiff(kind, name, "structure", numel=ta.numel())
+    return d
 
 
 def _max_finite(mag: torch.Tensor) -> float:

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stepdump.core.hashing import fingerprint_bytes
+from stepdump.core.sparse import from_raw_bytes
 from stepdump.errors import CorruptDataError, StepdumpError
 from stepdump.read.blobs import check_layout
+from stepdump.store.format import sparse_values_dtype
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,13 @@ def _verify_gradient_log(run: Any, report: VerifyReport) -> None:
 
 
 def _check_tensor(raw: bytes | bytearray | memoryview, dtype: object, shape: object, fp: object) -> None:
-    _, _, want = check_layout(dtype, shape)
-    if len(raw) != want:
-        raise CorruptDataError(f"holds {len(raw)} bytes, the tensor needs {want}")
+    values = sparse_values_dtype(dtype) if isinstance(dtype, str) else None
+    if values is not None:  # a sparse tensor: its header, sizes and indices must hold together
+        tdtype, dims, _ = check_layout(values, shape)
+        from_raw_bytes(raw, tdtype, dims)
+    else:
+        _, _, want = check_layout(dtype, shape)
+        if len(raw) != want:
+            raise CorruptDataError(f"holds {len(raw)} bytes, the tensor needs {want}")
     if fingerprint_bytes(memoryview(raw)) != fp:
         raise CorruptDataError("decoded bytes do not match the recorded fingerprint")

@@ -41,7 +41,7 @@ import torch
 
 from stepdump.capture.staging import storable
 from stepdump.core.dtensor import local_part
-from stepdump.core.dtypes import dtype_name
+from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import fingerprint
 from stepdump.core.stats import StatsTuple, compute_stats
 from stepdump.store.format import format_shape
@@ -81,7 +81,8 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> list[Le
             tensors.append(t)
             if t is None:
                 continue
-            if t.dtype in _FUSED_DTYPES and t.numel() > _SMALL and t.device.type == "cpu":
+            if (t.dtype in _FUSED_DTYPES and t.numel() > _SMALL and t.device.type == "cpu"
+                    and t.layout == torch.strided):  # a sparse grad: compute_stats, over its values
                 fused.append((i, t))
         norms = torch._foreach_norm([t for _, t in fused]) if fused else []
         large = {i: (t, norm) for (i, t), norm in zip(fused, norms, strict=True)}
@@ -93,7 +94,7 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> list[Le
                 stats = _large_stats(t, large[i][1])
             else:
                 stats = compute_stats(t) if kind != "state" else (t.numel(),) + (None,) * 9  # type: ignore[assignment]
-            rows[i] = LeanRow(kind, name, param, key, dtype_name(t.dtype), format_shape(t.shape), stats,
+            rows[i] = LeanRow(kind, name, param, key, stored_dtype(t), format_shape(t.shape), stats,
                               fingerprint(t))
     return [r for r in rows if r is not None]
 

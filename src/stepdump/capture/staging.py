@@ -39,6 +39,7 @@ import torch
 
 from stepdump.core.dtensor import local_part
 from stepdump.core.hashing import raw_bytes
+from stepdump.core.sparse import as_recorded, exact_copy
 from stepdump.core.stats import device_stats
 from stepdump.errors import WriterError
 
@@ -163,14 +164,16 @@ class StagingPool:
 def storable(kind: str, name: str, t: torch.Tensor, warned: set[tuple[str, str]]) -> torch.Tensor | None:
     """The tensor as stepdump stores it, or None (with one warning) for a kind it cannot store.
 
-    Sparse tensors (``nn.Embedding(sparse=True)`` grads, SparseAdam) are stored dense:
-    ``to_dense()`` sums duplicate indices, which is the gradient the update applies, and
-    a dense blob reads back with the ordinary tensor API. Quantized and meta tensors
-    have no plain bytes to store: recording narrows to the tensors it can store
-    instead of failing the step (docs/concepts.md, "What is supported").
+    Sparse COO gradients (``nn.Embedding(sparse=True)``) are stored as they are, indices
+    (duplicates and their order) and values: the update adds duplicates one by one, so
+    ``to_dense()`` is not the gradient it applies (FORMAT.md, "Sparse tensors"). Other
+    sparse tensors (a sparse momentum buffer, whose exact form the step's state keeps)
+    are stored dense. Quantized and meta tensors have no plain bytes to store: recording
+    narrows to the tensors it can store instead of failing the step (docs/concepts.md,
+    "What is supported").
     """
     if t.layout != torch.strided:
-        return t.to_dense()
+        return as_recorded(kind, t)
     if t.is_quantized or t.device.type == "meta":
         if (kind, name) not in warned:
             warned.add((kind, name))
@@ -230,6 +233,11 @@ class Stager:
             for kind, name, tensor, full, param, key in items:
                 t = storable(kind, name, local_part(tensor.detach()), self._warned)  # a DTensor: this rank's shard
                 if t is None:
+                    continue
+                if t.layout == torch.sparse_coo:
+                    # Copied whole, outside the budget: its nnz changes from step to step, so no
+                    # buffer is reused, and a sparse grad is small beside its dense size.
+                    copied.append(Item(kind, name, exact_copy(t), full, param, key))
                     continue
                 if t.device.type == "cuda":
                     cuda_entries.append((kind, name, t, full, param, key))

@@ -36,7 +36,8 @@ class TriggerInfo:
         """True when every gradient is free of NaN/Inf (one fused norm over all grads)."""
         if not self.grads:
             return True
-        norms = torch._foreach_norm(self.grads)
+        # A sparse grad is finite when its stored values are (norms have no sparse kernel).
+        norms = torch._foreach_norm([g._values() if g.layout == torch.sparse_coo else g for g in self.grads])
         return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 

@@ -29,7 +29,7 @@ from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
 from stepdump.capture.projection import Pace
 from stepdump.capture.lean import LeanRow
 from stepdump.capture.staging import Item, Slot, StagingPool
-from stepdump.core.dtypes import dtype_name
+from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import fingerprint_bytes, raw_bytes
 from stepdump.core.stats import compute_stats
 from stepdump.errors import WriterError
@@ -267,7 +267,7 @@ class Writer(threading.Thread):
             borrowed = item.raw is not None or (item.live and t.is_contiguous())
             blob = self._append_blob(cat, data, t.element_size(), fp, sid if item.kind in _DELTA_KINDS else None,
                                      borrowed)
-        return (sid, step, dtype_name(t.dtype), format_shape(t.shape), blob, *stats, fp)
+        return (sid, step, stored_dtype(t), format_shape(t.shape), blob, *stats, fp)
 
     def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int,
                      series: int | None = None, borrowed: bool = True) -> int:

@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
             step = r.steps[-1]
         t = r.tensor(args.name, step, kind=kind)
         count = t.numel() if args.values <= 0 else min(args.values, t.numel())
-        flat = t.detach().reshape(-1)[:count]
+        sparse = t.layout == torch.sparse_coo
+        # A sparse grad: its values shown as the dense tensor it stands for, its structure named.
+        flat = (t.to_dense() if sparse else t).detach().reshape(-1)[:count]
         if flat.dtype in (torch.bfloat16, torch.float16) or flat.dtype.itemsize == 1 and flat.is_floating_point():
             flat = flat.float()  # exact: every half and 8-bit float is a float32
         values = flat.tolist()
@@ -63,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
             ("run", "run", str(r.path)), ("kind", "kind", kind), ("name", "name", args.name), ("step", "step", step),
             ("dtype", "dtype", dtype), ("shape", "shape", str(tuple(shape))),
         ]
+        layout = (f"sparse COO, {t._nnz()} stored elements, {'coalesced' if t.is_coalesced() else 'not coalesced'}"
+                  if sparse else "strided")
+        if sparse:
+            fields.append(("layout", "layout", layout))
         fields += [(c, c, v) for c, v in stats.items()]
         from stepdump.cli.output import cell, output_format
 
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         fields.append(("values", "values", text))
         print_record(fields, args, title=f"{kind} {args.name} @ step {step}", json_obj={
             "run": str(r.path), "kind": kind, "name": args.name, "step": step, "dtype": dtype, "shape": shape,
-            "stats": stats, "values": values, "values_truncated": more,
+            "layout": layout, "stats": stats, "values": values, "values_truncated": more,
         })
     return Exit.OK
 

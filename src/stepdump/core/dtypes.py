@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from stepdump.errors import ConfigError
+from stepdump.store.format import SPARSE_COO_PREFIX
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -36,3 +37,10 @@ def dtype_name(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise ConfigError(f"stepdump cannot store tensors of dtype {dtype}") from None
+
+
+def stored_dtype(t: torch.Tensor) -> str:
+    """The ``tensors.dtype`` text of ``t``: its dtype's name, or for a sparse COO tensor
+    ``sparse_coo:`` and its values' dtype name (FORMAT.md, "Sparse tensors")."""
+    name = dtype_name(t.dtype)
+    return SPARSE_COO_PREFIX + name if t.layout == torch.sparse_coo else name

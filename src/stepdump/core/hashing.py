@@ -1,7 +1,8 @@
 """Fingerprints: xxh3-64 of a tensor's exact little-endian bytes.
 
 Equal fingerprints mean bitwise-equal bytes (to 2**-64); dtype and shape are
-compared separately. Used by the writer, every reader and ``verify``.
+compared separately. A sparse COO tensor's bytes include its structure (indices in their
+order, the coalesced flag): FORMAT.md, "Sparse tensors". Used by the writer, every reader and ``verify``.
 """
 
 from __future__ import annotations
@@ -9,10 +10,15 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from stepdump.core.sparse import sparse_raw_bytes
+
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, C-contiguous, little-endian, without a copy when possible."""
+    """The tensor's bytes, C-contiguous, little-endian, without a copy when possible. A sparse
+    COO tensor's are its header, indices and values (:mod:`stepdump.core.sparse`), a copy."""
     t = t.detach()
+    if t.layout == torch.sparse_coo:
+        return sparse_raw_bytes(t)
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():

@@ -22,6 +22,8 @@ StatsTuple = tuple[int, int, int, int, float | None, float | None, float | None,
 def compute_stats(t: torch.Tensor) -> StatsTuple:
     """numel, nan, +inf, -inf, min, max, mean, std, L2 norm, zero fraction."""
     t = t.detach()
+    if t.layout == torch.sparse_coo:
+        return _sparse_stats(t)
     n = t.numel()
     if n == 0:
         return (0, 0, 0, 0, None, None, None, None, None, None)
@@ -68,6 +70,31 @@ def compute_stats(t: torch.Tensor) -> StatsTuple:
             std = math.sqrt(var)
         return (n, 0, 0, 0, vmin, vmax, mean, std, math.sqrt(vsq), (n - vnz) / n)
     return _stats_nonfinite(x, n)
+
+
+def _sparse_stats(t: torch.Tensor) -> StatsTuple:
+    """Stats of a sparse COO tensor as of the dense tensor it stands for (duplicates summed,
+    the elements no index names counted as zeros), without making it dense: the stats of its
+    coalesced values, then min, max, mean, std and the zero fraction over its whole size.
+    (FORMAT.md, "Sparse tensors"; the fingerprint is of the stored structure, not of this.)"""
+    n = t.numel()
+    if n == 0:
+        return (0, 0, 0, 0, None, None, None, None, None, None)
+    values = t.cpu().coalesce()._values().reshape(-1)
+    k, nan, posinf, neginf, vmin, vmax, mean, std, norm, zero_frac = compute_stats(values)
+    implicit = n - k  # elements no index names: zeros
+    zeros = implicit + (round(zero_frac * k) if zero_frac is not None and k else 0)
+    finite = k - nan - posinf - neginf  # the stored finite elements the value stats are over
+    if not finite or vmin is None or vmax is None or mean is None or std is None:
+        # No finite stored value: the stats are those of the implicit zeros, if there are any.
+        return (n, nan, posinf, neginf, *((0.0,) * 5 if implicit else (None,) * 5), zeros / n)  # type: ignore[return-value]
+    total = finite + implicit
+    full_mean = mean * finite / total
+    # Their sum of squares is (std^2 + mean^2) * finite; the implicit zeros add nothing to it.
+    var = (std * std + mean * mean) * finite / total - full_mean * full_mean
+    if implicit:
+        vmin, vmax = min(vmin, 0.0), max(vmax, 0.0)
+    return (n, nan, posinf, neginf, vmin, vmax, full_mean, math.sqrt(max(var, 0.0)), norm, zeros / n)
 
 
 def _stats_nonfinite(x: torch.Tensor, n: int) -> StatsTuple:

@@ -33,10 +33,11 @@ import torch
 
 from stepdump.core.dtypes import DTYPES
 from stepdump.core.hashing import fingerprint_bytes
+from stepdump.core.sparse import from_raw_bytes
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.codecs import get_codec
 from stepdump.store.delta import MAX_DELTA_CHAIN
-from stepdump.store.format import parse_shape
+from stepdump.store.format import SPARSE_COO_HEADER_BYTES, parse_shape, sparse_values_dtype
 from stepdump.store.queries import CatalogReader
 from stepdump.store.schema import BlobRow
 from stepdump.store.storage import LocalStorage, ReadStorage
@@ -291,6 +292,8 @@ class BlobReader:
     def tensor(self, blob_id: int, dtype: str, shape: str, fingerprint: int | None = None) -> torch.Tensor:
         """The tensor a ``tensors`` row describes; with ``fingerprint`` (the row's), the decoded
         bytes are checked against it too, so a decoder or catalog mix-up cannot go unnoticed."""
+        if isinstance(dtype, str) and sparse_values_dtype(dtype) is not None:
+            return self.sparse_tensor(blob_id, dtype, shape, fingerprint)
         tdtype, dims, want = check_layout(dtype, shape)
         b = self.blob_row(blob_id)
         if b.raw_length != want:
@@ -319,6 +322,24 @@ class BlobReader:
         if want == 0:
             return torch.empty(dims, dtype=tdtype)
         return torch.frombuffer(buf, dtype=torch.uint8).view(tdtype).reshape(dims)
+
+    def sparse_tensor(self, blob_id: int, dtype: str, shape: str, fingerprint: int | None = None) -> torch.Tensor:
+        """The sparse COO tensor a ``tensors`` row of dtype ``sparse_coo:<dtype>`` describes
+        (FORMAT.md, "Sparse tensors"), in memory of its own: checked as :meth:`tensor` checks a
+        dense one (the dense size as well), then its header against its bytes and its indices
+        against its size (:func:`~stepdump.core.sparse.from_raw_bytes`)."""
+        values = sparse_values_dtype(dtype)
+        tdtype, dims, _ = check_layout(values, shape)
+        b = self.blob_row(blob_id)
+        if b.raw_length < SPARSE_COO_HEADER_BYTES:
+            raise CorruptDataError(f"blob {blob_id} holds {b.raw_length} bytes, too few for a sparse tensor")
+        with self.call() as scope:
+            raw = self._raw(b, scope)
+            self._check_fingerprint(b, raw, fingerprint)
+        try:
+            return from_raw_bytes(raw, tdtype, dims)
+        except CorruptDataError as e:
+            raise CorruptDataError(f"blob {blob_id}: {e}") from None
 
     def read_into(self, out: torch.Tensor, blob_id: int, dtype: str, shape: str,
                   fingerprint: int | None = None) -> torch.Tensor:

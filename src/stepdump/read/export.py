@@ -29,7 +29,8 @@ def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "tor
         ``torch``: a dict with ``model``, ``optimizer``, ``scheduler``, ``scaler`` and
         ``step`` that ``torch.load(path, weights_only=True)`` reads and each object's
         ``load_state_dict`` accepts. ``safetensors``: the params (and with ``grads``
-        the grads, as ``grads/<name>``) of the step, by recorded name.
+        the grads, as ``grads/<name>``; a sparse grad as the dense tensor it stands for,
+        ``to_dense()``) of the step, by recorded name.
         ``hf-trainer``: a folder for ``Trainer.train(resume_from_checkpoint=path)``.
         ``lightning``: a ``.ckpt`` for ``Trainer.fit(model, ckpt_path=path)``.
 
@@ -74,7 +75,9 @@ def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "tor
                 f"step {step} of {run.path} has no gradients (the run was recorded without them, or this is "
                 "the final record, taken after the last update); export it without grads (leave out --grads)"
             )
-        tensors.update({f"grads/{n}": t.contiguous() for n, t in found.items()})
+        # safetensors has no sparse layout: a sparse grad goes out as the dense tensor it stands for.
+        tensors.update({f"grads/{n}": (t.to_dense() if t.layout != torch.strided else t).contiguous()
+                        for n, t in found.items()})
     meta = {"stepdump_step": str(step), "stepdump_run": str(run.path)}
     return save_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 

@@ -78,7 +78,7 @@ from stepdump.read.state import (
     param_indices,
     recorded_groups,
 )
-from stepdump.store.format import LEVEL_FULL, LEVEL_STATS, format_shape
+from stepdump.store.format import LEVEL_FULL, LEVEL_STATS, format_shape, sparse_values_dtype
 
 if TYPE_CHECKING:
     from stepdump.read.blobs import BlobReader
@@ -405,6 +405,14 @@ class GradientLog:
         if blob is None:
             raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} has stats only, its "
                               f"values were not stored, so update {t} cannot be re-applied")
+        if isinstance(dtype, str) and sparse_values_dtype(dtype) is not None:
+            # A sparse grad: the very tensor the update was handed (indices in their order,
+            # duplicates, coalesced flag), in memory of its own; nnz changes from step to step.
+            g = self._blobs.sparse_tensor(blob, dtype, shape, fp)
+            if g.dtype != p.dtype or tuple(g.shape) != tuple(p.shape):
+                raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} is a sparse {g.dtype} "
+                                  f"{tuple(g.shape)} but the param is {p.dtype} {tuple(p.shape)}")
+            return g if p.device.type == "cpu" else g.to(p.device)
         tdtype, dims, want = check_layout(dtype, shape)
         if tdtype != p.dtype or dims != tuple(p.shape):
             raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} is {tdtype} {dims} "

@@ -13,6 +13,7 @@ import torch
 
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
+from stepdump.store.format import SPARSE_COO_PREFIX
 
 if TYPE_CHECKING:
     from stepdump.read.blobs import BlobReader
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
 Key = tuple[str, str]
 #: The kinds a gradient log rebuilds; grads (and module buffers) are stored at every step.
 REBUILT_KINDS = ("params", "optimizer")
-# Optimizers whose recorded (dense) gradients cannot drive them: SparseAdam refuses dense grads,
-# and the sparse index set it updates is not kept by the dense record.
+# Optimizers that take sparse gradients only (SparseAdam refuses dense ones): a run recorded
+# before stepdump stored sparse grads as sparse (FORMAT.md, "Sparse tensors") cannot drive them.
 _NEEDS_SPARSE_GRADS = ("SparseAdam",)
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX (64-bit): the highest its malloc raises the mmap threshold to.
 _MMAP_THRESHOLD_MAX = 32 << 20
@@ -180,6 +181,8 @@ def take(chain: Chain) -> Snapshot:
         for k, v in chain.optimizer.state.get(p, {}).items():
             if isinstance(v, torch.Tensor) and v.layout == torch.strided:
                 tensors[("optimizer", f"{n}.{k}")] = per_param.setdefault(n, {})[k] = v.detach()
+            elif isinstance(v, torch.Tensor):  # sparse state (SGD momentum of sparse grads): its series is
+                tensors[("optimizer", f"{n}.{k}")] = v.detach().to_dense()  # dense; the state JSON has it exact
     return Snapshot(chain.step, tensors, per_param, set(chain.checked), chain)
 
 def copied(snap: Snapshot) -> Snapshot:
@@ -206,9 +209,10 @@ def refusal_of(run: Run) -> RebuildError | None:
                             "closure), so its updates cannot be re-applied from recorded gradients; only "
                             "keyframes are readable (record with keyframe_every=K and use stepdump.replay, or "
                             "record every step in full)")
-    if name in _NEEDS_SPARSE_GRADS:
-        return RebuildError(f"{where} was recorded with {name}, which needs sparse gradients; a run stores them "
-                            "dense, so its updates cannot be re-applied; only keyframes are readable")
+    if name in _NEEDS_SPARSE_GRADS and not run.catalog.has_dtype_prefix("grads", SPARSE_COO_PREFIX):
+        return RebuildError(f"{where} was recorded with {name}, which needs sparse gradients, and its gradients "
+                            "are stored dense (recorded by a stepdump from before sparse gradients were stored "
+                            "sparse), so its updates cannot be re-applied; only keyframes are readable")
     device = run.meta.get("device")
     if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
         return RebuildError(f"{where} was recorded on {device}; its updates must be re-applied by the same "

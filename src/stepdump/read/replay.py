@@ -28,6 +28,7 @@ from stepdump.core import tjson
 from stepdump.core.hashing import fingerprint
 from stepdump.core.layout import build_layout
 from stepdump.core.rng import set_rng_state
+from stepdump.core.sparse import as_recorded
 from stepdump.errors import (
     ConfigError,
     ReplayDiverged,
@@ -146,14 +147,16 @@ def _has_state(run: Run, t: int) -> bool:
 
 
 def _live_tensors(layout: Any, opt: torch.optim.Optimizer) -> dict[Key, torch.Tensor]:
+    """The live tensors as the record holds them: a sparse grad as it is, sparse optimizer state
+    (SGD momentum of sparse grads) dense, as its series (FORMAT.md, "Sparse tensors")."""
     out: dict[Key, torch.Tensor] = {}
     for name, p in layout.params.items():
         out[("params", name)] = p
         if p.grad is not None:
-            out[("grads", name)] = p.grad
+            out[("grads", name)] = as_recorded("grads", p.grad)
         for key, v in opt.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
-                out[("optimizer", f"{name}.{key}")] = v
+                out[("optimizer", f"{name}.{key}")] = as_recorded("optimizer", v)
     return out
 
 

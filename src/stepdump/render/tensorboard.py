@@ -192,6 +192,8 @@ def _finite_values(t: torch.Tensor) -> Any:
     """The finite values of a real tensor as a float numpy array (None if there are none)."""
     if t.is_complex() or t.dtype == torch.bool or t.numel() == 0:
         return None
+    if t.layout != torch.strided:  # a sparse grad: the histogram of the dense tensor it stands for
+        t = t.to_dense()
     v = t.detach().reshape(-1).to(torch.float64 if t.dtype == torch.float64 else torch.float32)
     v = v[torch.isfinite(v)]
     return v.numpy() if v.numel() else None

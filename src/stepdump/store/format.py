@@ -31,6 +31,24 @@ LEVEL_STATS = 1  # stats and fingerprints, no tensor bytes
 LEVEL_FULL = 2  # stats, fingerprints and tensor bytes
 
 
+# A sparse COO tensor (FORMAT.md, "Sparse tensors"): its ``tensors.dtype`` is this prefix and
+# the dtype of its values ("sparse_coo:float32"), ``shape`` its dense size, and its raw bytes
+# a 32-byte header, the int64 indices and the values, exactly as the tensor held them.
+SPARSE_COO_PREFIX = "sparse_coo:"
+SPARSE_COO_MAGIC = b"COO1"
+SPARSE_COO_HEADER = "<4sIQQQ"  # magic, flags (bit 0: coalesced), sparse_dim, nnz, reserved (0)
+SPARSE_COO_HEADER_BYTES = 32
+SPARSE_COO_COALESCED = 1
+# The kinds whose sparse COO tensors are stored sparse; a sparse tensor of another kind (SGD's
+# momentum of sparse grads) is stored dense, ``to_dense()`` (its exact form is in the step's state).
+SPARSE_KINDS = ("grads",)
+
+
+def sparse_values_dtype(dtype: str) -> str | None:
+    """The values' dtype name of a sparse COO row's ``dtype`` column; None for a dense row."""
+    return dtype[len(SPARSE_COO_PREFIX):] if dtype.startswith(SPARSE_COO_PREFIX) else None
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """Parse the catalog's shape column ("" for a 0-d tensor, else "2,3")."""
     return tuple(int(p) for p in text.split(",")) if text else ()

@@ -153,6 +153,12 @@ class CatalogReader:
         rows = self._q("SELECT id FROM series WHERE kind = ? AND name = ?", (kind, name))
         return int(rows[0][0]) if rows else None
 
+    def has_dtype_prefix(self, kind: str, prefix: str) -> bool:
+        """Whether any tensor row of ``kind`` has a dtype starting with ``prefix`` (a sparse layout)."""
+        rows = self._q("SELECT 1 FROM tensors t JOIN series s ON s.id = t.series WHERE s.kind = ? "
+                       "AND substr(t.dtype, 1, ?) = ? LIMIT 1", (kind, len(prefix), prefix))
+        return bool(rows)
+
     def kinds_named(self, name: str) -> list[Any]:
         """The kinds that have a series called ``name`` (for "did you mean" hints)."""
         return self._ints("SELECT DISTINCT kind FROM series WHERE name = ?", (name,))
