@@ -13,6 +13,7 @@ The model shapes (BatchNorm, AMP, sparse, ...) are in fidelity_shapes.py.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import pkgutil
@@ -269,6 +270,9 @@ def closure_iteration(setup: Setup, t: int, capture: Callable[[], None]) -> None
         calls[0] += 1
         return loss
 
+    # The record of step t holds the optimizer state as of before step(): LBFGS adds keys to its
+    # state (func_evals, n_iter) before the first closure call, where the grads are taken.
+    setup.flags["optimizer_before_step"] = copy.deepcopy(setup.opt.state_dict())
     setup.loss = float(setup.opt.step(closure).detach())
     step_scheduler(setup)
 
@@ -288,6 +292,11 @@ def probe(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], model: nn.Mo
     setup = Setup(model, cls(params, **build_kwargs(kwargs)))
     for t in range(2):
         (closure_iteration if needs_closure(cls) else plain_iteration)(setup, t, lambda: None)
+
+
+# The variant that drives an optimizer through step(closure) although it takes none by need:
+# the record is then taken inside step(), after the closure's first call (capture/hooks.py).
+CLOSURE = "closure"
 
 
 # Kinds of model an optimizer may need, tried in order: a generic rule, not a per-class table.
@@ -318,7 +327,8 @@ def optimizer_case(name: str, cls: type[torch.optim.Optimizer], variant: str, kw
         model = model_cls()
         return Setup(model, cls(params(model), **build_kwargs(kwargs)))
 
-    return Case(f"{name}-{variant}", make, closure_iteration if needs_closure(cls) else plain_iteration)
+    closure = needs_closure(cls) or variant == CLOSURE
+    return Case(f"{name}-{variant}", make, closure_iteration if closure else plain_iteration)
 
 
 def scheduler_cases() -> list[Case]:

@@ -29,8 +29,10 @@ import numpy as np
 import pytest
 import torch
 from fidelity_cases import (
+    CLOSURE,
     Case,
     Setup,
+    needs_closure,
     optimizer_case,
     optimizer_classes,
     optimizer_variants,
@@ -50,7 +52,10 @@ EXCLUDED: dict[str, str] = {}  # case id -> torch's own reason for refusing it h
 def _optimizer_cases() -> list[Case]:
     out = []
     for name, cls in optimizer_classes().items():
-        for variant, kwargs in optimizer_variants(cls):
+        variants = optimizer_variants(cls)
+        if not needs_closure(cls):  # also driven through step(closure), with its defaults
+            variants.append((CLOSURE, variants[0][1]))
+        for variant, kwargs in variants:
             try:
                 out.append(optimizer_case(name, cls, variant, kwargs))
             except Exception as e:  # noqa: BLE001 - torch refuses this variant on this machine
@@ -168,6 +173,8 @@ def _train(case: Case, setup: Setup, steps: range, rec: Any = None, trace: list[
             if trace is not None:
                 entry["tensors"] = snapshot(setup.model, setup.opt)
                 entry.update(_side_state(setup))
+                if "optimizer_before_step" in setup.flags:  # a closure: taken right before optimizer.step()
+                    entry["optimizer"] = setup.flags.pop("optimizer_before_step")
                 entry["lr"] = [float(g["lr"]) for g in setup.opt.param_groups]
                 entry["grad_scale"] = scale
 

@@ -206,11 +206,11 @@ def test_a_failure_on_the_worker_is_one_warning_and_training_goes_on(tmp_path, m
     calls = {"n": 0}
     real = lean.lean_rows
 
-    def broken(entries, warned):
+    def broken(entries, warned, private=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("worker broke")
-        return real(entries, warned)
+        return real(entries, warned, private)
 
     monkeypatch.setattr(lean, "lean_rows", broken)
     model = _model()

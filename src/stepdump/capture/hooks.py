@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from stepdump.capture.handles import Hook, ScalerStep
+from stepdump.capture.naming import StateBefore
 
 
 def _step_wrapper_code() -> Any:
@@ -46,7 +47,7 @@ class Steps(Protocol):
 
     @property
     def step(self) -> int: ...
-    def capture(self, *, skipped: bool = False) -> int: ...
+    def capture(self, *, skipped: bool = False, optimizer_state: StateBefore | None = None) -> int: ...
     def end_step(self) -> None: ...
 
 
@@ -95,11 +96,17 @@ def detach_scaler(scaler: Any) -> None:
 
 def capture_at_pre_hook(rec: Steps, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The optimizer's step pre-hook. With a closure (LBFGS), grads exist only once the
-    optimizer has called it: the record is taken after its first call instead."""
-    new_args = record_after_closure(args, kwargs, rec.capture)
-    if new_args is None:  # no closure: the grads are final now
+    optimizer has called it: the record is taken after its first call instead, with the
+    optimizer state as it is now (LBFGS adds ``func_evals`` / ``n_iter`` before that call)."""
+    if not _has_closure(args, kwargs):  # the grads are final now
         rec.capture()
-    return new_args
+        return None
+    before = StateBefore(rec.optimizer)
+    return record_after_closure(args, kwargs, lambda: rec.capture(optimizer_state=before))
+
+
+def _has_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return callable(kwargs.get("closure", args[1] if len(args) > 1 else None))
 
 
 def group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:

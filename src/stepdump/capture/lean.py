@@ -4,54 +4,66 @@ A stats-only record does not need the tensors' bytes, only what they say: their
 health stats and an exact fingerprint. Copying the whole record into staging to
 compute those later is what made stats-only steps cost ~1.3x. Here the
 training thread hands *references* to a worker thread, which reads the live
-tensors while they cannot change:
+tensors while the forward and backward run:
 
-* params and optimizer state as they are before update *t* do not change from
-  the first training forward of iteration *t* until ``optimizer.step()`` begins
-  (the forward and backward only read them; user code that edits weights, such
-  as clamping after the step, runs before the forward). The Recorder submits
-  them when the forward starts (:meth:`LeanWorker.submit`) and collects the
-  result at the optimizer pre-hook (:meth:`LeanJob.rows_for`);
+* params and optimizer state of update *t* are submitted at the iteration's first
+  training forward (:meth:`LeanCapture.forward_started`; submitted again at a later
+  forward when no backward ran since, so an evaluation with grad enabled before the
+  training forward is not what gets read) and collected at the optimizer pre-hook
+  (:meth:`LeanJob.rows_for`);
 * grads are final at the pre-hook and no torch optimizer writes into them, so
   they are submitted there and collected at the post-hook, while the update runs.
 
-Every tensor's version counter (``Tensor._version``, bumped by every in-place
-op) is read when it is submitted and again when its result is used: a tensor
-that changed in between, or that is not the same object any more (a new param
-group, ``load_state_dict``), is computed again on the training thread, so a
-row always describes the tensor as it was at the moment the record is of.
+Nothing guarantees that the params the worker read are the ones the optimizer steps
+from: user code may swap other weights in through ``.data`` (an EMA evaluated with grad
+enabled), copy into them through ``.data`` or a numpy view (no version bump), or
+re-initialise them between backward and step. So the content is checked where it
+counts: at the pre-hook, on the training thread, the exact fingerprint of each param
+(and of the optimizer state read) is computed from the live bytes, one xxh3 pass, and
+a worker row is used only when its fingerprint is that one; any other row is computed
+again there, from the bytes the update reads. For the stats of a used row to describe
+those same bytes, the worker reads each tensor through a private buffer, chunk by
+chunk (``private``): its stats and its fingerprint come from the same copied bytes, so
+a fingerprint equal to the live one proves the stats are the live bytes' too, even if
+the tensor was changed and changed back while the worker read it. Version counters
+(bumped by in-place ops) and object identity are checked as well: a tensor replaced
+(a new param group, ``load_state_dict``) is computed again.
 
-Stats per tensor: numel, NaN/+Inf/-Inf counts (exact), min, max and L2 norm,
-the norms of the large float tensors from one fused ``torch._foreach_norm``;
-small tensors (most of a transformer's, few of its bytes) get every stat of
-:func:`stepdump.core.stats.compute_stats`. The fingerprint is the same exact
-xxh3 of the bytes as at a full step, so ``diff`` and gradient-log verification
-can trust it. Three passes over the bytes in all: norm, aminmax, hash.
+Stats per tensor: numel, NaN/+Inf/-Inf counts (exact), min, max and L2 norm; for the
+large float tensors they come from the chunks (the norm as the root of the sum of the
+chunks' squared norms), small tensors (most of a transformer's, few of its bytes) get
+every stat of :func:`stepdump.core.stats.compute_stats`. The fingerprint is the same
+exact xxh3 of the bytes as at a full step (xxh3 streamed over the chunks equals xxh3 of
+the whole), so ``diff`` and gradient-log verification can trust it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
+import xxhash
 
 from stepdump.capture.staging import storable
 from stepdump.core.dtensor import local_part
 from stepdump.core.dtypes import stored_dtype
-from stepdump.core.hashing import fingerprint
+from stepdump.core.hashing import fingerprint, signed64
 from stepdump.core.stats import StatsTuple, compute_stats
 from stepdump.store.format import format_shape
 
 log = logging.getLogger(__name__)
 
 # Tensors up to this many elements go through compute_stats (its numpy path is
-# cheaper than four torch dispatches); larger fp32/fp64 ones take the fused path.
+# cheaper than four torch dispatches); larger fp32/fp64 ones take the chunked path.
 _SMALL = 4096
 _FUSED_DTYPES = (torch.float32, torch.float64)
+# Elements per chunk of the chunked path: 512 KiB of fp32, so that the copy, the hash, the
+# norm and min/max of a chunk read it from the core's L2 cache, not from memory four times.
+_CHUNK = 1 << 17
 
 
 class LeanRow(NamedTuple):
@@ -70,52 +82,71 @@ class LeanRow(NamedTuple):
 Entry = tuple  # (kind, name, tensor, full, param, key), as capture.naming.tensor_entries makes them
 
 
-def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> list[LeanRow]:
-    """Stats and fingerprint rows of ``entries`` (live tensors), computed now, on this thread."""
-    rows: list[LeanRow | None] = [None] * len(entries)
-    fused: list[tuple[int, torch.Tensor]] = []
+def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: bool = False) -> list[LeanRow]:
+    """Stats and fingerprint rows of ``entries`` (live tensors), computed now, on this thread.
+
+    ``private``: read each tensor through a private copy (a chunk at a time for the large
+    ones), so that its row describes one set of bytes even if the tensor is written
+    meanwhile; a tensor whose exact NaN/Inf counts that would need is left out (the
+    caller computes it where nothing writes it). The rows are the same either way.
+    """
+    rows: list[LeanRow] = []
+    buffers: dict[torch.dtype, torch.Tensor] = {}
     with torch.no_grad():
-        tensors: list[torch.Tensor | None] = []
-        for i, (kind, name, tensor, _full, _param, _key) in enumerate(entries):
+        for kind, name, tensor, _full, param, key in entries:
             t = storable(kind, name, local_part(tensor.detach()), warned)
-            tensors.append(t)
             if t is None:
                 continue
-            if (t.dtype in _FUSED_DTYPES and t.numel() > _SMALL and t.device.type == "cpu"
-                    and t.layout == torch.strided):  # a sparse grad: compute_stats, over its values
-                fused.append((i, t))
-        norms = torch._foreach_norm([t for _, t in fused]) if fused else []
-        large = {i: (t, norm) for (i, t), norm in zip(fused, norms, strict=True)}
-        for i, (kind, name, _tensor, _full, param, key) in enumerate(entries):
-            t = tensors[i]
-            if t is None:
-                continue
-            if i in large:
-                stats = _large_stats(t, large[i][1])
-            else:
-                stats = compute_stats(t) if kind != "state" else (t.numel(),) + (None,) * 9  # type: ignore[assignment]
-            rows[i] = LeanRow(kind, name, param, key, stored_dtype(t), format_shape(t.shape), stats,
-                              fingerprint(t))
-    return [r for r in rows if r is not None]
+            got = _stats_and_fp(kind, t, buffers if private else None)
+            if got is not None:
+                rows.append(LeanRow(kind, name, param, key, stored_dtype(t), format_shape(t.shape), *got))
+    return rows
 
 
-def _large_stats(t: torch.Tensor, norm_t: torch.Tensor) -> StatsTuple:
-    """Stats of a large fp32/fp64 tensor given its fused norm: one more pass (aminmax).
+def _stats_and_fp(kind: str, t: torch.Tensor,
+                  buffers: dict[torch.dtype, torch.Tensor] | None) -> tuple[StatsTuple, int] | None:
+    """(stats, fingerprint) of ``t``, read through a private copy when ``buffers`` is given."""
+    if t.dtype in _FUSED_DTYPES and t.numel() > _SMALL and t.device.type == "cpu" \
+            and t.layout == torch.strided:  # a sparse grad: compute_stats, over its values
+        return _chunked(t, buffers)
+    if buffers is not None:
+        t = t.clone()  # small, or not fp32/fp64: one private copy (for as long as this tensor is read)
+    stats = compute_stats(t) if kind != "state" else (t.numel(),) + (None,) * 9
+    return stats, fingerprint(t)  # type: ignore[return-value]
+
+
+def _chunked(t: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor] | None) -> tuple[StatsTuple, int] | None:
+    """Stats of a large fp32/fp64 tensor and its fingerprint, in one read of each chunk.
 
     Mean, std and the zero fraction would take two more passes over every large
     tensor (a sum; ``count_nonzero``, the costliest of all), which is most of
     what a stats-only step costs; they are NULL ("not measured", FORMAT.md) at
     lean steps, except a zero fraction that min and max prove to be 0. A tensor
-    whose norm is not finite gets every stat, the exact counts included.
+    whose norm is not finite gets every stat, the exact counts included (read
+    privately: None, it is computed where nothing writes it).
     """
-    norm = float(norm_t)
+    flat = t.reshape(-1)
+    buf = None
+    if buffers is not None:
+        buf = buffers.get(t.dtype)
+        if buf is None:
+            buf = buffers[t.dtype] = torch.empty(_CHUNK, dtype=t.dtype)
+    h = xxhash.xxh3_64()
+    norms: list[float] = []
+    lo, hi = math.inf, -math.inf
+    for start in range(0, flat.numel(), _CHUNK):
+        c = flat[start:start + _CHUNK]
+        if buf is not None:
+            c = buf[:c.numel()].copy_(c)
+        h.update(c.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+        norms.append(float(torch.linalg.vector_norm(c)))
+        c_lo, c_hi = torch.aminmax(c)
+        lo, hi = min(lo, float(c_lo)), max(hi, float(c_hi))
+    norm = norms[0] if len(norms) == 1 else math.sqrt(math.fsum(n * n for n in norms))
     if not math.isfinite(norm):  # a NaN or Inf somewhere (rare): the exact counts, the slow way
-        return compute_stats(t)
-    x = t.reshape(-1)
-    n = x.numel()
-    vmin, vmax = (float(v) for v in torch.aminmax(x))
-    zero_frac = 0.0 if vmin > 0 or vmax < 0 else None
-    return (n, 0, 0, 0, vmin, vmax, None, None, norm, zero_frac)
+        return None if buf is not None else (compute_stats(t), fingerprint(t))
+    zero_frac = 0.0 if lo > 0 or hi < 0 else None
+    return (flat.numel(), 0, 0, 0, lo, hi, None, None, norm, zero_frac), signed64(h.intdigest())
 
 
 class LeanJob:
@@ -127,11 +158,13 @@ class LeanJob:
         self._versions = [_version(e[2]) for e in entries]  # before the worker may read them
         self._future: Future[list[LeanRow | None]] = pool.submit(compute, entries)
 
-    def rows_for(self, entries: Sequence[Entry], warned: set[tuple[str, str]],
-                 recompute: bool = True) -> tuple[list[LeanRow], int]:
+    def rows_for(self, entries: Sequence[Entry], warned: set[tuple[str, str]], recompute: bool = True,
+                 live: Mapping[str, int] | None = None) -> tuple[list[LeanRow], int]:
         """Rows for ``entries`` (the tensors as they are now): the worker's where the same
         tensor is unchanged since submit, else computed here (``recompute``) or left out;
-        and how many were not the worker's."""
+        and how many were not the worker's. With ``live`` (params and optimizer state at the
+        pre-hook: name -> fingerprint of the params now, where the caller has it), a worker
+        row is used only if it describes the bytes the tensor holds now (module docstring)."""
         results = self._future.result()
         # A row is good for an entry when it was computed from the same tensor object,
         # and no in-place op touched that tensor from submit until now.
@@ -143,13 +176,24 @@ class LeanJob:
         redo: list[Entry] = []
         for e in entries:
             hit = ready.get((e[0], e[1]))
-            if hit is not None and hit[0] is e[2]:
+            if hit is not None and hit[0] is e[2] and (live is None or _describes(hit[1], e, live, warned)):
                 out.append(hit[1])
             else:
                 redo.append(e)
         if redo and recompute:
             out.extend(lean_rows(redo, warned))
         return out, len(redo)
+
+
+def _describes(row: LeanRow, e: Entry, live: Mapping[str, int], warned: set[tuple[str, str]]) -> bool:
+    """Whether ``row`` describes the bytes entry ``e``'s tensor holds now (exact fingerprint,
+    dtype and shape); ``live`` gives the params' fingerprints already computed now."""
+    kind, name, tensor = e[0], e[1], e[2]
+    t = storable(kind, name, local_part(tensor.detach()), warned)
+    if t is None or row.dtype != stored_dtype(t) or row.shape != format_shape(t.shape):
+        return False
+    fp = live.get(name) if kind == "params" else None
+    return row.fp == (fp if fp is not None else fingerprint(t))
 
 
 def _version(t: torch.Tensor) -> int:
@@ -167,11 +211,12 @@ class LeanWorker:
     def warned(self) -> set[tuple[str, str]]:
         return self._warned
 
-    def submit(self, entries: Sequence[Entry]) -> LeanJob:
-        return LeanJob(list(entries), self._pool, self._compute)
+    def submit(self, entries: Sequence[Entry], private: bool = False) -> LeanJob:
+        """Compute ``entries``' rows on the worker (``private``: see :func:`lean_rows`)."""
+        return LeanJob(list(entries), self._pool, lambda es: self._compute(es, private))
 
-    def _compute(self, entries: list[Entry]) -> list[LeanRow | None]:
-        rows = {(r.kind, r.name): r for r in lean_rows(entries, self._warned)}
+    def _compute(self, entries: list[Entry], private: bool) -> list[LeanRow | None]:
+        rows = {(r.kind, r.name): r for r in lean_rows(entries, self._warned, private)}
         return [rows.get((e[0], e[1])) for e in entries]
 
     def close(self) -> None:
@@ -183,6 +228,11 @@ class LeanWorker:
 # thirds of the bytes a stats-only step reads; its stats move slowly, and the
 # fingerprints of the params (every step) show the first step an update differed.
 OPTIMIZER_EVERY = 10
+
+
+def _grad_marks(entries: list[Entry]) -> dict[str, tuple[int, int]]:
+    """Each grad among ``entries`` as (object id, version): a backward creates or adds into it."""
+    return {e[1]: (id(e[2]), _version(e[2])) for e in entries if e[0] == "grads"}
 
 
 def _before_update(step: int, entries: list[Entry], every: int | None) -> list[Entry]:
@@ -204,23 +254,36 @@ class LeanCapture:
         self.optimizer_every: int | None = None
         self._worker = LeanWorker()
         self._before: LeanJob | None = None  # params + optimizer state of the coming update
+        self._marks: dict[str, tuple[int, int]] = {}  # the grads when _before was submitted: a backward changes them
         self._pending: tuple[Any, LeanJob, list[Entry]] | None = None  # (message, grads job, grad entries)
         self._grads_now = False  # grads computed at the pre-hook (after one was changed during a step)
 
-    def forward_started(self, step: int, entries: list[Entry]) -> None:
-        """The iteration's first training forward: its params and optimizer state are final."""
-        if self._before is None:
-            self._before = self._worker.submit(_before_update(step, entries, self.optimizer_every))
+    def forward_started(self, step: int, entries: Callable[[], list[Entry]], again: bool = False) -> None:
+        """A training forward of iteration ``step`` (``again``: not its first; ``entries``: the
+        step's live tensors). The first submits the params and optimizer state it runs with; a
+        later one submits them again when no backward ran since: that forward was an evaluation
+        with grad enabled, perhaps with other weights swapped in (an EMA), and the training
+        forward's params are the likelier ones. Which ones were read only costs time: the
+        pre-hook uses a row only if it describes the params then (:meth:`take`)."""
+        if self._before is not None and not again:
+            return
+        now = entries()
+        marks = _grad_marks(now)
+        if self._before is not None and any(self._marks.get(n) != m for n, m in marks.items()):
+            return  # a backward since: a micro-batch of the same step (gradient accumulation)
+        self._before = self._worker.submit(_before_update(step, now, self.optimizer_every), private=True)
+        self._marks = marks
 
-    def take(self, msg: Any, entries: list[Entry]) -> bool:
+    def take(self, msg: Any, entries: list[Entry], live: Mapping[str, int] | None = None) -> bool:
         """Fill ``msg.lean`` for the step's ``entries`` (live tensors, none stored in full); the
         grads' rows follow in :meth:`finish`, so the message is held until then (True; False:
-        no grads among ``entries``, the message is complete)."""
+        no grads among ``entries``, the message is complete). ``live``: the params'
+        fingerprints now, where the caller computed them already (else computed here)."""
         before = _before_update(msg.step, entries, self.optimizer_every)
         grads = [e for e in entries if e[0] == "grads"]
         job, self._before = self._before, None
-        if job is not None:
-            rows, _ = job.rows_for(before, self._worker.warned)
+        if job is not None:  # used only where it describes the bytes the update reads
+            rows, _ = job.rows_for(before, self._worker.warned, live=live or {})
         else:  # no forward seen (a closure optimizer, a model called through something else)
             rows = lean_rows(before, self._worker.warned)
         msg.lean.extend(rows)

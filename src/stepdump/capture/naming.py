@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from stepdump.core.layout import Layout
+from stepdump.errors import StepdumpError
 
 
-def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: object, scaler: object) -> dict:
-    """The non-tensor state of a full record: param groups by name, optimizer extras, scheduler, scaler."""
+def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: object, scaler: object,
+               opt_state: Mapping[Any, Mapping[str, Any]] | None = None) -> dict:
+    """The non-tensor state of a full record: param groups by name, optimizer extras, scheduler, scaler
+    (``opt_state``: the optimizer's per-param state to read, None: ``optimizer.state`` now)."""
+    opt_state = optimizer.state if opt_state is None else opt_state
     groups = []
     for names, group in zip(layout.groups, optimizer.param_groups, strict=True):
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({"hyper": hyper, "params": names})
     extra: dict[str, dict[str, object]] = {}
     for n, p in layout.params.items():
-        for k, v in optimizer.state.get(p, {}).items():
+        for k, v in opt_state.get(p, {}).items():
             # Sparse state goes here as well, kept sparse (indices + values in their order):
             # its dense series serves reading; restore needs the exact sparse tensor.
             if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
@@ -32,8 +36,11 @@ def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: obje
 
 
 def tensor_entries(layout: Layout, optimizer: torch.optim.Optimizer, kinds: tuple[str, ...],
-                   selected: Callable[[str], bool], full: bool, buffers: dict[str, torch.Tensor]) -> list[tuple]:
-    """(kind, name, tensor, full, param, key) for every live tensor a record takes at the pre-hook."""
+                   selected: Callable[[str], bool], full: bool, buffers: dict[str, torch.Tensor],
+                   opt_state: Mapping[Any, Mapping[str, Any]] | None = None) -> list[tuple]:
+    """(kind, name, tensor, full, param, key) for every live tensor a record takes at the pre-hook
+    (``opt_state``: the optimizer's per-param state to read, None: ``optimizer.state`` now)."""
+    opt_state = optimizer.state if opt_state is None else opt_state
     out: list[tuple] = []
     params = [(n, p) for n, p in layout.params.items() if selected(n)]
     if "params" in kinds:
@@ -42,7 +49,7 @@ def tensor_entries(layout: Layout, optimizer: torch.optim.Optimizer, kinds: tupl
         out.extend(("grads", n, p.grad, full, None, None) for n, p in params if p.grad is not None)
     if "optimizer" in kinds:
         for n, p in params:
-            for k, v in optimizer.state.get(p, {}).items():
+            for k, v in opt_state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     out.append(("optimizer", f"{n}.{k}", v, full, n, k))
     out.extend(("buffers", n, b, True, None, None) for n, b in buffers.items())
@@ -74,3 +81,34 @@ def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, 
         entries.append(("state", ref, tensor, True, None, None))
 
     return tjson.dumps(tjson.encode(state, put))
+
+
+class StateBefore:
+    """``optimizer.state`` as it is when ``step()`` begins, for a record taken later (after a
+    closure's first call): each param's dict and lists copied (keys and plain values as of
+    now, e.g. LBFGS's ``func_evals``), tensors by reference. A tensor of it changed in place
+    before the record is taken cannot be recorded as it was: :meth:`state` refuses, rather
+    than record the changed one as the state before the step (no torch optimizer does that:
+    they call the closure before they change anything)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._state: dict[Any, dict[str, Any]] = {}
+        self._versions: list[tuple[torch.Tensor, int]] = []
+        for p, s in optimizer.state.items():
+            own = self._state[p] = dict(s)
+            for k, v in own.items():
+                if type(v) is list:  # LBFGS's history: appended to and popped during the step
+                    own[k] = v = list(v)
+                for x in v if type(v) in (list, tuple) else (v,):
+                    if isinstance(x, torch.Tensor):
+                        self._versions.append((x, x._version))
+
+    def state(self, step: int | None) -> dict[Any, dict[str, Any]]:
+        """The state as of ``step()``'s start (raises StepdumpError when a tensor of it changed since)."""
+        if any(t._version != v for t, v in self._versions):
+            raise StepdumpError(
+                f"the optimizer changed its state in place at step {step} before it called the closure, so "
+                "stepdump cannot record the state as it was before the step; to record it, compute the grads "
+                "before optimizer.step() (call the closure once yourself), create the Recorder with "
+                "auto_capture=False and call Recorder.capture() right before optimizer.step()")
+        return self._state

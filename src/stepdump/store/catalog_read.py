@@ -64,7 +64,7 @@ class ReadConnection:
         except sqlite3.ProgrammingError:
             raise
         except sqlite3.OperationalError as e:
-            if e.sqlite_errorcode != SQLITE_READONLY_ROLLBACK:
+            if getattr(e, "sqlite_errorcode", None) != SQLITE_READONLY_ROLLBACK:
                 raise self._damaged(e) from e
             # A writer was killed mid-transaction since this connection opened (a reader
             # following a run whose resumed Recorder died while dropping steps).
@@ -124,12 +124,12 @@ def _connect_read_only(path: Path, run_dir: Path) -> sqlite3.Connection:
         try:
             return _probe(sqlite3.connect(uri + "?mode=ro", uri=True, check_same_thread=False))
         except sqlite3.OperationalError as e:
-            if e.sqlite_errorcode != SQLITE_READONLY_ROLLBACK:
+            if getattr(e, "sqlite_errorcode", None) != SQLITE_READONLY_ROLLBACK:
                 raise
             roll_back_interrupted_write(path, e)  # a writer killed mid-transaction: SQLite's own recovery
             return _probe(sqlite3.connect(uri + "?mode=ro", uri=True, check_same_thread=False))
     except sqlite3.OperationalError as e:
-        if e.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY):
+        if getattr(e, "sqlite_errorcode", 0) & 0xFF not in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY):
             raise _unreadable(path, e) from e
         cause = e
     except (sqlite3.DatabaseError, UnicodeDecodeError) as e:  # the latter: a message quoting bad bytes
