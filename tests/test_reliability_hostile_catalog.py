@@ -423,3 +423,15 @@ def test_a_run_whose_path_has_uri_characters_opens(clean, tmp_path):
     path = _copy(clean[0], tmp_path / "we?ird #dir%20x" / "run")
     with stepdump.open(path) as run:
         assert run.all_steps == clean[1]["all_steps"]
+
+
+def test_resuming_a_run_on_a_read_only_mount_is_a_clear_error(clean, tmp_path):
+    """A Recorder needs write access: a read-only run is a stepdump error that says so, not an OSError."""
+    from helpers import tiny_model
+
+    src, truth = clean
+    with _read_only_mount(_copy(src, tmp_path / "run"), tmp_path / "ro") as ro:
+        model = tiny_model()
+        with pytest.raises(stepdump.ConfigError, match="cannot record into .*write access"):
+            stepdump.Recorder(ro, model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True)
+        _reads_like(ro, truth)  # and the run is as it was

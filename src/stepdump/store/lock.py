@@ -12,12 +12,13 @@ hang every Recorder and reader that opens it (``store/plainfile.py``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
 from pathlib import Path
 
-from stepdump.errors import RunLockedError
+from stepdump.errors import ConfigError, RunLockedError, StepdumpError
 from stepdump.store.format import LOCK_FILE
 from stepdump.store.plainfile import open_plain
 
@@ -32,7 +33,15 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = open_plain(self.path, os.O_RDWR | os.O_CREAT, _ROLE)
+        try:
+            fd = open_plain(self.path, os.O_RDWR | os.O_CREAT, _ROLE)
+        except OSError as e:
+            if isinstance(e, StepdumpError) or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            raise ConfigError(
+                f"cannot record into {self.path.parent}: {e.strerror}. A Recorder needs write access to its "
+                "run directory; record into a writable directory (stepdump.open reads a read-only run)."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
