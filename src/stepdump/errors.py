@@ -70,6 +70,16 @@ class WriterError(StepdumpError):
     """The background writer failed; the message carries the cause."""
 
 
+class ReadBudgetError(StepdumpError):
+    """A read would cost more than the store can justify, so it was refused before the work.
+
+    Raised when rebuilding a gradient-log step would decode far more gradient bytes than the
+    store holds for them (docs/reliability.md, "Resource bounds per read"): a damaged or hostile
+    store, or one whose grads compress unusually well. The message gives the numbers; if you
+    trust the store, raise the allowance with ``STEPDUMP_DECODE_BUDGET=<bytes>``.
+    """
+
+
 class ReplayDiverged(StepdumpError):
     """A replayed step does not reproduce the recorded fingerprints.
 

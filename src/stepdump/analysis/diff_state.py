@@ -22,6 +22,7 @@ from typing import Any
 from stepdump.analysis.diff_values import TensorDiff
 from stepdump.core import tjson
 from stepdump.errors import CorruptDataError
+from stepdump.store.format import STATE_OUTSIDE_OPTIMIZER
 
 #: The stages of one iteration, earliest cause first.
 STAGES = ("hyperparameters", "rng", "batch", "params", "forward", "grads", "optimizer")
@@ -165,6 +166,8 @@ def state_differences(step: int, sa: dict[str, Any], sb: dict[str, Any], fa: Sta
     found: list[Difference] = []
     both: set[str] = set()
     for key in sorted(sa.keys() | sb.keys()):
+        if key == STATE_OUTSIDE_OPTIMIZER:  # where a gradient log stored params: storage, not the training
+            continue
         stage = "rng" if key == "rng" else "batch" if key == "batch" else "hyperparameters"
         if key not in sa or key not in sb:
             if key in ("rng", "batch"):  # recorded on one side only: not comparable, not a difference

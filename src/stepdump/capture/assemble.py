@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from stepdump.capture.hooks import group_sizes
-from stepdump.capture.lean import LeanCapture
-from stepdump.capture.naming import StateBefore, full_state, state_json, tensor_entries
+from stepdump.capture.lean import LeanCapture, lean_rows
+from stepdump.capture.naming import full_state, state_json, tensor_entries
+from stepdump.capture.outside import STATE_KEY, ParamWatch
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, Slot, Stager
 from stepdump.capture.writer import StepMessage
@@ -46,14 +47,29 @@ class Assembler:
     lean: LeanCapture
     keyframes: bool = False  # KeyframeSchedule: RNG state and batch at every step, for replay
     gradlog: bool = False  # GradientLogSchedule: grads in full and the param groups at every step
-    # The optimizer state as step() began, for the next fill() only: a record taken after a closure's first call.
-    state_before: StateBefore | None = None
     stager: Stager = field(default_factory=Stager)
 
     def __post_init__(self) -> None:
         self._group_sizes = group_sizes(self.optimizer)
         if self.gradlog:
             self.lean.optimizer_every = 1
+        # A gradient log derives params from the updates: one changed outside the optimizer is stored.
+        self.watch = ParamWatch() if self.gradlog and "params" in self.kinds else None
+
+    def _watched(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.layout.params.items() if self.selected(n)}
+
+    def after_update(self) -> None:
+        """The update is over (optimizer post-hook): note what it left in the params (outside.py)."""
+        if self.watch is not None:
+            self.watch.after_update(self._watched())
+
+    def outside(self, step: int) -> tuple[dict[str, int], list[str]]:
+        """Before update ``step``: the recorded params' fingerprints, and the names of those changed
+        outside the optimizer since the previous update (outside.py; nothing without a watch)."""
+        if self.watch is None:
+            return {}, []
+        return self.watch.before_update(step, self._watched())
 
     def refresh_layout(self, model: torch.nn.Module, step: int) -> dict[str, Any] | None:
         """``optimizer.add_param_group`` since the last step: name the new params, and
@@ -67,29 +83,32 @@ class Assembler:
                  step, len(sizes))
         return {"layout": self.layout.to_meta()}
 
-    def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None,
-                state: dict[Any, dict[str, Any]] | None = None) -> list[tuple]:
-        """The step's live tensors as ``(kind, name, tensor, full, param, key)`` (``state``: the
-        optimizer's per-param state to read, None: ``optimizer.state`` now)."""
-        return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {}, state)
+    def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None) -> list[tuple]:
+        """The step's live tensors as ``(kind, name, tensor, full, param, key)``."""
+        return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {})
 
     def fill(self, msg: StepMessage, slot: Slot, full: bool, begin: dict[str, Any] | None, batch: Any,
              captured: list[tuple[str, str, torch.Tensor]]) -> bool:
         """Fill ``msg`` (tensors staged into ``slot``): everything (``full``), or a stats-only
         record. True: the message waits for its grads' lean rows (``LeanCapture.finish``)."""
-        before, self.state_before = self.state_before, None
-        opt_state = before.state(msg.step) if before is not None else None
-        entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None,
-                               opt_state)
+        fps, outside = self.outside(msg.step) if msg.step is not None else ({}, [])
+        entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None)
+        if outside and not full:  # what replay cannot derive: stored at this step
+            entries = [(*e[:3], True, *e[4:]) if e[0] == "params" and e[1] in outside else e for e in entries]
         if full or self.keyframes or self.gradlog:
-            state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler, opt_state) \
-                if full or self.gradlog else {}
+            state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler) if full or self.gradlog \
+                else {}
+            if outside:
+                state[STATE_KEY] = outside
             msg.state_json = state_json(state, begin, batch, entries)
         held = False
         if self.lean.enabled and not full:
-            stored = [(*e[:3], True, *e[4:]) for e in entries if e[0] == "grads" and self.gradlog]
-            held = self.lean.take(msg, [e for e in entries
-                                        if e[0] in _LEAN_KINDS and not (self.gradlog and e[0] == "grads")])
+            def in_full(e: tuple) -> bool:
+                return (e[0] == "grads" and self.gradlog) or (e[0] == "params" and e[3])
+            stored = [(*e[:3], True, *e[4:]) for e in entries if in_full(e)]
+            held = self.lean.take(msg, [e for e in entries if e[0] in _LEAN_KINDS and not in_full(e)])
+            if fps:
+                self._as_now(msg, fps, entries)
             entries = stored + [e for e in entries if e[0] not in _LEAN_KINDS]
         else:
             self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
@@ -100,3 +119,11 @@ class Assembler:
         msg.items.extend(Item(kind, name, tensor, full or (self.keyframes and kind == "inputs"))
                          for kind, name, tensor in captured)
         return held
+
+    def _as_now(self, msg: StepMessage, fps: dict[str, int], entries: list[tuple]) -> None:
+        """Lean param rows read at the iteration's first forward that describe other bytes than the
+        params entering the update (``fps``: theirs now) are computed again, from the params now."""
+        stale = {r.name for r in msg.lean if r.kind == "params" and r.name in fps and r.fp != fps[r.name]}
+        if stale:
+            msg.lean[:] = [r for r in msg.lean if not (r.kind == "params" and r.name in stale)]
+            msg.lean.extend(lean_rows([e for e in entries if e[0] == "params" and e[1] in stale], set()))

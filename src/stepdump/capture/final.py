@@ -23,6 +23,7 @@ import torch
 
 from stepdump.capture.assemble import Assembler
 from stepdump.capture.naming import full_state, state_json, tensor_entries
+from stepdump.capture.outside import STATE_KEY
 from stepdump.capture.staging import StagingPool
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.store.format import LEVEL_FULL
@@ -121,6 +122,9 @@ class FinalRecord:
         buffers = {n: b for n, b in asm.layout.buffers.items() if asm.selected(n)} if "params" in kinds else {}
         entries = tensor_entries(asm.layout, asm.optimizer, kinds, asm.selected, True, buffers)
         state = full_state(asm.layout, asm.optimizer, asm.scheduler, asm.scaler)
+        _, outside = asm.outside(step)  # changed since the last update: verify takes them as stored
+        if outside:
+            state[STATE_KEY] = outside
         msg = StepMessage(step=step, level=LEVEL_FULL, meta={**meta, "final_step": step})
         msg.state_json = state_json(state, {"rng": self.rng.state()}, None, entries)
         msg.slot = slot = pool.acquire(lambda: writer.error)

@@ -111,7 +111,7 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              options: RecorderOptions, layout: Layout, extra: dict[str, Any]) -> dict[str, Any]:
     """What a new run's catalog says about how it was recorded (FORMAT.md, ``meta``); ``extra``:
     the target's (``distributed``, ``url``)."""
-    from stepdump.capture.options import schedule_meta
+    from stepdump.capture.options import GradientLogSchedule, schedule_meta
 
     for key in layout.not_recorded:
         log.warning("stepdump: model.state_dict() entry %r is not a tensor; stepdump records tensors only, "
@@ -123,6 +123,10 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
         "scaler": scaler is not None,
         "capture": list(options.record.capture),
         **schedule_meta(options.schedule),
+        # The recorder stores params changed outside the optimizer (capture/outside.py): a reader
+        # of a log without this key knows such a change may be what a rebuild cannot reproduce.
+        **({"outside_edits": "stored"} if isinstance(options.schedule, GradientLogSchedule)
+           and "params" in options.record.capture else {}),
         "codec": options.store.codec,
         "device": str(next(iter(layout.params.values())).device) if layout.params else "cpu",
         "layout": layout.to_meta(),

@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
             add("scheduler", "scheduler", str(m["scheduler_class"]), m["scheduler_class"])
         # counts and ends, not lists: a lean run has a million steps (`ls --all-steps --json` lists them)
         add("steps_seen", "steps seen", _span(all_steps), _ends(all_steps))
-        add("steps_stored", "steps stored in full", _span(steps), _ends(steps))
+        if m.get("gradient_log"):  # only keyframes are stored in full; params and optimizer state are rebuilt
+            _gradient_log_steps(r, steps, add)
+        else:
+            add("steps_stored", "steps stored in full", _span(steps), _ends(steps))
         add("steps_with_stats", "steps with stats", _span(stats_steps), _ends(stats_steps))
         skipped = r.skipped_steps
         add("skipped_steps", "skipped steps", ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
@@ -90,6 +93,21 @@ def run(args: argparse.Namespace) -> int:
                 {"stored_bytes": stored, "raw_bytes": raw})
     print_record(fields, args, json_obj=data)
     return Exit.OK
+
+
+def _gradient_log_steps(r: Any, steps: list[int], add: Any) -> None:
+    """A gradient log's steps: stored in full (keyframes), rebuilt from them, and those between
+    keyframes that store params (changed outside the optimizer, docs/gradient-log.md)."""
+    from stepdump.store.format import LEVEL_FULL, LEVEL_STATS
+
+    catalog = next(iter(r.stores()))[1].catalog  # the primary store's (rank 0 of a multi-rank run)
+    full = catalog.steps(LEVEL_FULL)
+    rebuilt = sorted(set(steps) - set(full))
+    between = catalog.steps_storing("params", LEVEL_STATS)
+    add("steps_stored", "steps stored in full", f"{_span(full)} (keyframes)" if full else "none", _ends(full))
+    add("steps_rebuilt", "steps rebuilt (gradient log)", _span(rebuilt), _ends(rebuilt))
+    add("params_between_keyframes", "params stored between keyframes",
+        f"at {_span(between)} steps (changed outside the optimizer)" if between else "none", _ends(between))
 
 
 def _ends(steps: list[int]) -> dict[str, int | None]:

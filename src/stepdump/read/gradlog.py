@@ -49,8 +49,8 @@ import torch
 from stepdump.core.dtypes import DTYPE_NAMES
 from stepdump.core.hashing import fingerprint
 from stepdump.errors import (
+    ReadBudgetError,
     RebuildError,
-    StepdumpError,
     StepNotFoundError,
     nearest_steps,
 )
@@ -78,7 +78,15 @@ from stepdump.read.state import (
     param_indices,
     recorded_groups,
 )
-from stepdump.store.format import LEVEL_FULL, LEVEL_STATS, format_shape, sparse_values_dtype
+from stepdump.read.gradlog_budget import RebuildBudget
+from stepdump.read.gradlog_why import mismatch_cause
+from stepdump.store.format import (
+    LEVEL_FULL,
+    LEVEL_STATS,
+    STATE_OUTSIDE_OPTIMIZER,
+    format_shape,
+    sparse_values_dtype,
+)
 
 if TYPE_CHECKING:
     from stepdump.read.blobs import BlobReader
@@ -196,50 +204,22 @@ class GradientLog:
         return assemble_optimizer_state(self._run, step, self._run.step_state(step), per_param)
 
     def verify_segments(self, progress: Callable[[int, int], None] | None = None) -> SegmentReport:
-        """Re-apply every segment's recorded updates, keyframe to next keyframe (the last one to the
-        last recorded step), checking the state at every step that has fingerprints: what
-        ``stepdump verify`` adds for a gradient log. Each segment costs its K updates.
-
-        A segment that does not reproduce is a problem (its first step that differs), whatever
-        the reason: a gradient or hyperparameter record that is consistent with its own checksum
-        and fingerprint but not the one training used, or another kernel than the recording's.
-        What cannot be re-run here at all (the optimizer, a device this machine lacks,
-        ``add_param_group`` between keyframes) is listed as unchecked instead.
+        """Re-apply every segment's recorded updates, keyframe to next keyframe, checking every step
+        that has fingerprints: what ``stepdump verify`` adds for a gradient log (gradlog_verify.py).
         ``progress(done, total)``: after each segment."""
-        report = SegmentReport()
-        refusal = self.refusal()
-        if refusal is not None:
-            report.unchecked.append(str(refusal))
-            return report
-        keys = self.keyframes()
-        logged = self._run.catalog.steps(LEVEL_STATS)
-        ends = [*keys[1:], max(logged, default=keys[-1]) if keys else 0]
-        with self._overlap():
-            for i, (k, end) in enumerate(zip(keys, ends, strict=True)):
-                try:
-                    chain = self._start(k)
-                    while chain.step < end:
-                        self._advance(chain, target=end, check=True)
-                    report.checked += 1
-                except RebuildError as e:
-                    if isinstance(e, GroupsChanged):
-                        report.unchecked.append(str(e))
-                    else:
-                        report.problems.append((k if e.step is None else e.step, str(e)))
-                except StepdumpError as e:  # a damaged blob or record on the way (the blob checks name it too)
-                    report.problems.append((k, f"the segment from keyframe {k} cannot be re-applied: {e}"))
-                if progress is not None:
-                    progress(i + 1, len(keys))
-        return report
+        from stepdump.read.gradlog_verify import verify_segments
+
+        return verify_segments(self, progress)
 
     # -- the chain -------------------------------------------------------------------
     @contextmanager
-    def _overlap(self) -> Iterator[None]:
+    def _overlap(self) -> Iterator[RebuildBudget]:
         """The worker thread of one read call (``read_ahead``: the next update's grads), joined when
-        the call ends, however it ends: no thread outlives a read, no buffer is written after."""
+        the call ends, however it ends: no thread outlives a read, no buffer is written after; and
+        the call's budget of rebuild work (gradlog_budget.py)."""
         pool = self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepdump-gradlog")
         try:
-            yield
+            yield RebuildBudget()
         finally:  # (a chain's last Ahead, if any, is done now: its buffers hold verified grads)
             if self._pool is pool:  # not another thread's call since
                 self._pool = None
@@ -253,10 +233,10 @@ class GradientLog:
         snap = self._snapshot
         if snap is not None and snap.step == step and kind in snap.verified:
             return snap
-        with self._overlap():
-            return self._rebuild(step, kind)
+        with self._overlap() as budget:
+            return self._rebuild(step, kind, budget)
 
-    def _rebuild(self, step: int, kind: str) -> Snapshot:
+    def _rebuild(self, step: int, kind: str, budget: RebuildBudget) -> Snapshot:
         """:meth:`_state` past its cache, in the read call's :meth:`_overlap`."""
         refusal = self.refusal()
         if refusal is not None:
@@ -267,8 +247,11 @@ class GradientLog:
                                f"nothing to rebuild it from; {nearest_steps(step, self.keyframes())}")
         chain = self._chain
         if chain is None or not keys[-1] <= chain.step <= step:
+            budget.reserve(self._run, keys[-1], step - 1, step)  # before the keyframe is even read
             self._chain = None
             chain = self._chain = self._start(keys[-1])
+        else:
+            budget.reserve(self._run, chain.step, step - 1, step)
         try:
             while chain.step < step:  # checked at ``step`` only: a difference on the way shows there too
                 self._advance(chain, target=step, check=chain.step + 1 == step)
@@ -283,12 +266,13 @@ class GradientLog:
                         "has them either, so its rebuild cannot be verified; read a keyframe "
                         f"({nearest_steps(step, self.keyframes())})"
                     )
+                budget.reserve(self._run, chain.step, chain.step, step)
                 self._advance(chain, target=step, check=True)
                 snap.verified |= chain.checked
         except RebuildError as e:
             self._chain = None  # never continue from a state that failed (or half-applied) an update
             if e.kind in REBUILT_KINDS:
-                self._locate(keys[-1], step)  # name the first step that differs (the error path only)
+                self._locate(keys[-1], step, budget)  # name the first step that differs (the error path only)
             raise
         except BaseException:
             self._chain = None
@@ -296,8 +280,13 @@ class GradientLog:
         self._snapshot = snap
         return snap
 
-    def _locate(self, k: int, step: int) -> None:
-        """Re-run keyframe ``k`` .. ``step`` checking every step: raises at the first that differs."""
+    def _locate(self, k: int, step: int, budget: RebuildBudget) -> None:
+        """Re-run keyframe ``k`` .. ``step`` checking every step: raises at the first that differs
+        (returns, leaving the caller's error as it is, when that is over the read's budget)."""
+        try:
+            budget.reserve(self._run, k, step - 1, step)
+        except ReadBudgetError:
+            return
         chain = self._start(k)
         while chain.step < step:
             self._advance(chain, target=step, check=True)
@@ -393,9 +382,34 @@ class GradientLog:
             self.updates_applied += 1
         for p in chain.params.values():
             p.grad = None
-        chain.step, chain.rows, chain.checked = t + 1, {}, frozenset()
+        nxt = chain.ahead.rows if chain.ahead is not None and chain.ahead.step == t + 1 else {}
+        chain.step, chain.rows, chain.checked = t + 1, nxt, frozenset()
+        self._take_stored(chain, target)  # params changed outside the optimizer before update t + 1
         if check:
             self._check(chain, target)
+
+    def _take_stored(self, chain: Chain, target: int) -> None:
+        """Params that the record of ``chain.step`` stores because replay does not derive them (changed
+        outside the optimizer after the previous update: capture/outside.py) replace the update's
+        output: every param stored at a step between keyframes, and at a step stored in full the
+        ones its state names (``outside_optimizer``)."""
+        step = chain.step
+        rows = chain.rows = chain.rows or self._rows(step)
+        stored = {n: row for (kind, n), row in rows.items()
+                  if kind == "params" and row[3] is not None and n in chain.params}
+        if not stored:
+            return
+        level = self._run.catalog.level(step)
+        if isinstance(level, int) and level >= LEVEL_FULL:
+            named = self._run.step_state(step).get(STATE_OUTSIDE_OPTIMIZER)
+            stored = {n: row for n, row in stored.items() if isinstance(named, list) and n in named}
+        for n, (dtype, shape, fp, blob) in stored.items():
+            p, value = chain.params[n], self._read(blob, dtype, shape, fp)
+            if value.dtype != p.dtype or value.shape != p.shape:
+                raise self._error(target, step, "params", n, f"param {n!r} is stored at step {step} as {value.dtype} "
+                                  f"{tuple(value.shape)} but is {p.dtype} {tuple(p.shape)} at keyframe {chain.keyframe}")
+            with torch.no_grad():
+                p.copy_(value)
 
     def _grad(self, chain: Chain, target: int, t: int, n: str, p: torch.Tensor,
               row: tuple[Any, ...], ready: bool) -> torch.Tensor:
@@ -435,8 +449,7 @@ class GradientLog:
         """Compare the chain's state with the fingerprints recorded at its step (raises on a
         difference); ``chain.checked`` says which kinds were compared."""
         step = chain.step
-        rows = self._rows(step)
-        chain.rows = rows
+        rows = chain.rows = chain.rows or self._rows(step)
         recorded = {key: row for key, row in rows.items() if key[0] in REBUILT_KINDS}
         rebuilt = live(chain)
         captured = set(self._run.meta.get("capture") or REBUILT_KINDS)
@@ -492,13 +505,9 @@ class GradientLog:
 
     def _error(self, target: int, step: int, kind: str | None, name: str | None, what: str, *,
                mismatch: bool = False, cls: type[RebuildError] = RebuildError) -> RebuildError:
-        meta = self._run.meta
         text = f"step {target} of {self._run.path} cannot be rebuilt from the gradient log: {what}"
         if mismatch:
-            text += (f". The values are not returned. Likely causes: other kernels than the recording's (recorded "
-                     f"with torch {meta.get('torch_version')} on {meta.get('device', 'an unrecorded device')}, "
-                     f"rebuilding with torch {torch.__version__} on {self._device()}), sparse gradients (stored "
-                     "dense), or a damaged gradient or hyperparameter record (`stepdump verify` checks the bytes)")
+            text += f". The values are not returned. {mismatch_cause(self._run.meta, kind)}"
         text += f". Steps stored in full read as recorded ({nearest_steps(target, self.keyframes())})"
         err = cls(text)
         err.step, err.kind, err.name = step, kind, name

@@ -30,6 +30,10 @@ LEVEL_NONE = 0  # only the step row and its scalars
 LEVEL_STATS = 1  # stats and fingerprints, no tensor bytes
 LEVEL_FULL = 2  # stats, fingerprints and tensor bytes
 
+# A gradient-log record's state key: the params changed outside the optimizer since the previous
+# update (stored at that step; a rebuild takes them instead of the update's output).
+STATE_OUTSIDE_OPTIMIZER = "outside_optimizer"
+
 
 # A sparse COO tensor (FORMAT.md, "Sparse tensors"): its ``tensors.dtype`` is this prefix and
 # the dtype of its values ("sparse_coo:float32"), ``shape`` its dense size, and its raw bytes

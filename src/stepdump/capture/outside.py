@@ -1,0 +1,75 @@
+"""Params changed outside the optimizer, seen while recording a gradient log.
+
+A gradient log stores params only at keyframes; a read derives them at the other steps by
+re-applying the recorded updates, so it derives what update *k* produced. Code that changes a
+param between update *k* and update *k+1* (a clamp or projection after ``optimizer.step()``, a
+pruning mask through ``.data`` between backward and step, ``vector_to_parameters``, a write
+through a numpy view) makes the params entering update *k+1* something no update produced.
+Replay cannot derive them; the record of *k+1* must hold them.
+
+Version counters cannot see all of these (``.data`` edits, ``param.data = ...`` and numpy
+writes bump none), so the check is by content: the exact fingerprint (xxh3 of the bytes, the
+one every record holds) of every recorded param right after update *k* (the optimizer's
+post-hook) and again at the pre-hook of *k+1*, on the training thread, where nothing else
+writes them. A param whose fingerprints differ is stored in full at *k+1* and named in that
+record's state (``outside_optimizer``, FORMAT.md); the reader takes its stored value instead
+of the update's output there. The pre-hook fingerprints are also the record's: a lean row
+computed earlier (at the iteration's first forward) that describes other bytes is computed
+again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from stepdump.core.dtensor import local_part
+from stepdump.core.hashing import fingerprint
+from stepdump.store.format import STATE_OUTSIDE_OPTIMIZER as STATE_KEY
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STATE_KEY", "ParamWatch", "fingerprints"]
+
+
+def fingerprints(params: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """name -> exact fingerprint of each param's bytes (this rank's shard of a DTensor); a param
+    with no plain bytes (quantized, meta: not recorded either) is left out."""
+    out = {}
+    with torch.no_grad():
+        for n, p in params.items():
+            t = local_part(p.detach())
+            if t.layout == torch.strided and not t.is_quantized and t.device.type != "meta":
+                out[n] = fingerprint(t)
+    return out
+
+
+class ParamWatch:
+    """Fingerprints of the recorded params after each update, compared at the next pre-hook."""
+
+    def __init__(self) -> None:
+        self._after: dict[str, int] | None = None  # right after the latest update; None: none seen yet
+        self._warned = False
+
+    def after_update(self, params: Mapping[str, torch.Tensor]) -> None:
+        """The optimizer's post-hook (or a skipped step's end): what the update left."""
+        self._after = fingerprints(params)
+
+    def before_update(self, step: int, params: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], list[str]]:
+        """The pre-hook of update ``step``: the params' fingerprints now, and the names of those
+        that are not what the previous update left (all of them when this Recorder saw no
+        update yet: resumed at a step that is not a keyframe, nothing proves them derivable)."""
+        now = fingerprints(params)
+        if self._after is None:
+            return now, list(now)
+        changed = [n for n, fp in now.items() if self._after.get(n) != fp]
+        if changed and not self._warned:
+            self._warned = True
+            shown = ", ".join(repr(n) for n in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            log.warning("stepdump: params changed outside the optimizer between steps %d and %d (e.g. clamping, "
+                        "pruning, a write through .data): %s. A gradient log cannot derive them from the recorded "
+                        "update, so each param changed so is stored in full at the step it changed, from now on "
+                        "(every step stays exact; the run grows by those params' size)", step - 1, step, shown)
+        return now, changed
