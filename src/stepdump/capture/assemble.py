@@ -22,7 +22,7 @@ import torch
 
 from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import LeanCapture, lean_rows
-from stepdump.capture.naming import full_state, state_json, tensor_entries
+from stepdump.capture.naming import StateBefore, full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, Slot, Stager
@@ -47,6 +47,8 @@ class Assembler:
     lean: LeanCapture
     keyframes: bool = False  # KeyframeSchedule: RNG state and batch at every step, for replay
     gradlog: bool = False  # GradientLogSchedule: grads in full and the param groups at every step
+    # The optimizer state as step() began, for the next fill() only: a record taken after a closure's first call.
+    state_before: StateBefore | None = None
     stager: Stager = field(default_factory=Stager)
 
     def __post_init__(self) -> None:
@@ -83,21 +85,26 @@ class Assembler:
                  step, len(sizes))
         return {"layout": self.layout.to_meta()}
 
-    def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None) -> list[tuple]:
-        """The step's live tensors as ``(kind, name, tensor, full, param, key)``."""
-        return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {})
+    def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None,
+                state: dict[Any, dict[str, Any]] | None = None) -> list[tuple]:
+        """The step's live tensors as ``(kind, name, tensor, full, param, key)`` (``state``: the
+        optimizer's per-param state to read, None: ``optimizer.state`` now)."""
+        return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {}, state)
 
     def fill(self, msg: StepMessage, slot: Slot, full: bool, begin: dict[str, Any] | None, batch: Any,
              captured: list[tuple[str, str, torch.Tensor]]) -> bool:
         """Fill ``msg`` (tensors staged into ``slot``): everything (``full``), or a stats-only
         record. True: the message waits for its grads' lean rows (``LeanCapture.finish``)."""
+        before, self.state_before = self.state_before, None
+        opt_state = before.state(msg.step) if before is not None else None
         fps, outside = self.outside(msg.step) if msg.step is not None else ({}, [])
-        entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None)
+        entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None,
+                               opt_state)
         if outside and not full:  # what replay cannot derive: stored at this step
             entries = [(*e[:3], True, *e[4:]) if e[0] == "params" and e[1] in outside else e for e in entries]
         if full or self.keyframes or self.gradlog:
-            state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler) if full or self.gradlog \
-                else {}
+            state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler, opt_state) \
+                if full or self.gradlog else {}
             if outside:
                 state[STATE_KEY] = outside
             msg.state_json = state_json(state, begin, batch, entries)

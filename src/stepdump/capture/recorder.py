@@ -40,7 +40,7 @@ from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
 from stepdump.capture.handles import Hook
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
-from stepdump.capture.naming import begin_state
+from stepdump.capture.naming import StateBefore, begin_state
 from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import (
@@ -331,7 +331,7 @@ class Recorder:
             log.error("stepdump: %s", e)  # don't let a writer error hide the user's own exception
 
     # -- capture hooks (public: the optimizer hooks and framework callbacks drive these) --
-    def capture(self, *, skipped: bool = False) -> int:
+    def capture(self, *, skipped: bool = False, optimizer_state: StateBefore | None = None) -> int:
         """Take the record of the current step now; return its number.
 
         Call it when the grads of the step are final and nothing is updated yet.
@@ -340,12 +340,15 @@ class Recorder:
         A second call in the same step does nothing (LBFGS: the first closure
         evaluation is recorded). ``skipped``: the update will not happen (a
         GradScaler found inf/NaN); then call :meth:`end_step`, no hook will.
+        ``optimizer_state``: the optimizer state as ``step()`` began, when the
+        record is taken inside it (after a closure's first call; naming.StateBefore).
         """
         t = self._step
         if (not self.recording or self._closed or self._captured_at == t or self._guard.stopped
                 or self._raise_if_writer_failed()):
             return t
         self._captured_at = t
+        self._asm.state_before = optimizer_state
         try:
             self._record_step(skipped)
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
@@ -394,13 +397,13 @@ class Recorder:
 
     # -- inside the hooks ----------------------------------------------------
     def _saw_forward(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled() or self._forward_seen:  # an evaluation under no_grad, or seen
+        if not torch.is_grad_enabled():  # an evaluation under no_grad
             return
-        self._forward_seen = True  # a training forward: this iteration's params are final until the update
+        again, self._forward_seen = self._forward_seen, True  # a training forward (or one with grad enabled)
         t = self._step
         if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
             try:
-                self._lean.forward_started(t, self._asm.entries(False))
+                self._lean.forward_started(t, lambda: self._asm.entries(False), again)
             except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
                 self._fail(e, "forward pre-hook")
 
