@@ -7,6 +7,7 @@ whose fields are their thresholds; pick and tune them by name or by instance::
     stepdump.check(run)                                    # every built-in rule, defaults
     stepdump.check(run, rules=["nan_inf", LossSpike(z=8)]) # some rules, one tuned
     stepdump.check(run, config={"loss_spike": {"z": 8}})   # defaults, one tuned by name
+    stepdump.check(run, objective="policy_loss")           # which logged scalar should fall
 
 Rules only read the run. Within one call they share one read of each stats and
 scalars frame (see :class:`CachedRun`), so ten rules cost about one query each.
@@ -28,6 +29,7 @@ from stepdump.analysis.rules import (
     RuleLike,
     registered_rules,
 )
+from stepdump.analysis.rules._roles import DECLARED_ATTR, check_declaration
 from stepdump.errors import ConfigError
 
 RuleSpec = str | Rule | type[Rule] | Callable[[Any], Iterable[Finding]]
@@ -44,6 +46,7 @@ def check(
     rules: RuleSpec | Iterable[RuleSpec] | None = None,
     *,
     config: Mapping[str, Mapping[str, Any]] | None = None,
+    objective: str | bool | None = None,
 ) -> list[Finding]:
     """Check a recorded run for trouble: NaN/Inf, exploding gradients, loss spikes, ...
 
@@ -56,6 +59,11 @@ def check(
         config: Options for rules given by name (or run by default), as
             ``{rule_name: {option: value}}``; also applied to instances of that
             name, replacing their fields.
+        objective: The logged scalar whose fall means the model learns (the loss rules judge
+            it), or False for a run that has none (reinforcement learning, a GAN). None (the
+            default): what the run was recorded with (``Recorder(metadata={"objective": ...})``),
+            else ``"loss"``, unless the logged scalars mark the run as RL or adversarial
+            (docs/checks.md, "The objective").
 
     Returns:
         The findings of every rule, sorted by step (whole-run findings, step
@@ -67,20 +75,21 @@ def check(
             something other than Findings.
     """
     selected = resolve_rules(rules, config)
+    check_declaration(objective)
     if isinstance(run, (str, os.PathLike)):
         from stepdump.read.run import open as open_run
 
         with open_run(run) as opened:
-            return _check_opened(opened, selected, rules is None)
-    return _check_opened(run, selected, rules is None)
+            return _check_opened(opened, selected, rules is None, objective)
+    return _check_opened(run, selected, rules is None, objective)
 
 
-def _check_opened(run: Any, selected: list[RuleLike], default: bool) -> list[Finding]:
+def _check_opened(run: Any, selected: list[RuleLike], default: bool, objective: str | bool | None) -> list[Finding]:
     from stepdump.analysis.multirank import check_distributed, is_multirank
 
     if is_multirank(run):  # every rule on each rank's store, plus cross_rank over all of them
-        return check_distributed(run, selected, add_cross_rank=default)
-    return _run_rules(CachedRun(run), selected)
+        return check_distributed(run, selected, add_cross_rank=default, objective=objective)
+    return _run_rules(CachedRun(run, objective=objective), selected)
 
 
 def resolve_rules(
@@ -187,11 +196,14 @@ class CachedRun:
     step lists are read once and shared (each call returns a copy, so a rule may modify what it
     gets); everything else is passed through to the Run. The view is a snapshot:
     steps a live recorder commits during the check are not seen halfway.
+    ``declared_objective`` is ``check(objective=...)`` (None: not declared; see
+    :mod:`stepdump.analysis.rules._roles`).
     """
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, *, objective: str | bool | None = None) -> None:
         self._run = run
         self._memo: dict[Any, Any] = {}
+        setattr(self, DECLARED_ATTR, objective)
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._run, attr)

@@ -23,7 +23,8 @@ def is_multirank(run: Any) -> bool:
     return bool(ranked_stores(run))
 
 
-def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool) -> list[Finding]:
+def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool,
+                      objective: str | bool | None = None) -> list[Finding]:
     """``stepdump.check`` on a multi-rank run: each rule on every rank's store, plus ``cross_rank``.
 
     Findings that several ranks share (same rule, step, kind, tensor, severity)
@@ -37,7 +38,7 @@ def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool) 
     per_rank = [r for r in rules if not isinstance(r, CrossRank)]
     merged: dict[tuple[Any, ...], tuple[Finding, list[int]]] = {}
     for rank, store in ranked_stores(run):
-        for f in _run_rules(CachedRun(store), per_rank) if per_rank else []:
+        for f in _run_rules(CachedRun(store, objective=objective), per_rank) if per_rank else []:
             key = (f.rule, f.step, f.kind, f.tensor, f.severity)
             if key in merged:
                 merged[key][1].append(rank)

@@ -26,6 +26,9 @@ class Layout:
     and buffers come back under all their keys. ``not_recorded``: state_dict keys
     whose value is not a tensor (a module's ``get_extra_state()``): stepdump stores
     tensors only, and restore leaves these as they are in the model it restores into.
+    ``embeddings``: names of the parameters that an ``nn.Embedding`` / ``nn.EmbeddingBag`` owns,
+    whose gradient is zero outside the rows a batch looks up (by construction, not a fault:
+    the checks read it).
     """
 
     params: dict[str, torch.Tensor]
@@ -33,11 +36,14 @@ class Layout:
     groups: list[list[str]]
     state_dict: list[tuple[str, str, str]]
     not_recorded: list[str] = field(default_factory=list)
+    embeddings: list[str] = field(default_factory=list)
 
     def to_meta(self) -> dict[str, object]:
         meta: dict[str, object] = {"groups": self.groups, "state_dict": [list(e) for e in self.state_dict]}
         if self.not_recorded:
             meta["not_recorded"] = self.not_recorded
+        if self.embeddings:
+            meta["embeddings"] = self.embeddings
         return meta
 
 
@@ -90,4 +96,8 @@ def build_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layout:
             entries.append((key, "buffers", buffer_names[id(value)]))
         else:
             raise ConfigError(f"model.state_dict() entry {key!r} is neither a parameter nor a buffer")
-    return Layout(params=params, buffers=buffers, groups=groups, state_dict=entries, not_recorded=not_recorded)
+    looked_up = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+                 for p in m.parameters(recurse=False)}
+    embeddings = [n for n, p in params.items() if id(p) in looked_up]
+    return Layout(params=params, buffers=buffers, groups=groups, state_dict=entries, not_recorded=not_recorded,
+                  embeddings=embeddings)

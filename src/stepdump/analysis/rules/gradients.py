@@ -9,6 +9,7 @@ import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules._damage import loss_damage
+from stepdump.analysis.rules._roles import check_scalar_option, damage_scalar
 from stepdump.analysis.rules._frames import (
     episodes,
     fmt,
@@ -68,7 +69,7 @@ class ExplodingGradient(Rule):
         window: Number of earlier steps in the trailing median.
         min_history: Earlier steps needed before the relative test applies.
         norm_scalar: Logged scalar holding the pre-clip global norm (None: never read one).
-        loss: Name of the logged loss, read to judge the damage.
+        loss: Name of the logged loss, read to judge the damage (None: the run's objective, else "loss").
     """
 
     name: ClassVar[str] = "exploding_gradient"
@@ -77,7 +78,7 @@ class ExplodingGradient(Rule):
     window: int = 50
     min_history: int = 10
     norm_scalar: str | None = "grad_norm"
-    loss: str = "loss"
+    loss: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_norm is not None:
@@ -87,8 +88,7 @@ class ExplodingGradient(Rule):
         check_int(self.name, "min_history", self.min_history, 1)
         if self.norm_scalar is not None and (not isinstance(self.norm_scalar, str) or not self.norm_scalar):
             raise ConfigError(f"{self.name}: norm_scalar must be a scalar name or None, got {self.norm_scalar!r}")
-        if not isinstance(self.loss, str) or not self.loss:
-            raise ConfigError(f"{self.name}: loss must be the name of a logged scalar, got {self.loss!r}")
+        check_scalar_option(self.name, "loss", self.loss)
 
     def __call__(self, run: Any) -> list[Finding]:
         grads = _grads(run)
@@ -123,7 +123,7 @@ class ExplodingGradient(Rule):
             span = (f"; {len(flagged)} steps flagged in {len(eps)} stretch(es), peak {fmt(g[peak])} at step {peak}")
         if gn.clip and gn.source:
             span += f"; clipping to {fmt(gn.clip)} scaled this step's gradient down {times(g[s] / gn.clip)}"
-        damage = loss_damage(run, s, self.loss)
+        damage = loss_damage(run, s, damage_scalar(run, self.loss))
         cause = lr_cause(run, s)
         todo = ("Fix the lr at the step lr_jump names" if cause else
                 f"Lower the learning rate (or the clip value), or look at the batch of step {s}")
@@ -206,15 +206,24 @@ class VanishingGradient(Rule):
 @register_rule
 @dataclass(frozen=True, kw_only=True)
 class DeadUnits(Rule):
-    """A tensor whose elements are almost all exactly zero, step after step.
+    """Tensors whose elements are almost all exactly zero, step after step.
 
     For each tensor of ``kinds``, a step is flagged when its ``zero_frac``
     (fraction of elements exactly 0) is above ``max_zero_frac``; ``patience``
-    or more consecutive recorded steps give one WARNING per tensor, at the
-    first of them. Typical cause: ReLUs that never fire (a large negative bias,
-    a too-high learning rate), so the units and the weights feeding them get
-    no gradient. Skipped steps are left out. Embedding tables get sparse
-    gradients by design, hence the default ``exclude``.
+    or more consecutive recorded steps make a stretch. Tensors whose stretch starts
+    at the same step share one cause and **one** WARNING listing them
+    (``Finding.tensors``): typically ReLUs that stopped firing (a large negative
+    bias, a too-high learning rate), so the units, the weights feeding them, and
+    everything before them get no gradient. The lead tensor is the last one, in
+    recording order, whose every sibling (same module) is flagged: the layer whose
+    units died. Skipped steps are left out.
+
+    Gradients that are sparse by construction are not units that never fire, and
+    are left out: the parameters of an ``nn.Embedding`` / ``nn.EmbeddingBag`` (only
+    the rows a batch looks up get a gradient; the run's layout lists them), pruned
+    weights (``<name>_orig`` with a ``<name>_mask`` buffer: the mask zeroes the
+    rest), and names matching ``exclude`` (for runs recorded before the layout
+    listed embeddings).
 
     Attributes:
         max_zero_frac: Zero fraction above which a step is flagged.
@@ -238,14 +247,17 @@ class DeadUnits(Rule):
     def __call__(self, run: Any) -> list[Finding]:
         skipped = skipped_steps(run)
         present = run.kinds()
+        sparse = sparse_by_construction(run)
         out = []
         for kind in self.kinds:
             if kind not in present:
                 continue
             df = run.stats(kind)
             df = df[~df["step"].isin(list(skipped)) & (nonfinite(df) == 0)]
+            order = {str(n): i for i, n in enumerate(pd.unique(df["name"]))}
+            stretches: dict[int, list[tuple[str, list[int], int, float]]] = {}  # first step -> hits
             for name, rows in df.groupby("name", sort=False):
-                if matches(str(name), self.exclude):
+                if matches(str(name), self.exclude) or (kind == "grads" and str(name) in sparse):
                     continue
                 rows = rows.sort_values("step")
                 # NULL zero_frac: not measured (large tensors at lean stats-only steps), not "no zeros";
@@ -253,15 +265,59 @@ class DeadUnits(Rule):
                 zf = rows.set_index("step")["zero_frac"].astype(float).dropna()
                 flagged = [int(s) for s in zf.index[zf > self.max_zero_frac]]
                 eps = sustained(flagged, [int(s) for s in zf.index], self.patience)
-                if not eps:
-                    continue
-                ep = eps[0]
-                s = ep[0]
-                more = f" ({len(eps) - 1} more such stretch(es) later)" if len(eps) > 1 else ""
-                out.append(self.finding(
-                    Severity.WARNING, s,
-                    f"{kind} {name!r}: {zf[s]:.0%} of its elements are exactly zero for {len(ep)} recorded steps "
-                    f"from step {s}{more}; units that never fire (dead ReLUs) get no gradient and stop learning",
-                    kind=kind, tensor=str(name), value=zf[s], threshold=self.max_zero_frac,
-                ))
+                if eps:
+                    stretches.setdefault(eps[0][0], []).append((str(name), eps[0], len(eps) - 1, float(zf[eps[0][0]])))
+            for s, hits in sorted(stretches.items()):
+                out.append(self._grouped(kind, s, sorted(hits, key=lambda h: order[h[0]])))
         return out
+
+    def _grouped(self, kind: str, s: int, hits: list[tuple[str, list[int], int, float]]) -> Finding:
+        names = [h[0] for h in hits]
+        lead = _dead_layer(names)
+        name, ep, more, zf = next(h for h in hits if h[0] == lead)
+        also = f" more such stretch(es) later" if more else ""
+        if len(hits) == 1:
+            what = (f"{kind} {name!r}: {zf:.0%} of its elements are exactly zero for {len(ep)} recorded steps from "
+                    f"step {s}{f' ({more}{also})' if more else ''}")
+        else:
+            what = (f"{kind} of {len(hits)} tensors are over {self.max_zero_frac:.0%} exact zeros for "
+                    f"{self.patience}+ recorded steps from step {s} ({', '.join(map(repr, names[:6]))}"
+                    f"{f' and {len(names) - 6} more' if len(names) > 6 else ''}); the last layer whose every "
+                    f"tensor is dead is {name.rsplit('.', 1)[0]!r}")
+        return self.finding(
+            Severity.WARNING, s,
+            f"{what}; units that never fire (dead ReLUs: a large negative bias, a too-high lr) pass no gradient "
+            "back, so they, the weights feeding them and everything before them stop learning",
+            kind=kind, tensor=name, value=zf, threshold=self.max_zero_frac, tensors=names,
+        )
+
+
+def _dead_layer(names: list[str]) -> str:
+    """The last name (recording order) whose module's tensors are all in ``names``: the dead layer.
+
+    A dead unit zeroes the gradient of its own weights and bias, of every layer before it, and
+    of the next layer's weight (its input is zero) but not of that layer's bias.
+    """
+    flagged = set(names)
+    for n in reversed(names):
+        module = n.rsplit(".", 1)[0] if "." in n else ""
+        siblings = [m for m in names if (m.rsplit(".", 1)[0] if "." in m else "") == module]
+        if all(m in flagged for m in siblings) and len(siblings) > 1:
+            return siblings[0]
+    return names[-1]
+
+
+def sparse_by_construction(run: Any) -> set[str]:
+    """Params whose gradient is mostly zero by design: embeddings (the run's layout lists them)
+    and pruned weights (``x_orig`` with an ``x_mask`` buffer, torch.nn.utils.prune)."""
+    layout = run.meta.get("layout", {}) if isinstance(getattr(run, "meta", None), dict) else {}
+    if not isinstance(layout, dict):
+        return set()
+    out = {str(n) for n in layout.get("embeddings", []) or []}
+    buffers = {str(e[2]) for e in layout.get("state_dict", []) or [] if isinstance(e, list) and len(e) == 3
+               and e[1] == "buffers"}
+    for e in layout.get("state_dict", []) or []:
+        if isinstance(e, list) and len(e) == 3 and e[1] == "params" and str(e[2]).endswith("_orig"):
+            if str(e[2])[: -len("_orig")] + "_mask" in buffers:
+                out.add(str(e[2]))
+    return out

@@ -11,6 +11,7 @@ import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules._damage import loss_damage
+from stepdump.analysis.rules._roles import check_scalar_option, damage_scalar
 from stepdump.analysis.rules._frames import fmt, times
 from stepdump.analysis.rules.base import Rule, check_globs, check_positive, register_rule
 from stepdump.errors import ConfigError
@@ -37,9 +38,12 @@ def lr_events(run: Any, factor: float = 10.0, scalars: tuple[str, ...] = LR_SCAL
     """Steps whose lr is more than ``factor`` times that of the recorded step before it.
 
     A *spike* is also more than ``factor`` times the lr of the step after it;
-    otherwise it is a *jump* that stays. Jumps from an lr of 0 (warmup) and to
-    an lr no higher than one the run had before (a warm restart) are left out:
-    schedules do that on purpose. Drops are left out too (decay is the norm).
+    otherwise it is a *jump* that stays. Read from the lr trajectory, three shapes
+    that schedules make on purpose are left out: a rise from an lr of 0 (warmup from
+    0); a rise that is one step of a *ramp* (:func:`_ramp_step`: the lr goes on rising
+    after it, by steps of the same order, as a warmup from a small nonzero lr does,
+    per update or in stairs per epoch); and a rise to an lr no higher than one the
+    run had before (a warm restart). Drops are left out too (decay is the norm).
     """
     sc = run.scalars()
     cols = [c for c in sc.columns if c != "skipped" and any(fnmatch.fnmatchcase(c, g) for g in scalars)]
@@ -56,8 +60,8 @@ def lr_events(run: Any, factor: float = 10.0, scalars: tuple[str, ...] = LR_SCAL
             x, before = vals[i], vals[i - 1]
             nxt = vals[i + 1] if i + 1 < len(vals) else None
             spike = nxt is not None and x > factor * max(before, nxt)
-            if not spike and x <= high[i - 1] * (1 + 1e-9):
-                continue  # back to an lr the run already had: a warm restart
+            if not spike and (x <= high[i - 1] * (1 + 1e-9) or _ramp_step(vals, int(i), factor)):
+                continue  # back to an lr the run already had (a warm restart), or a warmup's step
             ratio = x / max(before, nxt) if spike and nxt is not None else x / before
             stays = 0 if spike else int(np.argmax(np.append(vals[i:] * factor < x, True)))
             ev = LrEvent(steps[i], spike, float(ratio), (col,), float(x), (steps[i - 1], float(before)),
@@ -69,6 +73,25 @@ def lr_events(run: Any, factor: float = 10.0, scalars: tuple[str, ...] = LR_SCAL
         out.append(LrEvent(first.step, first.spike, max(r for _, r, _ in hits), tuple(c for c, _, _ in hits),
                            first.value, first.before, first.after, first.stays))
     return out
+
+
+def _ramp_step(vals: np.ndarray, i: int, factor: float) -> bool:
+    """Whether the rise into ``vals[i]`` is one step of a ramp that goes on after it.
+
+    The trajectory is read as levels (runs of equal values: a schedule stepped per epoch
+    holds each lr for many updates). The rise is a ramp's step when the next level is
+    higher still and its rise is at least ``1/factor`` of this one: a linear warmup from
+    a small lr (timm's ``warmup_lr_init``, torchvision's ``LinearLR(start_factor=0.01)``)
+    rises by equal steps, so its first step is a large ratio yet no larger a step than
+    the ones after it. A mistake is one rise, then flat or falling (or a rise that
+    dwarfs what follows), and stays a jump.
+    """
+    rise = vals[i] - vals[i - 1]
+    later = vals[i + 1:]
+    moved = later[later != vals[i]]
+    if moved.size == 0 or moved[0] <= vals[i]:
+        return False
+    return bool(moved[0] - vals[i] >= rise / factor)
 
 
 def lr_cause(run: Any, step: int, lookback: int = 2) -> str:
@@ -89,34 +112,34 @@ class LrJump(Rule):
     A *spike*: the lr at step k is more than ``factor`` times the lr at both
     neighbouring recorded steps (a one-step mistake: a param-group edit, a
     schedule bug). A *jump*: more than ``factor`` times the step before, and it
-    stays. Raising the lr from 0 (warmup) or back to a value the run already had
-    (warm restarts) is not a jump. One finding per step, listing the param
+    stays. Raising the lr from 0 (warmup), one step of a ramp that keeps rising
+    by steps of the same order (a warmup from a small lr, per update or per
+    epoch), or back to a value the run already had (warm restarts) is not a jump. One finding per step, listing the param
     groups that show it; WARNING, or ERROR when the loss then goes up by an
     order of magnitude or turns NaN/Inf.
 
     Attributes:
         factor: Allowed ratio of an lr to its neighbours.
         scalars: Globs of the lr scalars examined.
-        loss: Name of the logged loss, read to judge the damage.
+        loss: Name of the logged loss, read to judge the damage (None: the run's objective, else "loss").
     """
 
     name: ClassVar[str] = "lr_jump"
     factor: float = 10.0
     scalars: tuple[str, ...] = LR_SCALARS
-    loss: str = "loss"
+    loss: str | None = None
 
     def __post_init__(self) -> None:
         check_positive(self.name, "factor", self.factor)
         if self.factor <= 1:
             raise ConfigError(f"{self.name}: factor must be > 1 (a ratio of learning rates), got {self.factor}")
         check_globs(self.name, "scalars", self.scalars)
-        if not isinstance(self.loss, str) or not self.loss:
-            raise ConfigError(f"{self.name}: loss must be the name of a logged scalar, got {self.loss!r}")
+        check_scalar_option(self.name, "loss", self.loss)
 
     def __call__(self, run: Any) -> list[Finding]:
         out = []
         for ev in lr_events(run, self.factor, self.scalars):
-            damage = loss_damage(run, ev.step, self.loss)
+            damage = loss_damage(run, ev.step, damage_scalar(run, self.loss))
             groups = f" (param groups {', '.join(ev.scalars)})" if len(ev.scalars) > 1 else ""
             if ev.spike and ev.after is not None:
                 what = (f"lr at step {ev.step} is {times(ev.ratio)} its neighbours{groups}: {fmt(ev.value)} against "

@@ -9,6 +9,7 @@ import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules._frames import matches, nonfinite, skipped_steps
+from stepdump.analysis.rules._roles import DEFAULT_OBJECTIVE, objective
 from stepdump.analysis.rules.base import Rule, check_globs, register_rule
 
 # Within one record t, the order in which values come into being (DESIGN.md,
@@ -17,6 +18,7 @@ from stepdump.analysis.rules.base import Rule, check_globs, register_rule
 # backward pass (activation grads, param grads). The earliest non-finite value
 # in this order is the one the others were computed from.
 CAUSAL_RANK = {
+    "hyper": 0,
     "optimizer": 0,
     "params": 1,
     "buffers": 1,
@@ -25,13 +27,22 @@ CAUSAL_RANK = {
     "scalar": 4,
     "activation_grads": 5,
     "grads": 6,
+    "grad_scalar": 7,
 }
+
+# Scalars have no recorded order within an iteration (the catalog keys them by name), so their
+# place follows what they are: the lr and the AMP scale are set before the iteration (with the
+# optimizer state); a gradient norm is computed from the grads after backward; the objective is
+# what the forward pass produced first; other losses and metrics come from the forward too, after it.
+HYPER_SCALARS = ("lr", "lr/*", "grad_scale")
+GRAD_SCALARS = ("*grad_norm*", "*grad*norm*", "*gradnorm*", "*grad_scale_inv*")
 
 # Kinds whose NaN/Inf at a step the GradScaler skipped is what AMP expects:
 # the scaler found them, skipped the update, and lowered the scale.
 EXPECTED_WHEN_SKIPPED = frozenset({"grads", "activation_grads"})
 
 _ORIGIN_HINT = {
+    "hyper": "it was set before the iteration (the lr or the AMP scale: look at what sets it)",
     "optimizer": "update {prev} produced it (look at the grads and lr of step {prev})",
     "params": "update {prev} produced it, or the weights were changed outside the optimizer "
     "(look at the grads, optimizer state and lr of step {prev})",
@@ -41,6 +52,7 @@ _ORIGIN_HINT = {
     "scalar": "the forward pass produced it while every recorded tensor was still finite",
     "activation_grads": "the backward pass produced it",
     "grads": "the backward pass produced it (the first tensor in backward order is named)",
+    "grad_scalar": "it was computed from the grads after the backward pass",
 }
 
 # The next thing to do, when the run lacks the kind that would name the module.
@@ -72,7 +84,12 @@ class NanInf(Rule):
     One ERROR finding for the origin: the earliest step with a non-finite
     value, and within that step the earliest value in causal order
     (optimizer state, params, inputs, activations, loss, activation grads,
-    grads; param grads in backward order, i.e. last parameter first). At steps
+    grads; param grads in backward order, i.e. last parameter first). Logged
+    scalars carry no order of their own within a step: the objective (the run's,
+    :mod:`._roles`; "loss" by default) counts as the first the forward pass made,
+    other scalars after it, and gradient norms (``grad_norm``, what
+    ``clip_grad_norm_`` returns) after the grads they are computed from; the message
+    says which came first and names the others. At steps
     the GradScaler skipped, non-finite grads are expected: they give one INFO
     finding (first step and count) instead. The message ends with the next
     thing to do; when the run lacks the kind that would name the module (a NaN
@@ -115,9 +132,17 @@ class NanInf(Rule):
         s, kind = first["step"], first["kind"]
         same_step = sum(1 for e in events if e["step"] == s) - 1
         later = sorted({e["step"] for e in events if e["step"] > s})
-        what = "scalar" if kind == "scalar" else kind
+        scalar_kinds = ("scalar", "grad_scalar", "hyper")
+        what = "scalar" if kind in scalar_kinds else kind
         counts = ", ".join(f"{n} {label}" for n, label in ((first["nan"], "NaN"), (first["inf"], "Inf")) if n)
         tail = f"; {same_step} other value(s) non-finite at step {s}" if same_step else ""
+        others = [e["tensor"] for e in sorted(events, key=_order)
+                  if e["step"] == s and e["kind"] in scalar_kinds and e is not first]
+        if kind in scalar_kinds and others:
+            tail += (f" (also logged non-finite at step {s}: {', '.join(map(repr, others))}; scalars logged in one "
+                     "iteration keep no order in the run, so they are ordered by what they are: the objective "
+                     "first, as the forward pass computes it, other losses and metrics next, gradient norms after "
+                     "the grads they are computed from)")
         if later:
             tail += f"; non-finite values at {len(later)} later step(s) up to {later[-1]}"
         hint = _ORIGIN_HINT[kind].format(prev=s - 1)
@@ -126,7 +151,7 @@ class NanInf(Rule):
             Severity.ERROR, s,
             f"first non-finite value: {what} {first['tensor']!r} at step {s} has {counts or 'NaN/Inf'}; "
             f"{hint}{tail}{f'. Next: {action}' if action else ''}",
-            kind=None if kind == "scalar" else kind, tensor=first["tensor"],
+            kind=None if kind in scalar_kinds else kind, tensor=first["tensor"],
             value=first["nan"] + first["inf"], threshold=0,
         )
 
@@ -157,8 +182,10 @@ class NanInf(Rule):
         sc = run.scalars()
         cols = [c for c in sc.columns if c != "skipped" and matches(c, self.scalars)]
         logged_nan = _logged_nans(run)
+        goal = objective(run).name or DEFAULT_OBJECTIVE
         out = []
-        for pos, col in enumerate(cols):
+        for col in cols:
+            kind, pos = _scalar_place(col, goal)
             v = pd.to_numeric(sc[col], errors="coerce")
             for step, x in v.items():
                 if pd.isna(x):
@@ -169,8 +196,20 @@ class NanInf(Rule):
                     nan, inf = 0, 1
                 else:
                     continue
-                out.append({"step": int(step), "kind": "scalar", "tensor": col, "pos": pos, "nan": nan, "inf": inf})
+                out.append({"step": int(step), "kind": kind, "tensor": col, "pos": pos, "nan": nan, "inf": inf,
+                            "objective": col == goal})
         return out
+
+
+def _scalar_place(name: str, goal: str) -> tuple[str, int]:
+    """(kind for CAUSAL_RANK, position among its kind) of a logged scalar (see GRAD_SCALARS)."""
+    if matches(name, HYPER_SCALARS):
+        return "hyper", 0
+    if matches(name.lower(), GRAD_SCALARS):
+        return "grad_scalar", 0
+    if name == goal:
+        return "scalar", 0
+    return "scalar", 1 if "loss" in name.lower() else 2
 
 
 def _logged_nans(run: Any) -> set[tuple[int, str]]:

@@ -11,13 +11,13 @@ import torch
 
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules._damage import loss_damage
+from stepdump.analysis.rules._roles import check_scalar_option, damage_scalar
 from stepdump.analysis.rules._frames import (
     fmt,
     matches,
     ndim,
     nonfinite,
     optimized_params,
-    param_hypers,
     skipped_steps,
     times,
 )
@@ -42,14 +42,23 @@ def _params(run: Any) -> pd.DataFrame:
 @register_rule
 @dataclass(frozen=True, kw_only=True)
 class UnchangedTensor(Rule):
-    """A parameter the optimizer steps that never changes: frozen by mistake.
+    """A parameter the optimizer should step that never changes, grouped by the real cause.
 
-    A parameter counts as optimized when it is in an optimizer param group or
-    has grads or optimizer state in the run. If its fingerprint (a hash of its
-    exact bytes) is the same at every one of at least ``min_steps`` recorded
-    steps, and at least one of those steps was a real (not skipped) update,
-    one WARNING names it. The message says why when the run shows it: lr 0 in
-    its param group, or a gradient that is always zero or missing.
+    A parameter is examined when it is in an optimizer param group (the run's layout) or has
+    grads or optimizer state. If its fingerprint (a hash of its exact bytes) is the same at
+    every one of at least ``min_steps`` recorded steps, and at least one of those steps was a
+    real (not skipped) update, the run says why, and each cause gives **one** finding listing
+    every parameter it touched (``Finding.tensors``):
+
+    * in a param group but **never had a gradient** (``requires_grad=False``, or unused in the
+      forward pass): INFO, since that is how a frozen base is built (peft hands the whole model
+      to the optimizer), and a freeze by mistake looks the same in the run; WARNING when no
+      parameter of the optimizer ever changed (nothing trains);
+    * a gradient at every step but **in no param group**: WARNING, forgotten when the
+      optimizer was built (its gradient is computed and thrown away);
+    * a gradient that is **always exactly zero**: WARNING;
+    * **lr 0** at every recorded step of its param group: WARNING;
+    * none of these visible (a nonzero gradient and lr): WARNING, cause unknown.
 
     Attributes:
         min_steps: Recorded steps needed before a parameter can be called unchanged.
@@ -67,40 +76,89 @@ class UnchangedTensor(Rule):
             return []
         optimized = optimized_params(run)
         skipped = skipped_steps(run)
+        groups = _group_of(run)
         grads = run.stats("grads") if "grads" in run.kinds() else None
-        hypers: dict[str, dict[str, Any]] | None = None
-        out = []
+        causes: dict[str, list[tuple[str, int, int, int]]] = {}  # cause -> (name, first step, last, steps)
+        changed = set()
         for name, rows in params.groupby("name", sort=False):
-            if name not in optimized or len(rows) < self.min_steps or rows["fingerprint"].nunique() != 1:
+            name = str(name)
+            if name not in optimized or len(rows) < self.min_steps:
+                continue
+            if rows["fingerprint"].nunique() != 1:
+                changed.add(name)
                 continue
             steps = sorted(int(s) for s in rows["step"])
             if all(s in skipped for s in steps[:-1]):
                 continue
-            if hypers is None:
-                hypers = param_hypers(run)
-            why = _why_unchanged(str(name), grads, hypers.get(str(name), {}))
-            out.append(self.finding(
-                Severity.WARNING, steps[0],
-                f"param {name!r} is stepped by the optimizer but is bitwise identical at all {len(steps)} recorded "
-                f"steps ({steps[0]}-{steps[-1]}){why}; frozen by mistake? If it is meant to be frozen, leave it "
-                "out of the optimizer",
-                kind="params", tensor=str(name), value=len(steps), threshold=self.min_steps,
-            ))
+            cause = _why_unchanged(run, name, grads, groups)
+            causes.setdefault(cause, []).append((name, steps[0], steps[-1], len(steps)))
+        out = []
+        for cause, hits in causes.items():
+            nothing_trains = cause == "no_grad" and not changed and bool(groups)
+            out.append(self._grouped(cause, hits, nothing_trains))
         return out
 
+    def _grouped(self, cause: str, hits: list[tuple[str, int, int, int]], nothing_trains: bool) -> Finding:
+        names = [h[0] for h in hits]
+        first, last, n = min(h[1] for h in hits), max(h[2] for h in hits), max(h[3] for h in hits)
+        one = len(names) == 1
+        them = f"param {names[0]!r} is" if one else f"{len(names)} params ({_listed(names)}) are"
+        it = "it" if one else "they"
+        same = f"bitwise identical at all {n} recorded steps ({first}-{last})"
+        severity = Severity.WARNING
+        if cause == "no_grad":
+            severity = Severity.WARNING if nothing_trains else Severity.INFO
+            why = (f"{them} in the optimizer but never had a gradient, so {it} never changed ({same}): frozen with "
+                   "requires_grad=False, or unused in the forward pass. That is how a frozen base is built (LoRA, "
+                   f"a fine-tuned head); if {'it' if one else 'any of them'} should train, set requires_grad=True "
+                   "before the first backward")
+            if nothing_trains:
+                why += "; no parameter of the optimizer changed at all: nothing trains"
+        elif cause == "not_in_optimizer":
+            why = (f"{them} given a gradient but in no param group, so the optimizer never updates "
+                   f"{'it' if one else 'them'} ({same}): forgotten when the optimizer was built? Add "
+                   f"{'it' if one else 'them'} to a param group, or set requires_grad=False")
+        elif cause == "zero_grad":
+            why = (f"{them} in the optimizer but {'its' if one else 'their'} gradient is always zero, exactly "
+                   f"({same}): zeroed before the step, or nothing downstream depends on {'it' if one else 'them'} "
+                   "(a detached branch, a zero multiplier, dead units)")
+        elif cause == "lr_zero":
+            why = f"{them} in a param group with lr=0 at every recorded step ({same}): set a nonzero lr"
+        else:
+            why = (f"{them} in the optimizer with a nonzero gradient and lr, yet {same}: the updates are lost "
+                   "(too small for the weights' dtype?) or undone after the step")
+        return self.finding(severity, first, why, kind="params", tensor=names[0], value=n, threshold=self.min_steps,
+                            tensors=names)
 
-def _why_unchanged(name: str, grads: pd.DataFrame | None, hyper: dict[str, Any]) -> str:
-    lr = hyper.get("lr")
-    if isinstance(lr, (int, float)) and lr == 0:
-        return ": its param group has lr=0"
-    if grads is None:
-        return ""
-    g = grads[grads["name"] == name]
-    if g.empty:
-        return ": it never has a gradient (requires_grad off, or unused in the forward pass)"
-    if (g["norm"].fillna(0) == 0).all() and (nonfinite(g) == 0).all():
-        return ": its gradient is always zero"
-    return ""
+
+def _group_of(run: Any) -> dict[str, int]:
+    """Param name -> index of its param group, from the run's layout (empty when the run has none)."""
+    layout = run.meta.get("layout", {}) if isinstance(run.meta, dict) else {}
+    out: dict[str, int] = {}
+    for i, group in enumerate(layout.get("groups", []) if isinstance(layout, dict) else []):
+        for n in group if isinstance(group, list) else []:
+            out.setdefault(str(n), i)
+    return out
+
+
+def _why_unchanged(run: Any, name: str, grads: pd.DataFrame | None, groups: dict[str, int]) -> str:
+    """The cause of an unchanged param: no_grad, not_in_optimizer, zero_grad, lr_zero or unknown."""
+    g = grads[grads["name"] == name] if grads is not None else None
+    if g is not None and g.empty:
+        return "no_grad"
+    if groups and name not in groups:
+        return "not_in_optimizer"
+    if g is not None and (g["norm"].fillna(0) == 0).all() and (nonfinite(g) == 0).all():
+        return "zero_grad"
+    if name in groups:
+        i = groups[name]
+        sc = run.scalars()
+        col = "lr" if i == 0 else f"lr/{i}"
+        if col in sc.columns:
+            lr = pd.to_numeric(sc[col], errors="coerce").dropna()
+            if len(lr) and bool((lr == 0).all()):
+                return "lr_zero"
+    return "unknown"
 
 
 @register_rule
@@ -203,6 +261,12 @@ class UpdateRatio(Rule):
     * the median nonzero ratio below ``lo``: updates lost to float32 rounding
       (its resolution is ~6e-8) or a learning rate far too low.
 
+    A weight whose first recorded value is exactly zero (LoRA's ``lora_B``, a
+    zero-initialised output layer) grows from nothing: its first updates are as
+    large as the weight by construction. For it, an update is a blow-up only when
+    it is also ``GROWTH_JUMP`` (10) times the median of its earlier updates, and
+    the median verdict ``hi`` is not given.
+
     Ratios of exactly 0 (no change) are ``unchanged_tensor``'s business. Only
     tensors with at least ``min_dims`` dimensions are examined (weights; biases
     often start at zero, so their ratio means little).
@@ -214,7 +278,8 @@ class UpdateRatio(Rule):
         min_dims: Fewest dimensions a parameter needs to be examined.
         max_pairs: Most pairs of consecutive full steps read.
         names: Globs of parameter names examined.
-        loss: Name of the logged loss, read to judge the damage of a blow-up.
+        loss: Name of the logged loss, read to judge the damage of a blow-up (None: the run's objective,
+            else "loss").
     """
 
     name: ClassVar[str] = "update_ratio"
@@ -224,7 +289,7 @@ class UpdateRatio(Rule):
     min_dims: int = 2
     max_pairs: int = 32
     names: tuple[str, ...] = ("*",)
-    loss: str = "loss"
+    loss: str | None = None
 
     def __post_init__(self) -> None:
         check_positive(self.name, "lo", self.lo)
@@ -237,8 +302,7 @@ class UpdateRatio(Rule):
         check_int(self.name, "min_dims", self.min_dims, 0)
         check_int(self.name, "max_pairs", self.max_pairs, 0)
         check_globs(self.name, "names", self.names)
-        if not isinstance(self.loss, str) or not self.loss:
-            raise ConfigError(f"{self.name}: loss must be the name of a logged scalar, got {self.loss!r}")
+        check_scalar_option(self.name, "loss", self.loss)
 
     def __call__(self, run: Any) -> list[Finding]:
         params = _params(run)
@@ -257,19 +321,25 @@ class UpdateRatio(Rule):
         pairs, spread = _choose_pairs(pairs, bound, self.max_pairs)
         measured = _measure(run, names, pairs)
         verdicts: dict[str, list[_Verdict]] = {"blow_up": [], "high": [], "low": []}
+        grown = _from_zero(params[params["name"].isin(names)])
         for name in names:
             ratios = measured.get(name, {})
             typical = {t: r for t, r in ratios.items() if t in spread}
-            for v in self._judge(name, ratios, typical, bound.get(name, pd.Series(dtype=float))):
+            for v in self._judge(name, ratios, typical, bound.get(name, pd.Series(dtype=float)), grown.get(name)):
                 verdicts[v.what].append(v)
         return [f for what, vs in verdicts.items() if vs for f in [self._grouped(run, what, vs)]]
 
     def _judge(self, name: str, ratios: dict[int, float], typical: dict[int, float],
-               bound: pd.Series) -> list[_Verdict]:
-        """Verdicts for one tensor: ``ratios`` all measured, ``typical`` the evenly spread ones."""
+               bound: pd.Series, norms: pd.Series | None) -> list[_Verdict]:
+        """Verdicts for one tensor: ``ratios`` all measured, ``typical`` the evenly spread ones;
+        ``norms`` its norm by step when it started at exactly zero (else None)."""
         out = []
         big = {t: r for t, r in ratios.items() if r > self.step_hi}
         big_bound = {int(t): float(r) for t, r in bound.items() if r > self.step_hi and int(t) not in ratios}
+        if norms is not None:  # grown from zero: a large ratio is its growth; judge updates by each other
+            keep = _outgrown(ratios, bound, norms)
+            big = {t: r for t, r in big.items() if t in keep}
+            big_bound = {t: r for t, r in big_bound.items() if t in keep}
         if big or big_bound:
             s = min([*big, *big_bound])
             measured = s in big
@@ -279,7 +349,7 @@ class UpdateRatio(Rule):
         if not nonzero:
             return out
         med = float(pd.Series(nonzero).median())
-        if med > self.hi:
+        if med > self.hi and norms is None:  # from zero, every update is large against the weight
             s = min(t for t, r in nonzero.items() if r > self.hi)
             out.append(_Verdict("high", name, s, med, False, len(nonzero)))
         elif med < self.lo:
@@ -299,7 +369,7 @@ class UpdateRatio(Rule):
         them = f"{n} weights ({_listed(names)})" if n > 1 else f"param {lead.name!r}"
         if what == "blow_up":
             worst = max(verdicts, key=lambda v: v.ratio)
-            damage = loss_damage(run, lead.step, self.loss)
+            damage = loss_damage(run, lead.step, damage_scalar(run, self.loss))
             cause = lr_cause(run, lead.step)
             message = (f"update {lead.step} changed {them} by {'at least ' if worst.lower_bound else ''}"
                        f"{fmt(worst.ratio)} times {'its' if n == 1 else 'their'} norm"
@@ -331,6 +401,42 @@ class _Verdict:
     ratio: float  # the single update's ratio (blow_up) or the median ratio
     lower_bound: bool  # blow_up known only as a lower bound, from the stats
     count: int  # blow-up steps, or measured steps behind the median
+
+
+# A weight grown from exactly zero (LoRA's B, zero-initialised output layers) has an update as
+# large as itself at first by construction; its update is a blow-up only when it is also this
+# many times the median of its earlier updates.
+GROWTH_JUMP = 10.0
+
+
+def _from_zero(params: pd.DataFrame) -> dict[str, pd.Series]:
+    """Per weight whose first recorded value is exactly zero (norm 0): its finite norms by step."""
+    out: dict[str, pd.Series] = {}
+    for name, rows in params.groupby("name", sort=False):
+        norms = rows[nonfinite(rows) == 0].set_index("step")["norm"].astype(float).sort_index().dropna()
+        if len(norms) and float(norms.iloc[0]) == 0.0 and int(norms.index[0]) == int(rows["step"].min()):
+            out[str(name)] = norms
+    return out
+
+
+def _outgrown(ratios: dict[int, float], bound: pd.Series, norms: pd.Series) -> set[int]:
+    """Steps whose update is :data:`GROWTH_JUMP` times the median of the weight's earlier ones.
+
+    Update sizes are ratio x norm: measured where the pair was read, else the stats' lower bound.
+    """
+    size = {int(t): float(r) * float(norms.get(t, math.nan)) for t, r in bound.items()}
+    size.update({t: r * float(norms.get(t, math.nan)) for t, r in ratios.items()})
+    out: set[int] = set()
+    seen: list[float] = []
+    for t in sorted(size):
+        u = size[t]
+        if not math.isfinite(u):
+            continue
+        if seen and u > GROWTH_JUMP * float(pd.Series(seen).median()):
+            out.add(t)
+        if u > 0:
+            seen.append(u)
+    return out
 
 
 def _norm_change(params: pd.DataFrame, skipped: set[int]) -> dict[str, pd.Series]:
