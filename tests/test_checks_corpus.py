@@ -223,7 +223,8 @@ def corpus_table(corpus: Corpus) -> str:
             cells.append(_cell(counts))
         lines.append(f"| `{rule}` | " + " | ".join(cells) + " |")
     rules = sorted({f.rule for f in FAULTS}, key=RULES.index)
-    lines += ["", "Planted faults: the rule that must name it (step, tensor, cause), found in full/lean mode.", "",
+    lines += ["", "Planted faults: the rule that must name it (step, tensor, cause), found in full/lean mode "
+              "(in brackets: the least severity it must have).", "",
               "| loop | fault | step | tensor | " + " | ".join(f"`{r}`" for r in rules) + " |",
               "|---|---|---|---|" + "---|" * len(rules)]
     for fault in FAULTS:

@@ -13,6 +13,7 @@ EXAMPLES = """examples:
   stepdump check demo-run
   stepdump check demo-run --rules nan_inf,loss_spike --fail-on error
   stepdump check demo-run --json
+  stepdump check ppo-run --objective policy_loss   (or --objective none: no scalar should fall)
   stepdump check demo-run --csv > findings.csv
 """
 
@@ -22,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rules", help="comma-separated rule names (default: all)")
     p.add_argument("--fail-on", default="warning", choices=("info", "warning", "error"),
                    help="exit 1 when a finding at or above this severity exists (default warning)")
+    p.add_argument("--objective", help="the logged scalar whose fall means the model learns (default: what the "
+                   "run was recorded with, else 'loss' unless the run looks like RL or a GAN); 'none': no such scalar")
     add_format_args(p, json_help="print findings as JSON (with every tensor of a grouped finding)")
 
 
@@ -29,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from stepdump.checks import Severity, check
 
     with open_run(args.run) as r:
-        findings = check(r, rules=args.rules.split(",") if args.rules else None)
+        objective = False if args.objective == "none" else args.objective
+        findings = check(r, rules=args.rules.split(",") if args.rules else None, objective=objective)
     fail = Severity.parse(args.fail_on)
     fmt = output_format(args)
     if fmt == "json":

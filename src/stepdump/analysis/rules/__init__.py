@@ -4,12 +4,14 @@
 * :mod:`.gradients` -- ``exploding_gradient``, ``vanishing_gradient``, ``dead_units``
 * :mod:`.loss` -- ``loss_spike``, ``loss_not_decreasing``
 * :mod:`.lr` -- ``lr_jump``
-* :mod:`.params` -- ``unchanged_tensor``, ``weight_norm_growth``, ``update_ratio``
+* :mod:`.params` -- ``weight_norm_growth``, ``update_ratio``
+* :mod:`.unchanged` -- ``unchanged_tensor``
 * :mod:`.optimizer` -- ``optimizer_state``
 * :mod:`.recording` -- ``recording_stopped``
 
 Importing this package registers them (see :func:`.base.register_rule`).
-Helpers the rules share: :mod:`._frames` (series from stats frames),
+Helpers the rules share: :mod:`._roles` (which scalar is the objective),
+:mod:`._frames` (series from stats frames),
 :mod:`._gradnorm` (the grad norm before clipping), :mod:`._damage` (what the
 loss did after a flagged step, which sets the severity).
 """
@@ -26,12 +28,9 @@ from stepdump.analysis.rules.loss import LossNotDecreasing, LossSpike
 from stepdump.analysis.rules.lr import LrJump
 from stepdump.analysis.rules.nonfinite import NanInf
 from stepdump.analysis.rules.optimizer import OptimizerState
-from stepdump.analysis.rules.params import (
-    UnchangedTensor,
-    UpdateRatio,
-    WeightNormGrowth,
-)
+from stepdump.analysis.rules.params import UpdateRatio, WeightNormGrowth
 from stepdump.analysis.rules.recording import RecordingStopped
+from stepdump.analysis.rules.unchanged import UnchangedTensor
 
 # The rules stepdump.check runs when none are named, in this order.
 DEFAULT_RULES: tuple[type[Rule], ...] = (

@@ -75,23 +75,34 @@ def lr_events(run: Any, factor: float = 10.0, scalars: tuple[str, ...] = LR_SCAL
     return out
 
 
+# The last step of a geometric ramp may multiply the lr by up to this many times the ratio of
+# the step before it (a constant ratio, with slack for rounding and a shorter last step).
+RAMP_RATIO_SLACK = 2.0
+
+
 def _ramp_step(vals: np.ndarray, i: int, factor: float) -> bool:
-    """Whether the rise into ``vals[i]`` is one step of a ramp that goes on after it.
+    """Whether the rise into ``vals[i]`` is one step of a ramp (a warmup), read from its neighbours.
 
     The trajectory is read as levels (runs of equal values: a schedule stepped per epoch
-    holds each lr for many updates). The rise is a ramp's step when the next level is
-    higher still and its rise is at least ``1/factor`` of this one: a linear warmup from
-    a small lr (timm's ``warmup_lr_init``, torchvision's ``LinearLR(start_factor=0.01)``)
-    rises by equal steps, so its first step is a large ratio yet no larger a step than
-    the ones after it. A mistake is one rise, then flat or falling (or a rise that
-    dwarfs what follows), and stays a jump.
+    holds each lr for many updates). The rise is a ramp's step when the ramp goes on after
+    it (the next level is higher still, by a rise at least ``1/factor`` of this one: a
+    linear warmup from a small lr, timm's ``warmup_lr_init`` or torchvision's
+    ``LinearLR(start_factor=0.01)``, rises by equal steps, so its first step is a large
+    ratio yet no larger a step than the ones after it), or when it ends a ramp that led
+    up to it (the level before was itself a rise by a ratio at least half this one's: the
+    last step of an exponential warmup, whose ratio is constant). A mistake is one rise out of a flat or
+    falling stretch, or one that dwarfs what follows, and stays a jump.
     """
     rise = vals[i] - vals[i - 1]
     later = vals[i + 1:]
-    moved = later[later != vals[i]]
-    if moved.size == 0 or moved[0] <= vals[i]:
-        return False
-    return bool(moved[0] - vals[i] >= rise / factor)
+    after = later[later != vals[i]]
+    if after.size and after[0] > vals[i] and after[0] - vals[i] >= rise / factor:
+        return True
+    earlier = vals[:i - 1]
+    before = earlier[earlier != vals[i - 1]]
+    if before.size and 0 < before[-1] < vals[i - 1]:
+        return bool(vals[i] / vals[i - 1] <= RAMP_RATIO_SLACK * (vals[i - 1] / before[-1]))
+    return False
 
 
 def lr_cause(run: Any, step: int, lookback: int = 2) -> str:

@@ -1,0 +1,135 @@
+"""``unchanged_tensor``: a parameter that never changes, grouped by the real cause."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from stepdump.analysis.findings import Finding, Severity
+from stepdump.analysis.rules._frames import nonfinite, optimized_params, skipped_steps
+from stepdump.analysis.rules.base import Rule, check_int, register_rule
+from stepdump.analysis.rules.params import _listed, _params
+
+
+@register_rule
+@dataclass(frozen=True, kw_only=True)
+class UnchangedTensor(Rule):
+    """A parameter the optimizer should step that never changes, grouped by the real cause.
+
+    A parameter is examined when it is in an optimizer param group (the run's layout) or has
+    grads or optimizer state. If its fingerprint (a hash of its exact bytes) is the same at
+    every one of at least ``min_steps`` recorded steps, and at least one of those steps was a
+    real (not skipped) update, the run says why, and each cause gives **one** finding listing
+    every parameter it touched (``Finding.tensors``):
+
+    * in a param group but **never had a gradient** (``requires_grad=False``, or unused in the
+      forward pass): INFO, since that is how a frozen base is built (peft hands the whole model
+      to the optimizer), and a freeze by mistake looks the same in the run; WARNING when no
+      parameter of the optimizer ever changed (nothing trains);
+    * a gradient at every step but **in no param group**: WARNING, forgotten when the
+      optimizer was built (its gradient is computed and thrown away);
+    * a gradient that is **always exactly zero**: WARNING;
+    * **lr 0** at every recorded step of its param group: WARNING;
+    * none of these visible (a nonzero gradient and lr): WARNING, cause unknown.
+
+    Attributes:
+        min_steps: Recorded steps needed before a parameter can be called unchanged.
+    """
+
+    name: ClassVar[str] = "unchanged_tensor"
+    min_steps: int = 3
+
+    def __post_init__(self) -> None:
+        check_int(self.name, "min_steps", self.min_steps, 2)
+
+    def __call__(self, run: Any) -> list[Finding]:
+        params = _params(run)
+        if params.empty:
+            return []
+        optimized = optimized_params(run)
+        skipped = skipped_steps(run)
+        groups = _group_of(run)
+        grads = run.stats("grads") if "grads" in run.kinds() else None
+        causes: dict[str, list[tuple[str, int, int, int]]] = {}  # cause -> (name, first step, last, steps)
+        changed = set()
+        for name, rows in params.groupby("name", sort=False):
+            name = str(name)
+            if name not in optimized or len(rows) < self.min_steps:
+                continue
+            if rows["fingerprint"].nunique() != 1:
+                changed.add(name)
+                continue
+            steps = sorted(int(s) for s in rows["step"])
+            if all(s in skipped for s in steps[:-1]):
+                continue
+            cause = _why_unchanged(run, name, grads, groups)
+            causes.setdefault(cause, []).append((name, steps[0], steps[-1], len(steps)))
+        out = []
+        for cause, hits in causes.items():
+            nothing_trains = cause == "no_grad" and not changed and bool(groups)
+            out.append(self._grouped(cause, hits, nothing_trains))
+        return out
+
+    def _grouped(self, cause: str, hits: list[tuple[str, int, int, int]], nothing_trains: bool) -> Finding:
+        names = [h[0] for h in hits]
+        first, last, n = min(h[1] for h in hits), max(h[2] for h in hits), max(h[3] for h in hits)
+        one = len(names) == 1
+        them = f"param {names[0]!r} is" if one else f"{len(names)} params ({_listed(names)}) are"
+        it = "it" if one else "they"
+        same = f"bitwise identical at all {n} recorded steps ({first}-{last})"
+        severity = Severity.WARNING
+        if cause == "no_grad":
+            severity = Severity.WARNING if nothing_trains else Severity.INFO
+            why = (f"{them} in the optimizer but never had a gradient, so {it} never changed ({same}): frozen with "
+                   "requires_grad=False, or unused in the forward pass. That is how a frozen base is built (LoRA, "
+                   f"a fine-tuned head); if {'it' if one else 'any of them'} should train, set requires_grad=True "
+                   "before the first backward")
+            if nothing_trains:
+                why += "; no parameter of the optimizer changed at all: nothing trains"
+        elif cause == "not_in_optimizer":
+            why = (f"{them} given a gradient but in no param group, so the optimizer never updates "
+                   f"{'it' if one else 'them'} ({same}): forgotten when the optimizer was built? Add "
+                   f"{'it' if one else 'them'} to a param group, or set requires_grad=False")
+        elif cause == "zero_grad":
+            why = (f"{them} in the optimizer but {'its' if one else 'their'} gradient is always zero, exactly "
+                   f"({same}): zeroed before the step, or nothing downstream depends on {'it' if one else 'them'} "
+                   "(a detached branch, a zero multiplier, dead units)")
+        elif cause == "lr_zero":
+            why = f"{them} in a param group with lr=0 at every recorded step ({same}): set a nonzero lr"
+        else:
+            why = (f"{them} in the optimizer with a nonzero gradient and lr, yet {same}: the updates are lost "
+                   "(too small for the weights' dtype?) or undone after the step")
+        return self.finding(severity, first, why, kind="params", tensor=names[0], value=n, threshold=self.min_steps,
+                            tensors=names)
+
+
+def _group_of(run: Any) -> dict[str, int]:
+    """Param name -> index of its param group, from the run's layout (empty when the run has none)."""
+    layout = run.meta.get("layout", {}) if isinstance(run.meta, dict) else {}
+    out: dict[str, int] = {}
+    for i, group in enumerate(layout.get("groups", []) if isinstance(layout, dict) else []):
+        for n in group if isinstance(group, list) else []:
+            out.setdefault(str(n), i)
+    return out
+
+
+def _why_unchanged(run: Any, name: str, grads: pd.DataFrame | None, groups: dict[str, int]) -> str:
+    """The cause of an unchanged param: no_grad, not_in_optimizer, zero_grad, lr_zero or unknown."""
+    g = grads[grads["name"] == name] if grads is not None else None
+    if g is not None and g.empty:
+        return "no_grad"
+    if groups and name not in groups:
+        return "not_in_optimizer"
+    if g is not None and (g["norm"].fillna(0) == 0).all() and (nonfinite(g) == 0).all():
+        return "zero_grad"
+    if name in groups:
+        i = groups[name]
+        sc = run.scalars()
+        col = "lr" if i == 0 else f"lr/{i}"
+        if col in sc.columns:
+            lr = pd.to_numeric(sc[col], errors="coerce").dropna()
+            if len(lr) and bool((lr == 0).all()):
+                return "lr_zero"
+    return "unknown"
