@@ -10,13 +10,14 @@ chain is, would refuse honest logs: a read of one small tensor honestly re-appli
 updates of the whole model. What an honest log never does is decode much more than it stores:
 grads are float noise, each stored once. So the bound is on that:
 
-    bytes of grads the call's updates decode + 64 KiB per update
-        <= DECODE_FACTOR (16) x the distinct stored bytes of those grads + the allowance
+    bytes the call's updates decode (their grads and states) + 64 KiB per update
+        <= DECODE_FACTOR (16) x the distinct bytes the store holds for them + the allowance
 
 (the allowance is the decode budget's, 1 GiB or ``$STEPDUMP_DECODE_BUDGET``; the 64 KiB stand
-for what an update costs besides its grads: catalog reads, its state, ``step()`` itself, so a
-store of steps without grads is bounded too). It is checked from catalog sums before any of the
-updates it covers is run or any of their grads read, and refused with :class:`ReadBudgetError`.
+for what an update costs besides decoding, catalog reads and ``step()`` itself, so a store of
+steps with nothing in them is bounded too, while an honest step holds more than 4 KiB: its
+state with the RNG's). It is checked from catalog sums before any of the updates it covers is
+run or any of their grads read, and refused with :class:`ReadBudgetError`.
 """
 
 from __future__ import annotations
@@ -61,15 +62,15 @@ class RebuildBudget:
         raise :class:`ReadBudgetError` (nothing of them done) if the call would go over budget."""
         if last < first:
             return
-        _, decoded, held = run.catalog.stored_work("grads", first, last)
+        decoded, held, text = (_num(v) for v in run.catalog.stored_work(("grads", "state"), first, last))
         updates = last - first + 1
-        decoded = _num(decoded) + updates * UPDATE_BYTES
-        held = _num(held)
+        decoded += text + updates * UPDATE_BYTES
+        held += text
         limit = DECODE_FACTOR * (self.held + held) + self.allowance
         if self.decoded + decoded > limit:
             raise ReadBudgetError(
                 f"reading step {target} of {run.path} means re-applying {updates} recorded updates (steps {first}.."
-                f"{last}) whose grads decode to {_human(self.decoded + decoded)} from {_human(self.held + held)} "
+                f"{last}) whose grads and states decode to {_human(self.decoded + decoded)} from {_human(self.held + held)} "
                 f"stored: over the read budget of {_human(limit)} ({DECODE_FACTOR} x the stored bytes + "
                 f"{_human(self.allowance)}). An honest gradient log stores its grads about as large as they "
                 f"decode; this one claims far more work than it holds (grads of many steps naming one blob, or "

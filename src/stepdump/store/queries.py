@@ -138,15 +138,20 @@ class CatalogReader:
         return self._ints(f"SELECT DISTINCT t.step {_JOIN} JOIN steps st ON st.step = t.step WHERE s.kind = ? "
                           "AND t.blob IS NOT NULL AND st.level = ? ORDER BY t.step", (kind, level))
 
-    def stored_work(self, kind: str, first: int, last: int) -> tuple[Any, Any, Any]:
-        """(tensor rows, bytes they decode to, distinct stored bytes) of the ``kind`` tensors with a
-        blob at steps ``first..last``: what re-reading them costs, against what the store holds for
-        it (rows naming one blob count once on the stored side). Negative sizes count as 0."""
-        rows = self._q(f"SELECT count(*), total(max(b.raw_length, 0)) {_JOIN} JOIN blobs b ON b.id = t.blob "
-                       "WHERE s.kind = ? AND t.step >= ? AND t.step <= ?", (kind, first, last))
-        held = self._q(f"SELECT total(max(length, 0)) FROM blobs WHERE id IN (SELECT t.blob {_JOIN} "
-                       "WHERE s.kind = ? AND t.step >= ? AND t.step <= ?)", (kind, first, last))
-        return rows[0][0], rows[0][1], held[0][0]
+    def stored_work(self, kinds: Sequence[str], first: int, last: int) -> tuple[Any, Any, Any]:
+        """(bytes decoded, distinct stored bytes, state text bytes) of reading every tensor of
+        ``kinds`` that has a blob, and every step's state, at steps ``first..last``: what that costs
+        against what the store holds for it (rows naming one blob count once on the stored
+        side). Negative sizes count as 0."""
+        marks = ",".join("?" * len(kinds))
+        where = f"s.kind IN ({marks}) AND t.step >= ? AND t.step <= ?"
+        args = (*kinds, first, last)
+        decoded = self._q(f"SELECT total(max(b.raw_length, 0)) {_JOIN} JOIN blobs b ON b.id = t.blob WHERE {where}",
+                          args)
+        held = self._q(f"SELECT total(max(length, 0)) FROM blobs WHERE id IN (SELECT t.blob {_JOIN} WHERE {where})",
+                       args)
+        text = self._q("SELECT total(length(state)) FROM steps WHERE step >= ? AND step <= ?", (first, last))
+        return decoded[0][0], held[0][0], text[0][0]
 
     def step_times(self) -> list[tuple[Any, Any]]:
         """(step, unix time the step was committed) of every step."""
