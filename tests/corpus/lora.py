@@ -66,7 +66,7 @@ def record(path: Path, mode: str, fault: str | None = None) -> dict[str, Path]:
     model.requires_grad_(False)  # the frozen base
     for i in (0, 2):  # get_peft_model(model, LoraConfig(target_modules=[...]))
         model.layers[i] = LoraLinear(model.layers[i])  # adapters are created trainable
-    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith(("embed", "head"))], lr=2e-3)
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith(("embed", "head"))], lr=1e-2)
     sched = linear_schedule_with_warmup(opt, WARMUP, STEPS)
     gen = torch.Generator().manual_seed(1)
     with stepdump.Recorder(path, model, opt, sched, **MODES[mode]) as rec:
