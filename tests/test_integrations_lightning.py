@@ -286,3 +286,23 @@ def test_gradscaler_skip_is_recorded(tmp_path):
         # the recorded grads are the unscaled ones the probe saw
         for n, v in probe.seen[0]["grads"].items():
             assert_same(run.tensor(n, 0, "grads"), v, n)
+
+
+def test_lean_mode_with_clipping_keeps_every_steps_grad_stats_without_a_warning(tmp_path, caplog):
+    """Lightning clips after on_before_optimizer_step (the record): the lean path reads the grads at
+    the record, as full mode stores them, from the first step on (no 'changed in place' warning, no
+    step without grad stats), and the stats are those of the unclipped grads."""
+    torch.manual_seed(0)
+    model, probe = Net(), Probe()
+    cb = StepdumpCallback(tmp_path / "run", every=None, stats_every=1)
+    trainer = _trainer([probe, cb], max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    with caplog.at_level("WARNING", logger="stepdump"):
+        trainer.fit(model, _data())
+    assert not [r for r in caplog.records if "changed in place" in r.getMessage()]
+    with stepdump.open(tmp_path / "run") as run:
+        st = run.stats(kind="grads")
+        for t, s in enumerate(probe.seen):
+            rows = st[st["step"] == t]
+            assert len(rows) == len(s["grads"]), f"grad stats of step {t}"
+            for n, g in s["grads"].items():  # the probe's grads: taken before Lightning clipped them
+                assert rows[rows["name"] == n]["max"].item() == float(g.max()), f"{n} @ {t}"

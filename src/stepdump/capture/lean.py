@@ -247,7 +247,9 @@ class LeanCapture:
     until the step's grads are read (the post-hook sends it). Not ``enabled`` (the ring,
     CUDA): every method is a no-op and stats-only steps are copied like full ones."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, grads_at_capture: bool = False) -> None:
+        """``grads_at_capture``: the grads change between the record and the update by design
+        (a framework that clips after the record: Lightning), so read them at the record."""
         self.enabled = enabled
         # Steps between reads of the optimizer state (None: OPTIMIZER_EVERY); a gradient log
         # reads it every step, so that a rebuild is verified at the step it is read at.
@@ -256,7 +258,9 @@ class LeanCapture:
         self._before: LeanJob | None = None  # params + optimizer state of the coming update
         self._marks: dict[str, tuple[int, int]] = {}  # the grads when _before was submitted: a backward changes them
         self._pending: tuple[Any, LeanJob, list[Entry]] | None = None  # (message, grads job, grad entries)
-        self._grads_now = False  # grads computed at the pre-hook (after one was changed during a step)
+        # Grads computed at the pre-hook (from the start when they change after the record by design;
+        # else after one was changed during a step).
+        self._grads_now = grads_at_capture
 
     def forward_started(self, step: int, entries: Callable[[], list[Entry]], again: bool = False) -> None:
         """A training forward of iteration ``step`` (``again``: not its first; ``entries``: the

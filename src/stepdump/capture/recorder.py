@@ -165,7 +165,11 @@ class Recorder:
         first = next(iter(layout.params.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
         # Stats-only steps read the live tensors (capture/lean.py); the ring needs copies, CUDA its own path.
-        self._lean = LeanCapture(enabled=ring is None and self._device.type == "cpu")
+        # A framework that clips after the record (metadata grad_clip: unclipped grads recorded) changes
+        # the grads before the update: the lean path reads them at the record, as a full step copies them.
+        clip = (opts.metadata or {}).get("grad_clip")
+        self._lean = LeanCapture(enabled=ring is None and self._device.type == "cpu",
+                                 grads_at_capture=isinstance(clip, dict) and clip.get("grads") == "unclipped")
         self._pending: dict[int, dict[str, Any]] = {}
         self._prev_open, self._forward_seen = False, False  # forward_seen: a training forward ran since the update
         self._begin: dict[str, Any] | None = None
