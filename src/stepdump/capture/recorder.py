@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from stepdump.capture import iteration as _iteration
 from stepdump.capture import options as _options
 from stepdump.capture import target as _target
 from stepdump.capture.activations import ModuleCapture
@@ -173,6 +174,9 @@ class Recorder:
         self._pending: dict[int, dict[str, Any]] = {}
         self._prev_open, self._forward_seen = False, False  # forward_seen: a training forward ran since the update
         self._begin: dict[str, Any] | None = None
+        # Where iteration t starts (capture/iteration.py): frozen once its loop iteration opened,
+        # pinned by an explicit begin_iteration(), buffers to take again after an evaluation.
+        self._frozen = self._pinned = self._stale_buffers = False
         self._captured_at: int | None = None  # the step capture() last recorded: once per step
         self._batch: Any = None
 
@@ -211,9 +215,11 @@ class Recorder:
         # On the module given (a torch.compile wrapper runs its own hooks eagerly: no graph break).
         if not isinstance(self.model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
             self._hooks.append(self.model.register_forward_pre_hook(Hook(self._saw_forward)))  # copies: handles.py
+            self._hooks.append(self.model.register_forward_hook(Hook(self._saw_forward_end)))
         self._watch = StepWatch(self.model, self.optimizer, lambda: self._step)  # a loop that never steps it: say so
         self._hooks.extend(self._watch.handles)
         self._begin_iteration(self._step)
+        _iteration.join(self)
         # If the user forgets close(), still flush and release the lock at exit.
         self._finalizer = weakref.finalize(self, close_quietly, weakref.ref(self))
 
@@ -279,6 +285,7 @@ class Recorder:
         self._hooks.clear()
         if not self.recording:
             return
+        _iteration.leave(self)
         self._watch.closing()
         self._modules.remove()
         if self._ring is not None:
@@ -354,6 +361,7 @@ class Recorder:
         self._captured_at = t
         self._asm.state_before = optimizer_state
         try:
+            _iteration.update_starting(self)  # the loop's first update: every start state is final
             self._record_step(skipped)
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "optimizer.step() pre-hook" if self.options.auto_capture else "capture()")
@@ -396,6 +404,7 @@ class Recorder:
             self._begin_iteration(self._step)
             if rng is not None and self._begin is not None:
                 self._begin["rng"] = rng
+            self._pinned, self._stale_buffers = True, False  # the caller's moment: nothing retakes it
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "begin_iteration()")
 
@@ -403,6 +412,8 @@ class Recorder:
     def _saw_forward(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():  # an evaluation under no_grad
             return
+        if self._stale_buffers:  # an evaluation ran since the start state: its buffers as they are now
+            self._loop_retake(rng=False)
         again, self._forward_seen = self._forward_seen, True  # a training forward (or one with grad enabled)
         t = self._step
         if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
@@ -410,6 +421,44 @@ class Recorder:
                 self._lean.forward_started(t, lambda: self._asm.entries(False), again)
             except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
                 self._fail(e, "forward pre-hook")
+
+    def _saw_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() and not self._closed and not self._guard.stopped:
+            try:  # an evaluation's forward: the iteration's start RNG is after it (capture/iteration.py)
+                _iteration.eval_ended()
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward hook")
+
+    # -- where the iteration starts (capture/iteration.py) --------------------
+    def _loop_freeze(self) -> None:
+        if self._stale_buffers:
+            self._loop_retake(rng=False)
+        self._frozen = True
+
+    def _loop_update_ended(self) -> None:  # another Recorder's update: the loop iteration starts later
+        if not (self._frozen or self._pinned):
+            self._forward_seen = False
+            self._final.rng.take()  # the final record: the RNG after the loop's last update
+            self._loop_retake(rng=True)
+
+    def _loop_eval_ended(self, rng: dict[str, Any]) -> None:
+        if not (self._frozen or self._pinned):
+            if self._begin is not None:
+                self._begin["rng"] = rng
+            self._stale_buffers = True
+
+    def _loop_retake(self, rng: bool) -> None:
+        """Take the start state of the current step again (``rng`` False: the buffers only)."""
+        self._stale_buffers = False
+        if self._closed or self._guard.stopped or self._begin is None:
+            return
+        try:
+            kept = self._begin["rng"]
+            self._begin_iteration(self._step)
+            if not rng and self._begin is not None:
+                self._begin["rng"] = kept
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "start of an iteration")
 
     def _fail(self, err: BaseException, where: str) -> None:
         """A failure inside a hook: strict re-raises (a write failure as WriterError), else step aside."""
@@ -428,6 +477,7 @@ class Recorder:
             self._ring.release_all()
         self._pending.clear()
         self._begin = None
+        _iteration.leave(self)
         self._lean.drop()  # nothing in flight is sent any more
 
     def _record_step(self, skipped: bool) -> None:
@@ -479,7 +529,9 @@ class Recorder:
         self._step += 1
         self._prev_open = True
         self._forward_seen = False
+        self._frozen = self._pinned = self._stale_buffers = False
         self._begin_iteration(self._step)
+        _iteration.update_ended(self)  # another Recorder of this loop: its iteration starts after this update
         # The next iteration starts where this one's accounting stopped, so the time
         # _begin_iteration took counts both as recorder time and as iteration time.
         self._iter_start = started

@@ -1,0 +1,85 @@
+"""Where an iteration starts: the moment a record's RNG state and module buffers are taken.
+
+Record *t* holds the RNG and buffers that iteration *t*'s training work starts with
+(docs/concepts.md, "Where each part of a record is taken"). One Recorder alone sees the
+end of update *t-1* and takes them there. Two things in ordinary loops move the true
+start later, and this module follows both:
+
+* **Several Recorders in one loop** (one per optimizer: dcgan's D and G). D's update
+  is followed by G's, which runs netD again (BatchNorm in train mode updates its running
+  stats). The loop's iteration starts after the *last* update of the loop body, so every
+  Recorder's start state is taken again at the end of *any* live Recorder's update, until
+  the loop's next iteration opens: the update of the Recorder that captured first (the
+  loop's first optimizer, learned at its first step; :func:`update_starting`) freezes every
+  Recorder's start state for that iteration. One Recorder alone: its own update end, as
+  before. A log made after the last update, before the model's next training forward, goes
+  to the iteration that just ended (``Recorder.log``), whichever Recorder it is given to.
+* **An evaluation between updates** (sampling, a validation pass with its own shuffled
+  loader): a forward of a recorded model with grad disabled. At its end the start RNG of
+  every Recorder not yet frozen is taken again, so record *t* holds the RNG after the
+  evaluation drew; the buffers are taken again before the model's next training forward
+  (an evaluation in train mode moves BatchNorm stats). A sampler that draws *after* its
+  last forward cannot be seen ending: call ``Recorder.begin_iteration()`` after it.
+
+``Recorder.begin_iteration()`` called by the user (or an integration) pins the start
+state of that step: nothing here takes it again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+
+class Participant(Protocol):
+    """What a Recorder does when another part of the loop moves its iteration's start."""
+
+    def _loop_freeze(self) -> None: ...
+    def _loop_update_ended(self) -> None: ...
+    def _loop_eval_ended(self, rng: dict[str, Any]) -> None: ...
+
+
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # recording Recorders of this process
+_first: weakref.ref[Any] | None = None  # the Recorder whose update opens a loop iteration
+
+
+def join(rec: Participant) -> None:
+    """``rec`` records from now on (its start state follows the others' updates)."""
+    _LIVE.add(rec)
+
+
+def leave(rec: Participant) -> None:
+    """``rec`` is closed or stepped aside."""
+    global _first
+    _LIVE.discard(rec)
+    if _first is not None and _first() is rec:
+        _first = None
+
+
+def update_starting(rec: Participant) -> None:
+    """``rec`` takes its record (its optimizer's update begins). The update of the loop's first
+    optimizer opens a loop iteration: every Recorder's start state for it is final now."""
+    global _first
+    first = _first() if _first is not None else None
+    if first is None or first not in _LIVE:
+        _first, first = weakref.ref(rec), rec
+    for r in list(_LIVE) if first is rec else (rec,):
+        r._loop_freeze()
+
+
+def update_ended(rec: Participant) -> None:
+    """``rec``'s update is over (it took its own next start state): the others take theirs again."""
+    for r in list(_LIVE):
+        if r is not rec:
+            r._loop_update_ended()
+
+
+def eval_ended() -> None:
+    """A recorded model finished a forward with grad disabled: the RNG after it is the start RNG."""
+    if not _LIVE:
+        return
+    from stepdump.core.rng import get_rng_state
+
+    rng = get_rng_state()
+    for r in list(_LIVE):
+        r._loop_eval_ended(rng)
