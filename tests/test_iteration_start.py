@@ -237,3 +237,23 @@ def test_restore_after_sampling_is_bitwise(tmp_path: Path, how: str, where: str,
         for (name, a), b in zip(m1.state_dict().items(), want[0].values()):
             assert_same(a, b, f"restore({k}) + continue: {name}")
         assert_same_tree(o1.state_dict(), want[1], f"restore({k}) + continue: optimizer")
+
+
+@pytest.mark.parametrize("order", ["DG", "GD"])
+def test_two_recorders_diff_names_d_lr_change(tmp_path: Path, order: str) -> None:
+    """D's lr changed before iteration 3 of run b: the diff of the D runs names it at step 3,
+    as the earliest difference (hyperparameters), with everything before it identical."""
+    for tag in ("a", "b"):
+        g, d, opt_g, opt_d = gan_objects(0)
+        with stepdump.Recorder(tmp_path / tag / "D", d, opt_d, on_error="raise") as rec_d, \
+                stepdump.Recorder(tmp_path / tag / "G", g, opt_g, on_error="raise") as rec_g:
+            for i in range(N):
+                if tag == "b" and i == 3:
+                    opt_d.param_groups[0]["lr"] = 5e-4
+                err_d, err_g = gan_iteration(i, g, d, opt_g, opt_d, order)
+                rec_d.log(errD=err_d)
+                rec_g.log(errG=err_g)
+    result = stepdump.diff(stepdump.open(tmp_path / "a" / "D"), stepdump.open(tmp_path / "b" / "D"))
+    assert result.first_step == 3
+    first = result.differences[0]
+    assert (first.step, first.stage, first.what, first.a, first.b) == (3, "hyperparameters", "lr", 1e-3, 5e-4)
