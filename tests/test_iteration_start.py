@@ -103,8 +103,21 @@ def end_state(*objs: Any) -> list[Any]:
     return out
 
 
+def idle_recorder(path: Path) -> stepdump.Recorder:
+    """A Recorder left open in the process (a notebook cell never closed, an earlier test) that
+    recorded a step before the loop under test and then stays idle: it must not change that loop's records."""
+    m = nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    rec = stepdump.Recorder(path, m, opt, on_error="raise")
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    return rec
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["alone", "idle_recorder_open"])
 @pytest.mark.parametrize("order", ["DG", "GD"])
-def test_two_recorders_gan_restore_and_logs(tmp_path: Path, order: str) -> None:
+def test_two_recorders_gan_restore_and_logs(tmp_path: Path, order: str, idle: bool) -> None:
+    other = idle_recorder(tmp_path / "idle") if idle else None
     g, d, opt_g, opt_d = gan_objects(0)
     logged: list[tuple[float, float]] = []
     with stepdump.Recorder(tmp_path / "D", d, opt_d, on_error="raise") as rec_d, \
@@ -115,6 +128,8 @@ def test_two_recorders_gan_restore_and_logs(tmp_path: Path, order: str) -> None:
             rec_g.log(errG=err_g)
             logged.append((err_d, err_g))
     want = end_state(g, d, opt_g, opt_d)
+    if other is not None:
+        other.close()
 
     # Recording changed nothing.
     g0, d0, og0, od0 = gan_objects(0)

@@ -11,7 +11,8 @@ start later, and this module follows both:
   Recorder's start state is taken again at the end of *any* live Recorder's update, until
   the loop's next iteration opens: the update of the Recorder that captured first (the
   loop's first optimizer, learned at its first step; :func:`update_starting`) freezes every
-  Recorder's start state for that iteration. One Recorder alone: its own update end, as
+  Recorder's start state for that iteration. A Recorder left open but idle (no update since
+  this one was created: an earlier loop, a notebook cell) is never taken for the loop's first. One Recorder alone: its own update end, as
   before. A log made after the last update, before the model's next training forward, goes
   to the iteration that just ended (``Recorder.log``), whichever Recorder it is given to.
 * **An evaluation between updates** (sampling, a validation pass with its own shuffled
@@ -41,11 +42,23 @@ class Participant(Protocol):
 
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # recording Recorders of this process
 _first: weakref.ref[Any] | None = None  # the Recorder whose update opens a loop iteration
+# A clock of joins and updates: a Recorder that has not updated since another one joined is
+# idle for it (left open by an earlier loop, a notebook cell, a test) and cannot be its loop's first.
+_clock = 0
+_joined: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_updated: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _tick() -> int:
+    global _clock
+    _clock += 1
+    return _clock
 
 
 def join(rec: Participant) -> None:
     """``rec`` records from now on (its start state follows the others' updates)."""
     _LIVE.add(rec)
+    _joined[rec] = _tick()
 
 
 def leave(rec: Participant) -> None:
@@ -61,8 +74,9 @@ def update_starting(rec: Participant) -> None:
     optimizer opens a loop iteration: every Recorder's start state for it is final now."""
     global _first
     first = _first() if _first is not None else None
-    if first is None or first not in _LIVE:
-        _first, first = weakref.ref(rec), rec
+    if first is None or first not in _LIVE or _updated.get(first, 0) < _joined.get(rec, 0):
+        _first, first = weakref.ref(rec), rec  # none yet, or one idle since rec joined: not rec's loop
+    _updated[rec] = _tick()
     for r in list(_LIVE) if first is rec else (rec,):
         r._loop_freeze()
 
