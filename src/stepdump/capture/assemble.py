@@ -15,11 +15,13 @@ record of a given level holds and how each tensor travels to the writer:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import LeanCapture, lean_rows
 from stepdump.capture.naming import StateBefore, full_state, state_json, tensor_entries
@@ -50,6 +52,8 @@ class Assembler:
     # The optimizer state as step() began, for the next fill() only: a record taken after a closure's first call.
     state_before: StateBefore | None = None
     stager: Stager = field(default_factory=Stager)
+    extra: Mapping[str, Any] | None = None  # Recorder(extra_state=): objects recorded beside the model (extra.py)
+    frozen: str = "once"  # RecordOptions.frozen: "fingerprint" stores no bytes of requires_grad=False params
 
     def __post_init__(self) -> None:
         self._group_sizes = group_sizes(self.optimizer)
@@ -102,12 +106,16 @@ class Assembler:
                                opt_state)
         if outside and not full:  # what replay cannot derive: stored at this step
             entries = [(*e[:3], True, *e[4:]) if e[0] == "params" and e[1] in outside else e for e in entries]
+        if full:
+            entries = self.frozen_entries(entries)
         if full or self.keyframes or self.gradlog:
             state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler, opt_state) \
                 if full or self.gradlog else {}
             if outside:
                 state[STATE_KEY] = outside
-            msg.state_json = state_json(state, begin, batch, entries)
+            # Extra state at full steps; a gradient log's other steps get its stats and fingerprints.
+            extra = take_extra(self.extra, full, entries) if self.extra and (full or self.gradlog) else None
+            msg.state_json = state_json(state, begin, batch, entries, extra)
         held = False
         if self.lean.enabled and not full:
             def in_full(e: tuple) -> bool:
@@ -126,6 +134,13 @@ class Assembler:
         msg.items.extend(Item(kind, name, tensor, full or (self.keyframes and kind == "inputs"))
                          for kind, name, tensor in captured)
         return held
+
+    def frozen_entries(self, entries: list[tuple]) -> list[tuple]:
+        """A full record's entries with ``frozen="fingerprint"``: the params with ``requires_grad=False``
+        get stats and a fingerprint, no bytes (``"once"``: the writer stores unchanged bytes once)."""
+        if self.frozen != "fingerprint":
+            return entries
+        return [(*e[:3], False, *e[4:]) if e[0] == "params" and not e[2].requires_grad else e for e in entries]
 
     def _as_now(self, msg: StepMessage, fps: dict[str, int], entries: list[tuple]) -> None:
         """Lean param rows read at the iteration's first forward that describe other bytes than the

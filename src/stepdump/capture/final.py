@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from stepdump.capture.assemble import Assembler
+from stepdump.capture.extra import take as take_extra
 from stepdump.capture.naming import full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY
 from stepdump.capture.staging import StagingPool
@@ -120,13 +121,14 @@ class FinalRecord:
         meta = asm.refresh_layout(model, step) or {}  # add_param_group after the last record
         kinds = tuple(k for k in asm.kinds if k in ("params", "optimizer"))
         buffers = {n: b for n, b in asm.layout.buffers.items() if asm.selected(n)} if "params" in kinds else {}
-        entries = tensor_entries(asm.layout, asm.optimizer, kinds, asm.selected, True, buffers)
+        entries = asm.frozen_entries(tensor_entries(asm.layout, asm.optimizer, kinds, asm.selected, True, buffers))
+        extra = take_extra(asm.extra, True, entries) if asm.extra else None
         state = full_state(asm.layout, asm.optimizer, asm.scheduler, asm.scaler)
         _, outside = asm.outside(step)  # changed since the last update: verify takes them as stored
         if outside:
             state[STATE_KEY] = outside
         msg = StepMessage(step=step, level=LEVEL_FULL, meta={**meta, "final_step": step})
-        msg.state_json = state_json(state, {"rng": self.rng.state()}, None, entries)
+        msg.state_json = state_json(state, {"rng": self.rng.state()}, None, entries, extra)
         msg.slot = slot = pool.acquire(lambda: writer.error)
         try:
             msg.items = asm.stager.stage(slot, entries)

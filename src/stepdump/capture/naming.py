@@ -68,9 +68,12 @@ def begin_state(layout: Layout, buffers: Callable[[str], bool] | None) -> dict[s
         }
 
 
-def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, entries: list[tuple]) -> str:
-    """The record's typed-JSON state (FORMAT.md); its tensors are appended to ``entries`` as kind ``state``."""
+def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, entries: list[tuple],
+               extra: dict[str, Any] | None = None) -> str:
+    """The record's typed-JSON state (FORMAT.md); its tensors are appended to ``entries`` as kind ``state``.
+    ``extra``: the extra state's tree, already encoded (capture/extra.py), stored as it is."""
     from stepdump.core import tjson
+    from stepdump.store.format import STATE_EXTRA
 
     if begin is not None:
         state["rng"] = begin["rng"]
@@ -80,7 +83,10 @@ def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, 
     def put(ref: str, tensor: torch.Tensor) -> None:
         entries.append(("state", ref, tensor, True, None, None))
 
-    return tjson.dumps(tjson.encode(state, put))
+    tree = tjson.encode(state, put)
+    if extra:
+        tree[STATE_EXTRA] = extra
+    return tjson.dumps(tree)
 
 
 class StateBefore:

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypedDict, Union
 
+from stepdump.capture.extra import check_extra_state
 from stepdump.capture.guard import ON_ERROR
 from stepdump.capture.selection import CORE_KINDS, Every, StepSet, check_kinds, patterns
 from stepdump.capture.sharding import Ranks, check_ranks
@@ -59,6 +60,7 @@ __all__ = [
 ]
 
 ACTIVATION_KINDS = ("activations", "activation_grads")
+FROZEN = ("once", "fingerprint")
 
 
 def _positive_int(value: Any, what: str, hint: str) -> None:
@@ -99,6 +101,16 @@ class RecordOptions:
             (default: every module).
         profile: Record per-step timing and memory as ``sys/*`` scalars
             (see :meth:`stepdump.Run.profile`).
+        extra_state: Objects recorded beside the model, by name:
+            ``{"ema": ema_model}`` (an ``AveragedModel``, a timm / torch-ema EMA, anything with
+            ``state_dict()`` and ``load_state_dict()``). Each one's ``state_dict()`` is recorded
+            at full steps (keyframes and the final record too) as it is when the update begins,
+            and ``Run.restore(..., extra_state={...})`` loads it (docs/recipes/ema.md).
+        frozen: What a full step stores of the params with ``requires_grad=False`` (a frozen
+            base under adapters): ``"once"`` (default) stores their bytes when first recorded
+            and again only if they change; every full step checks their fingerprint and names
+            those bytes. ``"fingerprint"`` never stores them, only their stats and fingerprint:
+            ``restore`` then checks the base it is given against them (docs/recipes/lora.md).
     """
 
     capture: tuple[str, ...] | str = CORE_KINDS
@@ -106,6 +118,8 @@ class RecordOptions:
     exclude: tuple[str, ...] | str | None = None
     modules: tuple[str, ...] | str | None = None
     profile: bool = True
+    extra_state: Mapping[str, Any] | None = None
+    frozen: str = "once"
 
     def __post_init__(self) -> None:
         _set(self, "capture", check_kinds(self.capture))
@@ -120,6 +134,10 @@ class RecordOptions:
                 )
         if not isinstance(self.profile, bool):
             raise ConfigError(f"profile={self.profile!r}: give True or False")
+        _set(self, "extra_state", check_extra_state(self.extra_state))
+        if self.frozen not in FROZEN:
+            raise ConfigError(f"frozen={self.frozen!r}: choose 'once' (frozen params stored once, then checked by "
+                              "fingerprint) or 'fingerprint' (never stored: restore checks the base it is given)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,6 +326,8 @@ class FlatOptions(TypedDict, total=False):
     exclude: str | Iterable[str] | None
     modules: str | Iterable[str] | None
     profile: bool
+    extra_state: Mapping[str, Any] | None
+    frozen: str
     every: Every
     stats_every: Every
     keyframe_every: int | None
@@ -325,7 +345,7 @@ class FlatOptions(TypedDict, total=False):
     storage: StorageFactory | None
 
 
-_RECORD = ("capture", "include", "exclude", "modules", "profile")
+_RECORD = ("capture", "include", "exclude", "modules", "profile", "extra_state", "frozen")
 _SCHEDULE = ("every", "stats_every", "keyframe_every", "gradient_log", "ring", "trigger", "after")
 _STORE = ("codec", "delta_chain", "queue_depth", "staging_bytes", "durability", "segment_bytes", "remote", "storage")
 _GROUP_OF = {**dict.fromkeys(_RECORD, "record"), **dict.fromkeys(_SCHEDULE, "schedule"),
@@ -387,6 +407,9 @@ class RecorderOptions:
                                   f"lists, dicts), it is stored with the run: {e}") from None
             _set(self, "metadata", dict(self.metadata))
         check_ranks(self.ranks)
+        if self.record.frozen == "fingerprint" and isinstance(self.schedule, GradientLogSchedule):
+            raise ConfigError("frozen='fingerprint' does not go with gradient_log=: a rebuild starts from the "
+                              "params stored at a keyframe; leave frozen= out (frozen params are stored once)")
 
 
 def resolve(record: RecordOptions | None = None, schedule: Schedule | None = None,

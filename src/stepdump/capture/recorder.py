@@ -193,7 +193,8 @@ class Recorder:
             self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
             self._asm = Assembler(layout, self.optimizer, self.scheduler, self.scaler, self.kinds, self._filter,
                                   self._lean, keyframes=self._keyframes,
-                                  gradlog=isinstance(sched, _options.GradientLogSchedule))
+                                  gradlog=isinstance(sched, _options.GradientLogSchedule),
+                                  extra=rec.extra_state, frozen=rec.frozen)
             self._writer = Writer(self.path, self._pool, store.codec, store.durability,
                                   self._target.segment_bytes(store.segment_bytes), max_queue=store.queue_depth + 64,
                                   delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path))

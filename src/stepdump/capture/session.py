@@ -111,6 +111,7 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              options: RecorderOptions, layout: Layout, extra: dict[str, Any]) -> dict[str, Any]:
     """What a new run's catalog says about how it was recorded (FORMAT.md, ``meta``); ``extra``:
     the target's (``distributed``, ``url``)."""
+    from stepdump.capture.extra import extra_meta
     from stepdump.capture.options import GradientLogSchedule, schedule_meta
 
     for key in layout.not_recorded:
@@ -130,6 +131,9 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
         "codec": options.store.codec,
         "device": str(next(iter(layout.params.values())).device) if layout.params else "cpu",
         "layout": layout.to_meta(),
+        **extra_meta(options.record.extra_state),  # the objects of Recorder(extra_state=), capture/extra.py
+        # Frozen params recorded by fingerprint only: restore checks the base it is given against them.
+        **({"frozen": "fingerprint"} if options.record.frozen == "fingerprint" else {}),
         "user": dict(options.metadata or {}),
         **extra,
     }

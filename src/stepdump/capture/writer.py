@@ -45,7 +45,11 @@ log = logging.getLogger(__name__)
 _NO_STATS = frozenset({"state"})
 # Kinds stored as deltas against their previous blob by a delta codec: state that
 # persists across steps. Activations and batches change wholesale from step to step.
-_DELTA_KINDS = frozenset({"params", "grads", "optimizer", "buffers"})
+_DELTA_KINDS = frozenset({"params", "grads", "optimizer", "buffers", "extra"})
+# Kinds of state that often stays the same from one full step to the next (a frozen base under
+# adapters, a causal-mask buffer): a tensor whose bytes equal its series' last stored blob (same
+# fingerprint, length, dtype and shape) gets a row naming that blob instead of a new copy.
+_SHARED_KINDS = frozenset({"params", "buffers", "extra"})
 # Blobs at least this large go straight to the file; smaller ones are batched.
 _DIRECT_WRITE = 1 << 20
 # Encoded bytes that may wait for the disk at least this much, whatever the staging budget
@@ -114,6 +118,9 @@ class Writer(threading.Thread):
         self._buffer = bytearray()
         self._buffer_offset = 0  # where the buffer's bytes go in the segment
         self._blob_rows: list[tuple[Any, ...]] = []  # the step's blob rows, added to the catalog before commit
+        # series -> (blob, fingerprint, raw length, dtype, shape) of its last stored blob (_SHARED_KINDS),
+        # in this writer session: a resumed Recorder stores each tensor again once.
+        self._last_blob: dict[int, tuple[int, int, int, str, str]] = {}
         self._ready = threading.Event()
 
     # -- thread body -------------------------------------------------------
@@ -170,6 +177,7 @@ class Writer(threading.Thread):
     def _rollback(self) -> None:
         """Forget the failed step's rows, so that _shutdown's commit makes none of it visible."""
         self._encoder.forget()
+        self._last_blob.clear()  # it may name blobs of the rolled-back step
         try:
             if self._catalog is not None:
                 self._catalog.rollback()
@@ -261,13 +269,21 @@ class Writer(threading.Thread):
             stats = compute_stats(t)
         sid = cat.series_id(item.kind, item.name, item.param, item.key)
         blob = None
+        dtype, shape = stored_dtype(t), format_shape(t.shape)
         if item.full:
-            # Bytes the writer made (a contiguous copy, a codec's output) count against the
-            # appender's cap; a staging buffer or a live tensor's own bytes do not.
-            borrowed = item.raw is not None or (item.live and t.is_contiguous())
-            blob = self._append_blob(cat, data, t.element_size(), fp, sid if item.kind in _DELTA_KINDS else None,
-                                     borrowed)
-        return (sid, step, stored_dtype(t), format_shape(t.shape), blob, *stats, fp)
+            same = (fp, len(data), dtype, shape)
+            last = self._last_blob.get(sid) if item.kind in _SHARED_KINDS else None
+            if last is not None and last[1:] == same:
+                blob = last[0]  # unchanged since its last stored blob: named again, not stored again
+            else:
+                # Bytes the writer made (a contiguous copy, a codec's output) count against the
+                # appender's cap; a staging buffer or a live tensor's own bytes do not.
+                borrowed = item.raw is not None or (item.live and t.is_contiguous())
+                blob = self._append_blob(cat, data, t.element_size(), fp,
+                                         sid if item.kind in _DELTA_KINDS else None, borrowed)
+                if item.kind in _SHARED_KINDS:
+                    self._last_blob[sid] = (blob, *same)
+        return (sid, step, dtype, shape, blob, *stats, fp)
 
     def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int,
                      series: int | None = None, borrowed: bool = True) -> int:

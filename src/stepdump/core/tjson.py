@@ -11,7 +11,9 @@ Plain JSON loses tuples, non-string dict keys and tensors. Typed JSON tags them:
 * ``{"$sparse_coo": {"indices": T, "values": T, "size": [...], "coalesced": bool}}`` a sparse
   COO tensor as it was, duplicates and order kept (SGD's momentum of sparse grads: the
   order in which duplicate rows are added decides the rounding of the next update),
-* ``{"$repr": "..."}`` an object stepdump cannot store; kept for display only.
+* ``{"$repr": "..."}`` an object stepdump cannot store; kept for display only;
+* ``{"$extra": "ref"}`` (inside a step state's ``extra_state``) a tensor stored as a blob of kind
+  ``extra`` named ``ref``: extra state (an EMA) is stored like params, with stats (FORMAT.md).
 
 Decoding never constructs anything but these plain types and tensors, so a store
 from an untrusted source cannot run code.
@@ -31,11 +33,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_TAGS = ("$tuple", "$dict", "$counter", "$tensor", "$device", "$sparse_coo", "$repr", "$float")
+_TAGS = ("$tuple", "$dict", "$counter", "$tensor", "$device", "$sparse_coo", "$repr", "$float", "$extra")
+_TENSOR_TAGS = ("$tensor", "$extra")
 
 
-def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str = "") -> Any:
+def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str = "", tag: str = "$tensor") -> Any:
     """Turn ``obj`` into a JSON-able tree, handing tensors to ``put_tensor(ref, t)``.
+
+    ``tag``: how a tensor is marked in the tree, ``$tensor`` (a blob of kind ``state``) or
+    ``$extra`` (a blob of kind ``extra``).
 
     Refs are the tensors' paths in ``obj``; where two paths read the same (a key
     ``"a/b"`` next to a key ``"a"`` holding ``"b"``, or keys ``0`` and ``"0"``)
@@ -52,10 +58,12 @@ def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str 
         put_tensor(unique, t)
         return unique
 
-    return _encode(obj, put_unique, path)
+    if tag not in _TENSOR_TAGS:
+        raise ValueError(f"tag={tag!r}: one of {_TENSOR_TAGS}")
+    return _encode(obj, put_unique, path, tag)
 
 
-def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str) -> Any:
+def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str, tag: str = "$tensor") -> Any:
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -68,28 +76,28 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str)
     if isinstance(obj, (np.integer,)):
         return int(obj)
     if isinstance(obj, (np.floating,)):
-        return _encode(float(obj), put_tensor, path)
+        return _encode(float(obj), put_tensor, path, tag)
     if isinstance(obj, np.ndarray):
         obj = torch.from_numpy(np.ascontiguousarray(obj))
     if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
-        return {"$sparse_coo": {"indices": _encode(obj._indices(), put_tensor, f"{path}/indices"),
-                                "values": _encode(obj._values(), put_tensor, f"{path}/values"),
+        return {"$sparse_coo": {"indices": _encode(obj._indices(), put_tensor, f"{path}/indices", tag),
+                                "values": _encode(obj._values(), put_tensor, f"{path}/values", tag),
                                 "size": list(obj.shape), "coalesced": obj.is_coalesced()}}
     if isinstance(obj, torch.Tensor):
         ref = put_tensor(path or "value", obj)
-        return {"$tensor": ref} if obj.device.type == "cpu" else {"$tensor": ref, "$device": str(obj.device)}
+        return {tag: ref} if obj.device.type == "cpu" else {tag: ref, "$device": str(obj.device)}
     if isinstance(obj, (list, tuple)):
-        items = [_encode(v, put_tensor, f"{path}/{i}") for i, v in enumerate(obj)]
+        items = [_encode(v, put_tensor, f"{path}/{i}", tag) for i, v in enumerate(obj)]
         return {"$tuple": items} if isinstance(obj, tuple) else items
     if isinstance(obj, Counter):
-        return {"$counter": [[_encode(k, put_tensor, f"{path}/key{i}"), _encode(v, put_tensor, f"{path}/{k}")]
+        return {"$counter": [[_encode(k, put_tensor, f"{path}/key{i}", tag), _encode(v, put_tensor, f"{path}/{k}", tag)]
                              for i, (k, v) in enumerate(obj.items())]}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and k not in _TAGS for k in obj):
-            return {k: _encode(v, put_tensor, f"{path}/{k}") for k, v in obj.items()}
+            return {k: _encode(v, put_tensor, f"{path}/{k}", tag) for k, v in obj.items()}
         return {
             "$dict": [
-                [_encode(k, put_tensor, f"{path}/key{i}"), _encode(v, put_tensor, f"{path}/{k}")]
+                [_encode(k, put_tensor, f"{path}/key{i}", tag), _encode(v, put_tensor, f"{path}/{k}", tag)]
                 for i, (k, v) in enumerate(obj.items())
             ]
         }
@@ -97,41 +105,54 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str)
     return {"$repr": repr(obj)[:200]}
 
 
-def decode(tree: Any, get_tensor: Callable[[str], torch.Tensor]) -> Any:
-    """Inverse of :func:`encode`; ``get_tensor(ref)`` loads a referenced tensor."""
-    if isinstance(tree, list):
-        return [decode(v, get_tensor) for v in tree]
-    if isinstance(tree, dict):
-        if len(tree) == 1:
-            (tag, val), = tree.items()
-            if tag == "$tuple":
-                return tuple(decode(v, get_tensor) for v in val)
-            if tag == "$dict":
-                return {_hashable(decode(k, get_tensor)): decode(v, get_tensor) for k, v in val}
-            if tag == "$counter":
-                return Counter({_hashable(decode(k, get_tensor)): decode(v, get_tensor) for k, v in val})
-            if tag == "$tensor":
-                return get_tensor(str(val))
-            if tag == "$float":
-                return float(val)
-            if tag == "$sparse_coo":
-                return _sparse(val, get_tensor)
-            if tag == "$repr":
-                return None
-        if set(tree) == {"$tensor", "$device"}:
-            return _on_device(get_tensor(str(tree["$tensor"])), tree["$device"])
-        return {k: decode(v, get_tensor) for k, v in tree.items()}
-    return tree
+def decode(tree: Any, get_tensor: Callable[[str], torch.Tensor],
+           get_extra: Callable[[str], torch.Tensor] | None = None) -> Any:
+    """Inverse of :func:`encode`; ``get_tensor(ref)`` loads a tensor marked ``$tensor``,
+    ``get_extra(ref)`` one marked ``$extra`` (None: such a tensor decodes as ``None``)."""
+
+    def get(tag: str, ref: str) -> torch.Tensor | None:
+        if tag == "$tensor":
+            return get_tensor(ref)
+        return None if get_extra is None else get_extra(ref)
+
+    def dec(tree: Any) -> Any:
+        if isinstance(tree, list):
+            return [dec(v) for v in tree]
+        if isinstance(tree, dict):
+            if len(tree) == 1:
+                (tag, val), = tree.items()
+                if tag == "$tuple":
+                    return tuple(dec(v) for v in val)
+                if tag == "$dict":
+                    return {_hashable(dec(k)): dec(v) for k, v in val}
+                if tag == "$counter":
+                    return Counter({_hashable(dec(k)): dec(v) for k, v in val})
+                if tag in _TENSOR_TAGS:
+                    return get(tag, str(val))
+                if tag == "$float":
+                    return float(val)
+                if tag == "$sparse_coo":
+                    return _sparse(val, dec)
+                if tag == "$repr":
+                    return None
+            for tag in _TENSOR_TAGS:
+                if set(tree) == {tag, "$device"}:
+                    t = get(tag, str(tree[tag]))
+                    return None if t is None else _on_device(t, tree["$device"])
+            return {k: dec(v) for k, v in tree.items()}
+        return tree
+
+    return dec(tree)
 
 
-def _sparse(val: Any, get_tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
+def _sparse(val: Any, dec: Callable[[Any], Any]) -> torch.Tensor:
     """Rebuild a sparse COO tensor, checking what a hostile store could put there."""
     from stepdump.errors import CorruptDataError
 
     bad = CorruptDataError(f"a stored sparse tensor is malformed: {str(val)[:200]}")
     if not (isinstance(val, dict) and isinstance(val.get("size"), list) and isinstance(val.get("coalesced"), bool)):
         raise bad
-    indices, values = decode(val.get("indices"), get_tensor), decode(val.get("values"), get_tensor)
+    indices, values = dec(val.get("indices")), dec(val.get("values"))
     size = val["size"]
     if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size)):

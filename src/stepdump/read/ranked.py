@@ -272,7 +272,7 @@ class DistributedRun:
         return osd
 
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
-                *, rng: bool = True, rank: int | None = None) -> None:
+                *, rng: bool = True, rank: int | None = None, extra_state: Any = None) -> None:
         """Restore this process's rank (``torch.distributed.get_rank()``; ``rank=`` to choose) at ``step``.
 
         Call it on every rank with that rank's model and optimizer: each loads
@@ -282,7 +282,7 @@ class DistributedRun:
         if rank is None:
             dist = torch.distributed
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else self.primary
-        self.rank(rank).restore(step, model, optimizer, scheduler, scaler, rng=rng)
+        self.rank(rank).restore(step, model, optimizer, scheduler, scaler, rng=rng, extra_state=extra_state)
 
     def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False) -> Path:
         """Write step ``step`` as one consolidated checkpoint (full tensors); see :meth:`Run.export`."""

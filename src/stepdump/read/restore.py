@@ -1,14 +1,17 @@
-"""Restore a recorded step into live model / optimizer / scheduler / scaler / RNG.
+"""Restore a recorded step into live model / optimizer / scheduler / scaler / RNG / extra state.
 
-Everything is read and checked first; only then is anything changed, so a
-mismatch leaves the caller's objects exactly as they were. One path for plain
-models and for models whose parameters are DTensors (FSDP2 / tensor parallel:
-one rank's recorded shards go into its DTensors); :func:`stepdump.replay` starts
-from it too.
+Atomic: everything is read and checked first, the parts whose ``load_state_dict`` runs
+unknown code (scheduler, scaler, extra-state objects, the RNG) by loading into a copy
+(read/restore_checks.py, read/extra.py); only then is anything changed, so a mismatch
+leaves the caller's objects exactly as they were and a RestoreMismatchError names the
+part and the fix. One path for plain models and for models whose parameters are DTensors
+(FSDP2 / tensor parallel: one rank's recorded shards go into its DTensors);
+:func:`stepdump.replay` starts from it too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +19,8 @@ import torch
 
 from stepdump.core.rng import set_rng_state
 from stepdump.errors import ConfigError, RestoreMismatchError
+from stepdump.read.extra import plan_extra
+from stepdump.read.restore_checks import check_scaler, fingerprint_model_state, trial_rng, trial_scheduler
 from stepdump.read.state import layout_entries as _state_dict_entries
 
 if TYPE_CHECKING:
@@ -23,7 +28,7 @@ if TYPE_CHECKING:
 
 
 def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
-            scaler: Any = None, *, rng: bool = True) -> None:
+            scaler: Any = None, *, rng: bool = True, extra_state: Mapping[str, Any] | None = None) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"restore needs the model (a torch.nn.Module), got {type(model).__name__}")
     from stepdump.core.dtensor import is_dtensor
@@ -32,7 +37,10 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
     model = unwrap(model)  # a torch.compile wrapper: the run names the inner module's tensors
     sharded = any(is_dtensor(p) for p in model.parameters())
     meta = run.meta
-    sd = run.state_dict(step)
+    if meta.get("frozen") == "fingerprint" and not sharded:
+        sd = fingerprint_model_state(run, step, model)  # frozen params: the live ones, checked bit for bit
+    else:
+        sd = run.state_dict(step)
     if sharded:
         _check_sharded_model(model, sd)
     else:
@@ -49,10 +57,29 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
     if scheduler is not None:
         _check_class("scheduler", scheduler, meta.get("scheduler_class"))
     state = side_state(run, step, scheduler, scaler, rng)
-    # All checks passed: apply.
-    plan.add_groups(optimizer)
-    apply(model, sd, optimizer, osd, scheduler, scaler, state, rng)
-    plan.write_outside_params()
+    extra = plan_extra(run, step, extra_state)
+    if scheduler is not None:
+        trial_scheduler(scheduler, state["scheduler"], step, optimizer, plan.new_groups)
+    if scaler is not None:
+        check_scaler(scaler, state["scaler"], step)
+    if rng:
+        trial_rng(state["rng"], step)
+    # All checks passed: apply. Nothing below is expected to fail; if it does, say what is half done.
+    done: list[str] = []
+    try:
+        done.append("optimizer's param groups")
+        plan.add_groups(optimizer)
+        apply(model, sd, optimizer, osd, scheduler, scaler, state, rng, done)
+        done.append("extra state")
+        extra.apply()
+        done.append("params outside the model")
+        plan.write_outside_params()
+    except Exception as e:
+        loaded = ", ".join(done[:-1]) or "nothing"
+        raise RestoreMismatchError(
+            f"restoring step {step}: every part passed its checks, then loading the {done[-1] if done else 'model'} "
+            f"failed ({type(e).__name__}: {e}); already restored: {loaded}. Restore again into freshly built "
+            "objects") from e
 
 
 def side_state(run: Run, step: int, scheduler: Any, scaler: Any, rng: bool) -> dict[str, Any]:
@@ -68,16 +95,23 @@ def side_state(run: Run, step: int, scheduler: Any, scaler: Any, rng: bool) -> d
 
 
 def apply(model: torch.nn.Module, sd: Any, optimizer: Any, osd: Any, scheduler: Any, scaler: Any,
-          state: dict[str, Any], rng: bool) -> None:
-    """Load checked state into the live objects (nothing is checked here)."""
+          state: dict[str, Any], rng: bool, done: list[str] | None = None) -> None:
+    """Load checked state into the live objects (nothing is checked here); ``done`` gets the name of
+    each part as its load starts."""
+    done = [] if done is None else done
+    done.append("model")
     model.load_state_dict(sd, strict=True)
     if optimizer is not None:
+        done.append("optimizer")
         optimizer.load_state_dict(osd)
     if scheduler is not None:
+        done.append("scheduler")
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None:
+        done.append("GradScaler")
         scaler.load_state_dict(state["scaler"])
     if rng:
+        done.append("RNG")
         set_rng_state(state["rng"])
 
 

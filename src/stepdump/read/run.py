@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -32,7 +32,7 @@ from stepdump.read.rows import (
     require_full,
 )
 from stepdump.read.state import check_meta
-from stepdump.store.format import ALL_KINDS, LEVEL_FULL
+from stepdump.store.format import ALL_KINDS, LEVEL_FULL, STATE_EXTRA
 from stepdump.store.lock import is_locked
 from stepdump.store.queries import STAT_ROW_COLUMNS, CatalogReader, StepRange
 
@@ -219,8 +219,11 @@ class Run:
             self._require_full(step)  # raises with the nearest steps
             raise StepNotFoundError(f"step {step} of {self.path} has no recorded state")
         try:
+            tree = tjson.loads(text)
+            if isinstance(tree, dict):  # read on its own, by extra_state_dict: no need to decode its tensors here
+                tree.pop(STATE_EXTRA, None)
             with self._blobs.call():  # every $tensor of the state in one read budget
-                state = tjson.decode(tjson.loads(text), lambda ref: self.tensor(ref, step, kind="state"))
+                state = tjson.decode(tree, lambda ref: self.tensor(ref, step, kind="state"))
         except StepdumpError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError) as e:
@@ -270,19 +273,32 @@ class Run:
             )
         return state["rng"]
 
+    def extra_state_dict(self, step: int, name: str) -> Any:
+        """``state_dict()`` of the object recorded as ``Recorder(extra_state={name: obj})``, as it was
+        when update ``step`` began (an EMA: docs/recipes/ema.md)."""
+        step = _as_step(step)
+        from stepdump.read.extra import extra_state_dict
+
+        self._require_full(step)
+        with self._blobs.call():
+            return extra_state_dict(self, step, name)
+
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
-                *, rng: bool = True) -> None:
+                *, rng: bool = True, extra_state: Mapping[str, Any] | None = None) -> None:
         """Load step ``step`` into live objects so training can continue from it.
 
-        Everything is checked before anything is changed: on a mismatch
-        (names, shapes, param groups) a RestoreMismatchError names the first
-        difference and the objects are left untouched.
+        Atomic: every part (model, optimizer, scheduler, scaler, RNG, extra state) is checked,
+        or loaded into a copy, before anything is changed; on a mismatch a
+        RestoreMismatchError names the part and the fix, and the objects are left untouched.
+        ``extra_state``: the objects recorded with ``Recorder(extra_state=)``, by the same names
+        (a name the run does not hold is an error; one it holds that is not given is logged as
+        a warning and left as it is).
         """
         step = _as_step(step)
         from stepdump.read.restore import restore
 
         with self._blobs.call():
-            restore(self, step, model, optimizer, scheduler, scaler, rng=rng)
+            restore(self, step, model, optimizer, scheduler, scaler, rng=rng, extra_state=extra_state)
 
     def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False) -> Path:
         """Write step ``step`` as a checkpoint file; see :func:`stepdump.read.export.export`."""

@@ -20,9 +20,12 @@ if sys.byteorder != "little":  # pragma: no cover - no such machine in CI
     raise ImportError("stepdump's store is little-endian; big-endian hosts are not supported yet")
 
 # Kinds of recorded tensors. ``buffers`` come with ``params``; ``state`` holds the
-# tensors found inside RNG / scheduler / scaler / optimizer-extra state.
+# tensors found inside RNG / scheduler / scaler / optimizer-extra state; ``extra`` those of the
+# objects given as ``Recorder(extra_state=)`` (an EMA), named ``<name>/<path>``.
 TENSOR_KINDS = ("params", "grads", "optimizer", "activations", "activation_grads", "inputs")
-INTERNAL_KINDS = ("buffers", "state")
+INTERNAL_KINDS = ("buffers", "state", "extra")
+# The step state's key holding the typed JSON of the extra state (FORMAT.md).
+STATE_EXTRA = "extra_state"
 ALL_KINDS = TENSOR_KINDS + INTERNAL_KINDS
 
 # Step levels in the catalog.
