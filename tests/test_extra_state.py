@@ -176,3 +176,13 @@ def test_gradient_log_refuses_an_ema_it_cannot_reproduce(tmp_path):
         run.extra_state_dict(2, "ema")
     assert err.value.kind == "extra" and err.value.step == 1
     assert_same_tree(run.extra_state_dict(4, "ema")["n_averaged"], torch.tensor(8))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_training_with_extra_state_recorded_is_unchanged(tmp_path, mode):
+    """Do no harm: the same loop without a Recorder ends bitwise where the recorded one did."""
+    _, recorded = record(tmp_path / "run", mode)
+    o = build(0)
+    for t in range(N):
+        iteration(t, o)
+    assert_same_tree(everything(o), recorded, "training with extra_state recorded")
