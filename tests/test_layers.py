@@ -28,6 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "analysis": {"errors", "store", "core", "read"},
     "render": {"errors", "store", "core", "read", "analysis"},
     "integrations": {"errors", "store", "core", "capture", "read"},
+    # re-execution uses restore/replay (read) and how log_batch names a batch (capture): above both
+    "reexec": {"errors", "store", "core", "capture", "read", "analysis"},
 }
 TOP = {"cli", "__init__", "__main__", "demo", "checks", "export"}  # may import any layer
 

@@ -77,6 +77,9 @@ _LAZY: dict[str, str] = {
     # replay
     "replay": "stepdump.read.replay",
     "ReplayResult": "stepdump.read.replay",
+    # re-execution of one step, with a verdict (docs/reexecute.md)
+    "reexecute": "stepdump.reexec.verdict",
+    "ReexecResult": "stepdump.reexec.verdict",
 }
 
 # Documented public submodules, reachable as attributes after a bare ``import stepdump``.
@@ -106,6 +109,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from stepdump.read.remote import RemoteRun
     from stepdump.read.replay import ReplayResult, replay
     from stepdump.read.run import Run, open
+    from stepdump.reexec.verdict import ReexecResult, reexecute
 
 __all__ = [
     "FORMAT_VERSION",
@@ -131,6 +135,7 @@ __all__ = [
     "ReadBudgetError",
     "RebuildError",
     "ReplayDiverged",
+    "ReexecResult",
     "ReplayResult",
     "RestoreMismatchError",
     "Run",
@@ -149,6 +154,7 @@ __all__ = [
     "diff",
     "localize",
     "open",
+    "reexecute",
     "replay",
     "verify",
 ]

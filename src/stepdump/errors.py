@@ -107,6 +107,11 @@ class RebuildError(StepNotFoundError):
     name: str | None = None
 
 
+class BatchMismatchError(StepdumpError, ValueError):
+    """The batch given to a re-execution is not the one recorded at that step (its fingerprints
+    differ from those ``log_batch`` stored): pass the step's own batch, or none to use the stored one."""
+
+
 def nearest_steps(step: int, available: Sequence[int], k: int = 3) -> str:
     """Describe the recorded steps closest to ``step`` for an error message."""
     if not available:

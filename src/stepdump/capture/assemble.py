@@ -129,9 +129,9 @@ class Assembler:
             self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
         # A gradient log's grads are written from the live tensors while the update runs.
         msg.items = self.stager.stage(slot, entries, defer=("grads",) if self.gradlog and not full else ())
-        # Hook values are private copies already; no second staging copy. In
-        # keyframe mode the batch is stored at every step, for replay.
-        msg.items.extend(Item(kind, name, tensor, full or (self.keyframes and kind == "inputs"))
+        # Hook values are private copies already; no second staging copy. Keyframe and gradient-log
+        # runs store the batch at every step, so any step can be replayed or re-executed.
+        msg.items.extend(Item(kind, name, tensor, full or ((self.keyframes or self.gradlog) and kind == "inputs"))
                          for kind, name, tensor in captured)
         return held
 

@@ -64,7 +64,8 @@ class _Stop(Exception):
 
 
 def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_step: TrainStep,
-           scheduler: Any = None, scaler: Any = None, *, verify: bool = True) -> ReplayResult:
+           scheduler: Any = None, scaler: Any = None, *, verify: bool = True,
+           verify_step_grads: bool = True) -> ReplayResult:
     """Rebuild step ``step`` of ``run`` into ``model`` / ``optimizer`` (and scheduler, scaler).
 
     Args:
@@ -78,6 +79,8 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
             exactly as the recorded loop did (zero_grad, forward, backward,
             ``optimizer.step()``, and the scheduler step if there was one).
         verify: Check every replayed step against the recorded fingerprints.
+        verify_step_grads: Also check the grads of ``step`` itself (re-execution compares them
+            on its own, to tell a step that differs from its record from a replay that diverged).
 
     Returns:
         The rebuilt tensors of ``step`` (``result.tensor(name, kind)``). The run
@@ -100,7 +103,7 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         live = _live_tensors(layout, opt)
         if verify:
             _verify_lr(run, t, opt)
-            _verify(run, t, live)
+            _verify(run, t, live, step_grads=t < step or verify_step_grads)
         if t == step:
             result.tensors = {key: v.detach().clone() for key, v in live.items()}
             raise _Stop
@@ -117,7 +120,7 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
                 )
             if "rng" in st:
                 set_rng_state(st["rng"])
-            batch = tjson.decode(st["batch"], functools.partial(_input, run, t))
+            batch = recorded_batch(run, t, st)
             try:
                 train_step(model, optimizer, batch)
             except _Stop:
@@ -137,9 +140,28 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     return result
 
 
-def _input(run: Run, step: int, ref: str) -> torch.Tensor:
-    """A ``$tensor`` of step ``step``'s recorded batch."""
-    return run.tensor(ref, step, kind="inputs")
+def batch_calls(names: Any) -> list[int]:
+    """The ``log_batch`` calls of one iteration, from its ``inputs`` names (``batch/0#1``: call 1)."""
+    out = {0}
+    for n in names:
+        tail = n.rsplit("#", 1)
+        if n.startswith("batch") and len(tail) == 2 and tail[1].isdigit():
+            out.add(int(tail[1]))
+    return sorted(out)
+
+
+def recorded_batch(run: Run, step: int, state: dict[str, Any]) -> Any:
+    """Step ``step``'s batch as ``train_step`` gets it from replay and re-execution: what
+    ``log_batch`` was given, or, when the iteration called it several times (micro-batches of a
+    gradient accumulation), a list with what each call was given, in order."""
+    names = [n for _, n in run.fingerprints(step, kinds=("inputs",))]
+    batches = [tjson.decode(state["batch"], functools.partial(_input_call, run, step, "" if c == 0 else f"#{c}"))
+               for c in batch_calls(names)]
+    return batches[0] if len(batches) == 1 else batches
+
+
+def _input_call(run: Run, step: int, suffix: str, ref: str) -> torch.Tensor:
+    return run.tensor(ref + suffix, step, kind="inputs")
 
 
 def _has_state(run: Run, t: int) -> bool:
@@ -175,8 +197,8 @@ def _verify_lr(run: Run, t: int, opt: torch.optim.Optimizer) -> None:
             raise err
 
 
-def _verify(run: Run, t: int, live: dict[Key, torch.Tensor]) -> None:
-    recorded = run.fingerprints(t, kinds=("params", "grads", "optimizer"))
+def _verify(run: Run, t: int, live: dict[Key, torch.Tensor], step_grads: bool = True) -> None:
+    recorded = run.fingerprints(t, kinds=("params", "grads", "optimizer") if step_grads else ("params", "optimizer"))
     order = {"grads": 0, "optimizer": 1, "params": 2}
     bad = [key for key in sorted(recorded, key=lambda k: (order.get(k[0], 9), k[1]))
            if key in live and fingerprint(live[key]) != recorded[key]]

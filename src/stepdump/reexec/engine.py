@@ -1,0 +1,238 @@
+"""One re-execution of a recorded step: reach its state, feed its batch and RNG, run the user's
+iteration once, and fingerprint what it computed.
+
+The state is reached with the engine replay and restore already use (``run.restore``: a full
+step or a gradient log's rebuild; :func:`stepdump.read.replay.replay`: from the nearest keyframe),
+or taken from the live objects when they already hold the step (checked by fingerprints: a lean
+run's step 0 from a freshly built, seeded model). Each repeat starts from an in-memory copy of
+that state, so ``repeat=N`` costs N iterations, not N restores.
+"""
+
+from __future__ import annotations
+
+import copy
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stepdump.capture.activations import input_name
+from stepdump.core import tjson
+from stepdump.core.hashing import fingerprint
+from stepdump.core.layout import build_layout
+from stepdump.core.optrace import OpRecord, OpTracer
+from stepdump.core.rng import get_rng_state, set_rng_state
+from stepdump.errors import BatchMismatchError, ConfigError, ReplayDiverged, StepNotFoundError
+from stepdump.read.replay import _live_tensors, batch_calls, recorded_batch, replay
+
+TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
+Key = tuple[str, str]
+
+# Where each compared quantity comes from: the loss (a logged scalar), the grads the update used
+# (record k), and the params / optimizer state the update left (record k+1).
+LOSS, GRADS, PARAMS_AFTER, OPT_AFTER = "loss", "grads", "params after the update", "optimizer after the update"
+ORDER = {LOSS: 0, GRADS: 1, PARAMS_AFTER: 2, OPT_AFTER: 3}
+
+
+def float_bits(x: float) -> int:
+    """A float's exact bits as an int (NaN equals the same NaN; 0.0 and -0.0 differ)."""
+    return int(struct.unpack("<q", struct.pack("<d", float(x)))[0])
+
+
+@dataclass
+class Execution:
+    """What one re-execution computed, as fingerprints (``(quantity, name) -> int``)."""
+
+    fps: dict[Key, int] = field(default_factory=dict)
+    ops: OpTracer | None = None
+
+
+@dataclass
+class Prepared:
+    """The state to start every repeat from, and how it was reached."""
+
+    how: str
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    scheduler_state: Any
+    scaler_state: Any
+    rng: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+
+def recorded_inputs(run: Any, step: int) -> dict[str, int]:
+    """The recorded batch fingerprints of ``step``: ``inputs`` name -> fingerprint."""
+    return {n: fp for (k, n), fp in run.fingerprints(step, kinds=("inputs",)).items() if n.startswith("batch")}
+
+
+def batch_fingerprints(batch: Any, calls: int) -> dict[str, int]:
+    """``inputs`` names -> fingerprints of a batch as ``log_batch`` would have named it: one batch,
+    or (``calls`` > 1) a list with what each log_batch call of the iteration got."""
+    out: dict[str, int] = {}
+    items = batch if calls > 1 else [batch]
+    if calls > 1 and (not isinstance(items, (list, tuple)) or len(items) != calls):
+        raise BatchMismatchError(f"the step's batch was logged in {calls} log_batch calls (micro-batches): pass a "
+                                 f"list of {calls} batches, one per call, in order")
+    for i, b in enumerate(items):
+        suffix = "" if i == 0 else f"#{i}"
+
+        def put(ref: str, t: torch.Tensor, suffix: str = suffix) -> None:
+            out[input_name(ref) + suffix] = fingerprint(t)
+
+        tjson.encode(b, put)
+    return out
+
+
+def check_batch(run: Any, step: int, batch: Any) -> None:
+    """Raise :class:`BatchMismatchError` unless ``batch`` is the batch recorded at ``step``."""
+    recorded = recorded_inputs(run, step)
+    if not recorded:
+        raise BatchMismatchError(f"step {step} of {run.path} has no batch fingerprint (the loop did not call "
+                                 "rec.log_batch), so the batch given cannot be checked; re-execute without it")
+    given = batch_fingerprints(batch, len(batch_calls(recorded)))
+    for name in sorted(set(recorded) | set(given)):
+        if recorded.get(name) != given.get(name):
+            what = "is missing from" if name not in given else \
+                "is not in the record of" if name not in recorded else "differs from what was logged at"
+            raise BatchMismatchError(f"this is not the batch of step {step}: {name!r} {what} step {step} (the "
+                                     "fingerprints of the batch given and of the recorded one differ)")
+
+
+def stored_batch(run: Any, step: int, state: dict[str, Any]) -> Any:
+    """The batch of ``step`` as stored (several log_batch calls: a list, one per call), as replay
+    hands it to ``train_step`` (:func:`stepdump.read.replay.recorded_batch`)."""
+    names = recorded_inputs(run, step)
+    try:
+        if state.get("batch") is not None and names:
+            return recorded_batch(run, step, state)
+    except StepNotFoundError:  # only its fingerprint was stored
+        pass
+    raise ConfigError(
+        f"step {step} of {run.path} holds " + ("only the fingerprint of its batch" if names else "no batch")
+        + ": pass batch= (it is checked against the fingerprint), or record with keyframe_every=K or "
+        "gradient_log=K and rec.log_batch(batch) in every iteration")
+
+
+def _state_of(run: Any, step: int) -> dict[str, Any]:
+    return run.step_state(step) if run.catalog.has_state(step) else {}
+
+
+def _live_matches(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    recorded = run.fingerprints(step, kinds=("params", "optimizer"))
+    live = _live_tensors(build_layout(model, optimizer), optimizer)
+    keys = [k for k in recorded if k in live]
+    return bool(keys) and all(fingerprint(live[k]) == recorded[k] for k in keys) and \
+        not [k for k in recorded if k not in live]
+
+
+def prepare(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_step: TrainStep,
+            scheduler: Any = None, scaler: Any = None) -> Prepared:
+    """Put the objects in the state of record ``step`` and keep a copy of it for the repeats."""
+    notes: list[str] = []
+    if step in run.steps or (run.gradient_log is not None and step in run.stats_steps):
+        run.restore(step, model, optimizer, scheduler, scaler)
+        how = "restored (a gradient-log run: rebuilt and verified)" if run.gradient_log is not None \
+            else "restored (stored in full)"
+    elif [s for s in run.steps if s <= step] and _state_of(run, step).get("batch") is not None:
+        res = replay(run, step, model, optimizer, train_step, scheduler, scaler, verify_step_grads=False)
+        how = f"replayed from keyframe {res.keyframe} ({res.steps_replayed} iterations, each verified)"
+    elif _live_matches(run, step, model, optimizer):
+        how = "the objects given already hold the step's state (every recorded fingerprint matches)"
+    else:
+        raise StepNotFoundError(
+            f"step {step} of {run.path} cannot be rebuilt: it is not stored in full, not in a gradient log, and no "
+            "keyframe before it has the batches to replay from; record with keyframe_every=K or gradient_log=K "
+            "(and rec.log_batch), or pass objects that already hold the step's state")
+    rng = _state_of(run, step).get("rng")
+    if rng is None:
+        notes.append(f"the RNG state of step {step} was not recorded: every repeat starts from this process's RNG "
+                     "as it is now, so a step that draws random numbers (dropout) may differ from the record")
+        rng = get_rng_state()
+    for p in model.parameters():
+        p.grad = None  # replay stops with the step's grads in place; an iteration starts without them
+    return Prepared(
+        how=how, model_state={k: v.detach().clone() for k, v in model.state_dict().items()},
+        optimizer_state=copy.deepcopy(optimizer.state_dict()),
+        scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+        scaler_state=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
+        rng=rng, notes=notes)
+
+
+class _NoStep(Exception):
+    pass
+
+
+def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            train_step: TrainStep, scheduler: Any = None, scaler: Any = None, *, trace: bool = False,
+            source: bool = True) -> Execution:
+    """Run the iteration once from ``prep``'s state: grads at the optimizer's pre-hook, params and
+    optimizer state after ``train_step`` returns, and its return value as the loss."""
+    model.load_state_dict(prep.model_state)
+    optimizer.load_state_dict(copy.deepcopy(prep.optimizer_state))
+    if scheduler is not None:
+        scheduler.load_state_dict(copy.deepcopy(prep.scheduler_state))
+    if scaler is not None:
+        scaler.load_state_dict(copy.deepcopy(prep.scaler_state))
+    for p in model.parameters():
+        p.grad = None
+    set_rng_state(prep.rng)
+    layout = build_layout(model, optimizer)
+    ex = Execution()
+
+    def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if any(k[0] == GRADS for k in ex.fps):
+            return  # a second step() in one iteration: the first is the recorded update
+        for (kind, name), t in _live_tensors(layout, opt).items():
+            if kind == "grads":
+                ex.fps[(GRADS, name)] = fingerprint(t)
+
+    handle = optimizer.register_step_pre_hook(pre_hook)
+    try:
+        if trace:
+            ex.ops = OpTracer(source=source)
+            with ex.ops.tracing(model):
+                out = train_step(model, optimizer, batch)
+        else:
+            out = train_step(model, optimizer, batch)
+    finally:
+        handle.remove()
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    if isinstance(out, (int, float)) and not isinstance(out, bool):
+        ex.fps[(LOSS, "loss")] = float_bits(out)
+    for (kind, name), t in _live_tensors(layout, optimizer).items():
+        if kind == "params":
+            ex.fps[(PARAMS_AFTER, name)] = fingerprint(t)
+        elif kind == "optimizer":
+            ex.fps[(OPT_AFTER, name)] = fingerprint(t)
+    return ex
+
+
+def recorded(run: Any, step: int, loss: str | None) -> dict[Key, int]:
+    """The record's side of every quantity :func:`execute` fingerprints."""
+    out = {(GRADS, n): fp for (k, n), fp in run.fingerprints(step, kinds=("grads",)).items()}
+    if step + 1 in set(run.stats_steps):
+        for (k, n), fp in run.fingerprints(step + 1, kinds=("params", "optimizer")).items():
+            out[(PARAMS_AFTER if k == "params" else OPT_AFTER, n)] = fp
+    if loss is not None:
+        for _, name, value in run.scalar_rows(step):
+            if name == loss and value is not None:
+                out[(LOSS, "loss")] = float_bits(value)
+    return out
+
+
+def differing(a: dict[Key, int], b: dict[Key, int], *, both: bool = True) -> list[Key]:
+    """Keys whose fingerprints differ, in the order of the iteration (loss, grads, then the update).
+    ``both``: only keys present on both sides (else a key missing on either side differs too)."""
+    keys = (set(a) & set(b)) if both else (set(a) | set(b))
+    return sorted((k for k in keys if a.get(k) != b.get(k)), key=lambda k: (ORDER.get(k[0], 9), k[1]))
+
+
+def first_nonfinite(ex: Execution) -> OpRecord | None:
+    return ex.ops.first_nonfinite if ex.ops is not None else None
+
+
+__all__ = ["Execution", "Prepared", "ReplayDiverged", "check_batch", "execute", "prepare", "recorded",
+           "stored_batch", "differing"]
