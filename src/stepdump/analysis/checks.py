@@ -86,7 +86,12 @@ def check(
 
 def _check_opened(run: Any, selected: list[RuleLike], default: bool, objective: str | bool | None) -> list[Finding]:
     from stepdump.analysis.multirank import check_distributed, is_multirank
+    from stepdump.read.joint import is_joint
 
+    if is_joint(run):  # every rule on each pair's store, findings named by pair
+        from stepdump.analysis.joint_checks import check_joint
+
+        return check_joint(run, selected, objective)
     if is_multirank(run):  # every rule on each rank's store, plus cross_rank over all of them
         return check_distributed(run, selected, add_cross_rank=default, objective=objective)
     return _run_rules(CachedRun(run, objective=objective), selected)

@@ -23,7 +23,8 @@ is a note (``notes``, ``rng``); where something computed differs too, the verdic
 earliest computed difference and the reading names the RNG as its likely or possible cause.
 ``ignore=`` leaves parts out of the comparison altogether (:mod:`~stepdump.analysis.diff_ignore`).
 
-Two multi-rank runs are compared rank by rank (rank r of A with rank r of B); the result is the
+Two joint runs (several model/optimizer pairs) are compared pair by pair
+(:mod:`~stepdump.analysis.diff_joint`). Two multi-rank runs are compared rank by rank (rank r of A with rank r of B); the result is the
 rank that diverges first. Runs recorded by different ranks are refused rather than compared in
 part.
 """
@@ -35,11 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stepdump.analysis.diff_ignore import RNG_STREAMS, Ignore, parse_ignore
+from stepdump.analysis.diff_joint import diff_joint
 from stepdump.analysis.diff_reading import headline, reading, rng_notes, summary_lines
 from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, RngDiff, config_differences, parse_state,
                                           scalar_differences, scalar_table, scalars_equal, state_differences)
 from stepdump.analysis.diff_values import TensorDiff, compare_tensors
 from stepdump.errors import ConfigError, StepNotFoundError
+from stepdump.read.joint import is_joint
 from stepdump.read.reader import RunReader
 
 __all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "RngDiff", "TensorDiff", "compare_tensors", "diff"]
@@ -130,6 +133,10 @@ class DiffResult:
     notes: list[str] = field(default_factory=list)
     #: The parts left out with ``ignore=``, sorted.
     ignored: list[str] = field(default_factory=list)
+    #: For joint runs (several model/optimizer pairs): the pair ``differences[0]`` is about, and
+    #: each pair's own result (analysis/diff_joint.py).
+    pair: str | None = None
+    per_pair: dict[str, DiffResult] = field(default_factory=dict)
 
     @property
     def comparable(self) -> bool:
@@ -202,6 +209,8 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
             raise ConfigError(f"unknown kind {k!r}; choose from {', '.join(KIND_ORDER)}")
     left_out = parse_ignore(ignore)
     wanted = left_out.kinds(wanted)
+    if is_joint(run_a) or is_joint(run_b):  # pair by pair (G with G, D with D)
+        return diff_joint(run_a, run_b, lambda a, b: _diff_store(a, b, atol, rtol, wanted, left_out))
     stores_a, stores_b = list(run_a.stores()), list(run_b.stores())
     ranks_a, ranks_b = [r for r, _ in stores_a], [r for r, _ in stores_b]
     if ranks_a != ranks_b:

@@ -22,7 +22,7 @@ _SHOWN = 5
 
 def headline(res: DiffResult) -> str:
     """Identical, nothing comparable, or where the runs part and the first thing that differs."""
-    where = f" on rank {res.rank}" if res.rank is not None else ""
+    where = f" on rank {res.rank}" if res.rank is not None else f" in pair {res.pair}" if res.pair else ""
     ranks = f" on each of {len(res.per_rank)} ranks" if res.per_rank else ""
     if not res.comparable:
         return f"nothing to compare{where}: {_why_incomparable(res)}; not identical"
@@ -202,7 +202,7 @@ def not_compared_text(res: DiffResult) -> str:
         none = " (no step has one in both runs)" if not c.state_steps else ""
         parts.append(f"hyperparameters other than lr, scheduler, scaler and RNG state at {c.state_missing} steps "
                      f"without a recorded state in both runs{none}")
-    if res.comparable and "lr" not in c.scalars:
+    if res.comparable and not any(s == "lr" or s.endswith("/lr") for s in c.scalars):  # a joint run's: G/lr
         parts.append("lr (not logged by both runs)")
     return "; ".join(parts)
 

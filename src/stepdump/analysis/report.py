@@ -35,6 +35,7 @@ from stepdump.analysis.matrices import (
 )
 from stepdump.analysis.report_scalars import group_scalars, scalar_order, wants_log
 from stepdump.errors import ConfigError
+from stepdump.read.joint import is_joint
 from stepdump.read.reader import RunReader, ranked_stores
 from stepdump.read.run import Run
 
@@ -99,7 +100,10 @@ def build_report_data(
 
 
 def _stores(run: RunReader) -> list[tuple[str, Run]]:
-    """(label prefix, store) of each store: ``("", run)`` for one store, ``("rank<r>/", rank's store)``."""
+    """(label prefix, store) of each store: ``("", run)`` for one store, ``("rank<r>/", rank's store)``,
+    ``("<pair>/", pair's store)`` for a joint run."""
+    if is_joint(run):
+        return [(f"{pair}/", store) for pair, store in run.pair_stores()]
     return [("" if r is None else f"rank{r}/", store) for r, store in run.stores()]
 
 

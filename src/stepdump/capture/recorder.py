@@ -24,6 +24,7 @@ import os
 import queue
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,11 @@ class Recorder:
         scheduler: Optional LR scheduler (anything with ``state_dict``).
         scaler: Optional ``torch.amp.GradScaler``; steps it skips are recorded
             and marked ``skipped``.
+        models, optimizers, schedulers, scalers: Instead of the four above, dicts by pair
+            name (``models={"G": netG, "D": netD}, optimizers={"G": opt_g, "D": opt_d}``): one
+            run over several (model, optimizer) pairs with one step counter, names stored
+            per pair (``G/fc.weight``); see :mod:`stepdump.capture.joint` and
+            docs/recipes/gan-and-multi-model-loops.md.
         record: What to record (:class:`~stepdump.capture.options.RecordOptions`:
             ``capture``, ``include``, ``exclude``, ``modules``, ``profile``).
         schedule: When: a ``StepSchedule`` (``every``, ``stats_every``; the
@@ -117,15 +123,28 @@ class Recorder:
     """
 
     path: Path  # this rank's run directory (on an inactive rank: the path as given)
+    _joint: Any = None  # the JointRecorder this pair's Recorder records for (capture/joint.py)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Recorder:
+        # Recorder(path, models=..., optimizers=...): one run over several pairs (capture/joint.py).
+        if cls is Recorder and (kwargs.get("models") is not None or kwargs.get("optimizers") is not None):
+            from stepdump.capture.joint import JointRecorder
+
+            return super().__new__(JointRecorder)
+        return super().__new__(cls)
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         scaler: Any = None,
         *,
+        models: Mapping[str, nn.Module] | None = None,
+        optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
+        schedulers: Mapping[str, Any] | None = None,
+        scalers: Mapping[str, Any] | None = None,
         record: _options.RecordOptions | None = None,
         schedule: _options.Schedule | None = None,
         store: _options.StoreOptions | None = None,
@@ -140,7 +159,14 @@ class Recorder:
         self.options: _options.RecorderOptions = _options.resolve(
             record, schedule, store, on_error=on_error, resume=resume, start_step=start_step, metadata=metadata,
             ranks=ranks, auto_capture=auto_capture, **options)
+        if model is None and optimizer is None:
+            raise ConfigError("Recorder needs the model and its optimizer: Recorder(path, model, optimizer), or "
+                              "models= and optimizers= dicts for several pairs (a GAN's G and D)")
+        if schedulers is not None or scalers is not None:
+            raise ConfigError("schedulers= and scalers= go with models= and optimizers= (a joint run); "
+                              "for one model give scheduler= and scaler=")
         check_objects(model, optimizer, scheduler, scaler)
+        assert model is not None and optimizer is not None  # check_objects refused anything else
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self._closed = False
         self._hooks: list[Any] = []
@@ -362,6 +388,8 @@ class Recorder:
         self._captured_at = t
         self._asm.state_before = optimizer_state
         try:
+            if self._joint is not None:  # a pair of a joint run: is it this pair's turn?
+                self._joint.update_starting(self)
             _iteration.update_starting(self)  # the loop's first update: every start state is final
             self._record_step(skipped)
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides

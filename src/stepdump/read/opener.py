@@ -2,6 +2,7 @@
 
 * a directory with ``catalog.sqlite``: :class:`~stepdump.read.run.Run`;
 * a directory with ``ranks.json`` (a multi-rank run): :class:`~stepdump.read.ranked.DistributedRun`;
+* a directory with ``joint.json`` (several model/optimizer pairs): :class:`~stepdump.read.joint.JointRun`;
 * a URL (``s3://``, ``gs://``, ``memory://``, ``file://``): the same two, read through fsspec
   (:class:`~stepdump.read.remote.RemoteRun` for a single store).
 """
@@ -18,6 +19,7 @@ from stepdump.read.reader import RunReader
 from stepdump.read.run import Run
 from stepdump.store.format import CATALOG_FILE
 from stepdump.store.fsspec_storage import FsspecStorage, default_cache_dir, is_url
+from stepdump.store.joint import JOINT_FILE
 from stepdump.store.ranks import RANKS_FILE
 
 
@@ -38,6 +40,10 @@ def open_run(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any]
         raise ConfigError("storage_options= and cache_dir= apply to URLs (s3://..., gs://...); "
                           f"{os.fspath(path)!r} is a local path")
     p = Path(path)
+    if (p / JOINT_FILE).is_file() and not (p / CATALOG_FILE).exists():
+        from stepdump.read.joint import JointRun
+
+        return JointRun(p)
     if (p / RANKS_FILE).is_file() and not (p / CATALOG_FILE).exists():
         from stepdump.read.ranked import DistributedRun
 

@@ -11,7 +11,7 @@ part and the fix. One path for plain models and for models whose parameters are 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 
 def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
             scaler: Any = None, *, rng: bool = True, extra_state: Mapping[str, Any] | None = None) -> None:
+    prepare(run, step, model, optimizer, scheduler, scaler, rng=rng, extra_state=extra_state)()
+
+
+def prepare(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
+            scaler: Any = None, *, rng: bool = True,
+            extra_state: Mapping[str, Any] | None = None) -> Callable[[], None]:
+    """Check every part of a restore, changing nothing; return the function that loads it
+    (a joint run checks every pair before it loads any: read/joint.py)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"restore needs the model (a torch.nn.Module), got {type(model).__name__}")
     from stepdump.core.dtensor import is_dtensor
@@ -65,21 +73,24 @@ def restore(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
     if rng:
         trial_rng(state["rng"], step)
     # All checks passed: apply. Nothing below is expected to fail; if it does, say what is half done.
-    done: list[str] = []
-    try:
-        done.append("optimizer's param groups")
-        plan.add_groups(optimizer)
-        apply(model, sd, optimizer, osd, scheduler, scaler, state, rng, done)
-        done.append("extra state")
-        extra.apply()
-        done.append("params outside the model")
-        plan.write_outside_params()
-    except Exception as e:
-        loaded = ", ".join(done[:-1]) or "nothing"
-        raise RestoreMismatchError(
-            f"restoring step {step}: every part passed its checks, then loading the {done[-1] if done else 'model'} "
-            f"failed ({type(e).__name__}: {e}); already restored: {loaded}. Restore again into freshly built "
-            "objects") from e
+    def load() -> None:
+        done: list[str] = []
+        try:
+            done.append("optimizer's param groups")
+            plan.add_groups(optimizer)
+            apply(model, sd, optimizer, osd, scheduler, scaler, state, rng, done)
+            done.append("extra state")
+            extra.apply()
+            done.append("params outside the model")
+            plan.write_outside_params()
+        except Exception as e:
+            loaded = ", ".join(done[:-1]) or "nothing"
+            raise RestoreMismatchError(
+                f"restoring step {step}: every part passed its checks, then loading the "
+                f"{done[-1] if done else 'model'} failed ({type(e).__name__}: {e}); already restored: {loaded}. "
+                "Restore again into freshly built objects") from e
+
+    return load
 
 
 def side_state(run: Run, step: int, scheduler: Any, scaler: Any, rng: bool) -> dict[str, Any]:
