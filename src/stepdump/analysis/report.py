@@ -33,8 +33,10 @@ from stepdump.analysis.matrices import (
     stat_matrix,
     total_numel,
 )
+from stepdump.analysis.report_dist import DIST_KINDS, QUANTILES, sample_quantiles, stat_bands
+from stepdump.analysis.report_groups import tensor_groups
 from stepdump.analysis.report_scalars import group_scalars, scalar_order, wants_log
-from stepdump.errors import ConfigError
+from stepdump.errors import ConfigError, StepdumpError
 from stepdump.read.joint import is_joint
 from stepdump.read.reader import RunReader, ranked_stores
 from stepdump.read.run import Run
@@ -54,6 +56,8 @@ def build_report_data(
     *,
     exact_steps: int = 256,
     exact_budget: int = 50_000_000,
+    dist_points: int = 256,
+    quantile_steps: int = 64,
 ) -> dict[str, Any]:
     """Everything a report shows, as JSON-able data.
 
@@ -67,11 +71,15 @@ def build_report_data(
             from full tensors (consecutive full steps t, t+1 are needed).
         exact_budget: Most tensor elements read for exact ratios; beyond it the
             report falls back to the stats-based lower bound.
+        dist_points: Most columns of each tensor's min/max/mean/std bands (the
+            distribution view; :mod:`stepdump.analysis.report_dist`).
+        quantile_steps: Most full steps whose stored tensors give sample quantiles (0: none).
 
     Returns:
         A dict with keys ``summary``, ``domain``, ``scalars``, ``grad_norms``,
         ``param_norms``, ``update_ratio``, ``moments``, ``nonfinite``, ``findings``,
-        ``checks``. A scalar entry stands for every name logged with the same values
+        ``checks``, ``times`` (step -> commit time), ``groups`` (tensors by block and kind,
+        :mod:`stepdump.analysis.report_groups`) and ``dist`` (value distributions over time). A scalar entry stands for every name logged with the same values
         (``aliases``, ``shifted``: :mod:`stepdump.analysis.report_scalars`). Several runs:
         :func:`stepdump.analysis.report_overlay.build_overlay_data`.
     """
@@ -96,7 +104,78 @@ def build_report_data(
         "nonfinite": _nonfinite(run, stores, max_points),
         "findings": [_finding_dict(f) for f in found],
         "checks": checks,
+        "times": _times(stores),
+        "groups": tensor_groups(_all_names(stores), _embeddings(stores)),
+        "dist": _dist(stores, kinds, dist_points, quantile_steps),
     }
+
+
+def stores_of(run: RunReader) -> list[tuple[str, Run]]:
+    """(label prefix, store) of each store of ``run``: ``("", run)`` or ``("rank<r>/", store)``."""
+    return _stores(run)
+
+
+def stacked_norms(run: RunReader, kind: str) -> StatMatrix:
+    """The L2 norms of every ``kind`` tensor of ``run`` over steps (rows of ranks prefixed)."""
+    return _stacked(_stores(run), kind)
+
+
+def _all_names(stores: list[tuple[str, Run]]) -> list[str]:
+    seen: dict[str, None] = {}
+    for prefix, store in stores:
+        for kind in ("params", "grads"):
+            if kind in store.kinds():
+                seen.update((prefix + n, None) for n in store.names(kind))
+    return list(seen)
+
+
+def _embeddings(stores: list[tuple[str, Run]]) -> list[str]:
+    out = []
+    for prefix, store in stores:
+        layout = store.meta.get("layout")
+        emb = layout.get("embeddings") if isinstance(layout, dict) else None
+        out += [prefix + str(n) for n in emb or []]
+    return out
+
+
+def _times(stores: list[tuple[str, Run]], max_points: int = 2000) -> dict[str, Any] | None:
+    """When each step was committed (the catalog's step time), evenly thinned to ``max_points``:
+    what the page's wall-clock and relative-time axes map steps through. Rank 0 for several ranks."""
+    try:
+        rows = stores[0][1].catalog.step_times()
+    except StepdumpError as e:  # times are for the axis only; without them the page offers steps
+        log.info("report: no step times: %s", e)
+        return None
+    pairs = sorted((s, float(t)) for s, t in rows
+                   if isinstance(s, int) and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t))
+    if not pairs:
+        return None
+    idx = np.unique(np.linspace(0, len(pairs) - 1, min(len(pairs), max_points)).round().astype(int))
+    t = np.maximum.accumulate(np.array([pairs[i][1] for i in idx]))  # the axis needs time not going back
+    return {"s": [pairs[i][0] for i in idx], "t": [round(float(v), 3) for v in t]}
+
+
+def _dist(stores: list[tuple[str, Run]], kinds: set[str], points: int, q_steps: int) -> dict[str, Any]:
+    """Per kind (params, grads): stats bands of every tensor and sample quantiles at full steps."""
+    out: dict[str, Any] = {}
+    for kind in DIST_KINDS:
+        if kind not in kinds:
+            continue
+        bands = [(prefix, stat_bands(store, kind, points)) for prefix, store in stores]
+        quants = [(prefix, sample_quantiles(store, kind, q_steps) if q_steps else None) for prefix, store in stores]
+        entry: dict[str, Any] = {"bands": [], "quantiles": [], "probs": list(QUANTILES)}
+        for prefix, b in bands:
+            if b is not None:
+                entry["bands"].append({"names": [prefix + n for n in b["names"]], "x0": b["x0"], "x1": b["x1"],
+                                       "steps": b["steps"], **{c: [_floats(r) for r in b[c]] for c in
+                                                               ("min", "max", "mean", "std")}})
+        for prefix, q in quants:
+            if q is not None:
+                entry["quantiles"].append({"names": [prefix + n for n in q["names"]], "steps": q["steps"],
+                                           "q": [[_floats(r) for r in level] for level in q["q"]],
+                                           "sample": q["sample"], "sampled": [prefix + n for n in q["sampled"]]})
+        out[kind] = entry
+    return out
 
 
 def _stores(run: RunReader) -> list[tuple[str, Run]]:
@@ -195,6 +274,11 @@ def _scalars(stores: list[tuple[str, Run]], max_points: int) -> list[dict[str, A
             }))
     # loss first, then learning rates, then the rest alphabetically; ranks side by side
     return [d for _, d in sorted(out, key=lambda kd: kd[0])]
+
+
+def heatmap_data(m: StatMatrix, max_points: int, label: str, note: str = "") -> dict[str, Any] | None:
+    """A tensors x steps heatmap of ``m`` for the page: columns bucketed to ``max_points`` by max."""
+    return _heatmap(m, max_points, label, note)
 
 
 def _heatmap(m: StatMatrix, max_points: int, label: str, note: str = "") -> dict[str, Any] | None:

@@ -23,10 +23,11 @@ from stepdump.errors import ConfigError
 from stepdump.read.reader import RunReader
 
 #: Version of the combined (page) data; the per-run dicts keep ``REPORT_DATA_VERSION``.
-OVERLAY_DATA_VERSION = 2
+OVERLAY_DATA_VERSION = 3
 
 # What each run keeps for itself (drawn per run); scalars and moments are overlaid.
-_PER_RUN = ("summary", "domain", "grad_norms", "param_norms", "update_ratio", "nonfinite", "findings", "checks")
+_PER_RUN = ("summary", "domain", "grad_norms", "param_norms", "update_ratio", "nonfinite", "findings", "checks",
+            "times", "groups", "dist")
 
 
 def run_labels(runs: Sequence[RunReader], labels: Sequence[str] | None = None) -> list[str]:
@@ -45,6 +46,8 @@ def build_overlay_data(
     labels: Sequence[str] | None = None,
     findings: Sequence[Sequence[Finding] | None] | None = None,
     max_points: int = 2000,
+    *,
+    compare: bool = True,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """The report data of several runs, overlaid (see the module docstring).
@@ -54,6 +57,10 @@ def build_overlay_data(
         labels: A label per run (default: the runs' directory names).
         findings: Findings per run (None for a run: run ``stepdump.check`` on it).
         max_points: As for :func:`~stepdump.analysis.report.build_report_data`.
+        compare: With two runs or more, add where they part (``stepdump.diff`` of the first run
+            against each other), difference curves and the run table
+            (:mod:`stepdump.analysis.report_compare`); False leaves the diff out (the table and
+            curves stay).
         **kwargs: Passed on to :func:`~stepdump.analysis.report.build_report_data`.
     """
     if not runs:
@@ -63,7 +70,9 @@ def build_overlay_data(
     if len(given) != len(runs):
         raise ConfigError(f"findings for {len(given)} runs, but {len(runs)} runs: give one entry per run (None: check it)")
     per_run = [build_report_data(r, f, max_points, **kwargs) for r, f in zip(runs, given)]
-    return combine(per_run, names)
+    from stepdump.analysis.report_compare import comparison
+
+    return comparison(runs, combine(per_run, names), max_points, diff_runs=compare)
 
 
 def combine(per_run: Sequence[dict[str, Any]], labels: Sequence[str]) -> dict[str, Any]:
@@ -78,13 +87,23 @@ def combine(per_run: Sequence[dict[str, Any]], labels: Sequence[str]) -> dict[st
         runs.append(r)
     steps = [d["domain"] for d in per_run if d["summary"]["steps_recorded"]]
     domain = [min(a for a, _ in steps), max(b for _, b in steps)] if steps else [0, 0]
+    scalars = _overlay(per_run, "scalars", lambda s: [s["name"], *s.get("aliases", []), *s.get("shifted", [])])
+    for c in scalars:  # the recorder's own readings (sys/iter_ms ...) get their own section
+        c["section"] = "sys" if all(_is_sys(n) for n in c["names"]) else "scalars"
     return {
         "version": OVERLAY_DATA_VERSION,
         "domain": domain,
         "runs": runs,
-        "scalars": _overlay(per_run, "scalars", lambda s: [s["name"], *s.get("aliases", []), *s.get("shifted", [])]),
+        "scalars": scalars,
         "moments": _overlay(per_run, "moments", lambda m: [m["key"]]),
+        "run_table": [], "divergence": [], "norm_diff": [],
     }
+
+
+def _is_sys(name: str) -> bool:
+    """``sys/...`` or a rank's ``rank<r>/sys/...``."""
+    head, _, rest = name.partition("/")
+    return head == "sys" or (head.startswith("rank") and head[4:].isdigit() and rest.startswith("sys/"))
 
 
 def _overlay(per_run: Sequence[dict[str, Any]], key: str, names_of: Any) -> list[dict[str, Any]]:

@@ -69,10 +69,12 @@ def render_report(data: dict[str, Any], *, live: dict[str, Any] | None = None) -
         title=_e(title),
         path=_e(runs[0]["summary"]["path"] if len(runs) == 1 else " · ".join(r["summary"]["path"] for r in runs)),
         css=_asset("report.css"),
-        js=_asset("report_draw.js") + "\n" + _asset("report.js"),
+        js="\n".join(_asset(n) for n in ("report_draw.js", "report_heat.js", "report.js")),
         summary=frag["summary_html"],
         findings=frag["findings_html"],
         nfindings=frag["nfindings"],
+        compare=frag["compare_html"],
+        compare_hidden="" if len(runs) > 1 else " hidden",
         data=page_json(d),
         live="" if live is None else
         f'<script type="application/json" id="stepdump-live">{_script_json(live)}</script>',
@@ -96,6 +98,7 @@ def fragments(d: dict[str, Any]) -> dict[str, Any]:
         "findings_html": _findings_html(findings, checks.pop() if len(checks) == 1 else "given",
                                         [r["label"] for r in runs] if len(runs) > 1 else None),
         "nfindings": len(findings),
+        "compare_html": comparison_html(d),
     }
 
 
@@ -147,9 +150,30 @@ def _pack(data: dict[str, Any]) -> dict[str, Any]:
                 r[key] = _packed(r[key])
         if r.get("update_ratio"):
             r["update_ratio"] = {k: _packed(v) if v else v for k, v in r["update_ratio"].items()}
+        if r.get("dist"):
+            r["dist"] = {k: _packed_dist(v) for k, v in r["dist"].items()}
         runs.append(r)
     out["runs"] = runs
+    out["norm_diff"] = [dict(d, heatmap=_packed(d["heatmap"])) for d in data.get("norm_diff", [])]
     return _round(out)
+
+
+def _packed_dist(entry: dict[str, Any]) -> dict[str, Any]:
+    """Bands ``[stat][tensor][column]`` and quantiles ``[level][tensor][step]`` as base64 float32."""
+    bands = [{k: v for k, v in b.items() if k not in _BAND_STATS} | {"f32": _f32([b[c] for c in _BAND_STATS])}
+             for b in entry["bands"]]
+    quants = [{k: v for k, v in q.items() if k != "q"} | {"f32": _f32(q["q"])} for q in entry["quantiles"]]
+    return {"probs": entry["probs"], "bands": bands, "quantiles": quants}
+
+
+_BAND_STATS = ("min", "max", "mean", "std")
+
+
+def _f32(nested: Any) -> str:
+    """Nested lists of floats (None: no value) as base64 little-endian float32 (NaN: no value)."""
+    a = np.array(nested, dtype=object)
+    flat = np.array([np.nan if v is None else v for v in a.reshape(-1).tolist()], dtype="<f4")
+    return base64.b64encode(flat.tobytes()).decode("ascii")
 
 
 def _packed(hm: dict[str, Any]) -> dict[str, Any]:
@@ -199,6 +223,30 @@ def _bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"
+
+
+def comparison_html(d: dict[str, Any]) -> str:
+    """Where the runs part (``stepdump diff``) and the run table, differing rows marked; '' for one run."""
+    runs = d["runs"]
+    if len(runs) < 2:
+        return ""
+    parts = ['<div id="divergence">']
+    for v in d.get("divergence", []):
+        b = runs[v["run"]]["label"]
+        where = f'step {v["step"]}' if v.get("step") is not None else ("identical" if v.get("identical") else "—")
+        parts.append(f'<p class="diverge" data-run="{v["run"]}" data-step="{_e(v.get("step"))}">'
+                     f'<b>{_e(runs[0]["label"])} vs {_e(b)}</b>: <span class="mono">{_e(where)}</span> · '
+                     f'{_e(v.get("headline"))}{" · " + _e(v["reading"]) if v.get("reading") else ""}</p>')
+    parts.append("</div>")
+    head = "".join(f"<th>{_e(r['label'])}</th>" for r in runs)
+    rows = "".join(
+        f'<tr class="{"differs" if row["differs"] else "same"}" data-key="{_e(row["key"])}"><th>{_e(row["key"])}</th>'
+        + "".join(f'<td class="mono">{_e(v)}</td>' for v in row["values"]) + "</tr>"
+        for row in d.get("run_table", []))
+    ndiff = sum(1 for row in d.get("run_table", []) if row["differs"])
+    parts.append(f'<details open class="run-table-box"><summary>Run settings ({ndiff} differ, highlighted)</summary>'
+                 f'<table class="run-table"><thead><tr><th></th>{head}</tr></thead><tbody>{rows}</tbody></table></details>')
+    return "\n".join(parts)
 
 
 def _summaries_html(runs: list[dict[str, Any]]) -> str:
@@ -296,7 +344,12 @@ _PAGE = """<!doctype html>
 <section id="findings"><h2>Findings <span class="badge" id="nfindings">{nfindings}</span></h2><div id="findings-body">
 {findings}
 </div></section>
+<section id="compare"{compare_hidden}><h2>Where the runs part</h2><div id="compare-body">
+{compare}
+</div><div id="norm-diff"></div></section>
+<div id="controls" class="controls"></div>
 <section id="scalars"><h2>Scalars</h2><div class="grid" id="scalar-charts"></div></section>
+<section id="sys"><h2>System (sys/*)</h2><div class="grid" id="sys-charts"></div></section>
 <section id="layers"><h2>Per tensor</h2><div id="layer-charts"></div></section>
 <section id="grad-norms"><h2>Gradient L2 norm per tensor</h2><div id="grad-heatmap"></div></section>
 <section id="update-ratio"><h2>Update / weight ratio per tensor</h2><div id="ratio-heatmaps"></div></section>
