@@ -273,3 +273,30 @@ def test_bad_spellings(tmp_path: Path) -> None:
         stepdump.Recorder(tmp_path / "d", models={"G": g}, optimizers={"G": opt_g}, schedulers={"X": None})
     with pytest.raises(ConfigError, match="needs the model"):
         stepdump.Recorder(tmp_path / "e")
+
+
+@pytest.mark.parametrize("bad", ["D_optimizer_class", "D_model_shape", "models_missing", "unknown_pair"])
+def test_joint_restore_checks_every_pair_first(tmp_path: Path, bad: str) -> None:
+    """A pair that fails its checks leaves every pair's objects (and the RNG) as they were."""
+    record_gan(tmp_path / "j", "DG")
+    run = stepdump.open(tmp_path / "j")
+    g1, d1, og1, od1 = gan_objects(1)
+    models: dict[str, Any] = {"G": g1, "D": d1}
+    optimizers: dict[str, Any] = {"G": og1, "D": od1}
+    if bad == "D_optimizer_class":
+        optimizers["D"] = torch.optim.SGD(d1.parameters(), lr=0.1)
+    elif bad == "D_model_shape":
+        models["D"] = nn.Linear(2, 2)
+    elif bad == "models_missing":
+        del models["D"]
+    else:
+        models["X"] = d1
+    for o in (g1, d1):  # states with content, so "unchanged" can fail
+        o(torch.randn(B, 3) if o is g1 else torch.randn(B, 1, 8)).sum().backward()
+    og1.step()
+    before = snapshot(g1, d1, og1, optimizers["D"])
+    rng = torch.get_rng_state()
+    with pytest.raises(StepdumpError):
+        run.restore(4, models=models, optimizers=optimizers)
+    assert_same_tree(snapshot(g1, d1, og1, optimizers["D"]), before, "nothing restored")
+    assert torch.equal(torch.get_rng_state(), rng)
