@@ -139,3 +139,58 @@ def test_find_nan_names_module_and_op(tmp_path: Path, mode: str, bad: int) -> No
         model, opt, train_step = L.nan_factory()
         r = stepdump.reexecute(run, bad - 1, model, opt, train_step, find_nan=True)
         assert r.nan_op is None and r.verdict == "reproduces", r.summary()
+
+
+# -- the CLI ----------------------------------------------------------------------------------------------
+def gpt_entry() -> tuple:
+    """``--entry test_reexecute:gpt_entry``."""
+    return L.gpt_factory()
+
+
+def nan_entry() -> dict[str, Any]:
+    model, opt, train_step = L.nan_factory()
+    return {"model": model, "optimizer": opt, "train_step": train_step}
+
+
+@pytest.mark.parametrize(("flip", "code", "words"), [(None, 0, "step 1: reproduces"),
+                                                     (1, 1, "differs from the record while re-execution is stable")])
+def test_cli_reexec_prints_the_verdict_and_exits_0_or_1(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch, flip: int | None,
+                                                        code: int, words: str) -> None:
+    from stepdump.cli.main import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    run = L.record_gpt(tmp_path / "r", "gradlog", steps=3, flip_at=flip)
+    assert main(["reexec", str(run), "--step", "1", "--entry", "test_reexecute:gpt_entry"]) == code
+    out = capsys.readouterr().out
+    assert words in out
+    if flip is not None:
+        assert f"grads '{L.FLIPPED}'" in out and "suspected silent data corruption" in out
+
+
+def test_cli_reexec_find_nan_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from stepdump.cli.main import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    run = L.record_nan(tmp_path / "n", "keyframe", bad_step=4)
+    assert main(["reexec", str(run), "--step", "4", "--entry", "test_reexecute:nan_entry", "--find-nan",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["verdict"] == "reproduces" and got["nan_op"].startswith("aten.sqrt.default in module 'prep' at ")
+    assert got["nan_inputs"][0]["min"] == -0.5
+
+
+@pytest.mark.parametrize(("entry", "message"), [("nowhere", "pkg.module:factory"),
+                                                ("test_reexecute:missing", "cannot load it"),
+                                                ("test_reexecute:STEPS", "not a function")])
+def test_cli_reexec_bad_entry_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch, entry: str, message: str) -> None:
+    from stepdump.cli.main import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    run = L.record_nan(tmp_path / "n", "full", bad_step=9, steps=2)
+    assert main(["reexec", str(run), "--step", "0", "--entry", entry]) == 5
+    assert message in capsys.readouterr().err

@@ -28,6 +28,7 @@ from stepdump.errors import (
 # add_arguments(parser), run(args) -> int and optionally EXAMPLES (the epilog).
 COMMANDS = (
     "demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "export-tb", "report", "verify",
+    "reexec",
 )
 
 # What `stepdump --help` lists, and each command's description in `stepdump CMD --help`.
@@ -46,6 +47,8 @@ SUMMARIES: dict[str, str] = {
     "report": "write a self-contained HTML report (curves, per-tensor charts, findings) of one run or several "
               "overlaid; --watch serves it live while a run records",
     "verify": "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption",
+    "reexec": "re-execute one recorded step with your code: reproduces (exit 0), nondeterministic or differs from "
+              "the record (exit 1); --find-nan names the op",
 }
 
 EPILOG = """\

@@ -1,0 +1,86 @@
+"""stepdump reexec: re-execute one recorded step with the user's code and print the verdict."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+from stepdump.cli.common import add_run_arg, console, open_run
+from stepdump.cli.exitcodes import Exit
+from stepdump.cli.output import print_json
+from stepdump.errors import ConfigError
+
+EXAMPLES = """examples:
+  stepdump reexec runs/exp1 --step 45 --entry train:make_step
+  stepdump reexec step-45.stepdump --step 45 --entry train:make_step --find-nan
+  stepdump reexec runs/exp1 --step 45 --entry train:make_step --repeat 3 --json
+
+--entry pkg.module:factory names a function of yours (importable from the current directory) that
+takes no arguments and returns (model, optimizer, train_step[, scheduler[, scaler]]) or a dict
+with those keys, freshly built as the recorded loop built them; train_step(model, optimizer,
+batch) runs one iteration. Exit 0: the step reproduces; 1: it does not (the verdict says how).
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_run_arg(p)
+    p.add_argument("--step", type=int, required=True, help="the recorded step to re-execute")
+    p.add_argument("--entry", required=True, metavar="MODULE:FACTORY",
+                   help="your factory returning model, optimizer, train_step (and scheduler, scaler)")
+    p.add_argument("--repeat", type=int, default=2, help="re-executions (2 or more tells nondeterminism apart)")
+    p.add_argument("--find-nan", action="store_true",
+                   help="trace op by op and name the first op whose output holds a NaN/Inf")
+    p.add_argument("--loss", default="loss", help="the logged scalar train_step's return value is compared with")
+    p.add_argument("--json", action="store_true", help="write the result as JSON")
+
+
+def load_entry(spec: str) -> dict[str, Any]:
+    """Call the factory ``pkg.module:function`` and name what it returned. It is the user's own code,
+    named on the command line: never anything read from a run."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"--entry {spec!r}: write it as pkg.module:factory")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # the current directory, as `python -m` has it
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--entry {spec!r}: cannot load it ({e})") from e
+    if not callable(factory):
+        raise ConfigError(f"--entry {spec!r} is a {type(factory).__name__}, not a function: name the factory")
+    made = factory()
+    keys = ("model", "optimizer", "train_step", "scheduler", "scaler")
+    if isinstance(made, dict):
+        out = {k: made.get(k) for k in keys}
+    elif isinstance(made, (tuple, list)) and 3 <= len(made) <= 5:
+        out = dict(zip(keys, made))
+    else:
+        raise ConfigError(f"--entry {spec!r} returned {type(made).__name__}: return (model, optimizer, train_step"
+                          "[, scheduler[, scaler]]) or a dict with those keys")
+    if out.get("model") is None or out.get("optimizer") is None or not callable(out.get("train_step")):
+        raise ConfigError(f"--entry {spec!r}: the factory must give a model, an optimizer and a callable train_step")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from stepdump.reexec.verdict import reexecute
+
+    parts = load_entry(args.entry)
+    with open_run(args.run) as r:
+        result = reexecute(r, args.step, parts["model"], parts["optimizer"], parts["train_step"],
+                           parts.get("scheduler"), parts.get("scaler"), repeat=args.repeat, find_nan=args.find_nan,
+                           loss=args.loss)
+    if args.json:
+        print_json({"step": result.step, "verdict": result.verdict, "cause": result.cause,
+                    "first": list(result.first) if result.first else None,
+                    "differing": [list(k) for k in result.differing], "environment": result.environment,
+                    "op": result.op.where() if result.op else None,
+                    "nan_op": result.nan_op.where() if result.nan_op else None,
+                    "nan_inputs": result.nan_op.input_stats if result.nan_op else None,
+                    "repeats": result.repeats, "compared": result.compared, "how": result.how,
+                    "notes": result.notes})
+    else:
+        console.print(result.summary(), soft_wrap=True, markup=False, highlight=False)
+    return Exit.OK if result.reproduces else Exit.FOUND
