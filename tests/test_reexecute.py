@@ -194,3 +194,20 @@ def test_cli_reexec_bad_entry_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
     run = L.record_nan(tmp_path / "n", "full", bad_step=9, steps=2)
     assert main(["reexec", str(run), "--step", "0", "--entry", entry]) == 5
     assert message in capsys.readouterr().err
+
+
+# -- item 4: op-level localize ---------------------------------------------------------------------------
+def test_op_level_localize_names_the_one_op_a_port_changed(gpt_runs: dict[str, Path]) -> None:
+    from stepdump.reexec.ops import localize_ops
+
+    run = stepdump.open(gpt_runs["gradlog"])
+    reference = L.gpt_factory()
+    port = L.gpt_factory()
+    port[0].transformer.h[1].mlp.gelu = torch.nn.GELU(approximate="tanh")  # the port's one change
+    found = localize_ops(run, 2, reference, port)
+    assert found.op is not None, found.summary()
+    assert (found.op.op, found.op.module, found.op.phase) == ("aten.gelu.default", "transformer.h.1.mlp.gelu",
+                                                              "forward")
+    assert found.reason == "same inputs, different output"
+    same = localize_ops(run, 2, L.gpt_factory(), L.gpt_factory())
+    assert same.op is None and same.ops_compared > 100, same.summary()
