@@ -29,7 +29,21 @@ state of that step: nothing here takes it again.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from stepdump.capture.naming import begin_state
+from stepdump.store.format import LEVEL_NONE, LEVEL_STATS
+
+if TYPE_CHECKING:
+    from stepdump.capture.assemble import Assembler
+    from stepdump.capture.final import FinalRecord
+    from stepdump.capture.guard import Guard
+    from stepdump.capture.lean import LeanCapture
+    from stepdump.capture.ring import Ring
+    from stepdump.capture.selection import Levels, NameFilter
 
 
 class Participant(Protocol):
@@ -97,3 +111,95 @@ def eval_ended() -> None:
     rng = get_rng_state()
     for r in list(_LIVE):
         r._loop_eval_ended(rng)
+
+
+class IterationStart:
+    """The Recorder's side of this module: its forward hooks (a training forward, the end of an
+    evaluation's forward) and what it does when the loop moves its iteration's start.
+
+    A mixin of :class:`stepdump.Recorder`, kept here so that the rule of where an iteration
+    starts lives in one file; the attributes below are the Recorder's own.
+    """
+
+    _step: int
+    _closed: bool
+    _begin: dict[str, Any] | None
+    _captured_at: int | None
+    _forward_seen: bool
+    _frozen: bool
+    _pinned: bool
+    _stale_buffers: bool
+    _keyframes: bool
+    kinds: tuple[str, ...]
+    _asm: Assembler
+    _final: FinalRecord
+    _guard: Guard
+    _lean: LeanCapture
+    _level: Levels
+    _filter: NameFilter
+    _ring: Ring | None
+
+    def _fail(self, err: BaseException, where: str) -> None:
+        raise NotImplementedError  # the Recorder's
+
+    def _saw_forward(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():  # an evaluation under no_grad
+            return
+        if self._stale_buffers:  # an evaluation ran since the start state: its buffers as they are now
+            self._loop_retake(rng=False)
+        again, self._forward_seen = self._forward_seen, True  # a training forward (or one with grad enabled)
+        t = self._step
+        if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
+            try:
+                self._lean.forward_started(t, lambda: self._asm.entries(False), again)
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward pre-hook")
+
+    def _saw_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() and not self._closed and not self._guard.stopped:
+            try:  # an evaluation's forward: the iteration's start RNG is after it (module docstring)
+                eval_ended()
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward hook")
+
+    def _loop_freeze(self) -> None:
+        if self._stale_buffers:
+            self._loop_retake(rng=False)
+        self._frozen = True
+
+    def _loop_update_ended(self) -> None:  # another Recorder's update: the loop iteration starts later
+        if not (self._frozen or self._pinned):
+            self._forward_seen = False
+            self._final.rng.take()  # the final record: the RNG after the loop's last update
+            self._loop_retake(rng=True)
+
+    def _loop_eval_ended(self, rng: dict[str, Any]) -> None:
+        if not (self._frozen or self._pinned):
+            if self._begin is not None:
+                self._begin["rng"] = rng
+            self._stale_buffers = True
+
+    def _loop_retake(self, rng: bool) -> None:
+        """Take the start state of the current step again (``rng`` False: the buffers only)."""
+        self._stale_buffers = False
+        if self._closed or self._guard.stopped or self._begin is None:
+            return
+        try:
+            kept = self._begin["rng"]
+            self._begin_iteration(self._step)
+            if not rng and self._begin is not None:
+                self._begin["rng"] = kept
+        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+            self._fail(e, "start of an iteration")
+
+    def _begin_iteration(self, t: int) -> None:
+        """Start of iteration t: keep what a full record t needs from this moment."""
+        # A callable schedule may say yes only later (a trigger set by the loop): then always taken.
+        full = self._level.full(t) or self._ring is not None or self._level.full.dynamic
+        every = self._keyframes or self._asm.gradlog  # RNG (a gradient log: buffers too) at every step
+        if not full and not (every and self._level(t) != LEVEL_NONE):
+            self._begin = None
+            return
+        with torch.profiler.record_function("stepdump.begin"):
+            keep = full or self._asm.gradlog
+            self._begin = begin_state(self._asm.layout, self._filter if keep and "params" in self.kinds else None)

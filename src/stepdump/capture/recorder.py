@@ -42,7 +42,7 @@ from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
 from stepdump.capture.handles import Hook
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
-from stepdump.capture.naming import StateBefore, begin_state
+from stepdump.capture.naming import StateBefore
 from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import (
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Recorder:
+class Recorder(_iteration.IterationStart):
     """Record every optimizer step of a training run into a run directory.
 
     Args:
@@ -438,57 +438,6 @@ class Recorder:
             self._fail(e, "begin_iteration()")
 
     # -- inside the hooks ----------------------------------------------------
-    def _saw_forward(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():  # an evaluation under no_grad
-            return
-        if self._stale_buffers:  # an evaluation ran since the start state: its buffers as they are now
-            self._loop_retake(rng=False)
-        again, self._forward_seen = self._forward_seen, True  # a training forward (or one with grad enabled)
-        t = self._step
-        if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
-            try:
-                self._lean.forward_started(t, lambda: self._asm.entries(False), again)
-            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-                self._fail(e, "forward pre-hook")
-
-    def _saw_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() and not self._closed and not self._guard.stopped:
-            try:  # an evaluation's forward: the iteration's start RNG is after it (capture/iteration.py)
-                _iteration.eval_ended()
-            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-                self._fail(e, "forward hook")
-
-    # -- where the iteration starts (capture/iteration.py) --------------------
-    def _loop_freeze(self) -> None:
-        if self._stale_buffers:
-            self._loop_retake(rng=False)
-        self._frozen = True
-
-    def _loop_update_ended(self) -> None:  # another Recorder's update: the loop iteration starts later
-        if not (self._frozen or self._pinned):
-            self._forward_seen = False
-            self._final.rng.take()  # the final record: the RNG after the loop's last update
-            self._loop_retake(rng=True)
-
-    def _loop_eval_ended(self, rng: dict[str, Any]) -> None:
-        if not (self._frozen or self._pinned):
-            if self._begin is not None:
-                self._begin["rng"] = rng
-            self._stale_buffers = True
-
-    def _loop_retake(self, rng: bool) -> None:
-        """Take the start state of the current step again (``rng`` False: the buffers only)."""
-        self._stale_buffers = False
-        if self._closed or self._guard.stopped or self._begin is None:
-            return
-        try:
-            kept = self._begin["rng"]
-            self._begin_iteration(self._step)
-            if not rng and self._begin is not None:
-                self._begin["rng"] = kept
-        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-            self._fail(e, "start of an iteration")
-
     def _fail(self, err: BaseException, where: str) -> None:
         """A failure inside a hook: strict re-raises (a write failure as WriterError), else step aside."""
         if self._guard.strict:
@@ -565,18 +514,6 @@ class Recorder:
         # _begin_iteration took counts both as recorder time and as iteration time.
         self._iter_start = started
         self._overhead = time.perf_counter() - started
-
-    def _begin_iteration(self, t: int) -> None:
-        """Start of iteration t: keep what a full record t needs from this moment."""
-        # A callable schedule may say yes only later (a trigger set by the loop): then always taken.
-        full = self._level.full(t) or self._ring is not None or self._level.full.dynamic
-        every = self._keyframes or self._asm.gradlog  # RNG (a gradient log: buffers too) at every step
-        if not full and not (every and self._level(t) != LEVEL_NONE):
-            self._begin = None
-            return
-        with torch.profiler.record_function("stepdump.begin"):
-            keep = full or self._asm.gradlog
-            self._begin = begin_state(self._asm.layout, self._filter if keep and "params" in self.kinds else None)
 
     # -- plumbing ----------------------------------------------------------
     def _put(self, msg: StepMessage) -> None:
