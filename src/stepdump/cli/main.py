@@ -28,7 +28,7 @@ from stepdump.errors import (
 # add_arguments(parser), run(args) -> int and optionally EXAMPLES (the epilog).
 COMMANDS = (
     "demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "export-tb", "report", "verify",
-    "reexec",
+    "reexec", "bundle",
 )
 
 # What `stepdump --help` lists, and each command's description in `stepdump CMD --help`.
@@ -49,6 +49,8 @@ SUMMARIES: dict[str, str] = {
     "verify": "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption",
     "reexec": "re-execute one recorded step with your code: reproduces (exit 0), nondeterministic or differs from "
               "the record (exit 1); --find-nan names the op",
+    "bundle": "write one recorded step as a small self-contained store (state, RNG, batch, recorded "
+              "fingerprints) that reexec reads anywhere: attach it to a bug report",
 }
 
 EPILOG = """\

@@ -221,6 +221,13 @@ class CatalogReader:
         return self._q(f"SELECT s.kind, s.name, t.fingerprint {_JOIN} WHERE t.step = ? AND s.kind != 'state'",
                        (step,))
 
+    def step_rows(self, step: int) -> list[tuple[Any, ...]]:
+        """(kind, name, param, key, dtype, shape, *STAT_COLUMNS, fingerprint, stored) of every tensor
+        row at ``step``, ``state`` included, in recording order (what a one-step bundle copies)."""
+        cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
+        return self._q(f"SELECT s.kind, s.name, s.param, s.key, t.dtype, t.shape, {cols}, t.fingerprint, {_STORED} "
+                       f"{_JOIN} WHERE t.step = ? ORDER BY s.id", (step,))
+
     def fingerprint_block(self, first: int, last: int) -> list[tuple[Any, ...]]:
         """(step, kind, name, dtype, shape, fingerprint, blob) of every tensor at steps ``first..last``."""
         return self._q(f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, t.fingerprint, t.blob {_JOIN} "
