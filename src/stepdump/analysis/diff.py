@@ -31,12 +31,13 @@ part.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from stepdump.analysis.diff_ignore import RNG_STREAMS, Ignore, parse_ignore
 from stepdump.analysis.diff_joint import diff_joint
+from stepdump.analysis.diff_noise import NoiseDiff
 from stepdump.analysis.diff_reading import headline, reading, rng_notes, summary_lines
 from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, RngDiff, config_differences, parse_state,
                                           scalar_differences, scalar_table, scalars_equal, state_differences)
@@ -137,6 +138,9 @@ class DiffResult:
     #: each pair's own result (analysis/diff_joint.py).
     pair: str | None = None
     per_pair: dict[str, DiffResult] = field(default_factory=dict)
+    #: With ``noise=``: each quantity's difference against the spread among A and its repeats
+    #: (:mod:`~stepdump.analysis.diff_noise`); ``first_step`` is then where one first exceeds it.
+    noise: NoiseDiff | None = None
 
     @property
     def comparable(self) -> bool:
@@ -174,7 +178,8 @@ class DiffResult:
 
 
 def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.0,
-         kinds: Iterable[str] | None = None, ignore: str | Iterable[str] | None = None) -> DiffResult:
+         kinds: Iterable[str] | None = None, ignore: str | Iterable[str] | None = None,
+         noise: Sequence[RunReader] | None = None, noise_factor: float = 3.0) -> DiffResult:
     """Find the first step where two runs differ, its earliest cause, and the tensors that differ.
 
     Args:
@@ -190,6 +195,11 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
             (or one: ``"scalars.NAME"``), or a tensor kind (module
             :mod:`~stepdump.analysis.diff_ignore`). An RNG that differs is never a
             divergence by itself, ignored or not; leaving it out also drops its note.
+        noise: Repeats of ``run_a`` (the same code and settings, run again): a difference then
+            counts only where it exceeds ``noise_factor`` times the largest difference among
+            ``run_a`` and its repeats, per quantity and step (scalars by value, tensors by norm,
+            bit for bit where A and every repeat agree); ``result.noise`` holds every quantity's
+            difference and spread (:mod:`~stepdump.analysis.diff_noise`). Not with atol/rtol.
 
     Returns:
         For single stores, their comparison. For multi-rank runs, the comparison
@@ -209,6 +219,13 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
             raise ConfigError(f"unknown kind {k!r}; choose from {', '.join(KIND_ORDER)}")
     left_out = parse_ignore(ignore)
     wanted = left_out.kinds(wanted)
+    if noise:
+        if atol or rtol:
+            raise ConfigError("diff with noise= judges differences by the spread among the repeats: "
+                              "leave atol and rtol at 0")
+        from stepdump.analysis.diff_noise import noise_diff
+
+        return noise_diff(run_a, run_b, list(noise), wanted, left_out, noise_factor)  # type: ignore[no-any-return]
     if is_joint(run_a) or is_joint(run_b):  # pair by pair (G with G, D with D)
         return diff_joint(run_a, run_b, lambda a, b: _diff_store(a, b, atol, rtol, wanted, left_out))
     stores_a, stores_b = list(run_a.stores()), list(run_b.stores())

@@ -26,6 +26,9 @@ def headline(res: DiffResult) -> str:
     ranks = f" on each of {len(res.per_rank)} ranks" if res.per_rank else ""
     if not res.comparable:
         return f"nothing to compare{where}: {_why_incomparable(res)}; not identical"
+    if res.first_step is None and res.noise is not None:
+        return (f"no difference beyond the noise over {res.steps_compared} common steps: every one is within "
+                f"{res.noise.factor:g}x the spread among A and its {res.noise.repeats} repeat(s)")
     if res.first_step is None:
         return f"identical over {res.steps_compared} common steps{ranks}"
     cause = res.differences[0] if res.differences else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import asdict
 from typing import Any
 
@@ -14,6 +15,7 @@ EXAMPLES = """examples:
   stepdump diff ref port --atol 1e-6 --kinds params,grads
   stepdump diff run-a run-b --json
   stepdump diff run-a run-b --ignore rng --ignore scalars.tokens_per_sec
+  stepdump diff run-a run-b --noise run-a2 run-a3     # differences beyond 3x the spread of A's repeats
 
 exit codes: 0 identical (over what was compared: the output says what was not; an RNG that
   differs while nothing computed does is a note, not a difference), 1 the runs differ,
@@ -34,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave PART out of the comparison (repeatable, or a comma list): rng, rng.torch, rng.cuda, "
                         "rng.numpy, rng.python, hyperparameters, scheduler, scaler, batch, scalars, scalars.NAME, "
                         "or a tensor kind")
+    p.add_argument("--noise", nargs="+", metavar="REPEAT",
+                   help="repeats of run A (same code and settings): a difference counts only where it exceeds "
+                        "--noise-factor times the spread among A and the repeats, per quantity and step")
+    p.add_argument("--noise-factor", type=float, default=3.0, help="with --noise: how many spreads (default 3)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -49,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         return Exit.USAGE
-    with open_run(args.run_a) as a, open_run(args.run_b) as b:
-        res = diff(a, b, atol=args.atol, rtol=args.rtol, kinds=kinds, ignore=ignore)
+    with contextlib.ExitStack() as stack:
+        a, b = (stack.enter_context(open_run(p)) for p in (args.run_a, args.run_b))
+        noise = [stack.enter_context(open_run(p)) for p in args.noise or ()]
+        res = diff(a, b, atol=args.atol, rtol=args.rtol, kinds=kinds, ignore=ignore, noise=noise or None,
+                   noise_factor=args.noise_factor)
     if args.json:
         from stepdump.cli.output import print_json
 
@@ -63,7 +72,13 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"  {t.describe()}", soft_wrap=True)
         if len(res.tensors) > _SHOWN:
             console.print(f"  ... and {len(res.tensors) - _SHOWN} more (--json lists them all)")
-        if res.first_scalar_diff:
+        if res.noise is not None and res.first_step is not None:
+            console.print(f"beyond the noise at step {res.first_step} (difference / spread among the repeats):")
+            rows = sorted((r for r in res.noise.exceeded if r.step == res.first_step), key=lambda r: -r.ratio)
+            for r in rows[:_SHOWN]:
+                console.print(f"  {r.kind} {r.name} ({r.measure}): |B - A| {r.difference:.3g}, spread "
+                              f"{r.spread:.3g}, {r.ratio:.3g}x", soft_wrap=True, markup=False)
+        if res.first_scalar_diff and res.noise is None:
             console.print(f"first differing scalar: {res.first_scalar_diff[1]} at step {res.first_scalar_diff[0]}")
     if not res.comparable:
         return Exit.NOTHING_COMPARED
@@ -83,4 +98,8 @@ def _as_json(res: Any) -> dict[str, Any]:
         "first_scalar_diff": res.first_scalar_diff, "coverage": asdict(res.coverage),
         "config": [{"key": k, "a": a, "b": b} for k, a, b in res.config], "rank": res.rank,
         "notes": res.notes, "rng": [asdict(d) for d in res.rng], "ignored": res.ignored,
+        "noise": None if res.noise is None else {
+            "repeats": res.noise.repeats, "factor": res.noise.factor, "first_noisy_step": res.noise.first_noisy_step,
+            "state_left_out": res.noise.state_left_out,
+            "rows": [{**asdict(r), "ratio": r.ratio} for r in res.noise.rows]},
     }
