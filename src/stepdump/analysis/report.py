@@ -30,10 +30,11 @@ from stepdump.analysis.matrices import (
     combined_norm,
     nonfinite_counts,
     scalar_series,
+    stat_matrices,
     stat_matrix,
     total_numel,
 )
-from stepdump.analysis.report_dist import DIST_KINDS, QUANTILES, sample_quantiles, stat_bands
+from stepdump.analysis.report_dist import BAND_COLUMNS, DIST_KINDS, QUANTILES, sample_quantiles, stat_bands
 from stepdump.analysis.report_groups import tensor_groups
 from stepdump.analysis.report_scalars import group_scalars, scalar_order, wants_log
 from stepdump.errors import ConfigError, StepdumpError
@@ -90,14 +91,18 @@ def build_report_data(
     domain = [all_steps[0], all_steps[-1]] if all_steps else [0, 0]
     stores = _stores(run)
     kinds = {k for _, store in stores for k in store.kinds()}
-    params = _stacked(stores, "params") if "params" in kinds else None
+    # Each kind's norms (heatmaps, update ratio) and band columns (distributions) in one pass per store.
+    tables = {kind: [(prefix, stat_matrices(store, kind, ("norm", *BAND_COLUMNS))) for prefix, store in stores]
+              for kind in DIST_KINDS if kind in kinds}
+    params = _stack([(p, t["norm"]) for p, t in tables["params"]]) if "params" in tables else None
+    grads = _stack([(p, t["norm"]) for p, t in tables["grads"]]) if "grads" in tables else None
     return {
         "version": REPORT_DATA_VERSION,
         "summary": summarize(run),
         "domain": domain,
         "max_points": max_points,
         "scalars": _scalars(stores, max_points),
-        "grad_norms": _heatmap(_stacked(stores, "grads"), max_points, "grad L2 norm") if "grads" in kinds else None,
+        "grad_norms": _heatmap(grads, max_points, "grad L2 norm") if grads is not None else None,
         "param_norms": _heatmap(params, max_points, "weight L2 norm") if params is not None else None,
         "update_ratio": _update_ratio(stores, params, max_points, exact_steps, exact_budget),
         "moments": _moments(stores, max_points) if "optimizer" in kinds else [],
@@ -106,7 +111,7 @@ def build_report_data(
         "checks": checks,
         "times": _times(stores),
         "groups": tensor_groups(_all_names(stores), _embeddings(stores)),
-        "dist": _dist(stores, kinds, dist_points, quantile_steps),
+        "dist": _dist(stores, tables, dist_points, quantile_steps),
     }
 
 
@@ -155,13 +160,16 @@ def _times(stores: list[tuple[str, Run]], max_points: int = 2000) -> dict[str, A
     return {"s": [pairs[i][0] for i in idx], "t": [round(float(v), 3) for v in t]}
 
 
-def _dist(stores: list[tuple[str, Run]], kinds: set[str], points: int, q_steps: int) -> dict[str, Any]:
-    """Per kind (params, grads): stats bands of every tensor and sample quantiles at full steps."""
+def _dist(stores: list[tuple[str, Run]], tables: dict[str, list[tuple[str, dict[str, StatMatrix]]]],
+          points: int, q_steps: int) -> dict[str, Any]:
+    """Per kind (params, grads): stats bands of every tensor and sample quantiles at full steps.
+    ``tables``: each kind's stat matrices per store, as :func:`build_report_data` read them."""
     out: dict[str, Any] = {}
     for kind in DIST_KINDS:
-        if kind not in kinds:
+        if kind not in tables:
             continue
-        bands = [(prefix, stat_bands(store, kind, points)) for prefix, store in stores]
+        bands = [(prefix, stat_bands(store, kind, points, cols))
+                 for (prefix, store), (_, cols) in zip(stores, tables[kind])]
         quants = [(prefix, sample_quantiles(store, kind, q_steps) if q_steps else None) for prefix, store in stores]
         entry: dict[str, Any] = {"bands": [], "quantiles": [], "probs": list(QUANTILES)}
         for prefix, b in bands:
@@ -423,7 +431,13 @@ def _finding_dict(f: Finding) -> dict[str, Any]:
 
 # -- JSON helpers ---------------------------------------------------------------
 def _floats(a: Iterable[float]) -> list[float | None]:
-    return [float(v) if math.isfinite(v) else None for v in np.asarray(a, dtype=np.float64).tolist()]
+    arr = np.asarray(a, dtype=np.float64)
+    finite = np.isfinite(arr)
+    if finite.all():
+        return arr.tolist()  # type: ignore[no-any-return]
+    out = arr.astype(object)  # NaN/Inf -> None (JSON has neither), in C rather than per element in Python
+    out[~finite] = None
+    return out.tolist()  # type: ignore[no-any-return]
 
 
 def _ints(a: Iterable[int]) -> list[int]:

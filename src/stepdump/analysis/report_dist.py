@@ -18,13 +18,14 @@ Both only read the run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from stepdump.analysis.downsample import bucket_edges
-from stepdump.analysis.matrices import stat_matrix
+from stepdump.analysis.matrices import StatMatrix, stat_matrices
 from stepdump.read.run import Run
 
 log = logging.getLogger(__name__)
@@ -32,16 +33,24 @@ log = logging.getLogger(__name__)
 #: Quantiles drawn from stored tensors.
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 DIST_KINDS = ("params", "grads")
+#: The stat columns the bands are drawn from.
+BAND_COLUMNS = ("min", "max", "mean", "std")
 
 
-def stat_bands(store: Run, kind: str, max_points: int) -> dict[str, Any] | None:
+def stat_bands(store: Run, kind: str, max_points: int,
+               cols: Mapping[str, StatMatrix] | None = None) -> dict[str, Any] | None:
     """min/max/mean/std of every ``kind`` tensor over steps, bucketed to ``max_points`` columns.
+
+    ``cols``: those four matrices when the caller has already read them
+    (:func:`~stepdump.analysis.matrices.stat_matrices`, one pass with the norms); else read here.
 
     Returns:
         ``{"names", "x0", "x1", "steps", "min", "max", "mean", "std"}`` with each stat a
         ``[tensors][columns]`` list of floats (None: no value), or None without stats.
     """
-    cols = {c: stat_matrix(store, kind, c) for c in ("min", "max", "mean", "std")}
+    if cols is None:
+        cols = stat_matrices(store, kind, BAND_COLUMNS)
+    cols = {c: cols[c] for c in BAND_COLUMNS}
     m = cols["min"]
     if m.empty:
         return None
