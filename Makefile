@@ -38,6 +38,7 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/keyframes.py
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/leave_on.py
+	$(PY) benchmarks/report_scale.py
 
 # Not part of `make test`: 54 SIGKILLs of a recording process (each followed by
 # open / verify / bit-exact reads / resume) and 10,000-step load runs (~5 min).

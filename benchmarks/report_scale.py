@@ -3,25 +3,34 @@
 Records a synthetic stats-only run (``--tensors`` small parameters x ``--steps`` optimizer
 steps, named like a transformer's blocks, with a spike and a NaN planted), then times
 ``build_report_data`` + ``render_report`` and, when Debian's chromium and playwright are there,
-how long the page takes to draw its first view. Prints one line per number.
+how long the page takes to draw its first view. Prints one line per number and writes them
+into its section of benchmarks/RESULTS.md (``--out``; ``--out ''`` writes nothing).
 
-    python benchmarks/report_scale.py --tensors 300 --steps 5000
+    python benchmarks/report_scale.py                             # make bench: 300 x 200, under a minute
+    python benchmarks/report_scale.py --tensors 300 --steps 5000  # the size docs/report.md reports (~10 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from datetime import datetime, timezone
+
 from torch import nn
 
 import stepdump
 from stepdump.analysis.report import build_report_data
 from stepdump.render.html import render_report
+
+HERE = Path(__file__).resolve().parent
+MARKER = "\n## Report at scale"
 
 
 def record(path: Path, tensors: int, steps: int) -> None:
@@ -64,28 +73,66 @@ def first_view_s(html: Path) -> float | None:
     return took
 
 
+def write_section(path: Path, text: str) -> None:
+    """Replace this script's section of RESULTS.md (or add it at the end), leaving the rest alone."""
+    body = path.read_text() if path.exists() else "# stepdump benchmarks: results\n"
+    if MARKER in body:
+        start = body.index(MARKER)
+        nxt = body.find("\n## ", start + len(MARKER))
+        body = body[:start] + (body[nxt:] if nxt != -1 else "")
+    path.write_text(body.rstrip("\n") + "\n" + text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensors", type=int, default=300)
-    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="RESULTS.md to update ('' for none)")
     args = ap.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d) / "run"
         t = time.perf_counter()
         record(run_dir, args.tensors, args.steps)
-        print(f"record: {time.perf_counter() - t:.1f} s ({args.tensors} tensors x {args.steps} steps, stats only)")
+        recorded = time.perf_counter() - t
+        print(f"record: {recorded:.1f} s ({args.tensors} tensors x {args.steps} steps, stats only)")
         with stepdump.open(run_dir) as run:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             data = build_report_data(run, findings=[])
-            built = time.perf_counter() - t
+            built, built_cpu = time.perf_counter() - t, time.process_time() - c
             t = time.perf_counter()
             html = render_report(data)
             rendered = time.perf_counter() - t
         out = Path(d) / "report.html"
         out.write_text(html, encoding="utf-8")
-        print(f"build_report_data: {built:.2f} s; render_report: {rendered:.2f} s; page: {len(html.encode()) / 2**20:.1f} MiB")
+        mib = len(html.encode()) / 2**20
+        print(f"build_report_data: {built:.2f} s (CPU {built_cpu:.2f} s); render_report: {rendered:.2f} s; "
+              f"page: {mib:.1f} MiB")
         view = first_view_s(out)
         print("first view in chromium: " + ("n/a" if view is None else f"{view:.2f} s"))
+    if args.out:
+        load_after = os.getloadavg()
+        date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        write_section(Path(args.out), "\n".join([
+            "",
+            "## Report at scale (issue 26)",
+            "",
+            f"`benchmarks/report_scale.py --tensors {args.tensors} --steps {args.steps}`, {date}, "
+            f"{os.cpu_count()} cores, {platform.machine()}; load average before / after: "
+            f"{' '.join(f'{v:.2f}' for v in load_before)} / {' '.join(f'{v:.2f}' for v in load_after)}. "
+            "A stats-only run (params and grads of small tensors named in blocks, a spike and a NaN "
+            "planted); docs/report.md has the 300 x 5,000 numbers.",
+            "",
+            "| what | result |",
+            "|---|---:|",
+            f"| record ({args.tensors} tensors x {args.steps} steps, stats only) | {recorded:.1f} s |",
+            f"| `build_report_data` wall (CPU) | {built:.2f} s ({built_cpu:.2f} s) |",
+            f"| `render_report` | {rendered:.2f} s |",
+            f"| page size | {mib:.2f} MiB |",
+            "| first view in headless Chromium (load to `data-ready`) | "
+            + ("n/a (no chromium/playwright)" if view is None else f"{view:.2f} s") + " |",
+            "",
+        ]))
 
 
 if __name__ == "__main__":
