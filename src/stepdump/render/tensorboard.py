@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from stepdump.analysis.report_groups import tensor_groups
 from stepdump.errors import ConfigError
 from stepdump.read.reader import RunReader
 from stepdump.read.rows import check_kind
@@ -39,6 +41,7 @@ class TensorBoardExport:
     stats: int  #: scalar points from per-tensor stats
     histograms: int  #: histograms
     histogram_steps: tuple[int, ...]  #: the full steps that got histograms
+    group_histograms: int = 0  #: histograms of blocks (``<kind>_by_block/<block>``)
 
 
 def export_tensorboard(
@@ -51,12 +54,16 @@ def export_tensorboard(
     histograms: Iterable[str] | None = ("params", "grads"),
     max_histogram_steps: int = 20,
     profile: bool = False,
+    histogram_groups: bool = True,
 ) -> TensorBoardExport:
     """Write a run's scalars, per-tensor stats and histograms as TensorBoard event files.
 
     Tags: a scalar keeps its name (``loss``, ``lr``); a stat is
     ``<kind>/<tensor>/<stat>`` (``grads/fc1.weight/norm``); a histogram is
-    ``<kind>/<tensor>`` (``params/fc1.weight``). Steps are the run's optimizer
+    ``<kind>/<tensor>`` (``params/fc1.weight``), and with ``histogram_groups`` one per block
+    of the report's grouping, ``<kind>_by_block/<block>`` (``grads_by_block/transformer.h.3``:
+    every finite value of the block's tensors at that step; blocks of one tensor are left
+    out, their tensor's histogram is the same). Steps are the run's optimizer
     steps, wall times the moments the steps were committed. Steps the GradScaler
     skipped get the scalar ``skipped`` = 1 (only if the run has any).
 
@@ -76,11 +83,13 @@ def export_tensorboard(
         max_histogram_steps: At most this many full steps get histograms, spread evenly
             from the first to the last.
         profile: Also export the recorder's ``sys/*`` timings and memory.
+        histogram_groups: Also a histogram per block (see tags above), so a model with
+            hundreds of tensors reads as its layers (:mod:`stepdump.analysis.report_groups`).
 
     Returns:
         What was written.
     """
-    args = (scalars, stats, stat_kinds, histograms, max_histogram_steps, profile)
+    args = (scalars, stats, stat_kinds, histograms, max_histogram_steps, profile, histogram_groups)
     if isinstance(run, (str, os.PathLike)):
         from stepdump.read.opener import open_run
 
@@ -97,11 +106,13 @@ def _export_all(run: RunReader, logdir: Path, *args: Any) -> TensorBoardExport:
     parts = [_export(store, logdir / f"rank{r}", *args) for r, store in stores]
     return TensorBoardExport(logdir, sum(p.scalars for p in parts), sum(p.stats for p in parts),
                              sum(p.histograms for p in parts),
-                             tuple(sorted({s for p in parts for s in p.histogram_steps})))
+                             tuple(sorted({s for p in parts for s in p.histogram_steps})),
+                             sum(p.group_histograms for p in parts))
 
 
 def _export(run: Run, logdir: Path, scalars: bool, stats: Sequence[str] | None, stat_kinds: Iterable[str] | None,
-            histograms: Iterable[str] | None, max_histogram_steps: int, profile: bool) -> TensorBoardExport:
+            histograms: Iterable[str] | None, max_histogram_steps: int, profile: bool,
+            histogram_groups: bool) -> TensorBoardExport:
     stats = tuple(stats or ())
     bad = [s for s in stats if s not in _STAT_CHOICES]
     if bad:
@@ -119,7 +130,7 @@ def _export(run: Run, logdir: Path, scalars: bool, stats: Sequence[str] | None, 
 
     logdir.mkdir(parents=True, exist_ok=True)
     walltime = _step_times(run)
-    n_scalars = n_stats = n_hist = 0
+    n_scalars = n_stats = n_hist = n_groups = 0
     hist_steps: list[int] = []
     writer = SummaryWriter(log_dir=str(logdir), max_queue=1000, flush_secs=3600)
     try:
@@ -151,20 +162,38 @@ def _export(run: Run, logdir: Path, scalars: bool, stats: Sequence[str] | None, 
         if hist_kinds and max_histogram_steps:
             picks = {k: _spread(_steps_with(run, k), max_histogram_steps) for k in hist_kinds if k in kinds_present}
             hist_steps = sorted({s for steps in picks.values() for s in steps})
+            block_of = {k: _blocks(run, k) if histogram_groups else {} for k in picks}
             for step in hist_steps:
                 for kind, steps in picks.items():
                     if step not in steps:
                         continue
+                    in_block: dict[str, list[Any]] = {}
                     for name, tensor in run.tensors(step, kind).items():
                         values = _finite_values(tensor)
                         if values is None:
                             continue
                         writer.add_histogram(f"{kind}/{name}", values, step, walltime=walltime.get(step))
                         n_hist += 1
+                        if name in block_of[kind]:
+                            in_block.setdefault(block_of[kind][name], []).append(values)
+                    for block, parts in in_block.items():
+                        writer.add_histogram(f"{kind}_by_block/{block}", np.concatenate(parts), step,
+                                             walltime=walltime.get(step))
+                        n_groups += 1
     finally:
         writer.close()
     log.info("stepdump: wrote %d scalars, %d stats, %d histograms to %s", n_scalars, n_stats, n_hist, logdir)
-    return TensorBoardExport(logdir, n_scalars, n_stats, n_hist, tuple(hist_steps))
+    return TensorBoardExport(logdir, n_scalars, n_stats, n_hist, tuple(hist_steps), n_groups)
+
+
+def _blocks(run: Run, kind: str) -> dict[str, str]:
+    """Tensor name -> its block (the report's grouping), for blocks of more than one tensor."""
+    names = run.names(kind)
+    block = tensor_groups(names)["block"]
+    sizes: dict[str, int] = {}
+    for n in names:
+        sizes[block[n]] = sizes.get(block[n], 0) + 1
+    return {n: block[n] for n in names if sizes[block[n]] > 1}
 
 
 def _steps_with(run: Run, kind: str) -> list[int]:
