@@ -7,8 +7,9 @@
   step's params (and grads); an ``hf-trainer`` folder that
   ``transformers.Trainer.train(resume_from_checkpoint=folder)`` resumes from; or a
   ``lightning`` ``.ckpt`` that ``Trainer.fit(model, ckpt_path=...)`` resumes from.
-  Record *t* is the state after *t* optimizer steps (``global_step == t``). Also
-  ``run.export(step, path, format=...)`` and ``stepdump export RUN --step N``;
+  Record *t* is the state after *t* optimizer steps (``global_step == t``).
+  ``run.export(step, path, ...)`` and ``stepdump export RUN --step N`` are the same function
+  with the same arguments (``format``, ``grads``, ``trainer`` settings, ``rank``);
   docs/recipes/resume-from-step-n.md says what resumes bit for bit.
 * :func:`export_tensorboard` writes scalars, per-tensor stats and histograms as
   TensorBoard event files (:class:`TensorBoardExport` says what was written).

@@ -39,19 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
                    help="hf-trainer / lightning: training setup the run did not record (train_batch_size, "
                         "num_training_batches, accumulate_grad_batches, ...); repeatable")
+    p.add_argument("--rank", type=int, default=None,
+                   help="a run recorded on several ranks: export this rank's store as recorded (default: the "
+                        "consolidated full tensors)")
 
 
 def run(args: argparse.Namespace) -> int:
     output = args.output or _DEFAULT_NAMES[args.format].format(args.step)
     trainer = _parse_trainer(args.trainer)
-    with open_run(args.run) as r:
-        if trainer is None:
-            out = r.export(args.step, output, format=args.format, grads=args.grads)
-        else:
-            from stepdump.export import export_checkpoint
-
-            out = export_checkpoint(r, args.step, output,  # type: ignore[arg-type]  # any reader kind
-                                    format=args.format, grads=args.grads, trainer=trainer)
+    with open_run(args.run) as r:  # every reader's export is stepdump.export.export_checkpoint
+        out = r.export(args.step, output, format=args.format, grads=args.grads, trainer=trainer, rank=args.rank)
     console.print(f"wrote {out}")
     return Exit.OK
 

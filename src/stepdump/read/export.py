@@ -19,8 +19,11 @@ FORMATS = ("torch", "safetensors", "hf-trainer", "lightning")
 
 
 def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False,
-           trainer: Mapping[str, Any] | None = None) -> Path:
+           trainer: Mapping[str, Any] | None = None, rank: int | None = None) -> Path:
     """Write step ``step`` of ``run`` to ``path``.
+
+    The one implementation behind ``run.export``, ``stepdump.export.export_checkpoint`` and
+    ``stepdump export``: all three take these arguments and write the same checkpoint.
 
     Record *t* is the state after *t* optimizer steps: params, buffers and optimizer /
     scheduler / scaler state before update *t*, and the RNG at the start of iteration *t*.
@@ -38,6 +41,8 @@ def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "tor
         trainer: For ``hf-trainer`` and ``lightning``: the training setup the checkpoint's
             loop counters need (``train_batch_size``; ``num_training_batches``,
             ``accumulate_grad_batches``), over what the stepdump callback recorded.
+        rank: For a run recorded on several ranks: export rank ``rank``'s store as it was
+            recorded (its shards under FSDP2) instead of the consolidated full tensors.
 
     Raises:
         ConfigError: an unknown format, options that do not fit it, or a setup the run lacks.
@@ -45,6 +50,8 @@ def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "tor
     """
     if format not in FORMATS:
         raise ConfigError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
+    if rank is not None:
+        run = _rank_store(run, rank)
     out = Path(path)
     if format in ("hf-trainer", "lightning"):
         from stepdump.read import export_trainers
@@ -80,6 +87,16 @@ def export(run: Run, step: int, path: str | os.PathLike[str], format: str = "tor
                         for n, t in found.items()})
     meta = {"stepdump_step": str(step), "stepdump_run": str(run.path)}
     return save_atomically(out, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def _rank_store(run: Run, rank: int) -> Run:
+    """Rank ``rank``'s store of a multi-rank run; a single store refuses ``rank=``."""
+    from stepdump.read.reader import ranked_stores
+
+    if not ranked_stores(run):
+        raise ConfigError(f"rank= is for a run recorded on several ranks; {run.path} is one store: leave rank "
+                          "out (--rank)")
+    return run.rank(rank)  # type: ignore[attr-defined, no-any-return]  # a DistributedRun: it names a missing rank
 
 
 def save_atomically(out: Path, write: Callable[[Path], object]) -> Path:

@@ -281,9 +281,10 @@ class JointRun:
             load()
 
     def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False,
-               model: str | None = None) -> Path:
+               trainer: Mapping[str, Any] | None = None, rank: int | None = None, model: str | None = None) -> Path:
         """Write pair ``model``'s record of ``step`` as a checkpoint (see :meth:`Run.export`)."""
-        return self.pair(self._one(model, "model")).export(step, path, format=format, grads=grads)
+        return self.pair(self._one(model, "model")).export(step, path, format=format, grads=grads, trainer=trainer,
+                                                           rank=rank)
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:

@@ -284,11 +284,14 @@ class DistributedRun:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else self.primary
         self.rank(rank).restore(step, model, optimizer, scheduler, scaler, rng=rng, extra_state=extra_state)
 
-    def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False) -> Path:
-        """Write step ``step`` as one consolidated checkpoint (full tensors); see :meth:`Run.export`."""
+    def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False,
+               trainer: Mapping[str, Any] | None = None, rank: int | None = None) -> Path:
+        """Write step ``step`` as one consolidated checkpoint (full tensors), or rank ``rank``'s
+        store as recorded; see :meth:`Run.export`."""
         from stepdump.read.export import export
 
-        return export(self, step, path, format=format, grads=grads)  # type: ignore[arg-type]
+        return export(self, step, path, format=format, grads=grads, trainer=trainer,  # type: ignore[arg-type]
+                      rank=rank)
 
     # -- assembling shards -------------------------------------------------------
     def _sharded_param(self, kind: str, name: str) -> str | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -114,8 +114,8 @@ class RunReader(Protocol):
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
                 *, rng: bool = True, extra_state: Any = None) -> None: ...
 
-    def export(self, step: int, path: str | os.PathLike[str], format: str = "torch",
-               grads: bool = False) -> Path: ...
+    def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False,
+               trainer: Mapping[str, Any] | None = None, rank: int | None = None) -> Path: ...
 
     def stores(self) -> Iterator[tuple[int | None, Run]]:
         """The run's stores as ``(rank, run)``: ``(None, self)`` for a single store, one per

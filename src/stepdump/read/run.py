@@ -300,12 +300,14 @@ class Run:
         with self._blobs.call():
             restore(self, step, model, optimizer, scheduler, scaler, rng=rng, extra_state=extra_state)
 
-    def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False) -> Path:
-        """Write step ``step`` as a checkpoint file; see :func:`stepdump.read.export.export`."""
+    def export(self, step: int, path: str | os.PathLike[str], format: str = "torch", grads: bool = False,
+               trainer: Mapping[str, Any] | None = None, rank: int | None = None) -> Path:
+        """Write step ``step`` as a checkpoint (``format``: torch, safetensors, hf-trainer,
+        lightning); the arguments of :func:`stepdump.export.export_checkpoint`, which says more."""
         from stepdump.read.export import export
 
         with self._blobs.call():
-            return export(self, step, path, format=format, grads=grads)
+            return export(self, step, path, format=format, grads=grads, trainer=trainer, rank=rank)
 
     # -- frames ----------------------------------------------------------------
     def scalars(self, names: str | Iterable[str] | None = None, steps: StepRange = None) -> pd.DataFrame:
