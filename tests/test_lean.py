@@ -26,6 +26,14 @@ from stepdump.core.stats import compute_stats
 LEAN = {"every": None, "stats_every": 1}
 
 
+# Every test here runs both ways a lean step is read: by the worker from the forward on (a
+# model over lean.INLINE_BYTES), and whole at the pre-hook on the training thread (a small one).
+@pytest.fixture(autouse=True, params=["worker", "inline"])
+def lean_path(request, monkeypatch) -> str:
+    monkeypatch.setattr(lean, "INLINE_BYTES", 0 if request.param == "worker" else 1 << 40)
+    return request.param
+
+
 def _fps(snap: dict[str, dict[str, torch.Tensor]]) -> dict[tuple[str, str], int]:
     # A sparse grad is recorded as it is, sparse optimizer state dense (FORMAT.md, "Sparse tensors").
     return {(kind, name): fingerprint(t.to_dense() if t.is_sparse and kind != "grads" else t)
@@ -165,10 +173,16 @@ class _GradScalingSGD(torch.optim.SGD):
         return out
 
 
-def test_grads_changed_during_the_step_are_left_out_with_a_warning_then_read_before(tmp_path, caplog) -> None:
+def test_grads_changed_during_the_step_are_left_out_with_a_warning_then_read_before(tmp_path, caplog,
+                                                                                   lean_path) -> None:
     with caplog.at_level(logging.WARNING, logger="stepdump"):
         run, caps = _loop(tmp_path / "r", 4, opt_cls=_GradScalingSGD)
     warned = [r for r in caplog.records if "changed in place during optimizer.step()" in r.getMessage()]
+    if lean_path == "inline":  # read at the pre-hook from the start: every step's grads, nothing to say
+        assert not warned
+        for t in range(4):
+            assert _recorded_fps(run, t) == _lean_fps(caps[t], t), f"step {t}"
+        return
     assert len(warned) == 1
     first = _recorded_fps(run, 0)
     assert not any(k[0] == "grads" for k in first), "grads read after they were changed must not be recorded"

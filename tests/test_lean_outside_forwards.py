@@ -35,6 +35,14 @@ STEPS = 8
 MODES = {"lean": {"every": None, "stats_every": 1}, "tiered": {"every": 5, "stats_every": 1}}
 
 
+# Every test here runs both ways a lean step is read: by the worker from the forward on (a
+# model over lean.INLINE_BYTES), and whole at the pre-hook on the training thread (a small one).
+@pytest.fixture(autouse=True, params=["worker", "inline"])
+def lean_path(request, monkeypatch) -> str:
+    monkeypatch.setattr(lean, "INLINE_BYTES", 0 if request.param == "worker" else 1 << 40)
+    return request.param
+
+
 def _model(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(80, 90), nn.ReLU(), nn.Linear(90, 70))  # weights > 4096 elements: fused path

@@ -95,6 +95,8 @@ LEAN_POINTS = {
     "lean worker": (lean, "lean_rows", None, "pre-hook", FAIL_AT),
     "lean forward hook": (lean.LeanCapture, "forward_started", None, "forward pre-hook", FAIL_AT),
     "lean post-hook": (lean.LeanCapture, "finish", lambda capture: capture._pending is not None, "post-hook", FAIL_AT),
+    # a small record read whole at the pre-hook (lean.INLINE_BYTES); the points above use the worker
+    "lean inline": (lean, "lean_rows", None, "pre-hook", FAIL_AT),
 }
 
 
@@ -103,6 +105,8 @@ def test_a_failure_inside_the_recorder_leaves_training_bitwise_unchanged(tmp_pat
     want = _plain_params()
     owner, attr, when, where, first_lost = POINTS.get(point) or LEAN_POINTS[point]
     schedule = {"every": 3, "stats_every": 1} if point in LEAN_POINTS else {}
+    if point in LEAN_POINTS:
+        monkeypatch.setattr(lean, "INLINE_BYTES", 1 << 40 if point == "lean inline" else 0)
     model, opt, scaler = _build()
     step = [0]
     armed = (lambda: True) if when is _writing_step else (lambda: step[0] >= FAIL_AT)

@@ -45,14 +45,15 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import xxhash
 
 from stepdump.capture.staging import storable
 from stepdump.core.dtensor import local_part
 from stepdump.core.dtypes import stored_dtype
-from stepdump.core.hashing import fingerprint, signed64
-from stepdump.core.stats import StatsTuple, compute_stats
+from stepdump.core.hashing import LiveHasher, fingerprint, signed64
+from stepdump.core.stats import StatsTuple, compute_stats, segment_sums, small_stats
 from stepdump.store.format import format_shape
 
 log = logging.getLogger(__name__)
@@ -89,17 +90,110 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: b
     ones), so that its row describes one set of bytes even if the tensor is written
     meanwhile; a tensor whose exact NaN/Inf counts that would need is left out (the
     caller computes it where nothing writes it). The rows are the same either way.
+
+    The fp32/fp64 tensors up to ``_CHUNK`` elements (most tensors of most models, few of the
+    bytes of a large one) are copied into one private buffer per dtype, a batch at a time,
+    and described together (:func:`snapshot`, :func:`_packed_rows`): a few vectorised passes
+    over the batch instead of several torch calls per tensor, which is what a small model's
+    step paid for.
     """
-    rows: list[LeanRow] = []
+    rest, packed = snapshot(entries, warned)
+    rows = packed()
     buffers: dict[torch.dtype, torch.Tensor] = {}
+    with torch.no_grad():
+        for kind, name, t, param, key in rest:
+            got = _stats_and_fp(kind, t, buffers if private else None)
+            if got is not None:
+                rows.append(LeanRow(kind, name, param, key, stored_dtype(t), format_shape(t.shape), *got))
+    return rows
+
+
+Head = tuple[str, str, "str | None", "str | None", str, str]  # a LeanRow's fields before stats and fp
+Rest = tuple[str, str, torch.Tensor, "str | None", "str | None"]  # (kind, name, storable tensor, param, key)
+
+
+def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[list[Rest], Callable[[], list[LeanRow]]]:
+    """Copy the packable tensors among ``entries`` now (one ``torch.cat`` per batch); return the
+    others (storable ones) and a function that gives the copies' rows, as of now, on any
+    thread, later. The copy is the only work done here: the training thread can take a
+    snapshot and leave its description to the worker."""
+    rest: list[Rest] = []
+    batches: dict[torch.dtype, list[tuple[Head, torch.Tensor]]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    done: list[tuple[list[Head], torch.Tensor, list[int]]] = []
     with torch.no_grad():
         for kind, name, tensor, _full, param, key in entries:
             t = storable(kind, name, local_part(tensor.detach()), warned)
             if t is None:
                 continue
-            got = _stats_and_fp(kind, t, buffers if private else None)
-            if got is not None:
-                rows.append(LeanRow(kind, name, param, key, stored_dtype(t), format_shape(t.shape), *got))
+            if not _packable(t):
+                rest.append((kind, name, t, param, key))
+                continue
+            batch = batches.setdefault(t.dtype, [])
+            batch.append(((kind, name, param, key, stored_dtype(t), format_shape(t.shape)), t))
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+            if sizes[t.dtype] >= _PACK:
+                done.append(_pack(batch))
+                batches[t.dtype], sizes[t.dtype] = [], 0
+        done.extend(_pack(batch) for batch in batches.values() if batch)
+
+    def describe() -> list[LeanRow]:
+        return [LeanRow(*head, *got) for heads, buf, ns in done
+                for head, got in zip(heads, _packed_rows([h[0] for h in heads], buf, ns), strict=True)]
+
+    return rest, describe
+
+
+# Elements per packed batch (4 MiB of fp32): bounds the private copy a batch needs.
+_PACK = 1 << 20
+
+
+def _packable(t: torch.Tensor) -> bool:
+    return (t.dtype in _FUSED_DTYPES and 0 < t.numel() <= _CHUNK and t.layout == torch.strided
+            and t.device.type == "cpu")
+
+
+def _pack(batch: list[tuple[Head, torch.Tensor]]) -> tuple[list[Head], torch.Tensor, list[int]]:
+    """One private copy of a batch's tensors, end to end: (their row heads, the copy, their sizes)."""
+    flat = [t.reshape(-1) for _h, t in batch]
+    buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+    return [h for h, _t in batch], buf, [f.numel() for f in flat]
+
+
+def _packed_rows(kinds: list[str], buf: torch.Tensor, sizes: list[int]) -> list[tuple[StatsTuple, int]]:
+    """(stats, fingerprint) of each tensor packed end to end in ``buf`` (one fp dtype; ``sizes``
+    elements each, at most ``_CHUNK``), a private copy of them all (so each row describes one
+    set of bytes).
+
+    Four passes over the whole batch give every tensor's min, max, sum and sum of squares
+    (segmented reductions: a tensor's results depend on its own elements only, so its row is
+    the same in any batch); its fingerprint is xxh3 of its bytes in the copy. Tensors up to
+    ``_SMALL`` elements get every stat, the same as :func:`compute_stats` gives (the same
+    code: ``small_stats``); larger ones min, max and norm (mean and std not measured, as the
+    chunked path). A tensor with a NaN or Inf gets :func:`compute_stats` of its copied bytes.
+    """
+    x = buf.numpy()
+    raw = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    isz = buf.element_size()
+    starts = [0] * len(sizes)
+    for j in range(1, len(sizes)):
+        starts[j] = starts[j - 1] + sizes[j - 1]
+    with np.errstate(all="ignore"):  # inf and NaN: compute_stats below
+        lo = np.minimum.reduceat(x, starts).tolist()
+        hi = np.maximum.reduceat(x, starts).tolist()
+        sums, sqs = segment_sums(x, starts)
+    rows: list[tuple[StatsTuple, int]] = []
+    for kind, a, n, vmin, vmax, vsum, vsq in zip(kinds, starts, sizes, lo, hi, sums, sqs, strict=True):
+        fp = signed64(xxhash.xxh3_64_intdigest(raw[a * isz:(a + n) * isz]))
+        if kind == "state":
+            rows.append(((n,) + (None,) * 9, fp))  # type: ignore[arg-type]
+            continue
+        stats: StatsTuple | None = None
+        if n <= _SMALL:
+            stats = small_stats(x[a:a + n], vmin, vmax, vsum, vsq)
+        elif math.isfinite(vmin) and math.isfinite(vmax) and math.isfinite(vsq):
+            stats = (n, 0, 0, 0, vmin, vmax, None, None, math.sqrt(vsq), 0.0 if vmin > 0 or vmax < 0 else None)
+        rows.append((stats if stats is not None else compute_stats(buf[a:a + n]), fp))  # None: NaN/Inf counted
     return rows
 
 
@@ -159,12 +253,14 @@ class LeanJob:
         self._future: Future[list[LeanRow | None]] = pool.submit(compute, entries)
 
     def rows_for(self, entries: Sequence[Entry], warned: set[tuple[str, str]], recompute: bool = True,
-                 live: Mapping[str, int] | None = None) -> tuple[list[LeanRow], int]:
+                 live: Mapping[str, int] | None = None,
+                 hasher: LiveHasher | None = None) -> tuple[list[LeanRow], int]:
         """Rows for ``entries`` (the tensors as they are now): the worker's where the same
         tensor is unchanged since submit, else computed here (``recompute``) or left out;
         and how many were not the worker's. With ``live`` (params and optimizer state at the
         pre-hook: name -> fingerprint of the params now, where the caller has it), a worker
-        row is used only if it describes the bytes the tensor holds now (module docstring)."""
+        row is used only if it describes the bytes the tensor holds now (module docstring);
+        ``hasher`` computes the other fingerprints now (exact, its byte views reused)."""
         results = self._future.result()
         # A row is good for an entry when it was computed from the same tensor object,
         # and no in-place op touched that tensor from submit until now.
@@ -176,7 +272,7 @@ class LeanJob:
         redo: list[Entry] = []
         for e in entries:
             hit = ready.get((e[0], e[1]))
-            if hit is not None and hit[0] is e[2] and (live is None or _describes(hit[1], e, live, warned)):
+            if hit is not None and hit[0] is e[2] and (live is None or _describes(hit[1], e, live, warned, hasher)):
                 out.append(hit[1])
             else:
                 redo.append(e)
@@ -185,7 +281,8 @@ class LeanJob:
         return out, len(redo)
 
 
-def _describes(row: LeanRow, e: Entry, live: Mapping[str, int], warned: set[tuple[str, str]]) -> bool:
+def _describes(row: LeanRow, e: Entry, live: Mapping[str, int], warned: set[tuple[str, str]],
+               hasher: LiveHasher | None = None) -> bool:
     """Whether ``row`` describes the bytes entry ``e``'s tensor holds now (exact fingerprint,
     dtype and shape); ``live`` gives the params' fingerprints already computed now."""
     kind, name, tensor = e[0], e[1], e[2]
@@ -193,7 +290,9 @@ def _describes(row: LeanRow, e: Entry, live: Mapping[str, int], warned: set[tupl
     if t is None or row.dtype != stored_dtype(t) or row.shape != format_shape(t.shape):
         return False
     fp = live.get(name) if kind == "params" else None
-    return row.fp == (fp if fp is not None else fingerprint(t))
+    if fp is None:
+        fp = hasher(t, (kind, name)) if hasher is not None else fingerprint(t)
+    return row.fp == fp
 
 
 def _version(t: torch.Tensor) -> int:
@@ -206,6 +305,8 @@ class LeanWorker:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepdump-stats")
         self._warned: set[tuple[str, str]] = set()
+        # The pre-hook's exact fingerprints of the live tensors, on the training thread (rows_for).
+        self.hasher = LiveHasher()
 
     @property
     def warned(self) -> set[tuple[str, str]]:
@@ -214,6 +315,10 @@ class LeanWorker:
     def submit(self, entries: Sequence[Entry], private: bool = False) -> LeanJob:
         """Compute ``entries``' rows on the worker (``private``: see :func:`lean_rows`)."""
         return LeanJob(list(entries), self._pool, lambda es: self._compute(es, private))
+
+    def run(self, describe: Callable[[], list[LeanRow]]) -> Future[list[LeanRow]]:
+        """Run ``describe`` (a :func:`snapshot`'s) on the worker."""
+        return self._pool.submit(describe)
 
     def _compute(self, entries: list[Entry], private: bool) -> list[LeanRow | None]:
         rows = {(r.kind, r.name): r for r in lean_rows(entries, self._warned, private)}
@@ -230,9 +335,19 @@ class LeanWorker:
 OPTIMIZER_EVERY = 10
 
 
+# A lean step whose params, grads (and optimizer state, when read) hold at most this many
+# bytes is read whole at the optimizer pre-hook on the training thread (LeanCapture.take).
+INLINE_BYTES = 2 << 20
+
+
 def _grad_marks(entries: list[Entry]) -> dict[str, tuple[int, int]]:
     """Each grad among ``entries`` as (object id, version): a backward creates or adds into it."""
     return {e[1]: (id(e[2]), _version(e[2])) for e in entries if e[0] == "grads"}
+
+
+def _param_grad_marks(params: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, int]]:
+    """:func:`_grad_marks` of the grads of ``params`` as they are now."""
+    return {n: (id(g), _version(g)) for n, p in params if (g := p.grad) is not None}
 
 
 def _before_update(step: int, entries: list[Entry], every: int | None) -> list[Entry]:
@@ -257,10 +372,15 @@ class LeanCapture:
         self._worker = LeanWorker()
         self._before: LeanJob | None = None  # params + optimizer state of the coming update
         self._marks: dict[str, tuple[int, int]] = {}  # the grads when _before was submitted: a backward changes them
-        self._pending: tuple[Any, LeanJob, list[Entry]] | None = None  # (message, grads job, grad entries)
+        self._params: list[tuple[str, torch.Tensor]] = []  # the params read then, whose grads _marks notes
+        # (message, grads job, grad entries, rows of what was copied at the pre-hook)
+        self._pending: tuple[Any, LeanJob, list[Entry], Future[list[LeanRow]] | None] | None = None
         # Grads computed at the pre-hook (from the start when they change after the record by design;
         # else after one was changed during a step).
         self._grads_now = grads_at_capture
+        # The last lean step's bytes were at most INLINE_BYTES: the whole step is read at the
+        # pre-hook, nothing is handed to the worker at the forward (see take()).
+        self._inline = False
 
     def forward_started(self, step: int, entries: Callable[[], list[Entry]], again: bool = False) -> None:
         """A training forward of iteration ``step`` (``again``: not its first; ``entries``: the
@@ -269,14 +389,22 @@ class LeanCapture:
         with grad enabled, perhaps with other weights swapped in (an EMA), and the training
         forward's params are the likelier ones. Which ones were read only costs time: the
         pre-hook uses a row only if it describes the params then (:meth:`take`)."""
-        if self._before is not None and not again:
+        if self._inline or (self._before is not None and not again):
             return
+        if self._before is not None and self._params:
+            # A later forward: a backward since it was submitted (gradient accumulation) is seen in the
+            # grads of the params read then, without listing the step's tensors again.
+            if any(self._marks.get(n) != m for n, m in _param_grad_marks(self._params).items()):
+                return
         now = entries()
         marks = _grad_marks(now)
         if self._before is not None and any(self._marks.get(n) != m for n, m in marks.items()):
             return  # a backward since: a micro-batch of the same step (gradient accumulation)
         self._before = self._worker.submit(_before_update(step, now, self.optimizer_every), private=True)
         self._marks = marks
+        # Where the grads of the entries are the params' own (as tensor_entries lists them).
+        params = [(e[1], e[2]) for e in now if e[0] == "params"]
+        self._params = params if {n for n, _ in params} >= set(marks) else []
 
     def take(self, msg: Any, entries: list[Entry], live: Mapping[str, int] | None = None) -> bool:
         """Fill ``msg.lean`` for the step's ``entries`` (live tensors, none stored in full); the
@@ -286,25 +414,43 @@ class LeanCapture:
         before = _before_update(msg.step, entries, self.optimizer_every)
         grads = [e for e in entries if e[0] == "grads"]
         job, self._before = self._before, None
-        if job is not None:  # used only where it describes the bytes the update reads
-            rows, _ = job.rows_for(before, self._worker.warned, live=live or {})
-        else:  # no forward seen (a closure optimizer, a model called through something else)
-            rows = lean_rows(before, self._worker.warned)
-        msg.lean.extend(rows)
-        if self._grads_now:
-            msg.lean.extend(lean_rows(grads, self._worker.warned))
-            grads = []
-        if not grads:
+        # A small record is read here, whole, on this thread: for a small model the worker's
+        # hand-offs (a thread wake-up per submit, the GIL going to and fro while the forward
+        # and backward run) cost more than the reading, and rows read here describe the bytes
+        # the update reads by construction (no fingerprint check needed).
+        self._inline = sum(e[2].numel() * e[2].element_size() for e in (*before, *grads)) <= INLINE_BYTES
+        if self._inline:
+            msg.lean.extend(lean_rows([*before, *grads], self._worker.warned))
             return False
-        self._pending = (msg, self._worker.submit(grads), grads)
+        now: list[Entry] = []  # read here, at the pre-hook
+        if job is not None:  # used only where it describes the bytes the update reads
+            rows, _ = job.rows_for(before, self._worker.warned, live=live or {}, hasher=self._worker.hasher)
+            msg.lean.extend(rows)
+        else:  # no forward seen (a closure optimizer, a model called through something else)
+            now.extend(before)
+        if self._grads_now:
+            now.extend(grads)
+            grads = []
+        copies = None
+        if now:  # the small tensors copied now (the bytes the update reads), described on the worker
+            rest, packed = snapshot(now, self._worker.warned)
+            msg.lean.extend(lean_rows([(k, n, t, False, p, key) for k, n, t, p, key in rest], self._worker.warned))
+            copies = self._worker.run(packed)
+        if not grads:
+            if copies is not None:
+                msg.lean.extend(copies.result())
+            return False
+        self._pending = (msg, self._worker.submit(grads), grads, copies)
         return True
 
     def finish(self) -> Any:
         """The update is over: the held message, complete (None if there is none)."""
         if self._pending is None:
             return None
-        msg, job, grads = self._pending
+        msg, job, grads, copies = self._pending
         self._pending = None
+        if copies is not None:
+            msg.lean.extend(copies.result())
         rows, changed = job.rows_for(grads, self._worker.warned, recompute=False)
         msg.lean.extend(rows)
         if changed and not self._grads_now:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from stepdump.core.dtensor import local_part
-from stepdump.core.hashing import fingerprint
+from stepdump.core.hashing import LiveHasher, fingerprint
 from stepdump.store.format import STATE_OUTSIDE_OPTIMIZER as STATE_KEY
 
 log = logging.getLogger(__name__)
@@ -34,15 +34,16 @@ log = logging.getLogger(__name__)
 __all__ = ["STATE_KEY", "ParamWatch", "fingerprints"]
 
 
-def fingerprints(params: Mapping[str, torch.Tensor]) -> dict[str, int]:
+def fingerprints(params: Mapping[str, torch.Tensor], hasher: LiveHasher | None = None) -> dict[str, int]:
     """name -> exact fingerprint of each param's bytes (this rank's shard of a DTensor); a param
-    with no plain bytes (quantized, meta: not recorded either) is left out."""
+    with no plain bytes (quantized, meta: not recorded either) is left out. ``hasher``: reuse
+    its byte views (the same exact fingerprints, without making a view of each param again)."""
     out = {}
     with torch.no_grad():
         for n, p in params.items():
             t = local_part(p.detach())
             if t.layout == torch.strided and not t.is_quantized and t.device.type != "meta":
-                out[n] = fingerprint(t)
+                out[n] = hasher(t, n) if hasher is not None else fingerprint(t)
     return out
 
 
@@ -52,16 +53,17 @@ class ParamWatch:
     def __init__(self) -> None:
         self._after: dict[str, int] | None = None  # right after the latest update; None: none seen yet
         self._warned = False
+        self._hasher = LiveHasher()  # both moments hash the same params: their byte views are made once
 
     def after_update(self, params: Mapping[str, torch.Tensor]) -> None:
         """The optimizer's post-hook (or a skipped step's end): what the update left."""
-        self._after = fingerprints(params)
+        self._after = fingerprints(params, self._hasher)
 
     def before_update(self, step: int, params: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], list[str]]:
         """The pre-hook of update ``step``: the params' fingerprints now, and the names of those
         that are not what the previous update left (all of them when this Recorder saw no
         update yet: resumed at a step that is not a keyframe, nothing proves them derivable)."""
-        now = fingerprints(params)
+        now = fingerprints(params, self._hasher)
         if self._after is None:
             return now, list(now)
         changed = [n for n, fp in now.items() if self._after.get(n) != fp]

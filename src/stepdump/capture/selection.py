@@ -65,11 +65,14 @@ class NameFilter:
     def __init__(self, include: str | Iterable[str] | None = "*", exclude: str | Iterable[str] | None = None):
         self.include = patterns(include, ["*"], "include")
         self.exclude = patterns(exclude, [], "exclude")
+        self._memo: dict[str, bool] = {}  # asked for the same names at every step (and several times per step)
 
     def __call__(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in self.include) and not any(
-            fnmatch.fnmatchcase(name, p) for p in self.exclude
-        )
+        got = self._memo.get(name)
+        if got is None:
+            got = self._memo[name] = any(fnmatch.fnmatchcase(name, p) for p in self.include) and not any(
+                fnmatch.fnmatchcase(name, p) for p in self.exclude)
+        return got
 
 
 def patterns(value: str | Iterable[str] | None, default: list[str], what: str = "include/exclude") -> list[str]:

@@ -46,19 +46,21 @@ def compute_stats(t: torch.Tensor) -> StatsTuple:
     if n <= _SMALL and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu":
         # Biases and norm weights (most of a transformer's tensors): numpy's calls cost
         # a fraction of torch's dispatch, and do not hand the GIL to and fro with the
-        # training thread five times per tensor.
+        # training thread five times per tensor. The same code as a lean step's batch
+        # (segment_sums, small_stats), so both give the same stats, bit for bit.
         xn = x.numpy()
         with np.errstate(all="ignore"):  # inf and NaN are handled below, without warnings
-            vmin, vmax, vsum, vsq = float(xn.min()), float(xn.max()), float(xn.sum()), float(np.dot(xn, xn))
-        vnz = n if vmin > 0 or vmax < 0 else int(np.count_nonzero(xn))
-    else:
-        mn, mx = torch.aminmax(x)
-        total = x.sum()
-        sumsq = torch.dot(x, x) if x.dtype in (torch.float32, torch.float64) else (x * x).sum()
-        vmin, vmax, vsum, vsq = torch.stack([mn, mx, total, sumsq]).tolist()
-        # Counting zeros is the costliest pass; a tensor of one sign has none (Adam's
-        # exp_avg_sq, most norms and scales). -0.0 == 0 in both tests, as in the count.
-        vnz = n if vmin > 0 or vmax < 0 else int(torch.count_nonzero(x))
+            vmin, vmax = float(xn.min()), float(xn.max())
+            (vsum,), (vsq,) = segment_sums(xn, [0])
+        got = small_stats(xn, vmin, vmax, vsum, vsq)
+        return got if got is not None else _stats_nonfinite(x, n)
+    mn, mx = torch.aminmax(x)
+    total = x.sum()
+    sumsq = torch.dot(x, x) if x.dtype in (torch.float32, torch.float64) else (x * x).sum()
+    vmin, vmax, vsum, vsq = torch.stack([mn, mx, total, sumsq]).tolist()
+    # Counting zeros is the costliest pass; a tensor of one sign has none (Adam's
+    # exp_avg_sq, most norms and scales). -0.0 == 0 in both tests, as in the count.
+    vnz = n if vmin > 0 or vmax < 0 else int(torch.count_nonzero(x))
     if all(math.isfinite(v) for v in (vmin, vmax, vsum, vsq)):
         mean = vsum / n
         var = vsq / n - mean * mean
@@ -70,6 +72,35 @@ def compute_stats(t: torch.Tensor) -> StatsTuple:
             std = math.sqrt(var)
         return (n, 0, 0, 0, vmin, vmax, mean, std, math.sqrt(vsq), (n - vnz) / n)
     return _stats_nonfinite(x, n)
+
+
+def segment_sums(x: np.ndarray, starts: list[int]) -> tuple[list[float], list[float]]:
+    """The sum and the sum of squares of each segment of the 1-d array ``x`` (segments start at
+    ``starts``, each runs to the next), accumulated in float64 in element order: a segment's
+    results depend on its own elements only, wherever it sits in ``x``. One pass each over
+    all of ``x``, whatever the number of segments (a lean step's small tensors, packed)."""
+    x64 = x.astype(np.float64)
+    sums = np.add.reduceat(x64, starts).tolist()
+    np.multiply(x64, x64, out=x64)
+    return sums, np.add.reduceat(x64, starts).tolist()
+
+
+def small_stats(xn: np.ndarray, vmin: float, vmax: float, vsum: float, vsq: float) -> StatsTuple | None:
+    """The stats of a CPU fp32/fp64 tensor of at most 4096 elements (``xn``, 1-d) from its min,
+    max, sum and sum of squares (:func:`segment_sums`); None when one of those is not finite
+    (a NaN or Inf to count: :func:`compute_stats`'s slow path)."""
+    if not (math.isfinite(vmin) and math.isfinite(vmax) and math.isfinite(vsum) and math.isfinite(vsq)):
+        return None
+    n = xn.size
+    # Counting zeros is the costliest pass; a tensor of one sign has none (-0.0 == 0 in both tests).
+    vnz = n if vmin > 0 or vmax < 0 else int(np.count_nonzero(xn))
+    mean = vsum / n
+    var = vsq / n - mean * mean
+    if var < 1e-2 * mean * mean:
+        # Cancellation regime (|mean| > 10 std, e.g. LayerNorm weights): two passes, in float64.
+        d = xn.astype(np.float64) - mean
+        var = float(np.add.reduceat(d * d, [0])[0]) / n
+    return (n, 0, 0, 0, vmin, vmax, mean, math.sqrt(max(var, 0.0)), math.sqrt(vsq), (n - vnz) / n)
 
 
 def _sparse_stats(t: torch.Tensor) -> StatsTuple:
