@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     # re-execution uses restore/replay (read) and how log_batch names a batch (capture): above both
     "reexec": {"errors", "store", "core", "capture", "read", "analysis"},
 }
-TOP = {"cli", "__init__", "__main__", "demo", "checks", "export"}  # may import any layer
+TOP = {"cli", "__init__", "__main__", "demo", "checks", "export", "options", "types"}  # may import any layer
 
 # Third-party modules a layer must not need: the store reads and writes bytes and
 # SQLite, so a machine without torch could still verify or copy a store.

@@ -1,7 +1,9 @@
 """The public API: what ``import stepdump`` loads, what it offers, and what the docs import.
 
-The public surface is ``stepdump.__all__`` plus the submodules ``stepdump.checks``
-and ``stepdump.export``. Import *cost* is measured in ``make bench``
+The public surface is ``stepdump.__all__`` (plus ``stepdump.open``, kept out of ``__all__`` so a
+star-import leaves the builtin) and the submodules ``stepdump.options``, ``stepdump.types``,
+``stepdump.checks`` and ``stepdump.export``; the list is pinned here (docs/concepts.md, "The public
+API", says where each name lives). Import *cost* is measured in ``make bench``
 (benchmarks/startup.py); here only *what* gets imported is checked, which does
 not depend on the machine.
 """
@@ -23,7 +25,26 @@ import stepdump
 
 ROOT = Path(__file__).resolve().parents[1]
 INIT = Path(stepdump.__file__)
-PUBLIC_SUBMODULES = ("checks", "export")
+PUBLIC_SUBMODULES = ("checks", "export", "options", "types")
+TOP_LEVEL = sorted([
+    "Recorder", "check", "diff", "verify", "replay", "reexecute", "localize", "FORMAT_VERSION", "__version__",
+    "StepdumpError", "ConfigError", "CorruptDataError", "FormatVersionError", "InterruptedWriteError",
+    "NotARunError", "ReadBudgetError", "RebuildError", "ReplayDiverged", "RestoreMismatchError", "RunExistsError",
+    "RunLockedError", "StepNotFoundError", "TensorNotFoundError", "WriterError",
+])
+OPTIONS = ["GradientLogSchedule", "KeyframeSchedule", "RecordOptions", "Remote", "ResolvedOptions", "RingSchedule",
+           "Schedule", "StepSchedule", "StoreOptions"]
+TYPES = ["DiffResult", "DistributedRun", "Finding", "JointRun", "Localization", "LocalizeSetup", "ReexecResult",
+         "ReplayResult", "RemoteRun", "Run", "RunReader", "Severity", "VerifyReport"]
+# Old top-level spellings (issue 23 moved them): they warn, naming the new home, for one release.
+MOVED = {"RecordOptions": "options.RecordOptions", "StepSchedule": "options.StepSchedule",
+         "KeyframeSchedule": "options.KeyframeSchedule", "GradientLogSchedule": "options.GradientLogSchedule",
+         "RingSchedule": "options.RingSchedule", "StoreOptions": "options.StoreOptions",
+         "RecorderOptions": "options.ResolvedOptions", "Remote": "options.Remote", "RunReader": "types.RunReader",
+         "Run": "types.Run", "DistributedRun": "types.DistributedRun", "RemoteRun": "types.RemoteRun",
+         "Finding": "types.Finding", "Severity": "types.Severity", "DiffResult": "types.DiffResult",
+         "VerifyReport": "types.VerifyReport", "Localization": "types.Localization", "Setup": "types.LocalizeSetup",
+         "ReplayResult": "types.ReplayResult", "ReexecResult": "types.ReexecResult"}
 INTERNAL_PACKAGES = ("capture", "store", "read", "analysis", "render", "core", "cli")
 # Heavy modules a bare `import stepdump` must not load (pandas ~0.3 s, torch.distributed.tensor
 # pulls in sympy: ~1 s).
@@ -48,15 +69,15 @@ def test_import_stepdump_loads_nothing_heavy() -> None:
 def test_using_the_api_does_not_load_the_cli_or_sympy() -> None:
     """Touching every public name loads torch (and pandas for the analyses), but not rich,
     and not torch.distributed.tensor (which pulls in sympy) for a non-distributed user."""
-    loaded = _loaded_after("import stepdump\nfor n in stepdump.__all__: getattr(stepdump, n)")
+    loaded = _loaded_after("import stepdump, stepdump.options, stepdump.types\nfor n in stepdump.__all__: getattr(stepdump, n)")
     assert "torch" in loaded  # the probe did reach the heavy names
     assert [m for m in ("rich", "torch.distributed.tensor", "sympy") if m in loaded] == []
 
 
 def test_recording_and_reading_tensors_do_not_load_pandas() -> None:
     """pandas is for the frame methods (stats(), scalars()) and the analyses only."""
-    names = ("Recorder", "Remote", "open", "Run", "DistributedRun", "RemoteRun", "RunReader")
-    loaded = _loaded_after(f"import stepdump\nfor n in {names!r}: getattr(stepdump, n)")
+    loaded = _loaded_after("import stepdump, stepdump.options\nstepdump.Recorder, stepdump.open, stepdump.options.Remote\n"
+                           "from stepdump.read import run, ranked, remote, reader")
     assert "torch" in loaded
     assert "pandas" not in loaded
 
@@ -102,12 +123,47 @@ def test_every_public_name_resolves() -> None:
         stepdump.no_such_name  # noqa: B018
 
 
+def test_the_public_names_are_pinned() -> None:
+    """The top level is what a user types in the first hour; option groups and types have a home."""
+    assert sorted(stepdump.__all__) == TOP_LEVEL
+    assert stepdump.open is importlib.import_module("stepdump.read.run").open  # public, just not in __all__
+    assert sorted(stepdump.options.__all__) == sorted(OPTIONS)
+    assert sorted(stepdump.types.__all__) == sorted(TYPES)
+
+
+def test_star_import_leaves_builtins_alone() -> None:
+    import builtins
+
+    ns: dict[str, object] = {}
+    exec("from stepdump import *", ns)  # noqa: S102
+    assert [n for n in ns if hasattr(builtins, n) and n != "__builtins__"] == []
+
+
+def test_no_near_twins_or_generic_names() -> None:
+    """No two public names one edit apart in spirit (RecordOptions vs RecorderOptions), no bare
+    generic word (Setup, Options, Result) as a name."""
+    public = TOP_LEVEL + OPTIONS + TYPES
+    classes = [n for n in public if n[0].isupper() and not n.endswith("Error")]  # a function's result type may share its stem
+    stems = [re.sub(r"(Options|Result|Report)$", "", n).lower() for n in classes]
+    assert [n for n in public if n.lower().startswith("recorder") and n != "Recorder"] == []
+    assert [n for n in public if n in ("Setup", "Options", "Result", "Config", "Settings")] == []
+    assert len(set(stems)) == len(stems)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_name_warns_with_its_new_home(old: str) -> None:
+    module, new = MOVED[old].split(".")
+    with pytest.warns(DeprecationWarning, match=rf"stepdump\.{old} moved to stepdump\.{module}\.{new}"):
+        value = getattr(stepdump, old)
+    assert value is getattr(importlib.import_module(f"stepdump.{module}"), new)
+    assert old not in stepdump.__all__
+
+
 def test_the_api_names_the_contract() -> None:
-    """DESIGN.md's names, and check()'s result type, are at the top level."""
-    for name in ("Recorder", "open", "check", "diff", "verify", "replay", "localize", "Finding", "Severity",
-                 "DiffResult", "ReplayResult", "VerifyReport", "Run", "RunReader", "StepdumpError",
+    """DESIGN.md's entry points and the errors are at the top level."""
+    for name in ("Recorder", "open", "check", "diff", "verify", "replay", "reexecute", "StepdumpError",
                  "FORMAT_VERSION", "__version__"):
-        assert name in stepdump.__all__, name
+        assert name in dir(stepdump), name
     errors = [n for n in stepdump.__all__ if n.endswith(("Error", "Diverged"))]
     assert all(issubclass(getattr(stepdump, n), stepdump.StepdumpError) for n in errors)
 
@@ -126,6 +182,7 @@ def test_lazy_table_type_checking_block_and_all_agree() -> None:
     typed = {a.asname or a.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
              for a in node.names}
     assert {k: v for k, v in typed.items() if k not in PUBLIC_SUBMODULES} == lazy
+    assert set(stepdump.__all__) == (set(lazy) - {"open"}) | set(stepdump._ERRORS) | {"FORMAT_VERSION", "__version__"}
     eager = [n for n in stepdump.__all__ if n not in lazy]  # light: no torch behind them
     assert all(n in ("__version__", "FORMAT_VERSION") or issubclass(getattr(stepdump, n), stepdump.StepdumpError)
                for n in eager)
@@ -141,7 +198,7 @@ def test_public_submodules_resolve() -> None:
         for name in mod.__all__:
             assert getattr(mod, name) is not None, f"stepdump.{sub}.{name}"
     assert stepdump.checks.check is stepdump.check
-    assert stepdump.checks.Finding is stepdump.Finding
+    assert stepdump.checks.Finding is stepdump.types.Finding
     assert "cross_rank" in stepdump.checks.rule_names()  # registered by importing the public module
 
 

@@ -3,11 +3,16 @@
 Record every optimizer step (params, grads, optimizer state, scalars, RNG...)
 with :class:`Recorder`, read it back with :func:`open`, and restore any step.
 
-The public API is what ``__all__`` lists here, plus two documented submodules
-for extension: :mod:`stepdump.checks` (rules and findings) and
-:mod:`stepdump.export` (checkpoints, safetensors, TensorBoard). Every other
-package (``capture``, ``store``, ``read``, ``analysis``, ``render``, ``core``,
-``cli``) is internal and may change without notice.
+The top level holds what a user types in the first hour: ``Recorder``, ``open``,
+``check``, ``diff``, ``verify``, ``replay``, ``reexecute``, ``localize`` and the
+errors (``__all__``; ``open`` is left out of ``__all__`` so that
+``from stepdump import *`` does not shadow the builtin). Four documented
+submodules hold the rest: :mod:`stepdump.options` (the Recorder's option
+groups), :mod:`stepdump.types` (the readers and result types),
+:mod:`stepdump.checks` (rules and findings) and :mod:`stepdump.export`
+(checkpoints, safetensors, TensorBoard, the HTML report). Every other package
+(``capture``, ``store``, ``read``, ``analysis``, ``render``, ``core``,
+``reexec``, ``cli``) is internal and may change without notice.
 
 Names are loaded on first use (PEP 562 ``__getattr__``): ``import stepdump``
 stays cheap for the CLI and for code that only wants the errors, and torch,
@@ -17,6 +22,7 @@ pandas and the analysis stack load when a name that needs them is touched.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 # The errors and the format version are light (no torch), so they load eagerly:
@@ -42,130 +48,85 @@ from stepdump.store.format import FORMAT_VERSION
 
 __version__ = "0.1.0"
 
-# Public name -> the module that defines it. Keep in step with the TYPE_CHECKING
-# block below (tests/test_public_api.py checks that both agree with __all__).
+# The one list of the top level's lazily loaded names: public name -> the module that defines
+# it. __all__ is derived from it and the eager names below; the TYPE_CHECKING block must name the
+# same modules (tests/test_public_api.py checks it, since a type checker cannot read a loop).
 _LAZY: dict[str, str] = {
-    # recording
     "Recorder": "stepdump.capture.recorder",
-    "Remote": "stepdump.capture.upload",
-    # the Recorder's grouped options (docs/concepts.md, "Recorder options")
-    "RecordOptions": "stepdump.capture.options",
-    "StepSchedule": "stepdump.capture.options",
-    "KeyframeSchedule": "stepdump.capture.options",
-    "GradientLogSchedule": "stepdump.capture.options",
-    "RingSchedule": "stepdump.capture.options",
-    "StoreOptions": "stepdump.capture.options",
-    "RecorderOptions": "stepdump.capture.options",
-    # reading: stepdump.open returns a RunReader: a Run, DistributedRun or RemoteRun
-    "open": "stepdump.read.run",
-    "RunReader": "stepdump.read.reader",
-    "Run": "stepdump.read.run",
-    "DistributedRun": "stepdump.read.ranked",
-    "RemoteRun": "stepdump.read.remote",
-    # analysis; check comes through stepdump.checks so that every rule
-    # (cross_rank included) is registered and selectable by name
+    "open": "stepdump.read.run",  # returns a stepdump.types.RunReader (or JointRun)
+    # check comes through stepdump.checks so that every rule (cross_rank included) is registered
     "check": "stepdump.checks",
-    "Finding": "stepdump.analysis.findings",
-    "Severity": "stepdump.analysis.findings",
     "diff": "stepdump.analysis.diff",
-    "DiffResult": "stepdump.analysis.diff",
     "verify": "stepdump.analysis.verify",
-    "VerifyReport": "stepdump.analysis.verify",
-    "localize": "stepdump.analysis.localize",
-    "Localization": "stepdump.analysis.localize",
-    "Setup": "stepdump.analysis.localize",
-    # replay
     "replay": "stepdump.read.replay",
-    "ReplayResult": "stepdump.read.replay",
-    # re-execution of one step, with a verdict (docs/reexecute.md)
     "reexecute": "stepdump.reexec.verdict",
-    "ReexecResult": "stepdump.reexec.verdict",
+    "localize": "stepdump.analysis.localize",
+}
+
+# Names that moved to a submodule: old top-level name -> (module, name there). They keep working
+# for one release (0.2 removes them) with a DeprecationWarning that names the new home.
+_MOVED: dict[str, tuple[str, str]] = {
+    "RecordOptions": ("stepdump.options", "RecordOptions"),
+    "StepSchedule": ("stepdump.options", "StepSchedule"),
+    "KeyframeSchedule": ("stepdump.options", "KeyframeSchedule"),
+    "GradientLogSchedule": ("stepdump.options", "GradientLogSchedule"),
+    "RingSchedule": ("stepdump.options", "RingSchedule"),
+    "StoreOptions": ("stepdump.options", "StoreOptions"),
+    "RecorderOptions": ("stepdump.options", "ResolvedOptions"),
+    "Remote": ("stepdump.options", "Remote"),
+    "RunReader": ("stepdump.types", "RunReader"),
+    "Run": ("stepdump.types", "Run"),
+    "DistributedRun": ("stepdump.types", "DistributedRun"),
+    "RemoteRun": ("stepdump.types", "RemoteRun"),
+    "Finding": ("stepdump.types", "Finding"),
+    "Severity": ("stepdump.types", "Severity"),
+    "DiffResult": ("stepdump.types", "DiffResult"),
+    "VerifyReport": ("stepdump.types", "VerifyReport"),
+    "Localization": ("stepdump.types", "Localization"),
+    "Setup": ("stepdump.types", "LocalizeSetup"),
+    "ReplayResult": ("stepdump.types", "ReplayResult"),
+    "ReexecResult": ("stepdump.types", "ReexecResult"),
 }
 
 # Documented public submodules, reachable as attributes after a bare ``import stepdump``.
-_SUBMODULES = ("checks", "export")
+_SUBMODULES = ("checks", "export", "options", "types")
+
+_ERRORS = (
+    "StepdumpError", "ConfigError", "CorruptDataError", "FormatVersionError", "InterruptedWriteError",
+    "NotARunError", "ReadBudgetError", "RebuildError", "ReplayDiverged", "RestoreMismatchError",
+    "RunExistsError", "RunLockedError", "StepNotFoundError", "TensorNotFoundError", "WriterError",
+)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
     from stepdump import checks as checks
     from stepdump import export as export
-    from stepdump.analysis.diff import DiffResult, diff
-    from stepdump.analysis.findings import Finding, Severity
-    from stepdump.analysis.localize import Localization, Setup, localize
-    from stepdump.analysis.verify import VerifyReport, verify
-    from stepdump.capture.options import (
-        GradientLogSchedule,
-        KeyframeSchedule,
-        RecorderOptions,
-        RecordOptions,
-        RingSchedule,
-        StepSchedule,
-        StoreOptions,
-    )
+    from stepdump import options as options
+    from stepdump import types as types
+    from stepdump.analysis.diff import diff
+    from stepdump.analysis.localize import localize
+    from stepdump.analysis.verify import verify
     from stepdump.capture.recorder import Recorder
-    from stepdump.capture.upload import Remote
     from stepdump.checks import check
-    from stepdump.read.ranked import DistributedRun
-    from stepdump.read.reader import RunReader
-    from stepdump.read.remote import RemoteRun
-    from stepdump.read.replay import ReplayResult, replay
-    from stepdump.read.run import Run, open
-    from stepdump.reexec.verdict import ReexecResult, reexecute
+    from stepdump.read.replay import replay
+    from stepdump.read.run import open
+    from stepdump.reexec.verdict import reexecute
 
-__all__ = [
-    "FORMAT_VERSION",
-    "ConfigError",
-    "CorruptDataError",
-    "DiffResult",
-    "DistributedRun",
-    "Finding",
-    "FormatVersionError",
-    "InterruptedWriteError",
-    "Localization",
-    "NotARunError",
-    "Recorder",
-    "RecordOptions",
-    "StepSchedule",
-    "GradientLogSchedule",
-    "KeyframeSchedule",
-    "RingSchedule",
-    "StoreOptions",
-    "RecorderOptions",
-    "Remote",
-    "RemoteRun",
-    "ReadBudgetError",
-    "RebuildError",
-    "ReplayDiverged",
-    "ReexecResult",
-    "ReplayResult",
-    "RestoreMismatchError",
-    "Run",
-    "RunExistsError",
-    "RunLockedError",
-    "RunReader",
-    "Setup",
-    "Severity",
-    "StepNotFoundError",
-    "StepdumpError",
-    "TensorNotFoundError",
-    "VerifyReport",
-    "WriterError",
-    "__version__",
-    "check",
-    "diff",
-    "localize",
-    "open",
-    "reexecute",
-    "replay",
-    "verify",
-]
+# ``open`` stays out: ``from stepdump import *`` must leave the builtin alone (use stepdump.open).
+__all__ = sorted([*(n for n in _LAZY if n != "open"), *_ERRORS, "FORMAT_VERSION", "__version__"])
 
 
 def __getattr__(name: str) -> Any:
-    """Load a public name (or public submodule) on first access, then cache it."""
+    """Load a public name (or public submodule) on first access, then cache it; a moved name
+    warns and is looked up in its new home."""
     # Only names from the constant tables above are imported (never a computed
-    # one): tests/test_reliability_security.py allows exactly these two calls.
+    # one): tests/test_reliability_security.py allows these calls for that reason.
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _MOVED:
+        module, new = _MOVED[name]
+        warnings.warn(f"stepdump.{name} moved to {module}.{new}; import it from there (the old name is removed "
+                      "in stepdump 0.2)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name][0]), new)  # not cached: every use warns
     elif name in _SUBMODULES:
         value = importlib.import_module(f"stepdump.{name}")
     else:
@@ -175,4 +136,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
+    return sorted(set(globals()) | set(__all__) | set(_LAZY) | set(_SUBMODULES))
