@@ -39,6 +39,7 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/leave_on.py
 	$(PY) benchmarks/report_scale.py
+	$(PY) benchmarks/docs_numbers.py   # marked numbers of docs/performance.md, README from results.json
 
 # Not part of `make test`: 54 SIGKILLs of a recording process (each followed by
 # open / verify / bit-exact reads / resume) and 10,000-step load runs (~5 min).

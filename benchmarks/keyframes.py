@@ -138,6 +138,12 @@ def main() -> None:
         if marker in body:
             body = body[: body.index(marker)]
         out.write_text(body.rstrip("\n") + "\n" + text)
+        from results_json import update  # benchmarks/ is sys.path[0] when run as a script
+
+        update("keyframes", {"steps": args.steps, "every": args.every, "bytes_ratio": ratio,
+                             "replay_ratio": replay_ratio, "replayed_equal": equal,
+                             "keyframe_ms_per_step": kf_s / args.steps * 1000,
+                             "full_ms_per_step": full_s / args.full_steps * 1000}, out.with_name("results.json"))
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ import workloads
 from leave_on_gpt2 import GPT2_MODES, bench_gpt2, child_main
 from leave_on_gradlog import bench_gradlog
 from leave_on_lean import bench_lean
+from results_json import update as update_results_json
 
 MB = 1e6
 TOP_MARKER = "\n## Issue 14 targets"
@@ -348,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.results is not None:
         write_results(args.results, top_section(T, date), detail_section(res, args))
         print(f"wrote {args.results}")
+        update_results_json("leave_on", res | {"targets": [t.__dict__ for t in T]},
+                            args.results.with_name("results.json"))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1, default=str))
     return 0

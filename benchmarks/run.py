@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE))
 import baselines  # noqa: E402
 import readside  # noqa: E402
 import report  # noqa: E402
+import results_json  # noqa: E402
 import stepdump_ways as sw  # noqa: E402
 import torch  # noqa: E402
 import workloads  # noqa: E402
@@ -315,12 +316,13 @@ def main(argv: list[str] | None = None) -> int:
                                  reports=reports, verdicts=verdicts, readside=readres)
     args.results.write_text(md)
     print(f"wrote {args.results}")
-    if args.json:
-        args.json.write_text(json.dumps({
-            "date": date, "info": info, "settings": settings, "duration_s": duration,
+    data = {"date": date, "info": info, "settings": settings, "duration_s": duration,
             "workloads": {r.name: {k: v.to_json() for k, v in r.results.items()} | {"write_only_ms": r.write_only_ms}
                           for r in reports},
-            "verdicts": [v.__dict__ for v in verdicts], "readside": readres}, indent=1, default=str))
+            "verdicts": [v.__dict__ for v in verdicts], "readside": readres}
+    results_json.update("run", data, args.results.with_name("results.json"))  # beside RESULTS.md
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=1, default=str))
     return 0
 
 

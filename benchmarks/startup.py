@@ -105,9 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    text = render(measure(args.repeats), args.repeats)
+    med = measure(args.repeats)
+    text = render(med, args.repeats)
     print(text)
     write_section(args.out, text)
+    from results_json import update  # benchmarks/ is sys.path[0] when run as a script
+
+    update("startup", {"repeats": args.repeats, "median_s": med}, args.out.with_name("results.json"))
     return 0
 
 

@@ -1,0 +1,99 @@
+"""Rewrite the benchmark numbers of docs/performance.md and README.md from benchmarks/results.json.
+
+A number that comes from a benchmark is written in the Markdown as a marked region::
+
+    the lean mode costs <!-- bench: leave_on/lean/A/overhead_pct .1f -->2.3<!-- /bench --> % per step
+
+``leave_on/lean/A/overhead_pct`` is a path into results.json (``/`` between keys, a list index as
+a number; keys may hold dots, as ``torch.save`` does), and the optional format is a
+``format()`` spec (``.1f``, ``,.0f``) or ``verdict`` (true -> pass, false -> FAIL, null -> n/a).
+The text between the markers is what this script renders; tests/test_docs_numbers.py fails when it
+differs from what the committed results.json renders, so a number cannot drift from its data.
+
+Usage: ``python benchmarks/docs_numbers.py`` rewrites the regions (after ``make bench``);
+``--check`` only reports the regions that differ (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PAGES = (ROOT / "docs" / "performance.md", ROOT / "README.md")
+REGION = re.compile(r"<!-- bench: (?P<path>\S+?)(?: (?P<fmt>\S+))? -->(?P<value>.*?)<!-- /bench -->", re.S)
+
+sys.path.insert(0, str(HERE))
+from results_json import DEFAULT, load  # noqa: E402
+
+
+class MissingNumber(KeyError):
+    """A region names a path that results.json does not hold."""
+
+
+def lookup(data: Any, path: str) -> Any:
+    """The value at ``a/b/0/c`` in ``data``."""
+    node = data
+    for part in path.split("/"):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise MissingNumber(f"results.json has no {path!r} (stopped at {part!r}); run `make bench`, or fix the "
+                                "marker")
+    return node
+
+
+def show(value: Any, spec: str | None) -> str:
+    if spec == "verdict":
+        return "n/a" if value is None else "pass" if value else "FAIL"
+    if isinstance(value, (dict, list)):
+        raise MissingNumber(f"a region renders one value, not a {type(value).__name__}")
+    return format(value, spec or "")
+
+
+def render(text: str, data: Any) -> str:
+    """``text`` with every marked region's value rendered from ``data``; the rest unchanged."""
+    def one(m: re.Match[str]) -> str:
+        fmt = f" {m['fmt']}" if m["fmt"] else ""
+        return f"<!-- bench: {m['path']}{fmt} -->{show(lookup(data, m['path']), m['fmt'])}<!-- /bench -->"
+
+    return REGION.sub(one, text)
+
+
+def stale(page: Path, data: Any) -> list[str]:
+    """``path: shown -> rendered`` for each region of ``page`` that differs from the data."""
+    out = []
+    for m in REGION.finditer(page.read_text()):
+        want = show(lookup(data, m["path"]), m["fmt"])
+        if m["value"] != want:
+            out.append(f"{page.name}: {m['path']}: {m['value']!r} -> {want!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=DEFAULT, help="results file (default benchmarks/results.json)")
+    ap.add_argument("--check", action="store_true", help="only list the regions that differ; exit 1 if any")
+    args = ap.parse_args(argv)
+    data = load(args.json)
+    if args.check:
+        diffs = [d for page in PAGES for d in stale(page, data)]
+        print("\n".join(diffs) or "every marked number matches results.json")
+        return 1 if diffs else 0
+    for page in PAGES:
+        text = page.read_text()
+        new = render(text, data)
+        if new != text:
+            page.write_text(new)
+            print(f"rewrote {page.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
