@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -303,7 +304,9 @@ class LeanWorker:
     """One background thread computing lean rows (torch reductions and xxh3 release the GIL)."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepdump-stats")
+        self.threads: list[threading.Thread] = []  # the worker, once started (its CPU time: sys/recorder_bg_ms)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepdump-stats",
+                                        initializer=lambda: self.threads.append(threading.current_thread()))
         self._warned: set[tuple[str, str]] = set()
         # The pre-hook's exact fingerprints of the live tensors, on the training thread (rows_for).
         self.hasher = LiveHasher()
@@ -381,6 +384,11 @@ class LeanCapture:
         # The last lean step's bytes were at most INLINE_BYTES: the whole step is read at the
         # pre-hook, nothing is handed to the worker at the forward (see take()).
         self._inline = False
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The worker thread, once it has started."""
+        return self._worker.threads
 
     def forward_started(self, step: int, entries: Callable[[], list[Entry]], again: bool = False) -> None:
         """A training forward of iteration ``step`` (``again``: not its first; ``entries``: the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,3 +56,61 @@ def span(name: str) -> contextlib.AbstractContextManager[Any]:
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return _NO_SPAN
+
+
+def _wall() -> float:
+    return time.perf_counter()
+
+
+def timed(fn: Callable[..., Any], add: Callable[[float], None]) -> Callable[..., Any]:
+    """``fn``, with the wall time each call takes handed to ``add`` (a hook's share of
+    ``sys/recorder_ms``: the forward hooks run on the training thread too)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = _wall()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            add(_wall() - t0)
+
+    call.__qualname__ = getattr(fn, "__qualname__", "timed")
+    return call
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float | None:
+    """CPU seconds ``thread`` has used (its POSIX CPU clock), or None where it cannot be read."""
+    ident = thread.ident
+    if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (OSError, OverflowError, ValueError):  # the thread has ended
+        return None
+
+
+class BackgroundClock:
+    """CPU time of the recorder's background threads (writer, appender, stats worker) between
+    two readings: ``sys/recorder_bg_ms``. It is not time taken from the training thread where
+    a core is idle for them; on a machine with no idle core (or while they hold the GIL) it
+    is, so the recorder's cost to training lies between ``sys/recorder_ms`` and the sum of
+    the two."""
+
+    def __init__(self, threads: Callable[[], Iterable[threading.Thread | None]],
+                 cpu: Callable[[threading.Thread], float | None] = _thread_cpu_s) -> None:
+        self._threads, self._cpu = threads, cpu
+        self._last: dict[int, float] = {}  # id(thread) -> its CPU seconds at the last reading
+        self.take()
+
+    def take(self) -> float:
+        """CPU seconds the threads used since the last call (a thread that ended since is not
+        counted for its last stretch; a new one from its start)."""
+        total, now = 0.0, {}
+        for th in self._threads():
+            if th is None:
+                continue
+            s = self._cpu(th)
+            if s is None:
+                continue
+            now[id(th)] = s
+            total += max(0.0, s - self._last.get(id(th), 0.0))
+        self._last = now
+        return total

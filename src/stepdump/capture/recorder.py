@@ -43,7 +43,7 @@ from stepdump.capture.handles import Hook
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
 from stepdump.capture.naming import StateBefore
-from stepdump.capture.profiling import span
+from stepdump.capture.profiling import BackgroundClock, span, timed
 from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import (
@@ -236,14 +236,17 @@ class Recorder(_iteration.IterationStart):
             self._lock.release()
             raise
         self._overhead, self._iter_start = 0.0, time.perf_counter()
+        # sys/recorder_bg_ms: CPU time of the recorder's own threads in each iteration (profiling.py)
+        self._bg = BackgroundClock(lambda: (self._writer, getattr(self._writer, "_appender", None), *self._lean.threads))
         self._modules = ModuleCapture(self.model, self.kinds, list(rec.modules or "*"),
                                       active=lambda: self._level(self._step) != LEVEL_NONE,
                                       on_error=lambda e, where: self._fail(e, where))
         self._hooks.extend(attach(self, self.scaler, auto_capture=opts.auto_capture))
         # On the module given (a torch.compile wrapper runs its own hooks eagerly: no graph break).
         if not isinstance(self.model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
-            self._hooks.append(self.model.register_forward_pre_hook(Hook(self._saw_forward)))  # copies: handles.py
-            self._hooks.append(self.model.register_forward_hook(Hook(self._saw_forward_end)))
+            # Timed: their time on the training thread is the recorder's too (sys/recorder_ms). Copies: handles.py.
+            self._hooks.append(self.model.register_forward_pre_hook(Hook(timed(self._saw_forward, self._spent))))
+            self._hooks.append(self.model.register_forward_hook(Hook(timed(self._saw_forward_end, self._spent))))
         self._watch = StepWatch(self.model, self.optimizer, lambda: self._step)  # a loop that never steps it: say so
         self._hooks.extend(self._watch.handles)
         self._begin_iteration(self._step)
@@ -503,7 +506,7 @@ class Recorder(_iteration.IterationStart):
         self._asm.stager.wait_deferred(self._writer.is_alive)  # a gradient log's grads, written during the update
         if self.options.record.profile:
             profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
-                            self._device)
+                            self._device, self._bg.take())
         self._final.rng.take()  # the RNG right after this update: a final record's, if it is the last
         self._step += 1
         self._prev_open = True
@@ -515,6 +518,9 @@ class Recorder(_iteration.IterationStart):
         # _begin_iteration took counts both as recorder time and as iteration time.
         self._iter_start = started
         self._overhead = time.perf_counter() - started
+
+    def _spent(self, seconds: float) -> None:  # a timed hook's time: the recorder's, in this iteration
+        self._overhead += seconds
 
     # -- plumbing ----------------------------------------------------------
     def _put(self, msg: StepMessage) -> None:

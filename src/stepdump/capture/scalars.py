@@ -58,10 +58,15 @@ def auto_scalars(slot: dict[str, Any], optimizer: torch.optim.Optimizer, scaler:
         slot.setdefault("grad_scale", float(scaler.get_scale()))
 
 
-def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, device: torch.device) -> None:
-    """Iteration wall time, the recorder's share of it on the training thread, peak memory."""
+def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, device: torch.device,
+                    background_s: float | None = None) -> None:
+    """Iteration wall time, the recorder's share of it on the training thread (every hook it
+    runs there, the optimizer's and the forward's, waits on its threads included), the CPU
+    time of its background threads in the iteration (profiling.BackgroundClock), peak memory."""
     from stepdump.capture.profiling import peak_memory_mb
 
     slot["sys/iter_ms"] = iter_s * 1000
     slot["sys/recorder_ms"] = overhead_s * 1000
+    if background_s is not None:
+        slot["sys/recorder_bg_ms"] = background_s * 1000
     slot["sys/peak_mem_mb"] = peak_memory_mb(device)

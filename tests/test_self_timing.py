@@ -1,0 +1,113 @@
+"""sys/recorder_ms and sys/recorder_bg_ms say what recording costs (issue 25.2).
+
+``sys/recorder_ms`` is the wall time the recorder takes on the training thread in an
+iteration: the optimizer's pre- and post-hooks *and* the model's forward hooks (which it
+used to leave out). ``sys/recorder_bg_ms`` is the CPU time of the recorder's own threads in
+the iteration. No test here measures speed (benchmarks/leave_on_tiny.py compares the
+reported figures with the measured added time): the clocks are injected, so every figure
+is exact.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import stepdump
+from stepdump.capture import profiling
+from stepdump.capture import recorder as recorder_module
+from stepdump.capture.profiling import BackgroundClock, timed
+
+MODES = {"lean": {"every": None, "stats_every": 1}, "full": {"every": 1}, "tiered": {"every": 2, "stats_every": 1},
+         "gradient log": {"gradient_log": 3}}
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:  # another entry point: the top module's hooks never fire
+        return self.b(torch.tanh(self.a(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encode(x)
+
+
+class _Ticks:
+    """A clock that moves one second at every reading."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+@pytest.mark.parametrize("entry", ["forward", "encode"])
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_recorder_ms_counts_the_forward_hooks(tmp_path, monkeypatch, mode, entry) -> None:
+    # The recorder's own clock stands still; the forward hooks' clock moves 1 s per reading, so
+    # each hook call costs exactly 1 s: recorder_ms is 1000 x (forward hook calls per iteration).
+    monkeypatch.setattr(recorder_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    monkeypatch.setattr(profiling, "_wall", _Ticks())
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    call = model if entry == "forward" else model.encode
+    forwards = 2  # gradient accumulation: two forwards per update
+    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", **MODES[mode]):
+        for t in range(5):
+            for _ in range(forwards):
+                call(torch.randn(3, 4)).sum().backward()
+            with torch.no_grad():  # an evaluation forward: its hooks run too
+                call(torch.randn(3, 4))
+            opt.step()
+            opt.zero_grad()
+    prof = stepdump.open(tmp_path / "run").profile().loc[0:4]  # step 5: the final record, no iteration
+    hook_calls = 2 * (forwards + 1) if entry == "forward" else 0  # pre- and post-hook of each forward
+    assert list(prof["sys/recorder_ms"]) == [1000.0 * hook_calls] * 5
+    assert (prof["sys/recorder_bg_ms"] >= 0).all() and len(prof["sys/recorder_bg_ms"]) == 5
+
+
+def test_timed_hands_the_time_of_each_call_even_when_it_raises(monkeypatch) -> None:
+    monkeypatch.setattr(profiling, "_wall", _Ticks())
+    spent: list[float] = []
+
+    def boom() -> None:
+        raise ValueError("x")
+
+    assert timed(lambda a, b=0: a + b, spent.append)(1, b=2) == 3
+    with pytest.raises(ValueError):
+        timed(boom, spent.append)()
+    assert spent == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("case", ["steady", "a thread starts", "a thread ends", "unreadable", "none"])
+def test_background_clock_counts_each_thread_from_its_last_reading(case) -> None:
+    a, b = threading.Thread(), threading.Thread()
+    cpu = {id(a): 1.0, id(b): 10.0}
+    threads: list[threading.Thread | None] = [a]
+    clock = BackgroundClock(lambda: threads, cpu=lambda th: cpu.get(id(th)))
+    cpu[id(a)] = 1.5
+    if case == "a thread starts":
+        threads.append(b)  # counted from its own start: all its 10 s are new
+        want = 0.5 + 10.0
+    elif case == "a thread ends":
+        cpu.pop(id(a))  # unreadable now: nothing of its last stretch is counted
+        want = 0.0
+    elif case == "unreadable":
+        threads.append(b)
+        cpu.pop(id(b))
+        want = 0.5
+    elif case == "none":
+        threads.append(None)  # a thread not created (a writer with no appender)
+        want = 0.5
+    else:
+        want = 0.5
+    assert clock.take() == pytest.approx(want, abs=0) and clock.take() == 0.0
