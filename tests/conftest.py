@@ -92,3 +92,19 @@ def cli(capsys, monkeypatch):
         return CliResult(int(code), out, err)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless chromium (playwright) shared by a module's report page tests, which open their
+    pages in it with helpers.open_page. Module-scoped, not session: test_report.py and
+    test_report_live.py start playwright themselves, and two sync playwrights cannot be open at once."""
+    from playwright.sync_api import sync_playwright
+    from test_report import CHROMIUM_ARGS, _chromium
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()

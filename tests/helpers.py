@@ -332,3 +332,29 @@ def set_tensor_row(run_dir: Any, step: int, kind: str, name: str, blob: Any, fp:
     """Point one tensor row at another blob and fingerprint (a tampered record whose blob checks pass)."""
     catalog_sql(run_dir, "UPDATE tensors SET blob = ?, fingerprint = ? WHERE step = ? AND series = "
                          "(SELECT id FROM series WHERE kind = ? AND name = ?)", (blob, fp, step, kind, name))
+
+
+def assert_seen_records(run: Any, seen: list[dict], first: int = 0) -> None:
+    """Each dict of ``seen`` (what a probe callback saw at one update: ``params``, ``grads``,
+    ``opt`` keyed ``(name, state key)``) is the record of step ``first + i``, bit for bit."""
+    for i, s in enumerate(seen):
+        t = first + i
+        for n, v in s["params"].items():
+            assert_same(run.tensor(n, t, "params"), v, f"params {n} @ {t}")
+        assert set(run.tensors(t, "grads")) == set(s["grads"])
+        for n, v in s["grads"].items():
+            assert_same(run.tensor(n, t, "grads"), v, f"grads {n} @ {t}")
+        for (n, k), v in s["opt"].items():
+            assert_same(run.tensor(f"{n}.{k}", t, "optimizer"), v, f"optimizer {n}.{k} @ {t}")
+
+
+def open_page(browser: Any, url: str) -> tuple[Any, list[str]]:
+    """A new 1280x900 page of a playwright ``browser`` at ``url``, once its script has set
+    ``body[data-ready='1']``; with the list that collects its console errors/warnings and page errors."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+    return page, problems

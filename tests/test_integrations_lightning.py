@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same, training_scalars
+from helpers import assert_same, assert_seen_records, training_scalars
 from torch import nn
 
 import stepdump
@@ -91,14 +91,7 @@ def _check_records(run: stepdump.Run, seen: list[dict]) -> None:
     # one record per update seen, then the final record close() writes (no grads)
     assert run.all_steps == list(range(len(seen) + 1)) and run.meta["final_step"] == len(seen)
     assert run.tensors(len(seen), "grads") == {}
-    for t, s in enumerate(seen):
-        for n, v in s["params"].items():
-            assert_same(run.tensor(n, t, "params"), v, f"params {n} @ {t}")
-        assert set(run.tensors(t, "grads")) == set(s["grads"])
-        for n, v in s["grads"].items():
-            assert_same(run.tensor(n, t, "grads"), v, f"grads {n} @ {t}")
-        for (n, k), v in s["opt"].items():
-            assert_same(run.tensor(f"{n}.{k}", t, "optimizer"), v, f"optimizer {n}.{k} @ {t}")
+    assert_seen_records(run, seen)
 
 
 def test_records_equal_live_state_with_accumulation_and_clipping(tmp_path):

@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import record_run
-from test_report import CHROMIUM_ARGS, _chromium
+from helpers import open_page, record_run
 from torch import nn
 
 import stepdump
@@ -154,28 +153,6 @@ def test_large_tensors_give_strided_sample_quantiles(tmp_path: Path) -> None:
 
 
 # -- the pages ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def browser() -> Any:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-def _open(browser: Any, path: Path) -> tuple[Any, list[str]]:
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    problems: list[str] = []
-    page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None)
-    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-    page.goto(path.resolve().as_uri())
-    page.wait_for_selector("body[data-ready='1']", timeout=15_000)
-    return page, problems
-
-
 _CANVASES = """() => [...document.querySelectorAll('canvas[data-plot]')].map(c => ({id: c.dataset.plot,
     domain: JSON.parse(c.dataset.domain), divergence: JSON.parse(c.dataset.divergence || "null"),
     section: c.closest('section').id, drawn: +c.dataset.drawn}))"""
@@ -192,7 +169,7 @@ def _ema(ys: list[float], w: float) -> list[float]:
 def test_comparison_page(pair_data: dict[str, Any], tmp_path: Path, browser: Any) -> None:
     out = tmp_path / "cmp.html"
     out.write_text(render_report(pair_data), encoding="utf-8")
-    page, problems = _open(browser, out)
+    page, problems = open_page(browser, out.resolve().as_uri())
     try:
         charts = page.evaluate(_CANVASES)
         # The step diff names is marked on every chart, heatmaps included, and said in words.
@@ -265,7 +242,7 @@ def test_gpt2_page_groups_layers(gpt2_run: Path, tmp_path: Path, browser: Any) -
     assert groups["blocks"] == ["transformer", "transformer.h.0", "transformer.h.1"]
     out = tmp_path / "gpt2.html"
     out.write_text(render_report(data), encoding="utf-8")
-    page, problems = _open(browser, out)
+    page, problems = open_page(browser, out.resolve().as_uri())
     try:
         rows = json.loads(page.get_attribute("canvas[data-plot='grad_norms']", "data-rows"))
         headers = [r for r in rows if "block" in r]

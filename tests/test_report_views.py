@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import record_run, tiny_batch, tiny_model
-from test_report import CHROMIUM_ARGS, _chromium
+from helpers import open_page, record_run, tiny_batch, tiny_model
 from torch import nn
 
 import stepdump
@@ -116,28 +115,6 @@ def hf_like_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       batch=tiny_batch, log=log)
 
 
-@pytest.fixture(scope="module")
-def browser() -> Any:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-def _open(browser: Any, url: str) -> tuple[Any, list[str]]:
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    problems: list[str] = []
-    page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None)
-    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-    page.goto(url)
-    page.wait_for_selector("body[data-ready='1']", timeout=15_000)
-    return page, problems
-
-
 def _plot(page: Any, plot_id: str) -> dict[str, Any]:
     return page.evaluate("""id => { const c = document.querySelector(`canvas[data-plot="${id}"]`); if (!c) return null;
         return {log: c.dataset.log, series: JSON.parse(c.dataset.series || "null"), range: JSON.parse(c.dataset.range || "null"),
@@ -156,7 +133,7 @@ def test_page_reads_well_log_scale_labels_one_lr_chart_and_layer_selector(hf_lik
         out = write_report(run, tmp_path / "r.html", findings=[])
         stats, domain = run.stats(), len(run.all_steps)  # steps 0..29 and the final record
     grads = stats[stats["kind"] == "grads"]
-    page, problems = _open(browser, out.resolve().as_uri())
+    page, problems = open_page(browser, out.resolve().as_uri())
     try:
         # Log scale by default on the spiky loss, and the toggle turns it off.
         loss = _plot(page, "scalar:loss")
@@ -215,7 +192,7 @@ def test_two_runs_overlaid_from_the_cli(tmp_path: Path, browser: Any) -> None:
                                opt=torch.optim.Adam(model.parameters(), lr=lr)))
     out = tmp_path / "both.html"
     assert main(["report", str(runs[0]), str(runs[1]), "--label", "baseline", "--label", "fast lr", "-o", str(out)]) == 0
-    page, problems = _open(browser, out.resolve().as_uri())
+    page, problems = open_page(browser, out.resolve().as_uri())
     try:
         loss = _plot(page, "scalar:loss")
         assert loss["series"] == [{"label": "baseline: loss", "points": 12}, {"label": "fast lr: loss", "points": 15}]
