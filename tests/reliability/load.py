@@ -120,3 +120,21 @@ def _time_queries(run: stepdump.Run, t: int) -> dict[str, float]:
         timed("tensor(last full step)", lambda: run.tensor("0.weight", run.steps[-1]))
     assert steps
     return out
+
+
+def check_complete(path: Path, steps: int, every: Any = None) -> None:
+    """Assert that a ``run_load`` run holds every step it recorded: a stats row of each tensor
+    (params and grads of 4 tensors) and a scalars row at each step, close()'s final record at
+    ``steps``, and full records where ``every`` asks for them. Raises AssertionError."""
+    with stepdump.open(path) as run:
+        # stats at every step, then close()'s final record ``steps`` (no grads)
+        assert run.stats_steps == list(range(steps + 1)), "a step's stats are missing"
+        full = list(range(0, steps, every)) if every else []
+        assert run.steps == full + [steps] and run.meta["final_step"] == steps, run.steps[-5:]
+        assert set(run.stats(steps=steps)["kind"]) >= {"params"} and run.tensors(steps, "grads") == {}
+        one = run.stats(name="0.weight", steps=range(steps))  # its params and grads rows
+        assert sorted(set(one["kind"])) == ["grads", "params"] and len(one) == 2 * steps
+        assert set(one["step"]) == set(range(steps))
+        assert len(run.scalars()) == steps + 1  # a row per step, the final record's too
+        last = run.stats(kind="grads", steps=range(steps - 100, steps))
+        assert len(last) == 100 * 4 and set(last["step"]) == set(range(steps - 100, steps))

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reliability.crash import run_chain  # noqa: E402
-from reliability.load import run_load  # noqa: E402
+from reliability.load import check_complete, run_load  # noqa: E402
 from reliability.procs import Zygote  # noqa: E402
 
 RSS_LIMIT_MB = 50.0
@@ -59,6 +59,7 @@ def load_soak(work: Path, steps: int) -> None:
     for every, live in ((None, False), (None, True), (1, True)):
         r = run_load(work / f"load-{every}", steps, every=every, checkpoints=10, live_reader=live)
         print(f"load soak: {r.summary()}", flush=True)
+        check_complete(work / f"load-{every}", steps, every)  # every step readable, as the unit test asks
         print("  RSS (step, MB): " + ", ".join(f"({s}, {m:.0f})" for s, m in r.rss))
         if r.rss_growth_mb >= RSS_LIMIT_MB:
             raise SystemExit(f"FAIL: RSS grew by {r.rss_growth_mb:.1f} MB over {steps} steps (limit {RSS_LIMIT_MB})")
