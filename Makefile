@@ -38,6 +38,7 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/keyframes.py
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/leave_on.py
+	$(PY) benchmarks/leave_on_tiny.py
 	$(PY) benchmarks/report_scale.py
 	$(PY) benchmarks/docs_numbers.py   # marked numbers of docs/performance.md, README from results.json
 

@@ -1,0 +1,158 @@
+"""Issue 25: leave it on for small, fast models: lean and gradient log on millisecond steps.
+
+    .venv/bin/python benchmarks/leave_on_tiny.py            # writes its section of RESULTS.md
+    .venv/bin/python benchmarks/leave_on_tiny.py --quick    # few pairs, prints only
+
+Workloads (benchmarks/workloads_tiny.py): nanoGPT's tiny config called through ``model(x)``
+and through ``model.encode(x)`` (the top module's forward hooks never fire), and a
+PPO-sized update. Arms, each timed as interleaved (no recording, arm) pairs in one process,
+one torch thread, each recording built and its first step run untimed, ``close()`` timed:
+lean (``every=None, stats_every=1``), gradient log (``gradient_log=32``), and the floor (one
+``torch._foreach_norm`` over params + grads in the loop: the least any per-tensor statistic
+costs). The figure is the median of the per-pair ratios. For the recorded arms the run's own
+``sys/recorder_ms`` (training thread) and ``sys/recorder_bg_ms`` (its threads' CPU) are set
+beside the measured added time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+from workloads import Workload  # noqa: E402
+from workloads_tiny import TINY  # noqa: E402
+
+MARKER = "\n## Leave it on, small steps (issue 25)"
+ARMS: dict[str, dict[str, Any] | None] = {
+    "lean": {"every": None, "stats_every": 1},
+    "gradient log K=32": {"gradient_log": 32},
+    "floor: _foreach_norm(params + grads)": None,
+}
+TARGETS = {"lean": 1.05, "gradient log K=32": 1.15}
+RL_TARGET = 1.10
+
+
+def segment(w: Workload, arm: str | None, out: Path, steps: int) -> dict[str, float]:
+    """ms/step of ``steps`` steps of ``w`` with ``arm`` (None: no recording), close() included."""
+    shutil.rmtree(out, ignore_errors=True)
+    gc.collect()
+    rec = None
+    hook: Callable[[], None] | None = None
+    if arm is not None and ARMS[arm] is not None:
+        import stepdump
+
+        rec = stepdump.Recorder(out / "run", w.model, w.optimizer, profile=True, **ARMS[arm])  # type: ignore[arg-type]
+    elif arm is not None:
+        params = list(w.model.parameters())
+
+        def hook() -> None:
+            with torch.no_grad():
+                torch._foreach_norm([p.detach() for p in params] + [p.grad for p in params if p.grad is not None])
+    w.step(hook)  # untimed: the recording's first step
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        w.step(hook)
+    if rec is not None:
+        rec.close()
+    got = {"ms": (time.perf_counter() - t0) / steps * 1e3}
+    if rec is not None:
+        import stepdump
+
+        prof = stepdump.open(out / "run").profile().iloc[1:steps + 1]  # the timed steps
+        got["reported_ms"] = float(prof["sys/recorder_ms"].median())
+        got["bg_ms"] = float(prof["sys/recorder_bg_ms"].median()) if "sys/recorder_bg_ms" in prof else float("nan")
+    shutil.rmtree(out, ignore_errors=True)
+    return got
+
+
+def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    w = TINY[name]()
+    for _ in range(5):
+        w.step(None)
+    res: dict[str, Any] = {"title": w.title, "arms": {}}
+    for arm in ARMS:
+        ratios, none_ms, arm_ms, rep, bg = [], [], [], [], []
+        for r in range(args.pairs):
+            order = (None, arm) if r % 2 == 0 else (arm, None)
+            got = {a: segment(w, a, args.work / (a or "none").replace(" ", "_"), args.steps) for a in order}
+            n, a = got[None], got[arm]
+            ratios.append(a["ms"] / n["ms"])
+            none_ms.append(n["ms"])
+            arm_ms.append(a["ms"])
+            rep.append(a.get("reported_ms", float("nan")))
+            bg.append(a.get("bg_ms", float("nan")))
+        res["arms"][arm] = {"ratios": ratios, "none_ms": none_ms, "arm_ms": arm_ms, "reported_ms": rep, "bg_ms": bg}
+        med = statistics.median
+        print(f"  {name:13s} {arm:38s} {med(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}); "
+              f"{med(arm_ms):.2f} vs {med(none_ms):.2f} ms; added {med([a - b for a, b in zip(arm_ms, none_ms)]):.2f} ms; "
+              f"reported {med(rep):.2f} + bg {med(bg):.2f} ms", flush=True)
+    return res
+
+
+def section(results: dict[str, Any], args: argparse.Namespace, date: str) -> str:
+    med = statistics.median
+    L = ["", "## Leave it on, small steps (issue 25)", "",
+         (f"`benchmarks/leave_on_tiny.py`, {date}, torch threads 1, {args.pairs} interleaved (no recording, arm) "
+          f"pairs × {args.steps} steps per arm and workload, medians of the per-pair ratios; the shared 2-core "
+          "machine had other jobs running, so single pairs spread widely. *reported* = the run's own median "
+          "`sys/recorder_ms` (training thread: optimizer and forward hooks), *bg* = its `sys/recorder_bg_ms` (CPU "
+          "of its writer/appender/worker threads), beside the measured added ms/step (median of pair differences)."),
+         "", "| workload | arm | × no recording | spread | ms/step arm / none | added ms | reported + bg ms | target |",
+         "|---|---|---:|---|---|---:|---|---|"]
+    for name, res in results.items():
+        for arm, a in res["arms"].items():
+            r = a["ratios"]
+            added = med([x - y for x, y in zip(a["arm_ms"], a["none_ms"])])
+            limit = RL_TARGET if name == "rl" and arm == "lean" else TARGETS.get(arm)
+            verdict = "–" if limit is None else f"≤ {limit} {'**pass**' if med(r) <= limit else '**FAIL**'}"
+            rep = "–" if arm not in TARGETS else f"{med(a['reported_ms']):.2f} + {med(a['bg_ms']):.2f}"
+            L.append(f"| {name} | {arm} | {med(r):.3f}× | {min(r):.3f}–{max(r):.3f} | {med(a['arm_ms']):.1f} / "
+                     f"{med(a['none_ms']):.1f} | {added:.2f} | {rep} | {verdict} |")
+    L += ["", "Workloads: " + "; ".join(f"**{n}**: {r['title']}" for n, r in results.items()) + "."]
+    return "\n".join(L) + "\n"
+
+
+def write_results(path: Path, text: str) -> None:
+    body = path.read_text() if path.exists() else "# stepdump benchmarks: results\n"
+    if MARKER in body:
+        start = body.index(MARKER)
+        nxt = body.find("\n## ", start + len(MARKER))
+        body = body[:start] + (body[nxt:] if nxt != -1 else "\n")
+    path.write_text(body.rstrip("\n") + "\n" + text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=",".join(TINY))
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--work", type=Path, default=HERE / "_work" / "leave_on_tiny")
+    ap.add_argument("--results", type=Path, default=None, help="default: benchmarks/RESULTS.md unless --quick")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.pairs, args.steps = 3, 15
+    torch.set_num_threads(1)
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results = {n: bench(n, args) for n in args.workloads.split(",")}
+    shutil.rmtree(args.work, ignore_errors=True)
+    out = args.results or (None if args.quick else HERE / "RESULTS.md")
+    if out is not None:
+        write_results(out, section(results, args, date))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
