@@ -4,9 +4,10 @@ command, --columns keeping step/kind/name, a logged NaN told apart from a value 
 `show` of a module buffer.
 
 Every command runs in a real subprocess whose stdout is a pipe and whose environment has no
-COLUMNS (as in CI). One process runs the `python -m stepdump` entry point itself; the others
-run several command lines through ``stepdump.cli.main.main`` in one process (the function
-``python -m stepdump`` calls), because each process pays for importing torch.
+COLUMNS (as in CI): one process runs every command line through ``stepdump.cli.main.main`` (the
+function ``python -m stepdump`` calls), because each process pays for importing torch. The entry
+points themselves are run by tests/test_cli.py (the installed script) and, as ``python -m
+stepdump``, by tests/test_bundle.py and tests/test_report_live.py.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def run_dir(tmp_path_factory):
 
 
 COMMANDS = {
+    "stats_tsv": ["stats", "{run}"],
     "stats_json": ["stats", "{run}", "--json"],
     "stats_csv": ["stats", "{run}", "--csv"],
     "stats_cols": ["stats", "{run}", "--columns", "norm,nan"],
@@ -133,14 +135,12 @@ def _ok(piped, key: str) -> str:
     return text
 
 
-def test_piped_stats_is_one_full_line_per_row(run_dir):
-    """`python -m stepdump stats RUN | grep c_attn`: every row one TSV line, the full name and the
+def test_piped_stats_is_one_full_line_per_row(piped, run_dir):
+    """`stepdump stats RUN | grep c_attn`: every row one TSV line, the full name and the
     full-precision norm in it, every row there (no 50-row limit), nothing cut with "…"."""
-    proc = subprocess.run([sys.executable, "-m", "stepdump", "stats", str(run_dir)], capture_output=True,
-                          text=True, timeout=300, env=_env(), check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert "…" not in proc.stdout
-    lines = proc.stdout.splitlines()
+    text = _ok(piped, "stats_tsv")
+    assert "…" not in text
+    lines = text.splitlines()
     header = lines[0].split("\t")
     assert header[:3] == ["step", "kind", "name"] and "norm" in header and "numel" in header
     rows = [line.split("\t") for line in lines[1:]]
