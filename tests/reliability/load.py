@@ -138,3 +138,32 @@ def check_complete(path: Path, steps: int, every: Any = None) -> None:
         assert len(run.scalars()) == steps + 1  # a row per step, the final record's too
         last = run.stats(kind="grads", steps=range(steps - 100, steps))
         assert len(last) == 100 * 4 and set(last["step"]) == set(range(steps - 100, steps))
+
+
+ACTIVATION_KINDS = ("params", "grads", "activations", "activation_grads", "inputs")
+
+
+def activation_load(path: Path, steps: int) -> dict[int, float]:
+    """Record ``steps`` lean steps (every=None) of an MLP with activations, their grads and the
+    inputs captured; return the peak memory (MB) at the first tenth and at the last step, and
+    assert the run holds each step's stats (3 activation rows at the last) and the final record."""
+    from stepdump.capture.profiling import peak_memory_mb
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters())
+    marks, rss = (steps // 5, steps - 1), {}
+    with stepdump.Recorder(path, model, opt, capture=ACTIVATION_KINDS, every=None):
+        for step in range(steps):
+            x = torch.randn(32, 64)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            if step in marks:
+                gc.collect()
+                rss[step] = peak_memory_mb(torch.device("cpu"))
+    with stepdump.open(path) as run:
+        # Lean (every=None): stats at each step, and the one full record close() writes.
+        assert run.stats_steps == list(range(steps + 1)) and run.steps == [steps] == [run.meta["final_step"]]
+        assert len(run.stats(kind="activations", steps=steps - 1)) == 3
+    return rss

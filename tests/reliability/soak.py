@@ -7,7 +7,8 @@
 2. Load soak: 10,000 steps of a tiny model, stats-only (with and without a
    reader querying the growing run from the same process) and stored in full:
    resident memory must stay flat (growth < 50 MB) and catalog queries fast
-   (each < 1 s).
+   (each < 1 s); then half as many lean steps capturing activations: peak memory
+   must stay flat (growth < 40 MB).
 
     .venv/bin/python tests/reliability/soak.py [--kills 54] [--load-steps 10000] [--seed 1] [--keep]
 
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reliability.crash import run_chain  # noqa: E402
-from reliability.load import check_complete, run_load  # noqa: E402
+from reliability.load import activation_load, check_complete, run_load  # noqa: E402
 from reliability.procs import Zygote  # noqa: E402
 
 RSS_LIMIT_MB = 50.0
@@ -67,6 +68,12 @@ def load_soak(work: Path, steps: int) -> None:
             if q != "step" and r.worst(q) >= QUERY_LIMIT_S:
                 raise SystemExit(f"FAIL: {q} took {r.worst(q):.2f} s (limit {QUERY_LIMIT_S} s)")
         shutil.rmtree(work / f"load-{every}", ignore_errors=True)
+    rss = activation_load(work / "load-activations", steps // 2)  # tests/test_activations.py: 250 steps
+    growth = list(rss.values())[-1] - list(rss.values())[0]  # at a fifth of the run, at its end
+    print(f"activation soak: {steps // 2} lean steps with activations, peak memory {growth:+.1f} MB", flush=True)
+    if growth >= 40:
+        raise SystemExit(f"FAIL: peak memory grew by {growth:.1f} MB over {steps // 2} steps with activations (limit 40)")
+    shutil.rmtree(work / "load-activations", ignore_errors=True)
 
 
 def main() -> None:
