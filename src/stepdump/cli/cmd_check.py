@@ -20,7 +20,7 @@ EXAMPLES = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--rules", help="comma-separated rule names (default: all)")
+    p.add_argument("--rules", type=_rules_arg, help="comma-separated rule names (default: all)")
     p.add_argument("--fail-on", default="warning", choices=("info", "warning", "error"),
                    help="exit 1 when a finding at or above this severity exists (default warning)")
     p.add_argument("--objective", help="the logged scalar whose fall means the model learns (default: what the "
@@ -28,12 +28,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_format_args(p, json_help="print findings as JSON (with every tensor of a grouped finding)")
 
 
+def _rules_arg(text: str) -> list[str]:
+    """argparse type for ``--rules``: registered rule names only, else a usage error (exit 2)."""
+    import difflib
+
+    from stepdump.analysis.checks import rule_names
+
+    known = rule_names()
+    for name in text.split(","):
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise argparse.ArgumentTypeError(f"unknown rule {name!r} in {text!r}; {hint}(rules: {', '.join(known)})")
+    return text.split(",")
+
+
 def run(args: argparse.Namespace) -> int:
     from stepdump.checks import Severity, check
 
     with open_run(args.run) as r:
         objective = False if args.objective == "none" else args.objective
-        findings = check(r, rules=args.rules.split(",") if args.rules else None, objective=objective)
+        findings = check(r, rules=args.rules, objective=objective)
     fail = Severity.parse(args.fail_on)
     fmt = output_format(args)
     if fmt == "json":

@@ -15,7 +15,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from stepdump.cli.common import console, human_bytes
+from stepdump.cli.common import console, human_bytes, positive_int
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
@@ -26,7 +26,7 @@ EXAMPLES = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-run", help="run directory to create (an earlier demo run there is replaced)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
+    p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to train (default 200)")
     p.add_argument("--no-report", action="store_true", help="skip writing the HTML report")
 
 

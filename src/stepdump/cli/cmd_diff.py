@@ -7,7 +7,7 @@ import contextlib
 from dataclasses import asdict
 from typing import Any
 
-from stepdump.cli.common import console, err_console, open_run
+from stepdump.cli.common import DIFF_KINDS, console, kinds_arg, open_run, print_error
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_b", help="second run")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
-    p.add_argument("--kinds", help="comma-separated tensor kinds to compare (default all)")
+    p.add_argument("--kinds", type=kinds_arg(DIFF_KINDS, many=True),
+                   help="comma-separated tensor kinds to compare (default all)")
     p.add_argument("--ignore", action="append", metavar="PART",
                    help="leave PART out of the comparison (repeatable, or a comma list): rng, rng.torch, rng.cuda, "
                         "rng.numpy, rng.python, hyperparameters, scheduler, scaler, batch, scalars, scalars.NAME, "
@@ -48,28 +49,30 @@ def run(args: argparse.Namespace) -> int:
     from stepdump.analysis.diff_ignore import parse_ignore
     from stepdump.errors import ConfigError
 
-    kinds = args.kinds.split(",") if args.kinds else None
+    kinds = args.kinds
     ignore = [w.strip() for item in args.ignore or () for w in item.split(",")]
     try:
         parse_ignore(ignore)  # a bad word is a bad command line: refused before any run is opened
     except ConfigError as e:
-        err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        print_error(e)
         return Exit.USAGE
     with contextlib.ExitStack() as stack:
         a, b = (stack.enter_context(open_run(p)) for p in (args.run_a, args.run_b))
         noise = [stack.enter_context(open_run(p)) for p in args.noise or ()]
         res = diff(a, b, atol=args.atol, rtol=args.rtol, kinds=kinds, ignore=ignore, noise=noise or None,
                    noise_factor=args.noise_factor)
+    # Decided before printing: under `| head -1` the printing may stop midway, the verdict stands (cli/main.py).
+    args.verdict = (Exit.NOTHING_COMPARED if not res.comparable else Exit.OK if res.identical else Exit.FOUND)
     if args.json:
         from stepdump.cli.output import print_json
 
         print_json(_as_json(res))
     else:
-        console.print(res.summary(), soft_wrap=True)
+        console.print(res.summary(), soft_wrap=True, markup=False)
         if res.tensors:
             console.print(f"tensors that differ at step {res.first_tensor_step}:")
         for t in res.tensors[:_SHOWN]:
-            console.print(f"  {t.describe()}", soft_wrap=True)
+            console.print(f"  {t.describe()}", soft_wrap=True, markup=False)
         if len(res.tensors) > _SHOWN:
             console.print(f"  ... and {len(res.tensors) - _SHOWN} more (--json lists them all)")
         if res.noise is not None and res.first_step is not None:
@@ -80,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
                               f"{r.spread:.3g}, {r.ratio:.3g}x", soft_wrap=True, markup=False)
         if res.first_scalar_diff and res.noise is None:
             console.print(f"first differing scalar: {res.first_scalar_diff[1]} at step {res.first_scalar_diff[0]}")
-    if not res.comparable:
-        return Exit.NOTHING_COMPARED
-    return Exit.OK if res.identical else Exit.FOUND
+    return int(args.verdict)
 
 
 def _as_json(res: Any) -> dict[str, Any]:

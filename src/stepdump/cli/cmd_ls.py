@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stepdump.cli.common import add_run_arg, console, open_run
+from stepdump.cli.common import add_run_arg, console, kinds_arg, open_run
 from stepdump.cli.exitcodes import Exit
 from stepdump.cli.output import add_format_args, output_format, print_json, print_rows
 
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
     p.add_argument("--steps", action="store_true", help="list steps stored in full")
     p.add_argument("--all-steps", action="store_true", help="list every step seen (with stats or scalars only too)")
-    p.add_argument("--kind", help="list the tensor names of one kind")
+    p.add_argument("--kind", type=kinds_arg(), help="list the tensor names of one kind")
     add_format_args(p, json_help='write JSON: a list of steps, or {"kind": [names]}')
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stepdump.cli.common import add_run_arg, open_run, parse_steps
+from stepdump.cli.common import add_run_arg, glob_arg, kinds_arg, open_run, report_no_match, steps_arg
 from stepdump.cli.exitcodes import Exit
 from stepdump.cli.output import add_format_args
 from stepdump.cli.tables import add_limit_arg, print_frame, select_columns
@@ -21,9 +21,9 @@ TABLE_COLUMNS = ("norm", "min", "max", "mean", "std", "nan", "posinf", "neginf",
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--kind", help="only this kind (params, grads, optimizer, buffers, ...)")
-    p.add_argument("--name", help="glob over tensor names, e.g. 'fc1.*'")
-    p.add_argument("--steps", help="N, A:B, A:B:K or N,M,...")
+    p.add_argument("--kind", type=kinds_arg(), help="only this kind (params, grads, optimizer, buffers, ...)")
+    p.add_argument("--name", type=glob_arg, help="glob over tensor names, e.g. 'fc1.*'")
+    p.add_argument("--steps", type=steps_arg, help="N, A:B, A:B:K or N,M,...")
     p.add_argument("--columns",
                    help="comma-separated stat columns, e.g. norm,nan (step, kind and name are always kept; "
                         f"default: {','.join(TABLE_COLUMNS)} in a table, every column otherwise)")
@@ -35,7 +35,11 @@ def run(args: argparse.Namespace) -> int:
     from stepdump.cli.output import output_format
 
     with open_run(args.run) as r:
-        df = r.stats(kind=args.kind, name=args.name, steps=parse_steps(args.steps))
+        df = r.stats(kind=args.kind, name=args.name, steps=args.steps)
+        if args.name and df.empty:  # the glob, or only the steps? Ask about every step.
+            names = r.stats(kind=args.kind)["name"]
+            if r.stats(kind=args.kind, name=args.name).empty:
+                return report_no_match("tensor", [args.name], names)
     default = TABLE_COLUMNS if output_format(args) == "table" else None
     # A NULL stat is "nothing to describe" (stats skip non-finite elements; an empty tensor has
     # none): df.isna(), the default, prints it as "-".

@@ -54,8 +54,9 @@ SUMMARIES: dict[str, str] = {
 }
 
 EPILOG = """\
-exit codes: 0 ok, 1 difference/finding/corruption found, 2 usage, 3 run/step/tensor not found,
-            4 corrupt or unknown-format store, 5 other error, 130 interrupted.
+exit codes: 0 ok, 1 difference/finding/corruption found, 2 usage (any bad value), 3 run/step/tensor
+            not found or a filter matched nothing, 4 corrupt or unknown-format store, 5 other error,
+            6 diff: nothing to compare, 130 interrupted (docs/cli.md).
 examples:
   stepdump demo --out demo-run --steps 200
   stepdump info demo-run
@@ -118,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``stepdump`` command line; returns the exit code (see :class:`Exit`)."""
     words = sys.argv[1:] if argv is None else argv
     parser = build_parser(_command_in(words))
-    args = parser.parse_args(words)
+    args = parser.parse_args(words)  # a bad value on the command line exits 2 here, with usage
     if args.command is None:
         parser.print_help()
         return Exit.USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     # Loaded by now: the command module imports it.
-    from stepdump.cli.common import err_console
+    from stepdump.cli.common import err_console, print_error
 
     try:
         return int(args.func(args))
@@ -134,10 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     except StepdumpError as e:
         if args.traceback:
             raise
-        err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        print_error(e)
         return _code(e)
-    except BrokenPipeError:  # `stepdump scalars run | head`
-        return Exit.OK
+    except BrokenPipeError:  # `stepdump diff a b | head -1`: the reader left; the verdict stands
+        if argv is None:  # the real process: later flushes of stdout would fail again, loudly, at exit
+            _silence_stdout()
+        return int(getattr(args, "verdict", Exit.OK))
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so Python's flush at exit has nowhere to fail (no BrokenPipe noise)."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _code(e: StepdumpError) -> Exit:
