@@ -90,9 +90,18 @@ class Recorder(_iteration.IterationStart):
             docs/recipes/gan-and-multi-model-loops.md.
         record: What to record (:class:`~stepdump.capture.options.RecordOptions`:
             ``capture``, ``include``, ``exclude``, ``modules``, ``profile``).
-        schedule: When: a ``StepSchedule`` (``every``, ``stats_every``; the
-            default records everything at every step), ``KeyframeSchedule``
-            (``keyframe_every=K``) or ``RingSchedule`` (``ring=N``, ``trigger``, ``after``).
+        schedule: When; one of the recording modes (README "Recording modes" says when to use each):
+
+            * full (the default): ``StepSchedule()``, every tensor at every step;
+            * tiered: ``StepSchedule(every=100)`` / ``every=100, stats_every=1``, stats and
+              fingerprints every step, tensors every 100;
+            * lean (stats only): ``StepSchedule(every=None)`` / ``every=None, stats_every=1``;
+            * gradient log: ``GradientLogSchedule(every=K)`` / ``gradient_log=K``, grads every
+              step and full state every K, any step rebuilt exactly (docs/gradient-log.md);
+            * keyframes: ``KeyframeSchedule(every=K)`` / ``keyframe_every=K``, for
+              :func:`stepdump.replay`;
+            * ring: ``RingSchedule(size=N)`` / ``ring=N``, ``trigger``, ``after``: the last N
+              steps kept in memory, written when the trigger fires.
         store: How to store it (``StoreOptions``: ``codec``, ``delta_chain``,
             ``queue_depth``, ``durability``, ``segment_bytes``, ``remote``, ...).
         on_error: What a failure inside the Recorder (disk full, a tensor it
