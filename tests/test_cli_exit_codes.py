@@ -109,6 +109,9 @@ def test_closed_pipe_keeps_the_verdict(cli, runs, monkeypatch, which, verdict):
     monkeypatch.setattr(common.console, "quiet", False)  # the closed pipe turns it on: restored after the test
     a, b = runs
     assert cli("diff", a, a if which == "same" else b, ok=None).code == verdict
+    monkeypatch.undo()  # the pipe's reader is back: the next command prints its own output only
+    first = cli("diff", a, b, ok=1).stdout
+    assert first == cli("diff", a, b, ok=1).stdout  # nothing of the broken command's output came first
 
 
 @pytest.mark.parametrize("which,verdict", [("same", 0), ("differs", 1)])

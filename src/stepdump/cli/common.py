@@ -33,6 +33,9 @@ class _Console(Console):
         rich's own handler exits 1, which would turn ``diff``'s "identical" (0) into "differ" (1).
         """
         self.quiet = True
+        # What rich had buffered can never be delivered: dropped, or the next print (an in-process
+        # caller's next command) would write it first.
+        del self._buffer[:]
         raise BrokenPipeError(32, "the reader of stdout has gone")
 
 
