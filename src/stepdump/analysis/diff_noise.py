@@ -145,10 +145,9 @@ def noise_diff(run_a: Any, run_b: Any, noise: Sequence[Any], kinds: Sequence[str
     state_ignore = [*left_out.listed, "scalars", "rng"]
     state = diff(run_a, run_b, kinds=(), ignore=state_ignore)
     state_noise = [diff(run_a, r, kinds=(), ignore=state_ignore) for r in noise]
+    nd = NoiseDiff(len(noise), factor)
     result = DiffResult(first_step=None, tensors=[], steps_compared=0, ignored=left_out.listed,
-                        config=state.config, noise=NoiseDiff(len(noise), factor))
-    nd = result.noise
-    assert nd is not None
+                        config=state.config, noise=nd)
     noisy_state = [s.first_step for s in state_noise if s.first_step is not None]
     nd.state_left_out = bool(noisy_state)
     state_step = None if nd.state_left_out else state.first_step

@@ -176,7 +176,8 @@ class Recorder(_iteration.IterationStart):
             raise ConfigError("schedulers= and scalers= go with models= and optimizers= (a joint run); "
                               "for one model give scheduler= and scaler=")
         check_objects(model, optimizer, scheduler, scaler)
-        assert model is not None and optimizer is not None  # check_objects refused anything else
+        if model is None or optimizer is None:  # check_objects refuses these already; this narrows the types
+            raise ConfigError("Recorder needs both the model and its optimizer: Recorder(path, model, optimizer)")
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self._closed = False
         self._hooks: list[Any] = []

@@ -85,7 +85,8 @@ def steps_arg(text: str) -> range | list[int]:
         steps = parse_steps(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    assert steps is not None
+    if steps is None:  # parse_steps gives None only for no text at all
+        raise argparse.ArgumentTypeError("give steps: N, A:B, A:B:K or a comma list")
     return steps
 
 
