@@ -19,11 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepdump.core.dtypes import DTYPE_NAMES
-from stepdump.core.hashing import fingerprint
 from stepdump.errors import RebuildError, StepNotFoundError, nearest_steps
+from stepdump.read.rows import differs_from_row
 from stepdump.read.state import layout_entries
-from stepdump.store.format import format_shape
 
 if TYPE_CHECKING:
     from torch.optim.swa_utils import AveragedModel
@@ -142,12 +140,10 @@ def _verify(run: Run, target: int, s: int, name: str, averaged: torch.nn.Module,
     for key in sorted(set(rows) | set(rebuilt)):
         t, row = rebuilt.get(key), rows.get(key)
         if t is None or row is None:
-            why = "is not in the rebuild" if t is None else "is not in the record"
-        elif DTYPE_NAMES.get(t.dtype) != row[0] or format_shape(t.shape) != row[1]:
-            why = f"is {t.dtype} {tuple(t.shape)} in the rebuild, {row[0]} {row[1]} in the record"
-        elif fingerprint(t) != row[2]:
-            why = "differs from its recorded fingerprint"
+            why: str | None = "is not in the rebuild" if t is None else "is not in the record"
         else:
+            why = differs_from_row(t, row)
+        if why is None:
             continue
         raise _error(run, target, name, f"re-applying AveragedModel.update_parameters to the model of step {s} gives "
                      f"{key!r} that {why}. The values are not returned: the run updates it elsewhere than right "

@@ -46,8 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepdump.core.dtypes import DTYPE_NAMES
-from stepdump.core.hashing import fingerprint
 from stepdump.errors import (
     ReadBudgetError,
     RebuildError,
@@ -80,11 +78,11 @@ from stepdump.read.state import (
 )
 from stepdump.read.gradlog_budget import RebuildBudget
 from stepdump.read.gradlog_why import mismatch_cause
+from stepdump.read.rows import differs_from_row
 from stepdump.store.format import (
     LEVEL_FULL,
     LEVEL_STATS,
     STATE_OUTSIDE_OPTIMIZER,
-    format_shape,
     sparse_values_dtype,
 )
 
@@ -461,14 +459,12 @@ class GradientLog:
                 continue
             row, t = recorded.get(key), rebuilt.get(key)
             if row is None:
-                why = "exists in the rebuild but not in the record"
+                why: str | None = "exists in the rebuild but not in the record"
             elif t is None:
                 why = "is in the record but the rebuild has none"
-            elif DTYPE_NAMES.get(t.dtype) != row[0] or format_shape(t.shape) != row[1]:
-                why = f"is {t.dtype} {tuple(t.shape)} in the rebuild, {row[0]} {row[1]} in the record"
-            elif fingerprint(t) != row[2]:
-                why = "differs from its recorded fingerprint"
             else:
+                why = differs_from_row(t, row)
+            if why is None:
                 continue
             raise self._error(step if target is None else target, step, key[0], key[1],
                               f"re-applying the recorded updates from keyframe {chain.keyframe} gives {key[0]} "

@@ -16,7 +16,9 @@ from stepdump.errors import (
     TensorNotFoundError,
     nearest_steps,
 )
-from stepdump.store.format import ALL_KINDS, LEVEL_FULL
+from stepdump.core.dtypes import DTYPE_NAMES
+from stepdump.core.hashing import fingerprint
+from stepdump.store.format import ALL_KINDS, LEVEL_FULL, format_shape
 from stepdump.store.queries import CatalogReader, as_step
 
 __all__ = ["as_step", "check_fingerprint", "check_kind", "check_level", "check_scalar", "require_full"]
@@ -64,3 +66,13 @@ def check_kind(kind: str) -> None:
     """Refuse a kind that no run can have (TensorNotFoundError listing the kinds)."""
     if kind not in ALL_KINDS:
         raise TensorNotFoundError(f"unknown kind {kind!r}; kinds are {', '.join(ALL_KINDS)}")
+
+
+def differs_from_row(t: Any, row: tuple[Any, Any, Any]) -> str | None:
+    """How a rebuilt tensor differs from its recorded ``(dtype, shape, fingerprint)`` row, or None
+    when it is the recorded tensor (a rebuild returns only what this says is exact)."""
+    if DTYPE_NAMES.get(t.dtype) != row[0] or format_shape(t.shape) != row[1]:
+        return f"is {t.dtype} {tuple(t.shape)} in the rebuild, {row[0]} {row[1]} in the record"
+    if fingerprint(t) != row[2]:
+        return "differs from its recorded fingerprint"
+    return None
