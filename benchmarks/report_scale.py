@@ -111,6 +111,11 @@ def main() -> None:
         view = first_view_s(out)
         print("first view in chromium: " + ("n/a" if view is None else f"{view:.2f} s"))
     if args.out:
+        from results_json import update  # benchmarks/ is sys.path[0] when run as a script
+
+        update("report_scale", {"tensors": args.tensors, "steps": args.steps, "record_s": recorded,
+                                "build_s": built, "build_cpu_s": built_cpu, "render_s": rendered,
+                                "page_mib": mib, "first_view_s": view}, Path(args.out).with_name("results.json"))
         load_after = os.getloadavg()
         date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         write_section(Path(args.out), "\n".join([
