@@ -135,9 +135,13 @@ def main() -> None:
     if out.exists():
         body = out.read_text()
         marker = "\n## Keyframe mode"
-        if marker in body:
-            body = body[: body.index(marker)]
-        out.write_text(body.rstrip("\n") + "\n" + text)
+        if marker in body:  # replace this section only: the ones after it belong to other scripts
+            start = body.index(marker)
+            nxt = body.find("\n## ", start + len(marker))
+            before, after = body[:start], (body[nxt:] if nxt != -1 else "")
+        else:
+            before, after = body, ""
+        out.write_text(before.rstrip("\n") + "\n" + text.rstrip("\n") + "\n" + after)
         from results_json import update  # benchmarks/ is sys.path[0] when run as a script
 
         update("keyframes", {"steps": args.steps, "every": args.every, "bytes_ratio": ratio,
