@@ -6,7 +6,11 @@ A number that comes from a benchmark is written in the Markdown as a marked regi
 
 ``leave_on/lean/A/overhead_pct`` is a path into results.json (``/`` between keys, a list index as
 a number; keys may hold dots, as ``torch.save`` does), and the optional format is a
-``format()`` spec (``.1f``, ``,.0f``) or ``verdict`` (true -> pass, false -> FAIL, null -> n/a).
+``format()`` spec (``.1f``, ``,.0f``), ``verdict`` (true -> pass, false -> FAIL, null -> n/a) or
+``pct`` (a ratio shown as a signed percentage: 1.011 -> +1.1%). Two paths joined by `` / ``, `` - ``
+or `` * `` show that arithmetic of their values (a ratio or a difference the page derives)::
+
+    <!-- bench: run/workloads/A/sd-gradlog/ms_per_step - run/workloads/A/none/ms_per_step +.0f -->
 The text between the markers is what this script renders; tests/test_docs_numbers.py fails when it
 differs from what the committed results.json renders, so a number cannot drift from its data.
 
@@ -25,7 +29,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PAGES = (ROOT / "docs" / "performance.md", ROOT / "README.md")
-REGION = re.compile(r"<!-- bench: (?P<path>\S+?)(?: (?P<fmt>\S+))? -->(?P<value>.*?)<!-- /bench -->", re.S)
+REGION = re.compile(r"<!-- bench: (?P<path>\S+?(?: [-/*] \S+?)?)(?: (?P<fmt>\S+))? -->(?P<value>.*?)<!-- /bench -->",
+                    re.S)
+OPS = {"/": lambda a, b: a / b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 sys.path.insert(0, str(HERE))
 from results_json import DEFAULT, load  # noqa: E402
@@ -49,7 +55,21 @@ def lookup(data: Any, path: str) -> Any:
     return node
 
 
+def value_of(data: Any, expr: str) -> Any:
+    """The value of ``path`` or of ``path OP path`` (OP one of / - *) in ``data``."""
+    parts = expr.split(" ")
+    if len(parts) == 1:
+        return lookup(data, expr)
+    left, op, right = parts
+    a, b = lookup(data, left), lookup(data, right)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
+        raise MissingNumber(f"{expr!r}: both sides must be numbers, got {a!r} and {b!r}")
+    return OPS[op](a, b)
+
+
 def show(value: Any, spec: str | None) -> str:
+    if spec == "pct":
+        return format((value - 1) * 100, "+.1f") + "%"
     if spec == "verdict":
         return "n/a" if value is None else "pass" if value else "FAIL"
     if isinstance(value, (dict, list)):
@@ -61,7 +81,7 @@ def render(text: str, data: Any) -> str:
     """``text`` with every marked region's value rendered from ``data``; the rest unchanged."""
     def one(m: re.Match[str]) -> str:
         fmt = f" {m['fmt']}" if m["fmt"] else ""
-        return f"<!-- bench: {m['path']}{fmt} -->{show(lookup(data, m['path']), m['fmt'])}<!-- /bench -->"
+        return f"<!-- bench: {m['path']}{fmt} -->{show(value_of(data, m['path']), m['fmt'])}<!-- /bench -->"
 
     return REGION.sub(one, text)
 
@@ -70,7 +90,7 @@ def stale(page: Path, data: Any) -> list[str]:
     """``path: shown -> rendered`` for each region of ``page`` that differs from the data."""
     out = []
     for m in REGION.finditer(page.read_text()):
-        want = show(lookup(data, m["path"]), m["fmt"])
+        want = show(value_of(data, m["path"]), m["fmt"])
         if m["value"] != want:
             out.append(f"{page.name}: {m['path']}: {m['value']!r} -> {want!r}")
     return out

@@ -29,6 +29,13 @@ DATA = {"run": {"workloads": {"A": {"torch.save": {"ms": 812.345}}}, "verdicts":
     ("<!-- bench: leave_on/targets/0/ok verdict -->pass<!-- /bench -->",
      "<!-- bench: leave_on/targets/0/ok verdict -->n/a<!-- /bench -->"),
     ("no regions: 812 ms stays 812 ms", "no regions: 812 ms stays 812 ms"),
+    # arithmetic of two values: a ratio, a difference, a signed percentage
+    ("<!-- bench: leave_on/lean/A/overhead_pct / run/workloads/A/torch.save/ms .5f -->?<!-- /bench -->",
+     "<!-- bench: leave_on/lean/A/overhead_pct / run/workloads/A/torch.save/ms .5f -->0.00289<!-- /bench -->"),
+    ("<!-- bench: run/workloads/A/torch.save/ms - leave_on/lean/A/overhead_pct +.1f -->?<!-- /bench -->",
+     "<!-- bench: run/workloads/A/torch.save/ms - leave_on/lean/A/overhead_pct +.1f -->+810.0<!-- /bench -->"),
+    ("<!-- bench: leave_on/lean/A/overhead_pct pct -->?<!-- /bench -->",
+     "<!-- bench: leave_on/lean/A/overhead_pct pct -->+134.5%<!-- /bench -->"),
 ])
 def test_regions_render_from_the_data(text: str, want: str) -> None:
     assert docs_numbers.render(text, DATA) == want
@@ -39,6 +46,8 @@ def test_regions_render_from_the_data(text: str, want: str) -> None:
     "<!-- bench: run/workloads/B/torch.save/ms -->1<!-- /bench -->",  # no workload B
     "<!-- bench: run/verdicts/7/ok verdict -->pass<!-- /bench -->",  # no 8th verdict
     "<!-- bench: run/workloads -->1<!-- /bench -->",  # a table, not a number
+    "<!-- bench: run/verdicts/0/ok / run/workloads/A/torch.save/ms -->1<!-- /bench -->",  # a verdict is no number
+    "<!-- bench: run/workloads/A/torch.save/ms / run/nothing -->1<!-- /bench -->",  # right side missing
 ])
 def test_a_region_without_its_number_is_refused(text: str) -> None:
     with pytest.raises(docs_numbers.MissingNumber):
