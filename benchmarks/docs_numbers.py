@@ -5,7 +5,8 @@ A number that comes from a benchmark is written in the Markdown as a marked regi
     the lean mode costs <!-- bench: leave_on/lean/A/overhead_pct .1f -->2.3<!-- /bench --> % per step
 
 ``leave_on/lean/A/overhead_pct`` is a path into results.json (``/`` between keys, a list index as
-a number; keys may hold dots, as ``torch.save`` does), and the optional format is a
+a number, ``@median`` / ``@min`` / ``@max`` of a list of numbers; keys may hold dots, as
+``torch.save`` does), and the optional format is a
 ``format()`` spec (``.1f``, ``,.0f``), ``verdict`` (true -> pass, false -> FAIL, null -> n/a) or
 ``pct`` (a ratio shown as a signed percentage: 1.011 -> +1.1%). Two paths joined by `` / ``, `` - ``
 or `` * `` show that arithmetic of their values (a ratio or a difference the page derives)::
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ PAGES = (ROOT / "docs" / "performance.md", ROOT / "README.md")
 REGION = re.compile(r"<!-- bench: (?P<path>\S+?(?: [-/*] \S+?)?)(?: (?P<fmt>\S+))? -->(?P<value>.*?)<!-- /bench -->",
                     re.S)
 OPS = {"/": lambda a, b: a / b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+REDUCE = {"@median": statistics.median, "@min": min, "@max": max}  # of a list of numbers (a benchmark's repeats)
 
 sys.path.insert(0, str(HERE))
 from results_json import DEFAULT, load  # noqa: E402
@@ -45,7 +48,10 @@ def lookup(data: Any, path: str) -> Any:
     """The value at ``a/b/0/c`` in ``data``."""
     node = data
     for part in path.split("/"):
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        if part in REDUCE and isinstance(node, list) and node and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in node):
+            node = REDUCE[part](node)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         elif isinstance(node, dict) and part in node:
             node = node[part]

@@ -15,7 +15,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import docs_numbers  # noqa: E402
 import results_json  # noqa: E402
 
-DATA = {"run": {"workloads": {"A": {"torch.save": {"ms": 812.345}}}, "verdicts": [{"ok": True}, {"ok": False}]},
+DATA = {"run": {"workloads": {"A": {"torch.save": {"ms": 812.345, "runs": [3.0, 1.0, 2.0, 10.0]}}},
+                "verdicts": [{"ok": True}, {"ok": False}]},
         "leave_on": {"lean": {"A": {"overhead_pct": 2.345}}, "targets": [{"ok": None}]}}
 
 
@@ -34,6 +35,10 @@ DATA = {"run": {"workloads": {"A": {"torch.save": {"ms": 812.345}}}, "verdicts":
      "<!-- bench: leave_on/lean/A/overhead_pct / run/workloads/A/torch.save/ms .5f -->0.00289<!-- /bench -->"),
     ("<!-- bench: run/workloads/A/torch.save/ms - leave_on/lean/A/overhead_pct +.1f -->?<!-- /bench -->",
      "<!-- bench: run/workloads/A/torch.save/ms - leave_on/lean/A/overhead_pct +.1f -->+810.0<!-- /bench -->"),
+    ("<!-- bench: run/workloads/A/torch.save/runs/@median .1f -->?<!-- /bench --> "
+     "<!-- bench: run/workloads/A/torch.save/runs/@max .0f -->?<!-- /bench -->",
+     "<!-- bench: run/workloads/A/torch.save/runs/@median .1f -->2.5<!-- /bench --> "
+     "<!-- bench: run/workloads/A/torch.save/runs/@max .0f -->10<!-- /bench -->"),
     ("<!-- bench: leave_on/lean/A/overhead_pct pct -->?<!-- /bench -->",
      "<!-- bench: leave_on/lean/A/overhead_pct pct -->+134.5%<!-- /bench -->"),
 ])
@@ -48,6 +53,7 @@ def test_regions_render_from_the_data(text: str, want: str) -> None:
     "<!-- bench: run/workloads -->1<!-- /bench -->",  # a table, not a number
     "<!-- bench: run/verdicts/0/ok / run/workloads/A/torch.save/ms -->1<!-- /bench -->",  # a verdict is no number
     "<!-- bench: run/workloads/A/torch.save/ms / run/nothing -->1<!-- /bench -->",  # right side missing
+    "<!-- bench: run/verdicts/@median -->1<!-- /bench -->",  # a median of things that are not numbers
 ])
 def test_a_region_without_its_number_is_refused(text: str) -> None:
     with pytest.raises(docs_numbers.MissingNumber):
