@@ -34,8 +34,8 @@ TOP_LEVEL = sorted([
 ])
 OPTIONS = ["GradientLogSchedule", "KeyframeSchedule", "RecordOptions", "Remote", "ResolvedOptions", "RingSchedule",
            "Schedule", "StepSchedule", "StoreOptions"]
-TYPES = ["DiffResult", "DistributedRun", "Finding", "JointRun", "Localization", "LocalizeSetup", "ReexecResult",
-         "ReplayResult", "RemoteRun", "Run", "RunReader", "Severity", "VerifyReport"]
+TYPES = ["DiffResult", "DistributedRun", "Finding", "JointRun", "Localization", "LocalizeSetup", "OpLocalization",
+         "ReexecResult", "ReplayResult", "RemoteRun", "Run", "RunReader", "Severity", "VerifyReport"]
 # Old top-level spellings (issue 23 moved them): they warn, naming the new home, for one release.
 MOVED = {"RecordOptions": "options.RecordOptions", "StepSchedule": "options.StepSchedule",
          "KeyframeSchedule": "options.KeyframeSchedule", "GradientLogSchedule": "options.GradientLogSchedule",

@@ -53,14 +53,14 @@ __version__ = "0.1.0"
 # same modules (tests/test_public_api.py checks it, since a type checker cannot read a loop).
 _LAZY: dict[str, str] = {
     "Recorder": "stepdump.capture.recorder",
-    "open": "stepdump.read.run",  # returns a stepdump.types.RunReader (or JointRun)
+    "open": "stepdump.read.opener",  # returns a stepdump.types.RunReader (or JointRun)
     # check comes through stepdump.checks so that every rule (cross_rank included) is registered
     "check": "stepdump.checks",
     "diff": "stepdump.analysis.diff",
     "verify": "stepdump.analysis.verify",
     "replay": "stepdump.read.replay",
     "reexecute": "stepdump.reexec.verdict",
-    "localize": "stepdump.analysis.localize",
+    "localize": "stepdump.reexec.localize",  # level="module" is analysis.localize, level="op" reexec.ops
 }
 
 # Names that moved to a submodule: old top-level name -> (module, name there). They keep working
@@ -103,12 +103,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from stepdump import options as options
     from stepdump import types as types
     from stepdump.analysis.diff import diff
-    from stepdump.analysis.localize import localize
     from stepdump.analysis.verify import verify
     from stepdump.capture.recorder import Recorder
     from stepdump.checks import check
     from stepdump.read.replay import replay
-    from stepdump.read.run import open
+    from stepdump.read.opener import open
+    from stepdump.reexec.localize import localize
     from stepdump.reexec.verdict import reexecute
 
 # ``open`` stays out: ``from stepdump import *`` must leave the builtin alone (use stepdump.open).

@@ -6,8 +6,8 @@
 * results: :class:`DiffResult` (:func:`stepdump.diff`), :class:`Finding` and :class:`Severity`
   (:func:`stepdump.check`; also in :mod:`stepdump.checks`), :class:`VerifyReport`
   (:func:`stepdump.verify`), :class:`ReplayResult` (:func:`stepdump.replay`),
-  :class:`ReexecResult` (:func:`stepdump.reexecute`), :class:`Localization`
-  (:func:`stepdump.localize`);
+  :class:`ReexecResult` (:func:`stepdump.reexecute`), :class:`Localization` and
+  :class:`OpLocalization` (:func:`stepdump.localize`, ``level="module"`` / ``level="op"``);
 * :class:`LocalizeSetup`: one side given to :func:`stepdump.localize` (a model, its optimizer,
   one iteration's code).
 """
@@ -25,6 +25,7 @@ from stepdump.read.reader import RunReader
 from stepdump.read.remote import RemoteRun
 from stepdump.read.replay import ReplayResult
 from stepdump.read.run import Run
+from stepdump.reexec.ops import OpLocalization
 from stepdump.reexec.verdict import ReexecResult
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "JointRun",
     "Localization",
     "LocalizeSetup",
+    "OpLocalization",
     "ReexecResult",
     "ReplayResult",
     "RemoteRun",
