@@ -8,8 +8,9 @@ A number that comes from a benchmark is written in the Markdown as a marked regi
 a number, ``@median`` / ``@min`` / ``@max`` of a list of numbers; keys may hold dots, as
 ``torch.save`` does), and the optional format is a
 ``format()`` spec (``.1f``, ``,.0f``), ``verdict`` (true -> pass, false -> FAIL, null -> n/a) or
-``pct`` (a ratio shown as a signed percentage: 1.011 -> +1.1%). Two paths joined by `` / ``, `` - ``
-or `` * `` show that arithmetic of their values (a ratio or a difference the page derives)::
+``pct`` (a ratio shown as a signed percentage: 1.011 -> +1.1%). Paths and number literals joined by
+`` / ``, `` - `` or `` * `` show that arithmetic, left to right (a ratio or a difference the page
+derives, a unit conversion)::
 
     <!-- bench: run/workloads/A/sd-gradlog/ms_per_step - run/workloads/A/none/ms_per_step +.0f -->
 The text between the markers is what this script renders; tests/test_docs_numbers.py fails when it
@@ -31,7 +32,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PAGES = (ROOT / "docs" / "performance.md", ROOT / "README.md")
-REGION = re.compile(r"<!-- bench: (?P<path>\S+?(?: [-/*] \S+?)?)(?: (?P<fmt>\S+))? -->(?P<value>.*?)<!-- /bench -->",
+REGION = re.compile(r"<!-- bench: (?P<path>\S+?(?: [-/*] \S+?)*)(?: (?P<fmt>\S+))? -->(?P<value>.*?)<!-- /bench -->",
                     re.S)
 OPS = {"/": lambda a, b: a / b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 REDUCE = {"@median": statistics.median, "@min": min, "@max": max}  # of a list of numbers (a benchmark's repeats)
@@ -62,15 +63,25 @@ def lookup(data: Any, path: str) -> Any:
 
 
 def value_of(data: Any, expr: str) -> Any:
-    """The value of ``path`` or of ``path OP path`` (OP one of / - *) in ``data``."""
+    """The value of ``path``, or of ``term OP term OP ...`` evaluated left to right (OP one of / - *;
+    a term is a path or a number literal such as ``1e6``)."""
     parts = expr.split(" ")
     if len(parts) == 1:
         return lookup(data, expr)
-    left, op, right = parts
-    a, b = lookup(data, left), lookup(data, right)
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)):
-        raise MissingNumber(f"{expr!r}: both sides must be numbers, got {a!r} and {b!r}")
-    return OPS[op](a, b)
+
+    def term(t: str) -> float:
+        try:
+            return float(t)
+        except ValueError:
+            v = lookup(data, t)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise MissingNumber(f"{expr!r}: {t!r} is {v!r}, not a number")
+        return v
+
+    value = term(parts[0])
+    for op, t in zip(parts[1::2], parts[2::2]):
+        value = OPS[op](value, term(t))
+    return value
 
 
 def show(value: Any, spec: str | None) -> str:

@@ -39,6 +39,8 @@ DATA = {"run": {"workloads": {"A": {"torch.save": {"ms": 812.345, "runs": [3.0, 
      "<!-- bench: run/workloads/A/torch.save/runs/@max .0f -->?<!-- /bench -->",
      "<!-- bench: run/workloads/A/torch.save/runs/@median .1f -->2.5<!-- /bench --> "
      "<!-- bench: run/workloads/A/torch.save/runs/@max .0f -->10<!-- /bench -->"),
+    ("<!-- bench: run/workloads/A/torch.save/ms - leave_on/lean/A/overhead_pct / 1e3 .4f -->?<!-- /bench -->",
+     "<!-- bench: run/workloads/A/torch.save/ms - leave_on/lean/A/overhead_pct / 1e3 .4f -->0.8100<!-- /bench -->"),
     ("<!-- bench: leave_on/lean/A/overhead_pct pct -->?<!-- /bench -->",
      "<!-- bench: leave_on/lean/A/overhead_pct pct -->+134.5%<!-- /bench -->"),
 ])
