@@ -317,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args.results.write_text(md)
     print(f"wrote {args.results}")
     data = {"date": date, "info": info, "settings": settings, "duration_s": duration,
+            "load_before": load_before, "load_after": report.loadavg(),
             "workloads": {r.name: {k: v.to_json() for k, v in r.results.items()} | {"write_only_ms": r.write_only_ms}
                           for r in reports},
             "verdicts": [v.__dict__ for v in verdicts], "readside": readres}

@@ -39,6 +39,7 @@ from stepdump.analysis.report_groups import tensor_groups
 from stepdump.analysis.report_scalars import group_scalars, scalar_order, wants_log
 from stepdump.errors import ConfigError, StepdumpError
 from stepdump.read.joint import is_joint
+from stepdump.read.reexecuted import reexecutions
 from stepdump.read.reader import RunReader, ranked_stores
 from stepdump.read.run import Run
 
@@ -112,6 +113,7 @@ def build_report_data(
         "times": _times(stores),
         "groups": tensor_groups(_all_names(stores), _embeddings(stores)),
         "dist": _dist(stores, tables, dist_points, quantile_steps),
+        "reexecutions": reexecution_rows(run),
     }
 
 
@@ -406,6 +408,21 @@ def _nonfinite(run: RunReader, stores: list[tuple[str, Run]], max_points: int) -
         "skipped_x0": [int(all_steps[a]) for a, v in zip(sf, sk[0]) if v > 0],
         "skipped_x1": [int(all_steps[b]) for b, v in zip(sl, sk[0]) if v > 0],
     }
+
+
+def reexecution_rows(run: RunReader) -> list[dict[str, Any]]:
+    """The verdicts of re-executions written back into the run (docs/reexecute.md), one per step."""
+    rows = []
+    for step, mark in reexecutions(run).items():
+        if isinstance(mark, dict):
+            first = mark.get("first")
+            nan = mark.get("nan_op")
+            rows.append({"step": step, "verdict": str(mark.get("verdict", "?")), "cause": mark.get("cause") or "",
+                         "first": " ".join(map(str, first)) if isinstance(first, list) else "",
+                         "nan_op": nan.get("where") if isinstance(nan, dict) else "",
+                         "captured": sum(len(v) for v in (mark.get("captured") or {}).values()
+                                         if isinstance(v, list))})
+    return rows
 
 
 # -- findings -------------------------------------------------------------------

@@ -27,7 +27,7 @@ OVERLAY_DATA_VERSION = 3
 
 # What each run keeps for itself (drawn per run); scalars and moments are overlaid.
 _PER_RUN = ("summary", "domain", "grad_norms", "param_norms", "update_ratio", "nonfinite", "findings", "checks",
-            "times", "groups", "dist")
+            "times", "groups", "dist", "reexecutions", "ranks")
 
 
 def run_labels(runs: Sequence[RunReader], labels: Sequence[str] | None = None) -> list[str]:

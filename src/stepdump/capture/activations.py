@@ -45,6 +45,7 @@ class ModuleCapture:
         self._calls: dict[tuple[str, str], int] = {}
         self._handles: list[Any] = []
         self.unsupported: str | None = None
+        self.matched: list[str] = []  # the modules whose outputs are hooked (re-execution refuses none)
         patterns = [modules] if isinstance(modules, str) else list(modules)
         root = unwrap(model)  # torch.compile wraps the module
         if isinstance(root, torch.jit.ScriptModule):
@@ -57,6 +58,7 @@ class ModuleCapture:
         if "activations" in kinds or "activation_grads" in kinds:
             for name, mod in root.named_modules():
                 if name and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                    self.matched.append(name)
                     self._handles.append(mod.register_forward_hook(Hook(self._make_hook(name))))
         if "inputs" in kinds:
             # Hooks: a deepcopy or pickle of the model never carries this capture along (handles.py).

@@ -7,7 +7,7 @@ import importlib
 import sys
 from typing import Any
 
-from stepdump.cli.common import add_run_arg, console, open_run
+from stepdump.cli.common import add_run_arg, console, glob_arg, open_run
 from stepdump.cli.exitcodes import Exit
 from stepdump.cli.output import print_json
 from stepdump.errors import ConfigError
@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   stepdump reexec runs/exp1 --step 45 --entry train:make_step
   stepdump reexec step-45.stepdump --step 45 --entry train:make_step --find-nan
   stepdump reexec runs/exp1 --step 45 --entry train:make_step --repeat 3 --json
+  stepdump reexec runs/exp1 --step 45 --entry train:make_step --activations 'blocks.*.attn' --write-back
 
 --entry pkg.module:factory names a function of yours (importable from the current directory) that
 takes no arguments and returns (model, optimizer, train_step[, scheduler[, scaler]]) or a dict
@@ -33,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--find-nan", action="store_true",
                    help="trace op by op and name the first op whose output holds a NaN/Inf")
     p.add_argument("--loss", default="loss", help="the logged scalar train_step's return value is compared with")
+    p.add_argument("--activations", type=glob_arg, action="append", metavar="GLOB",
+                   help="capture the outputs of the modules matching GLOB (repeatable; as Recorder(modules=))")
+    p.add_argument("--activation-grads", type=glob_arg, action="append", metavar="GLOB",
+                   help="capture the grads flowing into the outputs of the modules matching GLOB (repeatable)")
+    p.add_argument("--write-back", action="store_true",
+                   help="store what was captured, the verdict and the --find-nan origin into the run, marked as "
+                        "re-executed (run.activations, stepdump check and the report show them)")
     p.add_argument("--json", action="store_true", help="write the result as JSON")
 
 
@@ -71,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     with open_run(args.run) as r:
         result = reexecute(r, args.step, parts["model"], parts["optimizer"], parts["train_step"],
                            parts.get("scheduler"), parts.get("scaler"), repeat=args.repeat, find_nan=args.find_nan,
-                           loss=args.loss)
+                           loss=args.loss, activations=args.activations, activation_grads=args.activation_grads,
+                           write_back=args.write_back)
     if args.json:
         print_json({"step": result.step, "verdict": result.verdict, "cause": result.cause,
                     "first": list(result.first) if result.first else None,
@@ -80,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                     "nan_op": result.nan_op.where() if result.nan_op else None,
                     "nan_inputs": result.nan_op.input_stats if result.nan_op else None,
                     "repeats": result.repeats, "compared": result.compared, "how": result.how,
-                    "notes": result.notes})
+                    "notes": result.notes, "activations": sorted(result.activations),
+                    "activation_grads": sorted(result.activation_grads), "written_back": result.written_back})
     else:
         console.print(result.summary(), soft_wrap=True, markup=False, highlight=False)
     return Exit.OK if result.reproduces else Exit.FOUND

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from stepdump.read.reader import RunReader
+    from stepdump.read.reexecuted import Activations
     from stepdump.store.storage import ReadStorage
 
 _as_step = as_step  # the name ranked.py and older callers import
@@ -200,6 +201,16 @@ class Run:
             with self._blobs.call():
                 return self._gradlog.names(step, kind)
         return self._catalog.stored_names(step, kind)
+
+    def activations(self, step: int, *, grads: bool = False, reexecuted: bool | None = None) -> Activations:
+        """The module outputs (``grads=True``: the grads flowing into them) stored at ``step``, by
+        module name: those the recording captured, else those a re-execution captured and wrote
+        back (``stepdump.reexecute(..., write_back=True)``). The result is a dict with ``.reexecuted``
+        (which of the two) and ``.verdict`` (the re-execution's, as stored); ``reexecuted=True`` /
+        ``False`` asks for one source only. Empty when the step holds none."""
+        from stepdump.read.reexecuted import activations
+
+        return activations(self, _as_step(step), grads=grads, reexecuted=reexecuted)
 
     def fingerprints(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], int]:
         """(kind, name) -> fingerprint of every tensor with stats at ``step``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import struct
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from stepdump.core.optrace import OpRecord, OpTracer
 from stepdump.core.rng import get_rng_state, set_rng_state
 from stepdump.errors import BatchMismatchError, ConfigError, ReplayDiverged, StepNotFoundError
 from stepdump.read.replay import _live_tensors, batch_calls, recorded_batch, replay
+from stepdump.reexec.capture import Captured, capturing
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
 Key = tuple[str, str]
@@ -47,6 +49,7 @@ class Execution:
 
     fps: dict[Key, int] = field(default_factory=dict)
     ops: OpTracer | None = None
+    captured: Captured | None = None  # activations / activation grads of the modules asked for (capture.py)
 
 
 @dataclass
@@ -166,9 +169,10 @@ class _NoStep(Exception):
 
 def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             train_step: TrainStep, scheduler: Any = None, scaler: Any = None, *, trace: bool = False,
-            source: bool = True) -> Execution:
+            source: bool = True, capture: tuple[list[str], list[str]] | None = None) -> Execution:
     """Run the iteration once from ``prep``'s state: grads at the optimizer's pre-hook, params and
-    optimizer state after ``train_step`` returns, and its return value as the loss."""
+    optimizer state after ``train_step`` returns, and its return value as the loss. ``capture``:
+    (activation globs, activation-grad globs) whose modules' outputs and grads are kept."""
     model.load_state_dict(prep.model_state)
     optimizer.load_state_dict(copy.deepcopy(prep.optimizer_state))
     if scheduler is not None:
@@ -190,12 +194,15 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
 
     handle = optimizer.register_step_pre_hook(pre_hook)
     try:
-        if trace:
-            ex.ops = OpTracer(source=source)
-            with ex.ops.tracing(model):
+        with ExitStack() as stack:
+            if capture is not None and (capture[0] or capture[1]):
+                ex.captured = stack.enter_context(capturing(model, *capture))  # filled as the block ends
+            if trace:
+                ex.ops = OpTracer(source=source)
+                with ex.ops.tracing(model):
+                    out = train_step(model, optimizer, batch)
+            else:
                 out = train_step(model, optimizer, batch)
-        else:
-            out = train_step(model, optimizer, batch)
     finally:
         handle.remove()
     if isinstance(out, torch.Tensor) and out.numel() == 1:

@@ -16,6 +16,7 @@ Three verdicts (docs/reexecute.md), each with its evidence:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from stepdump.core.host import kernels_meta
 from stepdump.core.optrace import OpRecord, first_op_difference
 from stepdump.errors import ConfigError, StepNotFoundError, nearest_steps
+from stepdump.reexec.capture import module_globs
 from stepdump.reexec.engine import (
     Key,
     TrainStep,
@@ -34,6 +36,8 @@ from stepdump.reexec.engine import (
     recorded,
     stored_batch,
 )
+from stepdump.reexec.writeback import check_writable
+from stepdump.reexec.writeback import write_back as write_back_into
 
 REPRODUCES, NONDETERMINISTIC, DIFFERS = "reproduces", "nondeterministic", "differs from the record"
 
@@ -57,6 +61,9 @@ class ReexecResult:
         environment: How this process differs from the recording's meta, one line each.
         repeats: Re-executions compared. compared: quantities compared with the record.
         how: How the step's state was reached. notes: anything that limits the verdict.
+        activations, activation_grads: What the modules matching ``activations=`` /
+            ``activation_grads=`` computed in the first re-execution, by the Recorder's names.
+        written_back: The capture and the verdict were stored into the run (``write_back=True``).
     """
 
     step: int
@@ -72,6 +79,9 @@ class ReexecResult:
     compared: int = 0
     how: str = ""
     notes: list[str] = field(default_factory=list)
+    activations: dict[str, torch.Tensor] = field(default_factory=dict)
+    activation_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    written_back: bool = False
 
     @property
     def reproduces(self) -> bool:
@@ -105,6 +115,12 @@ class ReexecResult:
                 lines.append(f"    input {i}: {s}")
         lines.append(f"  state: {self.how}")
         lines.extend(f"  note: {n}" for n in self.notes)
+        if self.activations or self.activation_grads:
+            lines.append(f"  captured: {len(self.activations)} activations, {len(self.activation_grads)} "
+                         "activation grads")
+        if self.written_back:
+            lines.append(f"  written back into the run at step {self.step} (marked as re-executed: "
+                         "run.activations(step), stepdump check, the report)")
         return "\n".join(lines)
 
 
@@ -126,7 +142,8 @@ def environment_difference(meta: dict[str, Any], model: torch.nn.Module) -> list
 def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               train_step: TrainStep, scheduler: Any = None, scaler: Any = None, *, repeat: int = 2,
               batch: Any = None, find_nan: bool = False, trace: bool | None = None,
-              loss: str | None = "loss") -> ReexecResult:
+              loss: str | None = "loss", activations: str | Iterable[str] | None = None,
+              activation_grads: str | Iterable[str] | None = None, write_back: bool = False) -> ReexecResult:
     """Re-execute step ``step`` of ``run`` ``repeat`` times and compare with the record, bitwise.
 
     Args:
@@ -147,6 +164,13 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
         trace: Name the op that differs between re-executions: None traces two extra
             re-executions only when they disagree; True traces every one; False never.
         loss: The logged scalar train_step's return value is compared with (None: not compared).
+        activations, activation_grads: Module-name globs (as ``Recorder(modules=)`` takes them):
+            the outputs, and the grads flowing into them, of the matching modules in the first
+            re-execution, on the result by the Recorder's names (``fc1``, ``block/0``, ``block#1``).
+        write_back: Store the captured tensors and the verdict (with ``find_nan``'s op) into the
+            run, marked as re-executed: ``run.activations(step)``, ``stepdump check`` (rule
+            ``reexecution``) and the report show them. A later write-back for the same step
+            replaces it. Refused for a bundle, a remote or multi-rank run, a run being recorded.
 
     Returns:
         A :class:`ReexecResult` (``.verdict``, ``.summary()``).
@@ -155,6 +179,9 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
 
     if isinstance(run, (str, os.PathLike)):
         run = open_run(run)
+    globs = (module_globs(activations, "activations"), module_globs(activation_grads, "activation_grads"))
+    if write_back:
+        check_writable(run)  # before any work: a bundle, a remote run, a run being recorded
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ConfigError(f"repeat={repeat!r}: give the number of re-executions, 1 or more (2 tells "
                           "nondeterminism apart)")
@@ -167,7 +194,23 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
     if batch is None:
         batch = stored_batch(run, step, run.step_state(step) if run.catalog.has_state(step) else {})
     runs = [execute(prep, batch, model, optimizer, train_step, scheduler, scaler,
-                    trace=bool(trace) or (find_nan and i == 0)) for i in range(repeat)]
+                    trace=bool(trace) or (find_nan and i == 0), capture=globs if i == 0 else None)
+            for i in range(repeat)]
+    result = _judge(run, step, prep, runs, batch, model, optimizer, train_step, scheduler, scaler, trace, find_nan,
+                    loss, repeat)
+    captured = runs[0].captured or {}
+    result.activations = dict(captured.get("activations", {}))
+    result.activation_grads = dict(captured.get("activation_grads", {}))
+    if write_back:
+        write_back_into(run, result, captured)
+        result.written_back = True
+    return result
+
+
+def _judge(run: Any, step: int, prep: Any, runs: list[Any], batch: Any, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer, train_step: TrainStep, scheduler: Any, scaler: Any,
+           trace: bool | None, find_nan: bool, loss: str | None, repeat: int) -> ReexecResult:
+    """The verdict from the re-executions ``runs`` (two more under the tracer if they disagree)."""
     record = recorded(run, step, loss)
     result = ReexecResult(step=step, verdict=REPRODUCES, repeats=repeat, how=prep.how, notes=list(prep.notes),
                           compared=len(set(record) & set(runs[0].fps)))

@@ -96,7 +96,8 @@ def fragments(d: dict[str, Any]) -> dict[str, Any]:
     return {
         "summary_html": _summaries_html(runs),
         "findings_html": _findings_html(findings, checks.pop() if len(checks) == 1 else "given",
-                                        [r["label"] for r in runs] if len(runs) > 1 else None),
+                                        [r["label"] for r in runs] if len(runs) > 1 else None)
+        + _reexec_html(runs),
         "nfindings": len(findings),
         "compare_html": comparison_html(d),
     }
@@ -314,6 +315,27 @@ def _findings_html(findings: list[dict[str, Any]], checks: str, labels: list[str
             f"<td>{_e(f.get('message'))}</td></tr>"
         )
     return f'<table class="findings"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _reexec_html(runs: list[dict[str, Any]]) -> str:
+    """One row per re-execution written back into a run (docs/reexecute.md): its step and verdict,
+    under the findings (a verdict other than *reproduces* is also a ``reexecution`` finding)."""
+    rows = [(i, x) for i, r in enumerate(runs) for x in r.get("reexecutions") or []]
+    if not rows:
+        return ""
+    labels = len(runs) > 1
+    head = "".join(f"<th>{h}</th>" for h in ("Run",) * labels + ("Step", "Verdict", "First difference",
+                                                                   "First NaN/Inf op", "Tensors captured"))
+    body = "".join(
+        f'<tr data-step="{_e(x["step"])}" data-verdict="{_e(x["verdict"])}">'
+        + (f'<td>{_e(runs[i]["label"])}</td>' if labels else "")
+        + f'<td class="num">{_e(x["step"])}</td><td>{_e(x["verdict"])}'
+        + (f' ({_e(x["cause"])})' if x.get("cause") else "")
+        + f'</td><td class="mono">{_e(x.get("first"))}</td><td class="mono">{_e(x.get("nan_op"))}</td>'
+        f'<td class="num">{_e(x.get("captured", 0))}</td></tr>'
+        for i, x in rows)
+    return (f'<h3>Re-executed steps</h3><div id="reexec-body"><table class="findings reexec"><thead><tr>{head}'
+            f'</tr></thead><tbody>{body}</tbody></table></div>')
 
 
 def _fmt(v: Any) -> str:

@@ -225,6 +225,38 @@ class CatalogWriter:
     def set_meta(self, key: str, value: Any) -> None:
         self.con.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
 
+    def meta_text(self, key: str) -> str | None:
+        """The stored (JSON) text of meta ``key`` as this transaction sees it; None if absent."""
+        row = self.con.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def drop_tensors(self, step: int, kinds: Sequence[str]) -> None:
+        """Remove the tensor rows of ``kinds`` at ``step`` and the blob rows nothing else names
+        (a re-execution written back again replaces the earlier one: reexec/writeback.py). Their
+        bytes stay in their segment, unreferenced, as after a resume."""
+        marks = ",".join("?" * len(kinds))
+        where = f"FROM tensors WHERE step = ? AND series IN (SELECT id FROM series WHERE kind IN ({marks}))"
+        blobs = [b for (b,) in self.con.execute(f"SELECT blob {where} AND blob IS NOT NULL", (step, *kinds))]
+        self.con.execute(f"DELETE {where}", (step, *kinds))
+        for b in blobs:
+            self.con.execute("DELETE FROM blobs WHERE id = ? AND NOT EXISTS (SELECT 1 FROM tensors WHERE blob = ?) "
+                             "AND NOT EXISTS (SELECT 1 FROM blobs WHERE base = ?)", (b, b, b))
+
+    def drop_empty_series(self, kinds: Sequence[str]) -> None:
+        """Remove the series of ``kinds`` no tensor row names any more (and forget their ids)."""
+        marks = ",".join("?" * len(kinds))
+        self.con.execute(f"DELETE FROM series WHERE kind IN ({marks}) AND NOT EXISTS "
+                         "(SELECT 1 FROM tensors t WHERE t.series = series.id)", tuple(kinds))
+        kept = {i for (i,) in self.con.execute("SELECT id FROM series")}
+        self._series = {k: i for k, i in self._series.items() if i in kept}
+
+    def abort(self) -> None:
+        """Drop everything since the last commit and close (a write that failed half-way)."""
+        try:
+            self.con.execute("ROLLBACK")
+        finally:
+            self.con.close()
+
     def commit(self) -> None:
         """Make everything since the last commit visible, atomically."""
         self.con.execute("COMMIT")

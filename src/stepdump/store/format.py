@@ -26,7 +26,12 @@ TENSOR_KINDS = ("params", "grads", "optimizer", "activations", "activation_grads
 INTERNAL_KINDS = ("buffers", "state", "extra")
 # The step state's key holding the typed JSON of the extra state (FORMAT.md).
 STATE_EXTRA = "extra_state"
-ALL_KINDS = TENSOR_KINDS + INTERNAL_KINDS
+# What a re-execution captured and wrote back into the run (``reexecute(write_back=True)``):
+# kinds of their own, so that no reader takes them for what the recording captured.
+REEXEC_KINDS = ("reexec_activations", "reexec_activation_grads")
+# The meta key holding each written-back re-execution's verdict and evidence, by step (FORMAT.md).
+META_REEXECUTIONS = "reexecutions"
+ALL_KINDS = TENSOR_KINDS + INTERNAL_KINDS + REEXEC_KINDS
 
 # Step levels in the catalog.
 LEVEL_NONE = 0  # only the step row and its scalars

@@ -8,6 +8,7 @@
 * :mod:`.unchanged` -- ``unchanged_tensor``
 * :mod:`.optimizer` -- ``optimizer_state``
 * :mod:`.recording` -- ``recording_stopped``
+* :mod:`.reexecution` -- ``reexecution``
 
 Importing this package registers them (see :func:`.base.register_rule`).
 Helpers the rules share: :mod:`._roles` (which scalar is the objective),
@@ -30,6 +31,7 @@ from stepdump.analysis.rules.nonfinite import NanInf
 from stepdump.analysis.rules.optimizer import OptimizerState
 from stepdump.analysis.rules.params import UpdateRatio, WeightNormGrowth
 from stepdump.analysis.rules.recording import RecordingStopped
+from stepdump.analysis.rules.reexecution import Reexecution
 from stepdump.analysis.rules.unchanged import UnchangedTensor
 
 # The rules stepdump.check runs when none are named, in this order.
@@ -46,6 +48,7 @@ DEFAULT_RULES: tuple[type[Rule], ...] = (
     WeightNormGrowth,
     OptimizerState,
     RecordingStopped,
+    Reexecution,
 )
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "NanInf",
     "OptimizerState",
     "RecordingStopped",
+    "Reexecution",
     "Rule",
     "RuleLike",
     "UnchangedTensor",
