@@ -94,3 +94,88 @@ def test_module_level_is_unchanged(runs: dict[str, Path], level: str | None) -> 
 def test_bad_level_or_tolerance_is_refused(runs: dict[str, Path], kw: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         stepdump.localize(stepdump.open(runs["nan"]), 1, L.nan_factory(), L.nan_factory(), **kw)
+
+
+# -- item 2: stepdump reexec --trace ----------------------------------------------------------------------
+CALLS: list[int] = []
+
+
+def noisy_entry() -> tuple:
+    """``--entry test_reexec_ops:noisy_entry``: the GPT with an op fed from an OS-seeded generator;
+    its train_step counts the iterations run (``CALLS``)."""
+    model, opt, train_step = L.gpt_factory(noisy=True)
+
+    def counted(m: Any, o: Any, b: Any) -> Any:
+        CALLS.append(1)
+        return train_step(m, o, b)
+
+    return model, opt, counted
+
+
+def clean_entry() -> tuple:
+    return L.gpt_factory()
+
+
+NOISE_OP = "aten.randn.generator in module 'transformer.h.0.mlp.noise' at reexec_loops.py:"
+
+
+# (run, flags, exit code, iterations run, what the output says, what it must not say)
+TRACE_ROWS: list[tuple[str, list[str], int, int | None, list[str], list[str]]] = [
+    ("noisy", ["--trace"], 1, 2, ["nondeterministic here", f"first op that differs: {NOISE_OP}",
+                                  "(same inputs, different output)"], []),
+    ("noisy", ["--trace", "--repeat", "3"], 1, 3, [f"first op that differs: {NOISE_OP}"], []),
+    ("noisy", [], 1, 4, ["nondeterministic here", f"first op that differs: {NOISE_OP}"], []),
+    ("noisy", ["--no-trace"], 1, 2, ["nondeterministic here", "op not traced (--no-trace / trace=False)"],
+     ["first op that differs"]),
+    ("clean", ["--trace"], 0, None, ["step 1: reproduces"], ["first op"]),
+]
+
+
+@pytest.fixture(scope="module")
+def noisy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("reexec_trace")
+    return {"noisy": L.record_gpt(root / "noisy", "full", steps=2, noisy=True),
+            "clean": L.record_gpt(root / "clean", "full", steps=2)}
+
+
+@pytest.mark.parametrize(("run_name", "flags", "code", "calls", "says", "never"), TRACE_ROWS,
+                         ids=["trace", "trace-repeat3", "default", "no-trace", "trace-reproduces"])
+def test_cli_reexec_trace_names_the_nondeterministic_op(noisy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch, run_name: str,
+                                                        flags: list[str], code: int, calls: int | None,
+                                                        says: list[str], never: list[str]) -> None:
+    from stepdump.cli.main import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    CALLS.clear()
+    entry = f"test_reexec_ops:{run_name}_entry"
+    assert main(["reexec", str(noisy_runs[run_name]), "--step", "1", "--entry", entry, *flags]) == code
+    out = capsys.readouterr().out
+    for words in says:
+        assert words in out, out
+    for words in never:
+        assert words not in out, out
+    if calls is not None:  # --trace traces the re-executions themselves; the default runs two more, traced
+        assert len(CALLS) == calls
+
+
+def test_cli_reexec_trace_json_names_the_op_and_why(noisy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepdump.cli.main import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    assert main(["reexec", str(noisy_runs["noisy"]), "--step", "1", "--entry", "test_reexec_ops:noisy_entry",
+                 "--trace", "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["verdict"] == "nondeterministic" and got["op"].startswith(NOISE_OP), got
+    assert got["op_reason"] == "same inputs, different output"
+
+
+def test_cli_reexec_trace_needs_two_re_executions(noisy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepdump.cli.main import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    assert main(["reexec", str(noisy_runs["noisy"]), "--step", "1", "--entry", "test_reexec_ops:noisy_entry",
+                 "--trace", "--repeat", "1"]) == 5
+    assert "--trace compares re-executions op by op: give --repeat 2 or more" in capsys.readouterr().err

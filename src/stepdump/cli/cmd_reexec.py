@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   stepdump reexec runs/exp1 --step 45 --entry train:make_step
   stepdump reexec step-45.stepdump --step 45 --entry train:make_step --find-nan
   stepdump reexec runs/exp1 --step 45 --entry train:make_step --repeat 3 --json
+  stepdump reexec runs/exp1 --step 45 --entry train:make_step --repeat 2 --trace
   stepdump reexec runs/exp1 --step 45 --entry train:make_step --activations 'blocks.*.attn' --write-back
 
 --entry pkg.module:factory names a function of yours (importable from the current directory) that
@@ -33,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2, help="re-executions (2 or more tells nondeterminism apart)")
     p.add_argument("--find-nan", action="store_true",
                    help="trace op by op and name the first op whose output holds a NaN/Inf")
+    p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every re-execution under the op tracer and, when they disagree, name the first op "
+                        "whose output differs while its inputs are equal (module, source line); needs --repeat 2 "
+                        "or more. Default: two extra traced re-executions only when they disagree; --no-trace: none")
     p.add_argument("--loss", default="loss", help="the logged scalar train_step's return value is compared with")
     p.add_argument("--activations", type=glob_arg, action="append", metavar="GLOB",
                    help="capture the outputs of the modules matching GLOB (repeatable; as Recorder(modules=))")
@@ -75,17 +80,19 @@ def load_entry(spec: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from stepdump.reexec.verdict import reexecute
 
+    if args.trace and args.repeat < 2:
+        raise ConfigError("--trace compares re-executions op by op: give --repeat 2 or more")
     parts = load_entry(args.entry)
     with open_run(args.run) as r:
         result = reexecute(r, args.step, parts["model"], parts["optimizer"], parts["train_step"],
                            parts.get("scheduler"), parts.get("scaler"), repeat=args.repeat, find_nan=args.find_nan,
                            loss=args.loss, activations=args.activations, activation_grads=args.activation_grads,
-                           write_back=args.write_back)
+                           write_back=args.write_back, trace=args.trace)
     if args.json:
         print_json({"step": result.step, "verdict": result.verdict, "cause": result.cause,
                     "first": list(result.first) if result.first else None,
                     "differing": [list(k) for k in result.differing], "environment": result.environment,
-                    "op": result.op.where() if result.op else None,
+                    "op": result.op.where() if result.op else None, "op_reason": result.op_reason or None,
                     "nan_op": result.nan_op.where() if result.nan_op else None,
                     "nan_inputs": result.nan_op.input_stats if result.nan_op else None,
                     "repeats": result.repeats, "compared": result.compared, "how": result.how,

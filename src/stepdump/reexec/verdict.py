@@ -229,6 +229,8 @@ def _judge(run: Any, step: int, prep: Any, runs: list[Any], batch: Any, model: t
                 result.op, _, result.op_reason = found
             else:
                 result.op_reason = "the two traced re-executions happened to agree op for op; run again"
+        else:
+            result.op_reason = "op not traced (--no-trace / trace=False): re-execute with tracing to name it"
         return result
     against = differing(runs[0].fps, record)
     missing = [k for k in record if k not in runs[0].fps and k[0] != "loss"]
