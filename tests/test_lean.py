@@ -220,11 +220,11 @@ def test_a_failure_on_the_worker_is_one_warning_and_training_goes_on(tmp_path, m
     calls = {"n": 0}
     real = lean.lean_rows
 
-    def broken(entries, warned, private=False):
+    def broken(entries, warned, private=False, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("worker broke")
-        return real(entries, warned, private)
+        return real(entries, warned, private, **kw)
 
     monkeypatch.setattr(lean, "lean_rows", broken)
     model = _model()

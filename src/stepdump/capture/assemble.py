@@ -120,8 +120,12 @@ class Assembler:
         if self.lean.enabled and not full:
             def in_full(e: tuple) -> bool:
                 return (e[0] == "grads" and self.gradlog) or (e[0] == "params" and e[3])
-            stored = [(*e[:3], True, *e[4:]) for e in entries if in_full(e)]
-            held = self.lean.take(msg, [e for e in entries if e[0] in _LEAN_KINDS and not in_full(e)], fps)
+            if self.gradlog or outside:
+                stored = [(*e[:3], True, *e[4:]) for e in entries if in_full(e)]
+                lean = [e for e in entries if e[0] in _LEAN_KINDS and not in_full(e)]
+            else:  # nothing stored in full (no entry is full at a stats-only step): no call per tensor
+                stored, lean = [], [e for e in entries if e[0] in _LEAN_KINDS]
+            held = self.lean.take(msg, lean, fps)
             if fps:
                 self._as_now(msg, fps, entries)
             entries = stored + [e for e in entries if e[0] not in _LEAN_KINDS]

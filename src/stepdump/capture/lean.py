@@ -44,47 +44,36 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 
+from stepdump.capture.packed import CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, packable, packed_rows
 from stepdump.capture.staging import storable
 from stepdump.core.dtensor import local_part
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import LiveHasher, fingerprint, signed64
-from stepdump.core.stats import StatsTuple, compute_stats, segment_sums, small_stats
+from stepdump.core.stats import StatsTuple, compute_stats
 from stepdump.store.format import format_shape
 
 log = logging.getLogger(__name__)
 
 # Tensors up to this many elements go through compute_stats (its numpy path is
 # cheaper than four torch dispatches); larger fp32/fp64 ones take the chunked path.
-_SMALL = 4096
-_FUSED_DTYPES = (torch.float32, torch.float64)
+_SMALL = SMALL
+_FUSED_DTYPES = FUSED_DTYPES
 # Elements per chunk of the chunked path: 512 KiB of fp32, so that the copy, the hash, the
 # norm and min/max of a chunk read it from the core's L2 cache, not from memory four times.
-_CHUNK = 1 << 17
-
-
-class LeanRow(NamedTuple):
-    """One tensor's row of a stats-only record, ready for the catalog."""
-
-    kind: str
-    name: str
-    param: str | None
-    key: str | None
-    dtype: str
-    shape: str
-    stats: StatsTuple
-    fp: int
+_CHUNK = CHUNK
+__all__ = ["LeanRow"]  # defined in packed.py (it builds them), imported from here by the writer and readers
 
 
 Entry = tuple  # (kind, name, tensor, full, param, key), as capture.naming.tensor_entries makes them
 
 
-def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: bool = False) -> list[LeanRow]:
+def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: bool = False,
+              plan: Plan | None = None) -> list[LeanRow]:
     """Stats and fingerprint rows of ``entries`` (live tensors), computed now, on this thread.
 
     ``private``: read each tensor through a private copy (a chunk at a time for the large
@@ -94,12 +83,18 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: b
 
     The fp32/fp64 tensors up to ``_CHUNK`` elements (most tensors of most models, few of the
     bytes of a large one) are copied into one private buffer per dtype, a batch at a time,
-    and described together (:func:`snapshot`, :func:`_packed_rows`): a few vectorised passes
+    and described together (:func:`snapshot`, :func:`~stepdump.capture.packed.packed_rows`): a few vectorised passes
     over the batch instead of several torch calls per tensor, which is what a small model's
     step paid for.
+
+    ``plan``: ``entries``' :class:`~stepdump.capture.packed.Plan` (their layout's, cached by the
+    caller): the same rows, without the per-tensor work of naming and packing them.
     """
-    rest, packed = snapshot(entries, warned)
-    rows = packed()
+    if plan is not None and plan.plain and not private:
+        rows, rest = plan.rows(entries)
+    else:
+        rest, packed = snapshot(entries, warned)
+        rows = packed()
     buffers: dict[torch.dtype, torch.Tensor] = {}
     with torch.no_grad():
         for kind, name, t, param, key in rest:
@@ -138,20 +133,15 @@ def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[li
                 batches[t.dtype], sizes[t.dtype] = [], 0
         done.extend(_pack(batch) for batch in batches.values() if batch)
 
-    def describe() -> list[LeanRow]:
+    def describe() -> list[LeanRow]:  # packed.packed_rows: a few vectorised passes per batch
         return [LeanRow(*head, *got) for heads, buf, ns in done
-                for head, got in zip(heads, _packed_rows([h[0] for h in heads], buf, ns), strict=True)]
+                for head, got in zip(heads, zip(*packed_rows([h[0] for h in heads], buf, ns)), strict=True)]
 
     return rest, describe
 
 
-# Elements per packed batch (4 MiB of fp32): bounds the private copy a batch needs.
-_PACK = 1 << 20
-
-
-def _packable(t: torch.Tensor) -> bool:
-    return (t.dtype in _FUSED_DTYPES and 0 < t.numel() <= _CHUNK and t.layout == torch.strided
-            and t.device.type == "cpu")
+_PACK = PACK  # elements per packed batch (packed.py)
+_packable = packable
 
 
 def _pack(batch: list[tuple[Head, torch.Tensor]]) -> tuple[list[Head], torch.Tensor, list[int]]:
@@ -159,43 +149,6 @@ def _pack(batch: list[tuple[Head, torch.Tensor]]) -> tuple[list[Head], torch.Ten
     flat = [t.reshape(-1) for _h, t in batch]
     buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
     return [h for h, _t in batch], buf, [f.numel() for f in flat]
-
-
-def _packed_rows(kinds: list[str], buf: torch.Tensor, sizes: list[int]) -> list[tuple[StatsTuple, int]]:
-    """(stats, fingerprint) of each tensor packed end to end in ``buf`` (one fp dtype; ``sizes``
-    elements each, at most ``_CHUNK``), a private copy of them all (so each row describes one
-    set of bytes).
-
-    Four passes over the whole batch give every tensor's min, max, sum and sum of squares
-    (segmented reductions: a tensor's results depend on its own elements only, so its row is
-    the same in any batch); its fingerprint is xxh3 of its bytes in the copy. Tensors up to
-    ``_SMALL`` elements get every stat, the same as :func:`compute_stats` gives (the same
-    code: ``small_stats``); larger ones min, max and norm (mean and std not measured, as the
-    chunked path). A tensor with a NaN or Inf gets :func:`compute_stats` of its copied bytes.
-    """
-    x = buf.numpy()
-    raw = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-    isz = buf.element_size()
-    starts = [0] * len(sizes)
-    for j in range(1, len(sizes)):
-        starts[j] = starts[j - 1] + sizes[j - 1]
-    with np.errstate(all="ignore"):  # inf and NaN: compute_stats below
-        lo = np.minimum.reduceat(x, starts).tolist()
-        hi = np.maximum.reduceat(x, starts).tolist()
-        sums, sqs = segment_sums(x, starts)
-    rows: list[tuple[StatsTuple, int]] = []
-    for kind, a, n, vmin, vmax, vsum, vsq in zip(kinds, starts, sizes, lo, hi, sums, sqs, strict=True):
-        fp = signed64(xxhash.xxh3_64_intdigest(raw[a * isz:(a + n) * isz]))
-        if kind == "state":
-            rows.append(((n,) + (None,) * 9, fp))  # type: ignore[arg-type]
-            continue
-        stats: StatsTuple | None = None
-        if n <= _SMALL:
-            stats = small_stats(x[a:a + n], vmin, vmax, vsum, vsq)
-        elif math.isfinite(vmin) and math.isfinite(vmax) and math.isfinite(vsq):
-            stats = (n, 0, 0, 0, vmin, vmax, None, None, math.sqrt(vsq), 0.0 if vmin > 0 or vmax < 0 else None)
-        rows.append((stats if stats is not None else compute_stats(buf[a:a + n]), fp))  # None: NaN/Inf counted
-    return rows
 
 
 def _stats_and_fp(kind: str, t: torch.Tensor,
@@ -384,6 +337,9 @@ class LeanCapture:
         # The last lean step's bytes were at most INLINE_BYTES: the whole step is read at the
         # pre-hook, nothing is handed to the worker at the forward (see take()).
         self._inline = False
+        # What the layout of a step's tensors decides, made once per layout (packed.py): a steady
+        # inline step does no per-tensor Python but the key that finds it.
+        self.plans = Plans()
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -426,9 +382,11 @@ class LeanCapture:
         # hand-offs (a thread wake-up per submit, the GIL going to and fro while the forward
         # and backward run) cost more than the reading, and rows read here describe the bytes
         # the update reads by construction (no fingerprint check needed).
-        self._inline = sum(e[2].numel() * e[2].element_size() for e in (*before, *grads)) <= INLINE_BYTES
+        todo = [*before, *grads]
+        plan = self.plans.get(todo)
+        self._inline = plan.nbytes <= INLINE_BYTES
         if self._inline:
-            msg.lean.extend(lean_rows([*before, *grads], self._worker.warned))
+            msg.lean.extend(lean_rows(todo, self._worker.warned, plan=plan))
             return False
         now: list[Entry] = []  # read here, at the pre-hook
         if job is not None:  # used only where it describes the bytes the update reads

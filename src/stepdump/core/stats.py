@@ -9,6 +9,7 @@ elements were left out.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -79,10 +80,16 @@ def segment_sums(x: np.ndarray, starts: list[int]) -> tuple[list[float], list[fl
     ``starts``, each runs to the next), accumulated in float64 in element order: a segment's
     results depend on its own elements only, wherever it sits in ``x``. One pass each over
     all of ``x``, whatever the number of segments (a lean step's small tensors, packed)."""
+    sums, sqs = segment_sums_array(x, starts)
+    return sums.tolist(), sqs.tolist()
+
+
+def segment_sums_array(x: np.ndarray, starts: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`segment_sums` as two float64 arrays (the same numbers, for vectorised use)."""
     x64 = x.astype(np.float64)
-    sums = np.add.reduceat(x64, starts).tolist()
+    sums = np.add.reduceat(x64, starts)
     np.multiply(x64, x64, out=x64)
-    return sums, np.add.reduceat(x64, starts).tolist()
+    return sums, np.add.reduceat(x64, starts)
 
 
 def small_stats(xn: np.ndarray, vmin: float, vmax: float, vsum: float, vsq: float) -> StatsTuple | None:

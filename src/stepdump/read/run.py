@@ -371,16 +371,27 @@ class Run:
         recorder spent on the training thread) and ``sys/peak_mem_mb``."""
         return self.scalars(names="sys/*", steps=steps)
 
-    def stats(self, kind: str | None = None, name: str | None = None, steps: StepRange = None) -> pd.DataFrame:
+    def stats(self, kind: str | None = None, name: str | None = None, steps: StepRange = None, *,
+              dtype_backend: str = "numpy") -> pd.DataFrame:
         """Health stats, one row per (step, kind, name); filters run in SQLite.
 
         Args:
             kind: Only this kind (params, grads, optimizer, ...).
             name: Glob over tensor names (``"fc1.*"``).
             steps: A step, range, slice or iterable of steps.
+            dtype_backend: ``"numpy"`` (NaN where a stat is NULL) or ``"pyarrow"``: the same
+                columns and rows as Arrow-backed columns (``pd.ArrowDtype``, null where a stat is
+                NULL), built from the catalog rows with no numpy step (needs pyarrow;
+                :mod:`stepdump.read.columnar`).
         """
         import pandas as pd  # lazily: see the TYPE_CHECKING import
 
+        if dtype_backend == "pyarrow":
+            from stepdump.read import columnar
+
+            return columnar.frame(self, kind, name, steps)
+        if dtype_backend != "numpy":
+            raise ConfigError(f"dtype_backend={dtype_backend!r}: choose 'numpy' or 'pyarrow'")
         self._check_series()
         if kind is not None:
             self._check_kind(kind)
