@@ -27,8 +27,8 @@ from stepdump.errors import (
 # One module per command: stepdump/cli/cmd_<name with - as _>.py, with
 # add_arguments(parser), run(args) -> int and optionally EXAMPLES (the epilog).
 COMMANDS = (
-    "demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "export-tb", "report", "verify",
-    "reexec", "bundle",
+    "demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "export-tb", "export-stats",
+    "report", "verify", "reexec", "bundle",
 )
 
 # What `stepdump --help` lists, and each command's description in `stepdump CMD --help`.
@@ -44,6 +44,8 @@ SUMMARIES: dict[str, str] = {
     "check": "check a run for NaN/Inf, exploding/vanishing grads, loss spikes, ... (exit 1 on findings >= --fail-on)",
     "export": "write a step as a checkpoint: torch.save dict, safetensors, or one the HF Trainer / Lightning resumes from",
     "export-tb": "write scalars, per-tensor stats and histograms as TensorBoard event files (needs tensorboard)",
+    "export-stats": "write every rank's and step's per-tensor stats as one Parquet table (needs pyarrow), for "
+                    "DuckDB, pandas, Polars, Spark",
     "report": "write a self-contained HTML report (curves, per-tensor charts, findings) of one run or several "
               "overlaid; --watch serves it live while a run records",
     "verify": "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption",

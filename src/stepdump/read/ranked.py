@@ -189,13 +189,22 @@ class DistributedRun:
         return self.rank(self.primary if rank is None else rank).profile(steps)
 
     def stats(self, kind: str | None = None, name: str | None = None, steps: StepRange = None, *,
-              ranks: Iterable[int] | None = None) -> pd.DataFrame:
+              ranks: Iterable[int] | None = None, dtype_backend: str = "numpy") -> pd.DataFrame:
         """Every recorded rank's stats (:meth:`Run.stats`) in one frame, with a ``rank`` column.
 
         Under FSDP2 a rank's row describes its shard; under DDP the rows of one
         (step, kind, name) should agree (:func:`stepdump.analysis.cross_rank.cross_rank` checks that).
+        ``dtype_backend="pyarrow"``: Arrow-backed columns, ranks read a few at a time on a thread
+        pool (:mod:`stepdump.read.columnar`; ``stepdump export-stats`` writes it as Parquet).
         """
         import pandas as pd
+
+        if dtype_backend == "pyarrow":
+            from stepdump.read import columnar
+
+            return columnar.frame(self, kind, name, steps, ranks=ranks)
+        if dtype_backend != "numpy":
+            raise ConfigError(f"dtype_backend={dtype_backend!r}: choose 'numpy' or 'pyarrow'")
 
         frames = []
         for r in (self.ranks if ranks is None else list(ranks)):
