@@ -40,6 +40,7 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/leave_on.py
 	$(PY) benchmarks/leave_on_tiny.py
 	$(PY) benchmarks/report_scale.py
+	$(PY) benchmarks/reexec.py         # re-executing one step vs a training step, the op tracer's overhead
 	$(PY) benchmarks/docs_numbers.py   # marked numbers of docs/performance.md, README from results.json
 
 # Not part of `make test`: 54 SIGKILLs of a recording process (each followed by
