@@ -255,3 +255,23 @@ def test_report_shows_verdicts_on_their_step(flipped: Path, tmp_path: Path, brow
     finally:
         page.close()
     assert problems == []
+
+
+@pytest.mark.parametrize(("start", "kept"), [(1, [0]), (3, [0, 1, 2])])
+def test_a_resume_that_drops_a_step_drops_its_written_back_reexecution(tmp_path: Path, start: int,
+                                                                       kept: list[int]) -> None:
+    """A step recorded again is another record: the verdict on the old one must not stay on it."""
+    run = record_lean(tmp_path / "r")
+    for t in range(3):
+        model, opt, train_step = at_step(t)
+        stepdump.reexecute(run, t, model, opt, train_step, batch=L.nan_batch(t, 99), activations="fc1",
+                           write_back=True)
+    model, opt, train_step = at_step(start)
+    with stepdump.Recorder(run, model, opt, every=None, stats_every=1, resume=True, start_step=start) as rec:
+        b = L.nan_batch(start, 99)
+        rec.log_batch(b)
+        rec.log(loss=train_step(model, opt, b))
+    with stepdump.open(run) as fresh:
+        assert sorted(int(k) for k in fresh.meta.get("reexecutions", {})) == kept
+        assert [t for t in range(3) if fresh.activations(t)] == kept
+        assert [f.step for f in stepdump.check(fresh) if f.rule == "reexecution"] == []

@@ -28,7 +28,7 @@ from typing import Any
 
 from stepdump.errors import NotARunError
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
-from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION, SEGMENT_DIR
+from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION, META_REEXECUTIONS, SEGMENT_DIR
 from stepdump.store.plainfile import check_plain, describe, refusal
 from stepdump.store.schema import (
     PARTIAL_SUFFIX,
@@ -152,6 +152,32 @@ def _drop_steps(con: sqlite3.Connection, first: int) -> None:
         final = first  # not a step number: nothing to keep
     if row is not None and not (isinstance(final, int) and final < first):
         con.execute("DELETE FROM meta WHERE key = 'final_step'")
+    _drop_reexecutions(con, first)
+
+
+def _drop_reexecutions(con: sqlite3.Connection, first: int) -> None:
+    """Re-executions written back at dropped steps go with them (their tensors went above): a
+    step recorded again is another record, which the old verdict is not about."""
+    row = con.execute("SELECT value FROM meta WHERE key = ?", (META_REEXECUTIONS,)).fetchone()
+    if row is None:
+        return
+    try:
+        marks = json.loads(row[0])
+    except (TypeError, ValueError):
+        marks = None
+    kept = {k: v for k, v in marks.items() if not (_step_key(k) is None or _step_key(k) >= first)} \
+        if isinstance(marks, dict) else {}
+    if kept:
+        con.execute("UPDATE meta SET value = ? WHERE key = ?", (json.dumps(kept), META_REEXECUTIONS))
+    else:
+        con.execute("DELETE FROM meta WHERE key = ?", (META_REEXECUTIONS,))
+
+
+def _step_key(key: Any) -> int | None:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        return None
 
 
 class CatalogWriter:
