@@ -100,20 +100,33 @@ def _scalar_diffs(chart: dict[str, Any], raws: list[dict[str, tuple[np.ndarray, 
         if s["run"] == 0 or s["name"] not in raws[s["run"]]:
             continue
         sb, vb = raws[s["run"]][s["name"]]
-        steps, ia, ib = np.intersect1d(sa, sb, assume_unique=False, return_indices=True)
-        if not steps.size:
+        got = scalar_difference(sa, va, sb, vb)
+        if got is None:
             continue
-        a, b = va[ia], vb[ib]
-        with np.errstate(all="ignore"):
-            d = a - b
-            scale = np.maximum(np.abs(a), np.abs(b))
-            rel = np.where(scale > 0, np.abs(d) / scale, np.where(d == 0, 0.0, np.nan))
+        steps, d, rel, first = got
         dx, dy = minmax_downsample(steps, d, max_points)
         rx, ry = minmax_downsample(steps, rel, max_points)
-        differ = steps[~(a == b) & ~(np.isnan(a) & np.isnan(b))]
         out.append({"run": s["run"], "x": _ints(dx), "y": _floats(dy), "rx": _ints(rx), "ry": _floats(ry),
-                    "first_differs": int(differ[0]) if differ.size else None, "common": int(steps.size)})
+                    "first_differs": first, "common": int(steps.size)})
     return out
+
+
+def scalar_difference(sa: np.ndarray, va: np.ndarray, sb: np.ndarray,
+                      vb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None] | None:
+    """A − B and |A − B| / max(|A|, |B|) of one scalar of two runs (steps ``sa``/``sb``, values
+    ``va``/``vb``) at the steps both logged: ``(steps, a_minus_b, relative, first step where they
+    differ)``, or None when no step is common. Both 0: relative 0; NaN in both: NaN, but not a
+    difference. Also what the TensorBoard export writes (``render/tensorboard_compare``)."""
+    steps, ia, ib = np.intersect1d(sa, sb, assume_unique=False, return_indices=True)
+    if not steps.size:
+        return None
+    a, b = va[ia], vb[ib]
+    with np.errstate(all="ignore"):
+        d = a - b
+        scale = np.maximum(np.abs(a), np.abs(b))
+        rel = np.where(scale > 0, np.abs(d) / scale, np.where(d == 0, 0.0, np.nan))
+    differ = steps[~(a == b) & ~(np.isnan(a) & np.isnan(b))]
+    return steps, d, rel, int(differ[0]) if differ.size else None
 
 
 def _norm_diff(a: StatMatrix, b: StatMatrix, max_points: int, label: str) -> dict[str, Any] | None:
