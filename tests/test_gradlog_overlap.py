@@ -81,9 +81,10 @@ def test_grads_read_ahead_are_used_and_the_rebuild_is_bitwise_the_training(recor
         seen = _count(monkeypatch)
         _check_step(run, K - 1, snaps)
         assert run._gradlog is not None and run._gradlog.updates_applied == K - 1
-        # Update 0's grads are read by the reading thread (nothing runs before it); those of
-        # updates 1 .. K-2 by the worker while the update before them ran.
-        assert seen["ahead ok"] == (K - 2) * n and seen["ahead failed"] == 0
+        # The keyframe's params and update 0's grads are read by the worker while the reading
+        # thread reads the keyframe's optimizer state; those of updates 1 .. K-2 while the update
+        # before them ran.
+        assert seen["ahead ok"] == n + (K - 1) * n and seen["ahead failed"] == 0
         assert _workers() == []  # joined when the read returned
         _check_step(run, K - 2, snaps)  # back within the segment: a fresh chain from the keyframe
     assert _workers() == []
@@ -112,7 +113,7 @@ def test_a_failing_worker_leaves_its_grads_to_the_reading_thread(recorded: Any,
     with stepdump.open(path) as run:
         n = len(run.names("params"))
         _check_step(run, K - 1, snaps)
-    assert seen["ahead ok"] == 0 and seen["ahead failed"] == (K - 2) * n
+    assert seen["ahead ok"] == 0 and seen["ahead failed"] == n + (K - 1) * n  # keyframe params, every update's grads
     assert seen["read_into"] >= (K - 1) * n  # every grad read, and checked, on the reading thread
     assert _workers() == []
 

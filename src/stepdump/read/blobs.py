@@ -19,6 +19,7 @@ bounds per read").
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -27,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +72,13 @@ def _is_int(v: object) -> bool:
 
 def check_layout(dtype: object, shape: object) -> tuple[torch.dtype, tuple[int, ...], int]:
     """Validate a tensor row's dtype and shape; return (dtype, dims, bytes it needs)."""
+    if isinstance(dtype, str) and isinstance(shape, str) and len(shape) <= 200:
+        # The same few layouts come back row after row (a gradient log: every grad of every update).
+        return _layout(dtype, shape)
+    return _check_layout(dtype, shape)
+
+
+def _check_layout(dtype: object, shape: object) -> tuple[torch.dtype, tuple[int, ...], int]:
     tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else None
     if tdtype is None:
         raise CorruptDataError(f"unknown dtype {dtype!r} in the catalog")
@@ -81,6 +90,9 @@ def check_layout(dtype: object, shape: object) -> tuple[torch.dtype, tuple[int, 
     if math.prod(max(d, 1) for d in dims) * itemsize > MAX_BLOB_BYTES:
         raise CorruptDataError(f"shape {shape!r} of a {dtype} tensor is implausibly large; refusing to allocate it")
     return tdtype, dims, math.prod(dims) * itemsize
+
+
+_layout = functools.lru_cache(maxsize=1024)(_check_layout)  # a bad row raises, and is not cached
 
 
 def _human(n: int) -> str:
@@ -170,6 +182,23 @@ class BlobReader:
         row = self.con.blob_row(blob_id)
         if row is None:
             raise CorruptDataError(f"the catalog points at blob {blob_id}, which it does not list (or its segment)")
+        return self._checked_row(blob_id, row)
+
+    def blob_rows_of(self, kind: str, first: int, last: int) -> dict[int, BlobRow]:
+        """:meth:`blob_row` of every blob a ``kind`` tensor at steps ``first..last`` points at, in
+        one query (a gradient log's rebuild: the grads of a window of updates); a malformed row is
+        left out, for :meth:`blob_row` to refuse when it is read."""
+        out: dict[int, BlobRow] = {}
+        for row in self.con.blob_rows_of(kind, first, last):
+            try:
+                if _is_int(row[0]):
+                    out[row[0]] = self._checked_row(row[0], row)
+            except CorruptDataError:
+                continue
+        return out
+
+    @staticmethod
+    def _checked_row(blob_id: int, row: tuple[Any, ...]) -> BlobRow:
         b = BlobRow(*row)
         if not isinstance(b.segment_key, str) or not isinstance(b.codec, str) or not all(
             _is_int(v) for v in (b.offset, b.length, b.raw_length, b.checksum)

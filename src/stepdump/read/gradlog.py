@@ -36,6 +36,7 @@ out from the chain itself, copied only when the chain moves on while it is still
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections import OrderedDict
@@ -49,6 +50,7 @@ import torch
 from stepdump.errors import (
     ReadBudgetError,
     RebuildError,
+    StepdumpError,
     StepNotFoundError,
     nearest_steps,
 )
@@ -61,12 +63,16 @@ from stepdump.read.gradlog_parts import (
     SegmentReport,
     Snapshot,
     copied,
+    Trusted,
     grad_buffer,
     live,
     read_ahead,
+    read_grads,
     ready_grads,
     refusal_of,
     take,
+    trust,
+    trusted_fingerprint,
     warm_allocator,
 )
 from stepdump.read.state import (
@@ -78,7 +84,9 @@ from stepdump.read.state import (
 )
 from stepdump.read.gradlog_budget import RebuildBudget
 from stepdump.read.gradlog_why import mismatch_cause
+from stepdump.read.gradlog_window import Window
 from stepdump.read.rows import differs_from_row
+from stepdump.core.hashing import fingerprint
 from stepdump.store.format import (
     LEVEL_FULL,
     LEVEL_STATS,
@@ -112,7 +120,13 @@ class GradientLog:
         self._snapshot: Snapshot | None = None
         self._refusal: RebuildError | None | bool = False  # False: not decided yet
         self._pool: ThreadPoolExecutor | None = None  # the worker of the read call under way (_overlap)
+        self._window = Window(run, blobs)  # the catalog facts of the updates, a window of steps at a time
         self.updates_applied = 0  # optimizer steps re-run so far (what a read costs)
+
+    def close(self) -> None:
+        """Drop the cached rebuild (the run is closing): its params, optimizer state and buffers."""
+        self._chain = self._snapshot = None
+        self._window.clear()
 
     # -- which steps ---------------------------------------------------------------
     def keyframes(self) -> list[int]:
@@ -289,11 +303,49 @@ class GradientLog:
         while chain.step < step:
             self._advance(chain, target=step, check=True)
 
-    def _read(self, blob: Any, dtype: Any, shape: Any, fp: int) -> torch.Tensor:
+    def _read(self, blob: Any, dtype: Any, shape: Any, fp: int, trusted: Trusted | None = None) -> torch.Tensor:
         """A stored tensor in memory of its own: the chain updates it in place for many steps
-        (``BlobReader.tensor`` hands out a buffer the read call keeps until it ends)."""
+        (``BlobReader.tensor`` hands out a buffer the read call keeps until it ends). With
+        ``trusted``: noted there as verified against ``fp`` (see :func:`trust`)."""
         tdtype, dims, _ = check_layout(dtype, shape)
-        return self._blobs.read_into(torch.empty(dims, dtype=tdtype), blob, dtype, shape, fp)
+        t = self._blobs.read_into(torch.empty(dims, dtype=tdtype), blob, dtype, shape, fp)
+        if trusted is not None:
+            trust(trusted, t, fp)
+        return t
+
+    def _read_params(self, rows: dict[Key, tuple[Any, ...]], names: list[str],
+                     trusted: Trusted) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+        """The keyframe's params ``names``, read on the read call's worker (while this thread reads
+        the optimizer state, twice their size for Adam): their buffers, and a function that waits
+        for the worker and reads here whatever it could not read and verify, raising the error a
+        read without a worker raises."""
+        bufs: dict[str, torch.Tensor] = {}
+        jobs = []
+        for n in names:
+            dtype, shape, fp, blob = rows[("params", n)]
+            try:
+                tdtype, dims, _ = check_layout(dtype, shape)
+                b = self._blobs.blob_row(blob) if self._pool is not None else None
+            except StepdumpError:
+                continue  # left to ``finish``, which raises it
+            bufs[n] = torch.empty(dims, dtype=tdtype)
+            if b is not None:
+                jobs.append((n, bufs[n], b, fp))
+        done = self._pool.submit(read_grads, self._blobs, jobs) if self._pool is not None and jobs else None
+
+        def finish() -> None:
+            ok = done.result() if done is not None else set()  # read_grads never raises
+            for n in names:
+                dtype, shape, fp, blob = rows[("params", n)]
+                if n in ok:
+                    with self._blobs.call() as scope:
+                        scope.returned += check_layout(dtype, shape)[2]  # what read_into counts
+                    if fp is not None:
+                        trust(trusted, bufs[n], fp)
+                else:
+                    bufs[n] = self._read(blob, dtype, shape, fp, trusted)
+
+        return bufs, finish
 
     def _start(self, k: int) -> Chain:
         """Stand-in params and a fresh optimizer loaded with keyframe ``k``."""
@@ -308,23 +360,33 @@ class GradientLog:
         # Every param stored at the keyframe: those the optimizer steps, and the model's others
         # (not optimized: they keep their keyframe value, which each step's fingerprints confirm).
         order = {n: i for i, n in enumerate([*param_indices(groups), *stored])}
-        params: dict[str, torch.Tensor] = {}
-        for n in sorted(stored, key=order.__getitem__):
-            dtype, shape, fp, blob = rows[("params", n)]
-            t = self._read(blob, dtype, shape, fp).to(device)
-            params[n] = torch.nn.Parameter(t, requires_grad=t.is_floating_point() or t.is_complex())
-        warm_allocator(max((p.numel() * p.element_size() for p in params.values()), default=0))
-        if not any(n in params for g in groups for n in g):
+        names = sorted(stored, key=order.__getitem__)
+        if not any(n in names for g in groups for n in g):
             raise RebuildError(f"keyframe {k} of {run.path} stores no optimized params, so nothing can be rebuilt "
                                "from it; record with capture including 'params'")
+        # The keyframe's tensors, read verified against the fingerprints its check compares them
+        # with: that check does not hash them again (``trusted``).
+        trusted: Trusted = {}
+        bufs, finish = self._read_params(rows, names, trusted)
+        optimized = {n for g in groups for n in g if n in bufs}
+        grads: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        # The first update's grads, on the worker too, after the params (nothing else waits for it).
+        ahead = (read_ahead(self._pool, self._blobs, bufs, optimized, grads, k, self._rows(k), self._window.blob_row)
+                 if self._pool is not None else None)
         # The constructor's own flags (fused, foreach, capturable, differentiable, ...) decide
         # which kernel runs: give it group 0's recorded values; each group keeps its own too.
         accepted = set(inspect.signature(cls).parameters)
         kwargs = {key: v for key, v in hyper[0].items() if key in accepted and key != "params"}
-        arg = [{**h, "params": [params[n] for n in g if n in params]} for g, h in zip(groups, hyper, strict=True)]
         # Read into tensors of their own, which load_state_dict keeps as they are (already of the
         # param's dtype and device) and the optimizer then updates in place.
-        osd = optimizer_state_dict(run, self._blobs, k, read=self._read)
+        osd = optimizer_state_dict(run, self._blobs, k, read=functools.partial(self._read, trusted=trusted))
+        finish()
+        params: dict[str, torch.Tensor] = {}
+        for n, t in bufs.items():
+            t = t.to(device)
+            params[n] = torch.nn.Parameter(t, requires_grad=t.is_floating_point() or t.is_complex())
+        warm_allocator(max((p.numel() * p.element_size() for p in params.values()), default=0))
+        arg = [{**h, "params": [params[n] for n in g if n in params]} for g, h in zip(groups, hyper, strict=True)]
         # Renumber the recorded state for the params rebuilt (a subset under include=/exclude=).
         old = param_indices(groups)
         new = param_indices([[n for n in g if n in params] for g in groups])
@@ -337,9 +399,9 @@ class GradientLog:
         except Exception as e:  # torch refuses this configuration here (fused on this device, ...)
             raise RebuildError(f"cannot rebuild from keyframe {k} of {run.path}: building a {cls.__name__} with the "
                                f"recorded hyperparameters and state failed on {device} ({type(e).__name__}: {e})") from e
-        chain = Chain(keyframe=k, step=k, params=params, groups=groups,
-                      optimized={n for g in groups for n in g if n in params}, optimizer=opt)
-        self._check(chain)
+        chain = Chain(keyframe=k, step=k, params=params, groups=groups, optimized=optimized, optimizer=opt,
+                      grads=grads, ahead=ahead)
+        self._check(chain, trusted=trusted)
         if "params" not in chain.checked:
             log.debug("stepdump: keyframe %s of %s has no fingerprints to check its loaded state against", k, run.path)
         return chain
@@ -348,8 +410,7 @@ class GradientLog:
         """Re-apply update ``chain.step``; with ``check``, verify the state it gives at the next step."""
         run, t = self._run, chain.step
         self._release(chain)  # the cached snapshot may be this chain's tensors, about to change
-        state = run.step_state(t)
-        groups = recorded_groups(run, t, state)
+        groups = self._window.groups(t)
         if [list(g["params"]) for g in groups] != chain.groups:
             raise self._error(target, t, None, None, f"the optimizer's param groups at step {t} differ from those "
                               f"of keyframe {chain.keyframe} (add_param_group between keyframes), so its updates "
@@ -369,7 +430,8 @@ class GradientLog:
                 continue
             p.grad = self._grad(chain, target, t, n, p, row, ready.get(n) == row)  # read ahead from this row
         if self._pool is not None and t + 1 < target:  # update t + 1 follows: read its grads meanwhile
-            chain.ahead = read_ahead(self._pool, self._blobs, chain, t + 1, self._rows(t + 1))
+            chain.ahead = read_ahead(self._pool, self._blobs, chain.params, chain.optimized, chain.grads, t + 1,
+                                     self._rows(t + 1), self._window.blob_row)
         if not self._skipped(t):
             try:
                 with torch.no_grad():  # as in training: no autograd bookkeeping of the in-place updates
@@ -429,7 +491,7 @@ class GradientLog:
         if tdtype != p.dtype or dims != tuple(p.shape):
             raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} is {tdtype} {dims} "
                               f"but the param is {p.dtype} {tuple(p.shape)}")
-        buf = grad_buffer(chain, t, n, tdtype, dims)
+        buf = grad_buffer(chain.grads, t, n, tdtype, dims)
         if ready:
             with self._blobs.call() as scope:
                 scope.returned += want  # what read_into counts: the call's decode budget stays the same
@@ -443,9 +505,10 @@ class GradientLog:
             dev = chain.on_device[n] = torch.empty(dims, dtype=tdtype, device=p.device)
         return dev.copy_(buf)
 
-    def _check(self, chain: Chain, target: int | None = None) -> None:
+    def _check(self, chain: Chain, target: int | None = None, trusted: Trusted | None = None) -> None:
         """Compare the chain's state with the fingerprints recorded at its step (raises on a
-        difference); ``chain.checked`` says which kinds were compared."""
+        difference); ``chain.checked`` says which kinds were compared. ``trusted``: the memory
+        read verified since the chain started (a keyframe's tensors), not hashed again."""
         step = chain.step
         rows = chain.rows = chain.rows or self._rows(step)
         recorded = {key: row for key, row in rows.items() if key[0] in REBUILT_KINDS}
@@ -454,6 +517,8 @@ class GradientLog:
         # A kind is compared where the step records it: a stats-only step may leave the optimizer
         # state out (the lean capture reads it every few steps), a step without stats has none.
         compared = {kind for kind in REBUILT_KINDS if kind in captured and any(k == kind for k, _ in recorded)}
+        fps = self._fingerprints({key: t for key, t in rebuilt.items() if key[0] in compared and key in recorded},
+                                 trusted or {})
         for key in sorted(set(recorded) | set(rebuilt), key=lambda k: (k[0] != "params", k[1])):
             if key[0] not in compared:
                 continue
@@ -463,7 +528,7 @@ class GradientLog:
             elif t is None:
                 why = "is in the record but the rebuild has none"
             else:
-                why = differs_from_row(t, row)
+                why = differs_from_row(t, row, fps.get(key))
             if why is None:
                 continue
             raise self._error(step if target is None else target, step, key[0], key[1],
@@ -474,6 +539,31 @@ class GradientLog:
                  and not any(k == kind for k, _ in rebuilt)}
         chain.checked = frozenset(compared | empty) if "params" in compared else frozenset()
 
+    def _fingerprints(self, tensors: dict[Key, torch.Tensor], trusted: Trusted) -> dict[Key, int]:
+        """Fingerprints of ``tensors`` (those ``trusted`` has, without hashing), the larger half of
+        the bytes hashed on the read call's worker while this thread hashes the rest."""
+        out: dict[Key, int] = {}
+        todo: list[tuple[int, Key]] = []
+        for key, t in tensors.items():
+            fp = trusted_fingerprint(trusted, t)
+            if fp is not None:
+                out[key] = fp
+            elif t.layout == torch.strided and t.device.type == "cpu":
+                todo.append((t.numel() * t.element_size(), key))
+        if self._pool is None or len(todo) < 2:
+            return out  # hashed by differs_from_row
+        mine: list[Key] = []
+        theirs: list[Key] = []
+        sizes = [0, 0]
+        for size, key in sorted(todo, reverse=True):  # largest first, each to the lighter side
+            side = 0 if sizes[0] <= sizes[1] else 1
+            (mine if side == 0 else theirs).append(key)
+            sizes[side] += size
+        job = self._pool.submit(lambda: {key: fingerprint(tensors[key]) for key in theirs})
+        out.update({key: fingerprint(tensors[key]) for key in mine})
+        out.update(job.result())
+        return out
+
     def _release(self, chain: Chain) -> None:
         """Before ``chain`` changes: a cached snapshot of its tensors takes copies of them. Only
         reads that go on from a step already read pay this (reading steps in order)."""
@@ -483,11 +573,10 @@ class GradientLog:
     # -- what the run says -------------------------------------------------------------
     def _rows(self, step: int) -> dict[Key, tuple[Any, ...]]:
         """(kind, name) -> (dtype, shape, fingerprint, blob) of every tensor row at ``step``."""
-        return {(kind, name): (dtype, shape, fp, blob)
-                for _, kind, name, dtype, shape, fp, blob in self._run.catalog.fingerprint_block(step, step)}
+        return self._window.rows(step)
 
     def _skipped(self, step: int) -> bool:
-        return any(bool(v) for _, v in self._run.catalog.skipped_flags(step))
+        return self._window.skipped(step)
 
     def refusal(self) -> RebuildError | None:
         """Why this run's optimizer cannot be re-run at all (None: it can)."""

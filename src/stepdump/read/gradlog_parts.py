@@ -5,6 +5,7 @@ of the segments found, and why a run cannot be re-run."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from stepdump.store.schema import BlobRow
 
 Key = tuple[str, str]
+Buffers = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # a chain's two sets of grad buffers
+#: data pointer -> (fingerprint, bytes): memory read verified against that fingerprint (see trust)
+Trusted = dict[int, tuple[int, int]]
 #: The kinds a gradient log rebuilds; grads (and module buffers) are stored at every step.
 REBUILT_KINDS = ("params", "optimizer")
 # Optimizers that take sparse gradients only (SparseAdam refuses dense ones): a run recorded
@@ -61,7 +65,7 @@ class Chain:
     rows: dict[Key, tuple[Any, ...]] = field(default_factory=dict)  # step's rows: (dtype, shape, fp, blob)
     # Two host buffers per param, reused every update: update t reads its grads from set t % 2,
     # so those of t + 1 can be read into the other set while update t runs (see Ahead).
-    grads: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = field(default_factory=lambda: ({}, {}))
+    grads: Buffers = field(default_factory=lambda: ({}, {}))
     on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # one per param on another device
     ahead: Ahead | None = None  # the grads of update ``step`` being read on the worker thread
 
@@ -90,25 +94,25 @@ def read_grads(blobs: BlobReader, jobs: list[tuple[str, torch.Tensor, BlobRow, i
     return done
 
 
-def read_ahead(pool: ThreadPoolExecutor, blobs: BlobReader, chain: Chain, s: int,
-               rows: dict[Key, tuple[Any, ...]]) -> Ahead:
+def read_ahead(pool: ThreadPoolExecutor, blobs: BlobReader, params: dict[str, torch.Tensor], optimized: set[str],
+               grads: Buffers, s: int, rows: dict[Key, tuple[Any, ...]], blob_row: Callable[[Any], BlobRow]) -> Ahead:
     """Start reading the grads of update ``s`` (``rows``: the step's) on ``pool``'s worker, into
-    the chain's buffers for ``s``: the other set than the update running meanwhile uses. The
-    catalog is read here, on the reading thread (the worker touches only segment files and
+    a chain's buffers for ``s`` (``grads``; ``params`` and ``optimized``: its params): the other set than the update running meanwhile uses
+    (``blob_row``: a grad's checked blob row, :meth:`BlobReader.blob_row`). The catalog is read here, on the reading thread (the worker touches only segment files and
     buffers); a grad whose row is not as the update wants it is left to the update, which
     says what is wrong with it."""
     jobs = []
-    for n, p in chain.params.items():
+    for n, p in params.items():
         row = rows.get(("grads", n))
-        if n not in chain.optimized or row is None or row[3] is None:
+        if n not in optimized or row is None or row[3] is None:
             continue
         try:
             tdtype, dims, _ = check_layout(row[0], row[1])
-            b = blobs.blob_row(row[3])
+            b = blob_row(row[3])
         except StepdumpError:
             continue
         if tdtype == p.dtype and dims == tuple(p.shape):
-            jobs.append((n, grad_buffer(chain, s, n, tdtype, dims), b, row[2]))
+            jobs.append((n, grad_buffer(grads, s, n, tdtype, dims), b, row[2]))
     return Ahead(s, rows, pool.submit(read_grads, blobs, jobs))
 
 
@@ -124,9 +128,9 @@ def ready_grads(ahead: Ahead | None, t: int) -> dict[str, tuple[Any, ...]]:
     return {n: ahead.rows[("grads", n)] for n in done} if ahead.step == t else {}
 
 
-def grad_buffer(chain: Chain, t: int, n: str, dtype: torch.dtype, dims: tuple[int, ...]) -> torch.Tensor:
-    """The chain's host buffer for the grad of ``n`` at update ``t`` (one of two, by ``t % 2``)."""
-    bufs = chain.grads[t % 2]
+def grad_buffer(grads: Buffers, t: int, n: str, dtype: torch.dtype, dims: tuple[int, ...]) -> torch.Tensor:
+    """A chain's host buffer (of its ``grads``) for the grad of ``n`` at update ``t`` (one of two, by ``t % 2``)."""
+    bufs = grads[t % 2]
     buf = bufs.get(n)
     if buf is None:
         buf = bufs[n] = torch.empty(dims, dtype=dtype)
@@ -157,6 +161,22 @@ class SegmentReport:
     checked: int = 0  # segments whose updates reproduced every recorded fingerprint up to the next keyframe
     problems: list[tuple[int, str]] = field(default_factory=list)  # (first step that differs, why)
     unchecked: list[str] = field(default_factory=list)  # what could not be re-run here, and why
+
+
+def trust(trusted: Trusted, t: torch.Tensor, fp: int) -> None:
+    """Note that ``t``'s bytes were just read and verified against fingerprint ``fp`` (a keyframe's
+    tensors: its check then compares them without hashing them again, :func:`trusted_fingerprint`)."""
+    if t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0:
+        trusted[t.data_ptr()] = (fp, t.numel() * t.element_size())
+
+
+def trusted_fingerprint(trusted: Trusted, t: torch.Tensor) -> int | None:
+    """The fingerprint of ``t`` if it is memory :func:`trust` noted, whole (None: hash it). Only
+    before anything has written to the tensors read (a keyframe, before its first update)."""
+    if t.layout != torch.strided or t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return None
+    got = trusted.get(t.data_ptr())
+    return got[0] if got is not None and got[1] == t.numel() * t.element_size() else None
 
 
 def live(chain: Chain) -> dict[Key, torch.Tensor]:

@@ -68,11 +68,12 @@ def check_kind(kind: str) -> None:
         raise TensorNotFoundError(f"unknown kind {kind!r}; kinds are {', '.join(ALL_KINDS)}")
 
 
-def differs_from_row(t: Any, row: tuple[Any, Any, Any]) -> str | None:
+def differs_from_row(t: Any, row: tuple[Any, ...], fp: int | None = None) -> str | None:
     """How a rebuilt tensor differs from its recorded ``(dtype, shape, fingerprint)`` row, or None
-    when it is the recorded tensor (a rebuild returns only what this says is exact)."""
+    when it is the recorded tensor (a rebuild returns only what this says is exact). ``fp``: the
+    tensor's fingerprint, when the caller has it already (hashed on another thread)."""
     if DTYPE_NAMES.get(t.dtype) != row[0] or format_shape(t.shape) != row[1]:
         return f"is {t.dtype} {tuple(t.shape)} in the rebuild, {row[0]} {row[1]} in the record"
-    if fingerprint(t) != row[2]:
+    if (fingerprint(t) if fp is None else fp) != row[2]:
         return "differs from its recorded fingerprint"
     return None

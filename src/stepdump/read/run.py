@@ -72,6 +72,8 @@ class Run:
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
+        if self._gradlog is not None:  # its cached rebuild holds a copy of the model and optimizer state
+            self._gradlog.close()
         self._blobs.close()
         self._catalog.close()
 

@@ -127,6 +127,12 @@ class CatalogReader:
         rows = self._q("SELECT state FROM steps WHERE step = ?", (step,))
         return rows[0][0] if rows else None
 
+    def step_block(self, first: int, last: int) -> list[tuple[Any, ...]]:
+        """(step, skipped, state text) of every recorded step ``first..last``, in order (a gradient
+        log's rebuild reads them a window of steps at a time)."""
+        return self._q("SELECT step, skipped, state FROM steps WHERE step >= ? AND step <= ? ORDER BY step",
+                       (first, last))
+
     def has_state(self, step: int) -> bool:
         """Whether ``step`` has a state (without reading it)."""
         rows = self._q("SELECT state IS NOT NULL FROM steps WHERE step = ?", (step,))
@@ -318,6 +324,12 @@ class CatalogReader:
         rows = self._q("SELECT b.id, s.key, b.offset, b.length, b.codec, b.raw_length, b.checksum, b.base "
                        "FROM blobs b JOIN segments s ON s.id = b.segment WHERE b.id = ?", (blob_id,))
         return tuple(rows[0]) if rows else None
+
+    def blob_rows_of(self, kind: str, first: int, last: int) -> list[tuple[Any, ...]]:
+        """:meth:`blob_row` of every blob that a ``kind`` tensor at steps ``first..last`` points at."""
+        return self._q("SELECT DISTINCT b.id, g.key, b.offset, b.length, b.codec, b.raw_length, b.checksum, b.base "
+                       f"{_JOIN} JOIN blobs b ON b.id = t.blob JOIN segments g ON g.id = b.segment "
+                       "WHERE s.kind = ? AND t.step >= ? AND t.step <= ?", (kind, first, last))
 
     def blob_sizes(self) -> tuple[Any, Any]:
         """(total stored bytes, total raw bytes) of every blob."""

@@ -1,0 +1,112 @@
+"""What the gradient-log rebuild (read/gradlog.py) reads from the catalog, a window of steps at a time.
+
+Re-applying update *t* needs four facts from the catalog: step *t*'s tensor rows (the grads'
+blobs and the fingerprints the result is checked against), its param groups (the
+hyperparameters update *t* used), whether it was skipped, and where its grads' blobs lie. Asked
+step by step that was ~16 queries per update on a 16-param model (one per grad blob, and the
+step's whole state decoded, its RNG tensors read from their blobs too, though the rebuild never
+uses them): a few percent of an update's time, on the thread that runs the updates. Here each
+fact comes from one query per :data:`WINDOW` steps, and a step's state is decoded only as far
+as its param groups.
+
+A run may be read while it is written: only steps whose row existed when the window was read
+are taken from it (a step's rows commit with it, so those are complete); any other step is
+read again when asked for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from stepdump.core import tjson
+from stepdump.errors import CorruptDataError, StepdumpError
+from stepdump.read.state import recorded_groups
+
+if TYPE_CHECKING:
+    from stepdump.read.blobs import BlobReader
+    from stepdump.read.run import Run
+    from stepdump.store.schema import BlobRow
+
+Key = tuple[str, str]
+#: Steps read per catalog query: enough to make the queries negligible next to the updates, few
+#: enough that a window's rows stay small (rows of WINDOW steps of every tensor).
+WINDOW = 16
+
+
+class Window:
+    """Catalog facts of the steps ``first .. first + WINDOW - 1`` of one run (see the module docstring)."""
+
+    def __init__(self, run: Run, blobs: BlobReader) -> None:
+        self._run = run
+        self._blobs = blobs
+        self._steps: dict[int, tuple[Any, Any]] = {}  # step -> (skipped, state text)
+        self._rows: dict[int, dict[Key, tuple[Any, ...]]] = {}
+        self._blob_rows: dict[int, BlobRow] = {}
+        self._groups: dict[int, list[dict[str, Any]]] = {}
+
+    def clear(self) -> None:
+        self._steps, self._rows, self._blob_rows, self._groups = {}, {}, {}, {}
+
+    def _load(self, step: int) -> None:
+        if step in self._steps:
+            return
+        first, last = step, step + WINDOW - 1
+        cat = self._run.catalog
+        # Steps first: a step listed here has committed, so its tensor rows below are complete.
+        steps = {s: (skipped, state) for s, skipped, state in cat.step_block(first, last) if isinstance(s, int)}
+        rows: dict[int, dict[Key, tuple[Any, ...]]] = {s: {} for s in steps}
+        for s, kind, name, dtype, shape, fp, blob in cat.fingerprint_block(first, last):
+            if s in rows:
+                rows[s][(kind, name)] = (dtype, shape, fp, blob)
+        # The two steps before ``first`` stay: an update asks for its own step's facts after the
+        # next step's (the grads read ahead), and the windows must not take turns.
+        kept = [s for s in self._steps if step - 2 <= s < step]
+        blob_rows = self._blobs.blob_rows_of("grads", first, last)
+        for s in kept:
+            steps[s], rows[s] = self._steps[s], self._rows[s]
+            blob_rows.update({row[3]: self._blob_rows[row[3]] for key, row in rows[s].items()
+                              if key[0] == "grads" and row[3] in self._blob_rows})
+        self._steps, self._rows, self._blob_rows = steps, rows, blob_rows
+        self._groups = {s: g for s, g in self._groups.items() if s in kept}
+
+    def rows(self, step: int) -> dict[Key, tuple[Any, ...]]:
+        """(kind, name) -> (dtype, shape, fingerprint, blob) of every tensor row at ``step``."""
+        self._load(step)
+        rows = self._rows.get(step)
+        if rows is None:  # not recorded (yet): asked directly
+            return {(kind, name): (dtype, shape, fp, blob)
+                    for _, kind, name, dtype, shape, fp, blob in self._run.catalog.fingerprint_block(step, step)}
+        return rows
+
+    def skipped(self, step: int) -> bool:
+        """Whether update ``step`` was skipped (a GradScaler found inf/NaN)."""
+        self._load(step)
+        if step not in self._steps:
+            return any(bool(v) for _, v in self._run.catalog.skipped_flags(step))
+        return bool(self._steps[step][0])
+
+    def blob_row(self, blob_id: Any) -> BlobRow:
+        """The checked catalog row of a grad's blob (:meth:`BlobReader.blob_row`)."""
+        b = self._blob_rows.get(blob_id) if isinstance(blob_id, int) else None
+        return b if b is not None else self._blobs.blob_row(blob_id)
+
+    def groups(self, step: int) -> list[dict[str, Any]]:
+        """The param groups recorded at ``step`` (``{"hyper": {...}, "params": [names]}``), checked."""
+        self._load(step)
+        got = self._groups.get(step)
+        if got is not None:
+            return got
+        entry = self._steps.get(step)
+        if entry is None or not isinstance(entry[1], str):  # not recorded or no state: the usual error
+            return recorded_groups(self._run, step, self._run.step_state(step))
+        try:  # only the groups: the rest of the state (RNG tensors, extras) is not the rebuild's
+            tree = tjson.loads(entry[1])
+            raw = tree.get("groups") if isinstance(tree, dict) else None
+            with self._blobs.call():  # a hyperparameter stored as a tensor (a tensor lr) is read as step_state reads it
+                decoded = tjson.decode(raw, lambda ref: self._run.tensor(ref, step, kind="state"))
+        except StepdumpError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError) as e:
+            raise CorruptDataError(f"the recorded state of step {step} in {self._run.path} is malformed ({e})") from e
+        got = self._groups[step] = recorded_groups(self._run, step, {"groups": decoded})
+        return got

@@ -1,0 +1,191 @@
+"""What a gradient-log read costs, counted, not timed (issue 25 item 3; docs/gradient-log.md "Cost").
+
+- Reading steps in order (any reader entry point: tensors, state_dict, optimizer_state_dict,
+  restore) continues from the cached rebuild: one optimizer application per step, not one per
+  step since the keyframe (K²/2 over a segment); every step bitwise the training's. Counted by
+  torch's global optimizer step hook, not by the engine's own counter. One row per optimizer
+  kernel the run recorded (``foreach`` on/off, ``fused``): the rebuild runs the recorded one.
+- The cached rebuild is one per run and is dropped when the run closes.
+- Catalog work per re-applied update is constant and small (rows, states, skip flags and blob
+  rows are read per window of steps, and the RNG tensors of a step's state are not read at all):
+  counted as catalog queries per extra update.
+- Every grad, the first update's included, is read on the worker thread (the first while the
+  keyframe is read on the reading thread).
+
+Timings: benchmarks/gradlog_read.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_same, record_run, snapshot, tiny_model
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import stepdump
+from stepdump.read.blobs import BlobReader
+from stepdump.store.catalog_read import ReadConnection
+
+K = 4
+STEPS = 11  # keyframes 0, 4, 8: steps 0..10 read in order re-apply 11 - 3 = 8 updates
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adam-no-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
+    "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "sgd-momentum-foreach": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True),
+    "sgd-momentum-no-foreach": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=False),
+}
+
+
+def _restore(run: Any, s: int) -> dict[str, torch.Tensor]:
+    model = tiny_model(seed=5)
+    run.restore(s, model, None, rng=False)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+READS: dict[str, Callable[[Any, int], dict[str, torch.Tensor]]] = {
+    "tensors": lambda run, s: run.tensors(s, "params"),
+    "tensor": lambda run, s: {n: run.tensor(n, s, "params") for n in run.names("params")},
+    "state_dict": lambda run, s: dict(run.state_dict(s)),
+    "restore": _restore,
+}
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[Any]]]:
+    base = tmp_path_factory.mktemp("readcost")
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        model = tiny_model()
+        opt = make(model.parameters())
+        snaps: list[Any] = []
+        path = record_run(base / name, steps=STEPS, model=model, opt=opt, gradient_log=K,
+                          before_step=lambda t, m, o: snaps.append(snapshot(m, o)))
+        out[name] = (path, snaps)
+    return out
+
+
+class _Applications:
+    """Optimizer steps run anywhere in the process (torch's global post hook)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._h = register_optimizer_step_post_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self.n += 1
+
+    def remove(self) -> None:
+        self._h.remove()
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_reading_every_step_in_order_applies_one_update_per_step_bitwise(
+        logs: dict[str, Any], opt: str, read: str) -> None:
+    path, snaps = logs[opt]
+    with stepdump.open(path) as run:
+        keyframes = run._gradlog.keyframes()
+        assert keyframes == [0, 4, 8, STEPS]  # + the final record
+        applied = _Applications()
+        try:
+            for s in range(STEPS):
+                got = READS[read](run, s)
+                assert sorted(got) == sorted(snaps[s]["params"]), (s, sorted(got))
+                for n, want in snaps[s]["params"].items():
+                    assert_same(got[n], want, f"{opt} {read} step {s} {n}")
+                if opt != "adam" or read != "tensors":
+                    continue
+                for n, want in snaps[s]["optimizer"].items():  # the optimizer state too, once per kernel
+                    assert_same(run.tensor(n, s, "optimizer"), want, f"{opt} step {s} optimizer {n}")
+        finally:
+            applied.remove()
+        assert applied.n == STEPS - 3, applied.n  # was sum of (s - keyframe) over the steps: 12 here
+
+
+def test_reading_backwards_restarts_from_the_keyframe_and_stays_bitwise(logs: dict[str, Any]) -> None:
+    path, snaps = logs["adam"]
+    with stepdump.open(path) as run:
+        applied = _Applications()
+        try:
+            for s in (7, 6, 5):
+                for n, want in snaps[s]["params"].items():
+                    assert_same(run.tensor(n, s, "params"), want, f"step {s} {n}")
+        finally:
+            applied.remove()
+        assert applied.n == 3 + 2 + 1  # nothing to continue from: the state before is not kept
+
+
+def test_the_cached_rebuild_is_dropped_when_the_run_closes(logs: dict[str, Any]) -> None:
+    path, snaps = logs["adam"]
+    run = stepdump.open(path)
+    engine = run._gradlog
+    run.tensors(6, "params")
+    assert engine._chain is not None and engine._snapshot is not None  # one cached state, held while open
+    run.close()
+    assert engine._chain is None and engine._snapshot is None
+
+
+def _queries(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    seen: list[str] = []
+    execute = ReadConnection.execute
+
+    def counted(self: ReadConnection, sql: str, *a: Any, **kw: Any) -> Any:
+        seen.append(sql)
+        return execute(self, sql, *a, **kw)
+
+    monkeypatch.setattr(ReadConnection, "execute", counted)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def long_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return record_run(tmp_path_factory.mktemp("long") / "run", steps=41, gradient_log=40)
+
+
+def test_catalog_queries_per_re_applied_update_are_few(long_log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _queries(monkeypatch)
+    counts = {}
+    for at in (8, 39):
+        with stepdump.open(long_log) as run:
+            run.names("params")
+            seen.clear()
+            run.tensors(at, "params")
+            counts[at] = len(seen)
+    per_update = (counts[39] - counts[8]) / (39 - 8)
+    assert per_update <= 0.5, (counts, per_update)  # was 13 (4 params: a blob row per grad, the RNG's tensors...)
+
+
+def test_every_grad_is_read_on_the_worker_the_first_update_beside_the_keyframe(
+        logs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    path, snaps = logs["adam"]
+    ahead, into = BlobReader.read_ahead, BlobReader.read_into
+    seen = {"ahead": 0, "grads on the reading thread": 0}
+
+    def read_ahead(self: BlobReader, *a: Any) -> bool:
+        ok = ahead(self, *a)
+        seen["ahead"] += ok
+        return ok
+
+    def read_into(self: BlobReader, out: torch.Tensor, blob: int, *a: Any, **kw: Any) -> torch.Tensor:
+        if blob in grad_blobs:
+            seen["grads on the reading thread"] += 1
+        return into(self, out, blob, *a, **kw)
+
+    monkeypatch.setattr(BlobReader, "read_ahead", read_ahead)
+    monkeypatch.setattr(BlobReader, "read_into", read_into)
+    with stepdump.open(path) as run:
+        grad_blobs = {row[6] for row in run.catalog.fingerprint_block(0, K) if row[1] == "grads"}
+        n = len(run.names("params"))
+        got = run.tensors(K - 1, "params")
+        for name, want in snaps[K - 1]["params"].items():
+            assert_same(got[name], want, name)
+    assert seen["grads on the reading thread"] == 0, seen  # was n: update 0's, read before the worker started
+    assert seen["ahead"] >= (K - 1) * n, seen
