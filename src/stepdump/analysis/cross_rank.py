@@ -60,9 +60,38 @@ class CrossRank(Rule):
         check_int(self.name, "max_findings", self.max_findings, 1)
 
     def __call__(self, run: Any) -> list[Finding]:
+        split = self.first_split(run)
+        if split is None:
+            return []
+        findings, first, items, rows, ranks = split
+        for kind, name in items[: self.max_findings]:
+            sub = rows[(rows["kind"] == kind) & (rows["name"] == name)]
+            findings.append(self._finding(first, kind, name, sub, ranks, len(items)))
+        return findings
+
+    def apart(self, run: Any) -> dict[str, Any] | None:
+        """Which ranks hold other bytes than the rest at the first step where replicas disagree:
+        ``{"step", "tensors": [(kind, name), ...], "ranks": {rank: number of those tensors where it
+        is outside the largest group of agreeing ranks}}``; None when replicas agree (or one rank).
+        The same detection as the findings (the report's ranks summary names these outliers)."""
+        split = self.first_split(run)
+        if split is None or split[1] < 0:
+            return None
+        _, first, items, rows, ranks = split
+        out: dict[int, int] = {}
+        for kind, name in items:
+            groups = _versions(rows[(rows["kind"] == kind) & (rows["name"] == name)])
+            agree = max(groups.values(), key=len)
+            for r in sorted(set(ranks) - set(agree)):
+                out[r] = out.get(r, 0) + 1
+        return {"step": first, "tensors": items, "ranks": out}
+
+    def first_split(self, run: Any) -> tuple[list[Finding], int, list[tuple[str, str]], pd.DataFrame, list[int]] | None:
+        """(warnings about step sets, the first step where replicas disagree or -1, the tensors that
+        differ there, the stats rows of that step, the ranks); None for fewer than two ranks."""
         stores = ranked_stores(run)
         if len(stores) < 2:
-            return []
+            return None
         ranks = [r for r, _ in stores]
         frames = []
         steps: dict[int, set[int]] = {}
@@ -79,7 +108,7 @@ class CrossRank(Rule):
         df = pd.concat(frames, ignore_index=True)
         df = df[df["step"].isin(list(common))]
         if df.empty:
-            return findings
+            return findings, -1, [], df, ranks
         df = df.assign(version=df["dtype"].astype(str) + "|" + df["shape"].astype(str) + "|"
                        + df["fingerprint"].astype(str))
         keys = ["step", "kind", "name", "group"]
@@ -88,7 +117,7 @@ class CrossRank(Rule):
         want = len(ranks)
         bad = per[(per["versions"] > 1) | ((per.index.get_level_values("group") == "replica") & (per["members"] != want))]
         if bad.empty:
-            return findings
+            return findings, -1, [], df, ranks
         first = int(bad.index.get_level_values("step").min())
         at = bad[bad.index.get_level_values("step") == first]
         order = {k: i for i, k in enumerate(_KINDS)}
@@ -96,19 +125,12 @@ class CrossRank(Rule):
             (k, n) for k in self.kinds if k in run.kinds() for n in run.names(k))}
         items = sorted({(k, n) for _, k, n, _ in at.index},
                        key=lambda kn: (order.get(kn[0], 99), series.get(kn, 1 << 30), kn[1]))
-        rows = df[df["step"] == first]
-        for kind, name in items[: self.max_findings]:
-            sub = rows[(rows["kind"] == kind) & (rows["name"] == name)]
-            findings.append(self._finding(first, kind, name, sub, ranks, len(items)))
-        return findings
+        return findings, first, items, df[df["step"] == first], ranks
 
     def _finding(self, step: int, kind: str, name: str, rows: pd.DataFrame, ranks: Sequence[int],
                  total: int) -> Finding:
-        versions: dict[str, list[int]] = {}
-        norms: dict[int, float] = {}
-        for r, v, nrm in zip(rows["rank"], rows["version"], rows["norm"], strict=True):
-            versions.setdefault(v, []).append(int(r))
-            norms[int(r)] = float(nrm)
+        versions = _versions(rows)
+        norms = {int(r): float(nrm) for r, nrm in zip(rows["rank"], rows["norm"], strict=True)}
         missing = sorted(set(ranks) - set(norms))
         parts = [("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, sorted(rs)))
                  + f" (norm {norms[min(rs)]:.6g})" for rs in sorted(versions.values(), key=min)]
@@ -133,6 +155,14 @@ class CrossRank(Rule):
             f"ranks recorded different steps ({desc}); cross-rank comparison covers the steps all ranks have. "
             "A rank with fewer steps stopped early (crash, hang) or recorded with another schedule.",
         )]
+
+
+def _versions(rows: pd.DataFrame) -> dict[str, list[int]]:
+    """The ranks holding each version (dtype, shape, fingerprint) among one tensor's ``rows``."""
+    versions: dict[str, list[int]] = {}
+    for r, v in zip(rows["rank"], rows["version"], strict=True):
+        versions.setdefault(v, []).append(int(r))
+    return versions
 
 
 def _group(run: Any, store: Any, rank: int, kind: str, name: str, shape: str,

@@ -32,11 +32,27 @@ class StatMatrix:
         values: float64 array ``[len(names), len(steps)]``; NaN where a tensor
             has no row at a step, or the stat is undefined (all elements
             non-finite, empty tensor).
+        ends: For a matrix bucketed in the catalog (:func:`bucketed_matrices`), the last step
+            each column covers (``steps`` then holds each column's first step); None when every
+            column is one step.
+        count: Recorded steps the columns stand for (None: ``steps.size``).
     """
 
     names: list[str]
     steps: np.ndarray
     values: np.ndarray
+    ends: np.ndarray | None = None
+    count: int | None = None
+
+    @property
+    def last_steps(self) -> np.ndarray:
+        """The last step each column covers (``steps`` itself when not bucketed)."""
+        return self.steps if self.ends is None else self.ends
+
+    @property
+    def recorded(self) -> int:
+        """How many recorded steps the columns stand for."""
+        return int(self.steps.size) if self.count is None else self.count
 
     @property
     def empty(self) -> bool:
@@ -88,6 +104,58 @@ def stat_matrices(run: Run, kind: str, columns: Sequence[str],
         if table.shape[0]:
             values[r, c] = table[:, 2 + j]
         out[column] = StatMatrix(names, steps, values)
+    return out
+
+
+#: What :func:`bucketed_matrices` returns besides the stat columns: the largest relative change
+#: of the norm between consecutive recorded steps in the bucket, and how many of the bucket's
+#: steps had a NaN/±Inf element.
+BUCKET_EXTRAS = ("norm_change", "nonfinite")
+_BUCKET_COLUMNS = ("norm", "min", "max", "mean", "std", *BUCKET_EXTRAS)
+
+
+def bucketed_matrices(run: Run, kind: str, max_columns: int) -> dict[str, StatMatrix] | None:
+    """norm/min/max/mean/std (and :data:`BUCKET_EXTRAS`) of every ``kind`` tensor, aggregated
+    in the catalog into at most ``max_columns`` buckets of equal step width; None when the run
+    has at most ``max_columns`` stats steps (read it exactly, :func:`stat_matrices`).
+
+    Each bucket keeps what a reader looks for: the largest norm (spikes), the smallest minimum and
+    largest maximum (the envelope), the average mean and std, the largest step-to-step relative
+    norm change and the count of steps with NaN/±Inf. The catalog returns ``tensors x buckets``
+    rows (:meth:`~stepdump.store.queries.CatalogReader.stat_buckets`); the rows of every step
+    are never loaded into Python.
+    """
+    steps = run.stats_steps
+    if len(steps) <= max_columns:
+        return None
+    series = [(sid, name) for sid, _, name in run.catalog.matching_series(kind, None)]
+    if not series:
+        return None
+    first, last = steps[0], steps[-1]
+    width = -(-(last - first + 1) // max_columns)
+    rows = run.catalog.stat_buckets(kind, first, width)
+    table = _floats(run, rows, 5 + len(_BUCKET_COLUMNS), f"bucketed {kind} stats")
+    del rows
+    if not table.shape[0]:
+        return None
+    ids = np.array([sid for sid, _ in series], dtype=np.float64)
+    buckets = np.unique(table[:, 1]).astype(np.int64)
+    names = [n for _, n in series]
+    r = np.searchsorted(ids, table[:, 0])
+    c = np.searchsorted(buckets, table[:, 1].astype(np.int64))
+    # Each column spans the steps its rows have (the bucket's first to last recorded step of the
+    # kind); the steps it stands for: per bucket, the most rows any tensor has there.
+    starts = np.full(buckets.size, np.iinfo(np.int64).max)
+    ends = np.full(buckets.size, np.iinfo(np.int64).min)
+    count = np.zeros(buckets.size, dtype=np.int64)
+    np.minimum.at(starts, c, table[:, 2].astype(np.int64))
+    np.maximum.at(ends, c, table[:, 3].astype(np.int64))
+    np.maximum.at(count, c, table[:, 4].astype(np.int64))
+    out = {}
+    for j, column in enumerate(_BUCKET_COLUMNS):
+        values = np.full((len(series), buckets.size), np.nan)
+        values[r, c] = table[:, 5 + j]
+        out[column] = StatMatrix(names, starts, values, ends=ends, count=int(count.sum()))
     return out
 
 

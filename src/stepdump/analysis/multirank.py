@@ -23,6 +23,17 @@ def is_multirank(run: Any) -> bool:
     return bool(ranked_stores(run))
 
 
+def finding_ranks(f: Finding) -> list[int] | None:
+    """The ranks a finding of :func:`check_distributed` names (its ``rank r:`` / ``ranks a, b:``
+    prefix), or None for a finding about the ranks together (``cross_rank``) or a single store."""
+    word, _, rest = f.message.partition(" ")
+    named, colon, _ = rest.partition(": ")
+    parts = named.split(", ")
+    if word not in ("rank", "ranks") or not colon or not all(p.isdigit() for p in parts):
+        return None
+    return [int(p) for p in parts]
+
+
 def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool,
                       objective: str | bool | None = None) -> list[Finding]:
     """``stepdump.check`` on a multi-rank run: each rule on every rank's store, plus ``cross_rank``.

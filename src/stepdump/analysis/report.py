@@ -27,6 +27,7 @@ from stepdump.analysis.downsample import bucket_max, minmax_downsample
 from stepdump.analysis.findings import Finding
 from stepdump.analysis.matrices import (
     StatMatrix,
+    bucketed_matrices,
     combined_norm,
     nonfinite_counts,
     scalar_series,
@@ -36,6 +37,7 @@ from stepdump.analysis.matrices import (
 )
 from stepdump.analysis.report_dist import BAND_COLUMNS, DIST_KINDS, QUANTILES, sample_quantiles, stat_bands
 from stepdump.analysis.report_groups import tensor_groups
+from stepdump.analysis.report_ranks import json_ready, ranks_summary
 from stepdump.analysis.report_scalars import group_scalars, scalar_order, wants_log
 from stepdump.errors import ConfigError, StepdumpError
 from stepdump.read.joint import is_joint
@@ -92,10 +94,13 @@ def build_report_data(
     domain = [all_steps[0], all_steps[-1]] if all_steps else [0, 0]
     stores = _stores(run)
     kinds = {k for _, store in stores for k in store.kinds()}
-    # Each kind's norms (heatmaps, update ratio) and band columns (distributions) in one pass per store.
-    tables = {kind: [(prefix, stat_matrices(store, kind, ("norm", *BAND_COLUMNS))) for prefix, store in stores]
+    # Each kind's norms (heatmaps, update ratio) and band columns (distributions) in one pass per store;
+    # a run with more stats steps than max_points is bucketed inside the catalog (bucketed_matrices).
+    tables = {kind: [(prefix, _kind_matrices(store, kind, max_points)) for prefix, store in stores]
               for kind in DIST_KINDS if kind in kinds}
     params = _stack([(p, t["norm"]) for p, t in tables["params"]]) if "params" in tables else None
+    change = _stack([(p, t["norm_change"]) for p, t in tables["params"]]) \
+        if "params" in tables and all("norm_change" in t for _, t in tables["params"]) else None
     grads = _stack([(p, t["norm"]) for p, t in tables["grads"]]) if "grads" in tables else None
     return {
         "version": REPORT_DATA_VERSION,
@@ -105,7 +110,7 @@ def build_report_data(
         "scalars": _scalars(stores, max_points),
         "grad_norms": _heatmap(grads, max_points, "grad L2 norm") if grads is not None else None,
         "param_norms": _heatmap(params, max_points, "weight L2 norm") if params is not None else None,
-        "update_ratio": _update_ratio(stores, params, max_points, exact_steps, exact_budget),
+        "update_ratio": _update_ratio(stores, params, max_points, exact_steps, exact_budget, change),
         "moments": _moments(stores, max_points) if "optimizer" in kinds else [],
         "nonfinite": _nonfinite(run, stores, max_points),
         "findings": [_finding_dict(f) for f in found],
@@ -113,8 +118,14 @@ def build_report_data(
         "times": _times(stores),
         "groups": tensor_groups(_all_names(stores), _embeddings(stores)),
         "dist": _dist(stores, tables, dist_points, quantile_steps),
+        "ranks": json_ready(ranks_summary(run, found)),
         "reexecutions": reexecution_rows(run),
     }
+
+
+def _kind_matrices(store: Run, kind: str, max_points: int) -> dict[str, StatMatrix]:
+    """norm and band columns of ``kind``: bucketed in the catalog for a long run, else exact."""
+    return bucketed_matrices(store, kind, max_points) or stat_matrices(store, kind, ("norm", *BAND_COLUMNS))
 
 
 def stores_of(run: RunReader) -> list[tuple[str, Run]]:
@@ -208,14 +219,19 @@ def _stack(parts: list[tuple[str, StatMatrix]]) -> StatMatrix:
     if len(parts) == 1 and not parts[0][0]:
         return parts[0][1]
     steps = np.unique(np.concatenate([m.steps for _, m in parts])).astype(np.int64)
+    ends = steps.copy()
     names: list[str] = []
     blocks = []
     for prefix, m in parts:
         block = np.full((len(m.names), steps.size), np.nan)
-        block[:, np.searchsorted(steps, m.steps)] = m.values
+        at = np.searchsorted(steps, m.steps)
+        block[:, at] = m.values
+        ends[at] = np.maximum(ends[at], m.last_steps)  # bucketed stores: the widest bucket starting there
         names.extend(prefix + n for n in m.names)
         blocks.append(block)
-    return StatMatrix(names, steps, np.concatenate(blocks))
+    bucketed = any(m.ends is not None for _, m in parts)
+    return StatMatrix(names, steps, np.concatenate(blocks), ends=ends if bucketed else None,
+                      count=max(m.recorded for _, m in parts) if bucketed else None)
 
 
 def _disk_bytes(run: RunReader) -> int:
@@ -300,28 +316,36 @@ def _heatmap(m: StatMatrix, max_points: int, label: str, note: str = "") -> dict
         "note": note,
         "names": m.names,
         "x0": _ints(m.steps[first]),
-        "x1": _ints(m.steps[last]),
+        "x1": _ints(m.last_steps[last]),
         "values": [_floats(row) for row in reduced],
-        "steps": int(m.steps.size),
+        "steps": m.recorded,
     }
 
 
 def _update_ratio(
-    stores: list[tuple[str, Run]], params: StatMatrix | None, max_points: int, exact_steps: int, budget: int
+    stores: list[tuple[str, Run]], params: StatMatrix | None, max_points: int, exact_steps: int, budget: int,
+    change: StatMatrix | None = None,
 ) -> dict[str, Any] | None:
+    """Exact ratios at full step pairs, else (or also) the lower bound from norms. ``change``: for
+    norms bucketed in the catalog, each bucket's largest bound (the catalog computed it per step)."""
     if params is None or params.empty:
         return None
     exact = _exact_ratios(stores, exact_steps, budget)
-    pairs_total = int(np.count_nonzero(np.diff(params.steps) == 1))
+    bucketed = change is not None and params.ends is not None
+    pairs_total = params.recorded - 1 if bucketed else int(np.count_nonzero(np.diff(params.steps) == 1))
     out: dict[str, Any] = {"exact": exact, "lower_bound": None}
     if exact is not None and exact["steps"] >= pairs_total:
         return out  # exact at every step: the bound adds nothing
     p = params.values
-    if p.shape[1] >= 2:
+    bound: StatMatrix | None = None
+    if bucketed:
+        bound = change
+    elif p.shape[1] >= 2:
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.abs(p[:, 1:] - p[:, :-1]) / p[:, :-1]
         ratio[~np.isfinite(ratio)] = np.nan
         bound = StatMatrix(params.names, params.steps[:-1], ratio)
+    if bound is not None:
         out["lower_bound"] = _heatmap(
             bound, max_points, "| ‖θ_next‖ − ‖θ‖ | / ‖θ‖",
             "Lower bound on ‖θ_next − θ‖ / ‖θ‖ from recorded norms only (reverse triangle inequality), "

@@ -56,8 +56,8 @@ def stat_bands(store: Run, kind: str, max_points: int,
         return None
     edges = bucket_edges(m.steps.size, max_points)
     first, last = edges[:-1], edges[1:] - 1
-    out: dict[str, Any] = {"names": m.names, "x0": m.steps[first].tolist(), "x1": m.steps[last].tolist(),
-                           "steps": int(m.steps.size)}
+    out: dict[str, Any] = {"names": m.names, "x0": m.steps[first].tolist(), "x1": m.last_steps[last].tolist(),
+                           "steps": m.recorded}
     with np.errstate(all="ignore"):
         for c, mat in cols.items():
             v = mat.values

@@ -26,6 +26,7 @@ import html
 import json
 import math
 import os
+import zlib
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -53,12 +54,17 @@ def page_data(data: dict[str, Any]) -> dict[str, Any]:
     return combine([data], [Path(str(data["summary"]["path"])).name or str(data["summary"]["path"])])
 
 
-def render_report(data: dict[str, Any], *, live: dict[str, Any] | None = None) -> str:
+def render_report(data: dict[str, Any], *, live: dict[str, Any] | None = None, lazy: bool | None = None) -> str:
     """The report page for ``data``: one run's :func:`stepdump.analysis.report.build_report_data`,
     or several runs' :func:`stepdump.analysis.report_overlay.build_overlay_data`.
 
     ``live`` (``{"url": ..., "interval_ms": ...}``, from :mod:`stepdump.render.live`) makes the
     page poll ``url`` for fresh data; without it the page fetches nothing.
+
+    ``lazy``: embed the per-tensor matrices (:data:`LAZY_KEYS`) each in a deflate-compressed
+    element of its own, decoded by the page only when a section that draws them is scrolled to
+    (or its "load" button pressed); the first view parses and draws only the summary, findings
+    and scalars. None (default): lazy when those matrices take more than :data:`LAZY_BYTES`.
     """
     d = page_data(data)
     runs = d["runs"]
@@ -74,8 +80,10 @@ def render_report(data: dict[str, Any], *, live: dict[str, Any] | None = None) -
         findings=frag["findings_html"],
         nfindings=frag["nfindings"],
         compare=frag["compare_html"],
+        ranks=frag["ranks_html"],
+        ranks_hidden="" if frag["ranks_html"] else " hidden",
         compare_hidden="" if len(runs) > 1 else " hidden",
-        data=page_json(d),
+        **_page_parts(d, lazy),
         live="" if live is None else
         f'<script type="application/json" id="stepdump-live">{_script_json(live)}</script>',
     )
@@ -85,6 +93,35 @@ def page_json(d: dict[str, Any]) -> str:
     """The page data (already in page layout) as the JSON the page reads: packed, rounded, safe
     inside a ``<script>`` element."""
     return _script_json(_pack(d))
+
+
+#: Per-run data the page decodes only when a section needs them (see :func:`render_report`).
+LAZY_KEYS = ("grad_norms", "param_norms", "update_ratio", "dist")
+#: Above this many bytes of those (as JSON), :func:`render_report` makes them lazy by default.
+LAZY_BYTES = 1 << 20
+
+
+def _page_parts(d: dict[str, Any], lazy: bool | None) -> dict[str, str]:
+    """``data`` (the JSON blob) and ``lazy`` (the compressed elements, '' when none) of a page."""
+    packed = _pack(d)
+    parts: list[tuple[str, str]] = []  # (element id, JSON text)
+    for i, r in enumerate(packed["runs"]):
+        for key in LAZY_KEYS:
+            if r.get(key):
+                parts.append((f"stepdump-lazy-{i}-{key}", _script_json(r[key])))
+    if lazy is None:
+        lazy = sum(len(text) for _, text in parts) > LAZY_BYTES
+    if not lazy or not parts:
+        return {"data": _script_json(packed), "lazy": ""}
+    runs = [dict(r) for r in packed["runs"]]
+    elements = []
+    for eid, text in parts:
+        run, key = eid.removeprefix("stepdump-lazy-").split("-", 1)
+        runs[int(run)][key] = {"lazy": eid}
+        # zlib's format is what the page's DecompressionStream("deflate") reads; base64 keeps it text.
+        b64 = base64.b64encode(zlib.compress(text.encode("utf-8"), 6)).decode("ascii")
+        elements.append(f'<script type="application/octet-stream" id="{eid}" data-codec="deflate">{b64}</script>')
+    return {"data": _script_json(dict(packed, runs=runs)), "lazy": "\n".join(elements)}
 
 
 def fragments(d: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +137,7 @@ def fragments(d: dict[str, Any]) -> dict[str, Any]:
         + _reexec_html(runs),
         "nfindings": len(findings),
         "compare_html": comparison_html(d),
+        "ranks_html": ranks_html(runs),
     }
 
 
@@ -250,6 +288,40 @@ def comparison_html(d: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def ranks_html(runs: list[dict[str, Any]]) -> str:
+    """Each multi-rank run's ranks table (:mod:`stepdump.analysis.report_ranks`), outlier ranks
+    marked and said first; '' when no run has ranks."""
+    parts = []
+    for r in runs:
+        s = r.get("ranks")
+        if not s:
+            continue
+        if len(runs) > 1:
+            parts.append(f'<h3 class="run-head">{_e(r["label"])}</h3>')
+        out = s["outliers"]
+        spread = f'{s["grad_spread"]:.3g}' if isinstance(s.get("grad_spread"), float) else "—"
+        parts.append(f'<p class="ranks-head" data-outliers="{_e(",".join(map(str, out)))}">'
+                     f'{len(s["rows"])} ranks · outlier ranks: <b>{_e(", ".join(map(str, out)) or "none")}</b>'
+                     f' · total grad-norm spread (max − min) / median at the last common step: {_e(spread)}'
+                     f'{" · replicas part at step " + _e(s["split"]) if s.get("split") is not None else ""}</p>')
+        head = "".join(f"<th>{h}</th>" for h in ("Rank", "Steps", "Last step", "Loss (last)", "Grad norm (last)",
+                                                 "Largest grad-norm deviation from the ranks' median", "Outlier because"))
+        rows = "".join(
+            f'<tr class="{"outlier" if x["outlier"] else "ok"}" data-rank="{_e(x["rank"])}">'
+            f'<td class="num">{_e(x["rank"])}</td><td class="num">{_e(x["steps"])}</td><td class="num">{_e(x["last_step"])}</td>'
+            f'<td class="num">{_e(_fmt(x["loss_last"]))}</td><td class="num">{_e(_fmt(x["grad_norm_last"]))}</td>'
+            f'<td class="num">{_e(_deviation(x))}</td>'
+            f'<td>{_e("; ".join(x["why"]))}</td></tr>' for x in s["rows"])
+        parts.append(f'<table class="ranks"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>')
+    return "\n".join(parts)
+
+
+def _deviation(row: dict[str, Any]) -> str:
+    if row.get("grad_dev") is None:
+        return ""
+    return f'{row["grad_dev"]:.2%} at step {row["grad_dev_step"]}'
+
+
 def _summaries_html(runs: list[dict[str, Any]]) -> str:
     if len(runs) == 1:
         return _summary_html(runs[0]["summary"])
@@ -363,6 +435,9 @@ _PAGE = """<!doctype html>
 <section id="summary"><h2>Run</h2><div id="summary-body">
 {summary}
 </div></section>
+<section id="ranks"{ranks_hidden}><h2>Ranks</h2><div id="ranks-body">
+{ranks}
+</div></section>
 <section id="findings"><h2>Findings <span class="badge" id="nfindings">{nfindings}</span></h2><div id="findings-body">
 {findings}
 </div></section>
@@ -383,6 +458,7 @@ to see that tensor's curves.</footer>
 <div id="tip" hidden></div>
 {live}
 <script type="application/json" id="stepdump-data">{data}</script>
+{lazy}
 <script>
 {js}
 </script>

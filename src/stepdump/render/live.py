@@ -7,7 +7,7 @@ moved on, so an idle page costs next to nothing and a busy one costs one report 
 step at most per poll. :func:`serve` serves it on a local port:
 
 * ``GET /``: the report page (the same page ``stepdump report`` writes), told to poll;
-* ``GET /data.json``: ``{"version", "data", "summary_html", "findings_html", "nfindings", "compare_html"}``,
+* ``GET /data.json``: ``{"version", "data", "summary_html", "findings_html", "nfindings", "compare_html", "ranks_html"}``,
   where ``version`` changes whenever the data do.
 
 The server binds to 127.0.0.1 unless told otherwise; it only reads the runs. It answers only
@@ -95,7 +95,8 @@ class LiveReport:
     def data_json(self) -> bytes:
         """``/data.json``'s body."""
         doc = self.current()
-        head = json.dumps({k: doc[k] for k in ("version", "summary_html", "findings_html", "nfindings", "compare_html")},
+        head = json.dumps({k: doc[k] for k in ("version", "summary_html", "findings_html", "nfindings", "compare_html",
+                                               "ranks_html")},
                           separators=(",", ":"))
         return (head[:-1] + ',"data":' + doc["data_json"] + "}").encode("utf-8")
 

@@ -191,6 +191,51 @@
     state.layer = name;
     const sel = document.getElementById("layer-select");
     if (sel) { sel.value = name; sel.dispatchEvent(new Event("change")); sel.scrollIntoView({ block: "nearest" }); }
+    else document.getElementById("layers").scrollIntoView({ block: "start" });   // not decoded yet: scrolling there decodes it
+  }
+
+  // -- lazy sections: a large page embeds the per-tensor matrices compressed, one element each
+  // (#stepdump-lazy-<run>-<key>, zlib + base64); the run's entry reads {lazy: id} until a section
+  // that draws them is scrolled to (or its button pressed), then they are inflated and parsed once.
+  const LAZY = [
+    { sections: ["layers"], keys: ["grad_norms", "param_norms", "update_ratio", "dist"], build: skipped => layers(skipped) },
+    { sections: ["grad-norms", "update-ratio"], keys: ["grad_norms", "update_ratio"], build: () => heatmaps() },
+  ];
+  const inflating = {};
+  let observers = [];
+  function inflate(id) {
+    return inflating[id] || (inflating[id] = (async () => {
+      const bin = atob(document.getElementById(id).textContent.trim()), u8 = new Uint8Array(bin.length);
+      for (let i = 0; i < bin.length; i++) u8[i] = bin.charCodeAt(i);
+      const stream = new Blob([u8]).stream().pipeThrough(new DecompressionStream("deflate"));
+      return JSON.parse(await new Response(stream).text());
+    })());
+  }
+  const pendingOf = keys => D.runs.flatMap((r, i) => keys.filter(k => r[k] && r[k].lazy).map(k => [i, k, r[k].lazy]));
+  function lazily(group, skipped) {
+    const pending = pendingOf(group.keys), secs = group.sections.map(id => document.getElementById(id));
+    if (!pending.length) { group.build(skipped); return; }
+    const body = secs.map(sec => sec.querySelector("div"));
+    secs.forEach((sec, j) => {
+      sec.dataset.lazy = "pending";
+      const box = clear(body[j].id);
+      const b = el("button", { type: "button", class: "mini lazy-load", text: "draw this section" }, box);
+      el("span", { class: "muted note", text: " (per-tensor data of a large run: decoded when scrolled to)" }, box);
+      b.addEventListener("click", go);
+    });
+    let started = false;
+    const obs = new IntersectionObserver(es => { if (es.some(e => e.isIntersecting)) go(); }, { rootMargin: "200px" });
+    secs.forEach(sec => obs.observe(sec));
+    observers.push(obs);
+    async function go() {
+      if (started) return; started = true; obs.disconnect();
+      const d = D;
+      const vals = await Promise.all(pending.map(([, , id]) => inflate(id)));
+      if (d !== D) return;   // a live update replaced the data meanwhile (and rebuilt the page)
+      pending.forEach(([i, k], j) => { if (D.runs[i][k] && D.runs[i][k].lazy) D.runs[i][k] = vals[j]; });
+      secs.forEach(sec => { sec.dataset.lazy = "decoded"; });
+      group.build(skipped); collapseEmpty(); drawAll();
+    }
   }
 
   // -- heatmaps and the NaN/Inf timeline, per run ---------------------------------------
@@ -207,6 +252,8 @@
       if (ur.lower_bound) charts.push(SD.addHeatmap(rh, "update_ratio:lower_bound" + tag, ur.lower_bound, pre + "Lower bound | ‖θ_{t+1}‖ − ‖θ_t‖ | / ‖θ_t‖ (from stats)", pick, opts("update_ratio:lower_bound" + tag)));
       if (!ur.exact && !ur.lower_bound) empty(rh, pre + "No parameters were recorded.");
     });
+  }
+  function normDiff() {   // inline data (comparisons): drawn with the first view
     const nd = clear("norm-diff");
     for (const d of D.norm_diff || []) {
       const id = `norm_diff:${d.kind}@${d.run}`;
@@ -228,7 +275,7 @@
   }
   function collapseEmpty() {   // a section with nothing drawn shrinks to its title and one line
     for (const s of document.querySelectorAll("main > section")) {
-      if (s.id === "summary" || s.id === "findings" || s.hidden) continue;
+      if (s.id === "summary" || s.id === "findings" || s.hidden || s.dataset.lazy === "pending") continue;
       s.classList.toggle("collapsed", !s.querySelector("canvas[data-plot]") && !s.querySelector("#compare-body table"));
     }
   }
@@ -243,8 +290,11 @@
     ctx.divergence = (D.divergence || []).filter(d => d.step !== null && d.step !== undefined)
       .map(d => ({ step: d.step, run: d.run, text: `${D.runs[0].label} and ${D.runs[d.run].label} part at step ${d.step}: ${d.headline}${d.reading ? " — " + d.reading : ""}` }));
     charts = []; ctx.charts = [];
+    for (const o of observers) o.disconnect();
+    observers = [];
+    for (const sec of document.querySelectorAll("main > section[data-lazy]")) delete sec.dataset.lazy;
     const skipped = skippedBands();
-    controls(); scalars(skipped); layers(skipped); heatmaps(); moments(skipped); nonfinite(skipped);
+    controls(); scalars(skipped); for (const g of LAZY) lazily(g, skipped); normDiff(); moments(skipped); nonfinite(skipped);
     collapseEmpty();
   }
   function rebuild() { build(); drawAll(); }
@@ -271,6 +321,7 @@
           document.getElementById("findings-body").innerHTML = j.findings_html;
           document.getElementById("nfindings").textContent = j.nfindings;
           if (j.compare_html !== undefined) document.getElementById("compare-body").innerHTML = j.compare_html;
+          if (j.ranks_html !== undefined) { document.getElementById("ranks-body").innerHTML = j.ranks_html; document.getElementById("ranks").hidden = !j.ranks_html; }
           document.getElementById("compare").hidden = D.runs.length < 2;
           rebuild();
           document.body.dataset.version = version;

@@ -248,6 +248,13 @@ class CatalogWriter:
     def add_scalars(self, rows: Iterable[tuple[int, str, float | None]]) -> None:
         self.con.executemany("INSERT OR REPLACE INTO scalars(step, name, value) VALUES (?, ?, ?)", rows)
 
+    def renumber_step(self, old: int, new: int) -> None:
+        """Move every row of step ``old`` (step, tensors, scalars) to step ``new``, which must be
+        unrecorded. For writers that build a run out of order (benchmarks/synth_run.py moves a
+        template's final step to the end of the steps it appends)."""
+        for table in ("steps", "tensors", "scalars"):
+            self.con.execute(f"UPDATE {table} SET step = ? WHERE step = ?", (new, old))  # noqa: S608 - fixed names
+
     def set_meta(self, key: str, value: Any) -> None:
         self.con.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
 
