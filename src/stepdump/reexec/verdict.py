@@ -25,6 +25,7 @@ import torch
 from stepdump.core.host import kernels_meta
 from stepdump.core.optrace import OpRecord, first_op_difference
 from stepdump.errors import ConfigError, StepNotFoundError, nearest_steps
+from stepdump.reexec import ranks
 from stepdump.reexec.capture import module_globs
 from stepdump.reexec.engine import (
     Key,
@@ -82,6 +83,9 @@ class ReexecResult:
     activations: dict[str, torch.Tensor] = field(default_factory=dict)
     activation_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     written_back: bool = False
+    rank: int | None = None  # a multi-rank run: the rank this process re-executed (reexec/ranks.py)
+    ranks_agree: list[int] = field(default_factory=list)  # ranks whose recorded reduced grads equal it
+    ranks_differ: dict[int, Key] = field(default_factory=dict)  # the others: their first differing grad
 
     @property
     def reproduces(self) -> bool:
@@ -113,6 +117,8 @@ class ReexecResult:
             lines.append(f"  first NaN/Inf: {self.nan_op.where()}")
             for i, s in enumerate(self.nan_op.input_stats):
                 lines.append(f"    input {i}: {s}")
+        if self.rank is not None:
+            lines.append(ranks.summary_line(self.step, self.rank, self.ranks_agree, self.ranks_differ))
         lines.append(f"  state: {self.how}")
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.activations or self.activation_grads:
@@ -179,6 +185,9 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
 
     if isinstance(run, (str, os.PathLike)):
         run = open_run(run)
+    whole, rank = run, None
+    if ranks.is_multi_rank(run):  # each rank re-executes its own step, inside the process group
+        run, rank = ranks.select(run)
     globs = (module_globs(activations, "activations"), module_globs(activation_grads, "activation_grads"))
     if write_back:
         check_writable(run)  # before any work: a bundle, a remote run, a run being recorded
@@ -201,6 +210,10 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
     captured = runs[0].captured or {}
     result.activations = dict(captured.get("activations", {}))
     result.activation_grads = dict(captured.get("activation_grads", {}))
+    if rank is not None:
+        result.rank = rank
+        result.ranks_agree, result.ranks_differ, notes = ranks.compare(whole, step, runs[0].fps)
+        result.notes += notes
     if write_back:
         write_back_into(run, result, captured)
         result.written_back = True
