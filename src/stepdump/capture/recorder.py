@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +36,8 @@ from stepdump.capture import target as _target
 from stepdump.capture.activations import ModuleCapture
 from stepdump.capture.assemble import Assembler
 from stepdump.capture.final import FinalRecord
-from stepdump.capture.guard import Failure, Guard, close_quietly, mark_run
+from stepdump.capture.guard import Failure, Guard, close_quietly
+from stepdump.capture.handoff import WriterLink
 from stepdump.capture.handles import Hook
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
@@ -58,7 +57,7 @@ from stepdump.capture.sharding import Ranks, this_rank_records
 from stepdump.capture.staging import StagingPool
 from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
-from stepdump.capture.writer import StepMessage, Writer
+from stepdump.capture.writer import StepMessage
 from stepdump.core.layout import build_layout
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
@@ -232,22 +231,20 @@ class Recorder(_iteration.IterationStart):
                                   self._lean, keyframes=self._keyframes,
                                   gradlog=isinstance(sched, _options.GradientLogSchedule),
                                   extra=rec.extra_state, frozen=rec.frozen)
-            self._writer = Writer(self.path, self._pool, store.codec, store.durability,
-                                  self._target.segment_bytes(store.segment_bytes), max_queue=store.queue_depth + 64,
-                                  delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path))
-            self._writer.start()
-            self._writer.wait_ready()
-            self._raise_if_writer_failed(starting=True)
+            self._link = WriterLink(self.path, self._pool, self._guard, lambda: self._step, codec=store.codec,
+                                    durability=store.durability, max_queue=store.queue_depth + 64,
+                                    segment_bytes=self._target.segment_bytes(store.segment_bytes),
+                                    delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path))
+            self._writer = self._link.writer
             self._target.start(lambda: self._writer.steps_written)
         except BaseException:
-            if getattr(self, "_writer", None) is not None and self._writer.is_alive():  # failed at start: end it
-                self._writer.queue.put(None)
-                self._writer.join()
+            if getattr(self, "_link", None) is not None:  # failed after the writer started: end it
+                self._link.stop()
             self._lock.release()
             raise
         self._overhead, self._iter_start = 0.0, time.perf_counter()
         # sys/recorder_bg_ms: CPU time of the recorder's own threads in each iteration (profiling.py)
-        self._bg = BackgroundClock(lambda: (self._writer, getattr(self._writer, "_appender", None), *self._lean.threads))
+        self._bg = BackgroundClock(lambda: (*self._link.threads, *self._lean.threads))
         self._modules = ModuleCapture(self.model, self.kinds, list(rec.modules or "*"),
                                       active=lambda: self._level(self._step) != LEVEL_NONE,
                                       on_error=lambda e, where: self._fail(e, where))
@@ -284,7 +281,7 @@ class Recorder(_iteration.IterationStart):
         if not self.recording:
             return
         values = {name: checked_scalar(name, value) for name, value in scalars.items()}  # all, before any is kept
-        if self._guard.stopped or self._raise_if_writer_failed():
+        if self._guard.stopped or self._link.failed():
             return
         self._watch.event()
         for name, value in values.items():
@@ -302,7 +299,7 @@ class Recorder(_iteration.IterationStart):
         """
         if self._closed:
             raise ConfigError("this Recorder is closed; create a new one to record more")
-        if not self.recording or self._guard.stopped or self._raise_if_writer_failed():
+        if not self.recording or self._guard.stopped or self._link.failed():
             return
         if self._level(self._step) == LEVEL_NONE:
             return
@@ -335,32 +332,19 @@ class Recorder(_iteration.IterationStart):
         try:
             self._send_held()
             if self._final.due(self._step, self._captured_at, self.kinds) and not self._guard.stopped:
-                self._put(self._final.message(self._asm, self.model, self._step, self._pool, self._writer))
+                self._link.put(self._final.message(self._asm, self.model, self._step, self._pool, self._writer))
             scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
             self._pending.clear()
             if scalars and self._writer.error is None and not self._guard.stopped:
-                self._put(StepMessage(step=None, scalars=scalars))
+                self._link.put(StepMessage(step=None, scalars=scalars))
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "close()")
         finally:
             self._lean.close()
-            self._writer.queue.put(None)
-            self._writer.join()
-            if self._guard.failure is not None:  # with the last step that really was committed
-                mark_run(self.path, replace(self._guard.failure, last_committed=self._writer.last_step))
+            self._link.finish()  # everything queued committed; the run marked if recording stopped
             self._lock.release()
             self._finalizer.detach()
-        try:
-            self._raise_if_writer_failed()
-        finally:
-            try:
-                self._target.finish()  # a URL run: publish the final state
-            except WriterError as e:  # the complete run is still in the local staging directory
-                if self._guard.strict:
-                    raise
-                log.warning("stepdump: %s", e)
-        log.info("stepdump: closed %s (%d steps, %d bytes)", self.path, self._writer.steps_written,
-                 self._writer.bytes_written)
+        self._link.publish(self._target)  # the writer's failure (strict), then a URL run's final state
 
     @property
     def bytes_written(self) -> int:
@@ -397,7 +381,7 @@ class Recorder(_iteration.IterationStart):
         """
         t = self._step
         if (not self.recording or self._closed or self._captured_at == t or self._guard.stopped
-                or self._raise_if_writer_failed()):
+                or self._link.failed()):
             return t
         self._captured_at = t
         self._asm.state_before = optimizer_state
@@ -454,13 +438,7 @@ class Recorder(_iteration.IterationStart):
     # -- inside the hooks ----------------------------------------------------
     def _fail(self, err: BaseException, where: str) -> None:
         """A failure inside a hook: strict re-raises (a write failure as WriterError), else step aside."""
-        if self._guard.strict:
-            self._raise_if_writer_failed()
-            raise err
-        if self._writer.error is not None:  # the writer failed first: that is the cause
-            self._raise_if_writer_failed()
-            return
-        self._guard.fail(err, where, self._step, self._writer.last_step)
+        self._link.fail(err, where)
 
     def _step_aside(self, failure: Failure) -> None:
         """The guard's first failure: no more hooks, nothing held, the run marked."""
@@ -502,12 +480,12 @@ class Recorder(_iteration.IterationStart):
                     raise
             self._batch = None
             for m in (*first, *(() if held else (msg,))):
-                self._put(m)
+                self._link.put(m)
         self._overhead += time.perf_counter() - started
 
     def _send_held(self) -> None:  # a lean step's message, once its grads are read (the update is over)
         if (msg := self._lean.finish()) is not None:
-            self._put(msg)
+            self._link.put(msg)
 
     def _end_update(self) -> None:
         started = time.perf_counter()
@@ -531,26 +509,3 @@ class Recorder(_iteration.IterationStart):
 
     def _spent(self, seconds: float) -> None:  # a timed hook's time: the recorder's, in this iteration
         self._overhead += seconds
-
-    # -- plumbing ----------------------------------------------------------
-    def _put(self, msg: StepMessage) -> None:
-        while True:
-            try:
-                self._writer.queue.put(msg, timeout=0.05)
-                self._pool.wait_live(msg.slot, self._writer.is_alive)  # the optimizer changes live tensors next
-                return
-            except queue.Full:
-                if self._raise_if_writer_failed():
-                    return
-
-    def _raise_if_writer_failed(self, starting: bool = False) -> bool:
-        """Raise WriterError if the writer failed; with on_error="warn" (once recording has
-        started) stop recording instead and return True. False: all is well."""
-        err = self._writer.error if hasattr(self, "_writer") else None
-        if err is None:
-            return False
-        if not self._guard.strict and not starting:
-            failed = self._writer.failed_step
-            self._guard.fail(err, "writing the run", self._step if failed is None else failed, self._writer.last_step)
-            return True
-        raise WriterError(f"stepdump could not write {self.path}: {err}") from err

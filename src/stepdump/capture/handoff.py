@@ -1,0 +1,116 @@
+"""The Recorder's link to its writer thread: handing messages over, hearing of its failure, the last flush.
+
+The writer (capture/writer.py) runs on its own thread; the Recorder reaches it only through a
+:class:`WriterLink`:
+
+* :meth:`WriterLink.put` hands a message over. A full queue makes the training thread wait
+  (backpressure, never unbounded memory), checking the writer is still alive; then it waits
+  until the writer no longer reads the step's live tensors (the optimizer changes them next).
+* :meth:`WriterLink.failed` turns a failure the writer met into the Recorder's: with
+  ``on_error="warn"`` one warning and the Recorder stepping aside (the guard), else
+  :class:`stepdump.WriterError`; :meth:`WriterLink.fail` does the same for a failure in a hook.
+* :meth:`WriterLink.finish` (``close()``) sends the end mark, waits until everything queued is
+  committed, and marks the run if recording stopped, with the last step really committed;
+  :meth:`WriterLink.publish` then raises what the writer met (strict) and publishes a URL run.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from stepdump.capture.guard import Guard, mark_run
+from stepdump.capture.staging import StagingPool
+from stepdump.capture.writer import StepMessage, Writer
+from stepdump.errors import WriterError
+
+log = logging.getLogger(__name__)
+
+
+class WriterLink:
+    """One Recorder's writer thread, started, and the calls that cross to it (module docstring)."""
+
+    def __init__(self, path: Path, pool: StagingPool, guard: Guard, step: Callable[[], int], **writer: Any) -> None:
+        """Start a :class:`Writer` for ``path`` (``writer``: its other arguments) and wait until it is
+        ready; a failure to start ends it and raises :class:`stepdump.WriterError`. ``step``: the
+        Recorder's current step (where a failure is reported)."""
+        self.path, self._pool, self._guard, self._step = path, pool, guard, step
+        self.writer = Writer(path, pool, **writer)
+        self.writer.start()
+        try:
+            self.writer.wait_ready()
+            self.failed(starting=True)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def threads(self) -> tuple[threading.Thread | None, ...]:
+        """The writer's threads (its own and its appender's), for sys/recorder_bg_ms."""
+        return self.writer, getattr(self.writer, "_appender", None)
+
+    def put(self, msg: StepMessage) -> None:
+        """Hand ``msg`` to the writer; return once it no longer needs the live tensors of ``msg.slot``."""
+        while True:
+            try:
+                self.writer.queue.put(msg, timeout=0.05)
+                self._pool.wait_live(msg.slot, self.writer.is_alive)  # the optimizer changes live tensors next
+                return
+            except queue.Full:
+                if self.failed():
+                    return
+
+    def failed(self, starting: bool = False) -> bool:
+        """Raise WriterError if the writer failed; with on_error="warn" (once recording has
+        started) stop recording instead and return True. False: all is well."""
+        err = self.writer.error
+        if err is None:
+            return False
+        if not self._guard.strict and not starting:
+            at = self.writer.failed_step
+            self._guard.fail(err, "writing the run", self._step() if at is None else at, self.writer.last_step)
+            return True
+        raise WriterError(f"stepdump could not write {self.path}: {err}") from err
+
+    def fail(self, err: BaseException, where: str) -> None:
+        """A failure inside a hook: strict re-raises (a write failure as WriterError), else step aside."""
+        if self._guard.strict:
+            self.failed()
+            raise err
+        if self.writer.error is not None:  # the writer failed first: that is the cause
+            self.failed()
+            return
+        self._guard.fail(err, where, self._step(), self.writer.last_step)
+
+    def stop(self) -> None:
+        """The end mark, then wait until the writer has committed everything queued before it."""
+        if self.writer.is_alive():
+            self.writer.queue.put(None)
+            self.writer.join()
+
+    def finish(self) -> None:
+        """:meth:`stop`, and mark the run if recording stopped (with the last step really committed)."""
+        self.stop()
+        if self._guard.failure is not None:
+            mark_run(self.path, replace(self._guard.failure, last_committed=self.writer.last_step))
+
+    def publish(self, target: Any) -> None:
+        """After :meth:`finish`: raise the writer's failure (strict), then publish a URL run's final
+        state (``target``: capture/target.py); a failure to publish is a warning unless strict (the
+        complete run is still in the local staging directory)."""
+        try:
+            self.failed()
+        finally:
+            try:
+                target.finish()
+            except WriterError as e:
+                if self._guard.strict:
+                    raise
+                log.warning("stepdump: %s", e)
+        log.info("stepdump: closed %s (%d steps, %d bytes)", self.path, self.writer.steps_written,
+                 self.writer.bytes_written)
