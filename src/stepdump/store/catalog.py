@@ -165,8 +165,11 @@ def _drop_reexecutions(con: sqlite3.Connection, first: int) -> None:
         marks = json.loads(row[0])
     except (TypeError, ValueError):
         marks = None
-    kept = {k: v for k, v in marks.items() if not (_step_key(k) is None or _step_key(k) >= first)} \
-        if isinstance(marks, dict) else {}
+    kept: dict[str, Any] = {}
+    for key, mark in (marks.items() if isinstance(marks, dict) else ()):
+        at = _step_key(key)
+        if at is not None and at < first:  # a key that is not a step goes too: no step keeps it
+            kept[key] = mark
     if kept:
         con.execute("UPDATE meta SET value = ? WHERE key = ?", (json.dumps(kept), META_REEXECUTIONS))
     else:
