@@ -144,6 +144,9 @@
           bands.push({ run: i, x: b.x0, lo: mn, hi: mx, color: colour(i), alpha: 0.12 }, { run: i, x: b.x0, lo, hi, color: colour(i), alpha: 0.3 });
           series.push({ run: i, x: b.x0, y: mean, label: who(i, `${name} mean`), color: colour(i) });
           if (b.steps > C) notes.push(`${several() ? D.runs[i].label + ": " : ""}buckets of ${Math.ceil(b.steps / C)} steps (min of minima, max of maxima, average mean and std)`);
+          // Lean (stats-only) steps leave mean and std of tensors over 4096 elements unmeasured: say so, not just draw less.
+          const blind = mn.filter((v, c) => v !== null && mean[c] === null).length;
+          if (blind) notes.push(`${several() ? D.runs[i].label + ": " : ""}mean and std not measured at ${blind} of ${C} ${b.steps > C ? "buckets" : "steps"} (stats-only steps of tensors over 4096 elements: min–max only)`);
         }
         for (const q of dist.quantiles) {
           const k = q.names.indexOf(name); if (k < 0) continue;

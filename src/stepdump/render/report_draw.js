@@ -246,12 +246,13 @@ const SD = (function () {
       g.fillStyle = "#666"; g.fillText(!spec.log ? fmt(t) : t === Math.round(t) && Math.abs(t) > 3 ? "1e" + t : fmt(+Math.pow(10, t).toPrecision(6)), m.l - 5, y);
     }
     g.save(); g.beginPath(); g.rect(m.l, m.t, W, H); g.clip();
+    let banded = 0;   // band columns drawn in view (a lean run's envelope has no mean line to count)
     for (const b of spec.bands || []) {   // value bands (distributions): filled between lo and hi
       g.fillStyle = b.color; g.globalAlpha = b.alpha; let seg = [];
       const flush = () => { if (seg.length) { g.beginPath(); seg.forEach(([x, t], i) => i ? g.lineTo(x, sy(t)) : g.moveTo(x, sy(t)));
         for (let i = seg.length - 1; i >= 0; i--) g.lineTo(seg[i][0], sy(seg[i][2])); g.closePath(); g.fill(); } seg = []; };
       b.x.forEach((x, j) => { const a = T(b.lo[j]), c = T(b.hi[j]); if (b.lo[j] === null || b.hi[j] === null || a === null || c === null) { flush(); return; }
-        const px = f.sx(ax(b.run, x + 0.5)); seg.push([px, c, a]); });
+        const px = f.sx(ax(b.run, x + 0.5)); seg.push([px, c, a]); if (inView(ax(b.run, x + 0.5))) banded++; });
       flush(); g.globalAlpha = 1;
     }
     let drawn = 0;
@@ -289,7 +290,7 @@ const SD = (function () {
     g.strokeStyle = "#999"; g.strokeRect(m.l + 0.5, m.t + 0.5, W - 1, H - 1);
     markers(f, true, cv); xAxis(cv, f);
     // What was drawn, for people and tests: point count, scale, series and their value range.
-    cv.dataset.drawn = drawn; cv.dataset.log = spec.log ? "1" : "0"; cv.dataset.smooth = smoothing ? String(ctx.smooth) : "0";
+    cv.dataset.drawn = drawn; cv.dataset.banded = banded; cv.dataset.log = spec.log ? "1" : "0"; cv.dataset.smooth = smoothing ? String(ctx.smooth) : "0";
     cv.dataset.series = JSON.stringify(spec.series.map((s, i) => ({ label: s.label, points: per[i] })));
     cv.dataset.range = JSON.stringify(isFinite(vlo) ? [vlo, vhi] : null);
     cv._sd = { series: spec.series.map(s => ({ label: s.label, x: s.x, y: s.y, ys: s.ys, px: s.ys.map((v, j) => v === null || T(v) === null ? null : [f.sx(s.u[j]), sy(T(v))]) })) };
