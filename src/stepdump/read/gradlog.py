@@ -22,7 +22,7 @@ a class outside ``torch.optim``, a missing gradient blob, a device this machine 
 refused up front with the same error.
 
 One chain is cached per run: reading steps in order re-applies one update per step, and
-reading several tensors of one step rebuilds it once.
+reading several tensors of one step rebuilds it once; ``Run.close()`` drops it.
 
 What a read costs beyond the optimizer steps is a copy and a hash per gradient, run beside
 them: grads are read into buffers the chain keeps (fresh ones page-fault more than the update
@@ -30,14 +30,15 @@ costs), two per param, so that a worker thread reads and checks the grads of upd
 update t runs (pread, xxh3 and torch's kernels let go of the GIL): an update costs the longer
 of the two, not their sum. The worker is the read call's own, joined when it ends however it
 ends; what it could not read and verify the reading thread reads itself, raising the errors a
-read without a worker raises. The keyframe is read once into the tensors the optimizer steps, and the verified state is handed
-out from the chain itself, copied only when the chain moves on while it is still cached.
+read without a worker raises. The keyframe is read once into the tensors the optimizer steps
+(its params and the first update's grads on the worker, beside the optimizer state:
+gradlog_keyframe.py), and the verified state is handed out from the chain itself, copied only
+when the chain moves on while it is still cached. The catalog is read a window of steps at a
+time (gradlog_window.py), and the check at the target step hashes half its bytes on the worker.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -50,7 +51,6 @@ import torch
 from stepdump.errors import (
     ReadBudgetError,
     RebuildError,
-    StepdumpError,
     StepNotFoundError,
     nearest_steps,
 )
@@ -62,31 +62,22 @@ from stepdump.read.gradlog_parts import (
     Key,
     SegmentReport,
     Snapshot,
-    copied,
     Trusted,
+    copied,
+    fingerprints,
     grad_buffer,
     live,
     read_ahead,
-    read_grads,
     ready_grads,
     refusal_of,
     take,
-    trust,
-    trusted_fingerprint,
-    warm_allocator,
 )
-from stepdump.read.state import (
-    assemble_model_state,
-    assemble_optimizer_state,
-    optimizer_state_dict,
-    param_indices,
-    recorded_groups,
-)
+from stepdump.read.gradlog_keyframe import read_tensor, start_chain
+from stepdump.read.state import assemble_model_state, assemble_optimizer_state
 from stepdump.read.gradlog_budget import RebuildBudget
 from stepdump.read.gradlog_why import mismatch_cause
 from stepdump.read.gradlog_window import Window
 from stepdump.read.rows import differs_from_row
-from stepdump.core.hashing import fingerprint
 from stepdump.store.format import (
     LEVEL_FULL,
     LEVEL_STATS,
@@ -304,107 +295,13 @@ class GradientLog:
             self._advance(chain, target=step, check=True)
 
     def _read(self, blob: Any, dtype: Any, shape: Any, fp: int, trusted: Trusted | None = None) -> torch.Tensor:
-        """A stored tensor in memory of its own: the chain updates it in place for many steps
-        (``BlobReader.tensor`` hands out a buffer the read call keeps until it ends). With
-        ``trusted``: noted there as verified against ``fp`` (see :func:`trust`)."""
-        tdtype, dims, _ = check_layout(dtype, shape)
-        t = self._blobs.read_into(torch.empty(dims, dtype=tdtype), blob, dtype, shape, fp)
-        if trusted is not None:
-            trust(trusted, t, fp)
-        return t
-
-    def _read_params(self, rows: dict[Key, tuple[Any, ...]], names: list[str],
-                     trusted: Trusted) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
-        """The keyframe's params ``names``, read on the read call's worker (while this thread reads
-        the optimizer state, twice their size for Adam): their buffers, and a function that waits
-        for the worker and reads here whatever it could not read and verify, raising the error a
-        read without a worker raises."""
-        bufs: dict[str, torch.Tensor] = {}
-        jobs = []
-        for n in names:
-            dtype, shape, fp, blob = rows[("params", n)]
-            try:
-                tdtype, dims, _ = check_layout(dtype, shape)
-                b = self._blobs.blob_row(blob) if self._pool is not None else None
-            except StepdumpError:
-                continue  # left to ``finish``, which raises it
-            bufs[n] = torch.empty(dims, dtype=tdtype)
-            if b is not None:
-                jobs.append((n, bufs[n], b, fp))
-        done = self._pool.submit(read_grads, self._blobs, jobs) if self._pool is not None and jobs else None
-
-        def finish() -> None:
-            ok = done.result() if done is not None else set()  # read_grads never raises
-            for n in names:
-                dtype, shape, fp, blob = rows[("params", n)]
-                if n in ok:
-                    with self._blobs.call() as scope:
-                        scope.returned += check_layout(dtype, shape)[2]  # what read_into counts
-                    if fp is not None:
-                        trust(trusted, bufs[n], fp)
-                else:
-                    bufs[n] = self._read(blob, dtype, shape, fp, trusted)
-
-        return bufs, finish
+        """A stored tensor in memory of its own (gradlog_keyframe.read_tensor)."""
+        return read_tensor(self._blobs, blob, dtype, shape, fp, trusted)
 
     def _start(self, k: int) -> Chain:
-        """Stand-in params and a fresh optimizer loaded with keyframe ``k``."""
-        run = self._run
-        cls = getattr(torch.optim, run.meta["optimizer_class"])  # refusal() checked it is one
-        state = run.step_state(k)
-        groups = [list(g["params"]) for g in recorded_groups(run, k, state)]
-        hyper = [dict(g["hyper"]) for g in recorded_groups(run, k, state)]
-        rows = self._rows(k)
-        stored = [n for (kind, n), row in rows.items() if kind == "params" and row[3] is not None]
-        device = self._device()
-        # Every param stored at the keyframe: those the optimizer steps, and the model's others
-        # (not optimized: they keep their keyframe value, which each step's fingerprints confirm).
-        order = {n: i for i, n in enumerate([*param_indices(groups), *stored])}
-        names = sorted(stored, key=order.__getitem__)
-        if not any(n in names for g in groups for n in g):
-            raise RebuildError(f"keyframe {k} of {run.path} stores no optimized params, so nothing can be rebuilt "
-                               "from it; record with capture including 'params'")
-        # The keyframe's tensors, read verified against the fingerprints its check compares them
-        # with: that check does not hash them again (``trusted``).
-        trusted: Trusted = {}
-        bufs, finish = self._read_params(rows, names, trusted)
-        optimized = {n for g in groups for n in g if n in bufs}
-        grads: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
-        # The first update's grads, on the worker too, after the params (nothing else waits for it).
-        ahead = (read_ahead(self._pool, self._blobs, bufs, optimized, grads, k, self._rows(k), self._window.blob_row)
-                 if self._pool is not None else None)
-        # The constructor's own flags (fused, foreach, capturable, differentiable, ...) decide
-        # which kernel runs: give it group 0's recorded values; each group keeps its own too.
-        accepted = set(inspect.signature(cls).parameters)
-        kwargs = {key: v for key, v in hyper[0].items() if key in accepted and key != "params"}
-        # Read into tensors of their own, which load_state_dict keeps as they are (already of the
-        # param's dtype and device) and the optimizer then updates in place.
-        osd = optimizer_state_dict(run, self._blobs, k, read=functools.partial(self._read, trusted=trusted))
-        finish()
-        params: dict[str, torch.Tensor] = {}
-        for n, t in bufs.items():
-            t = t.to(device)
-            params[n] = torch.nn.Parameter(t, requires_grad=t.is_floating_point() or t.is_complex())
-        warm_allocator(max((p.numel() * p.element_size() for p in params.values()), default=0))
-        arg = [{**h, "params": [params[n] for n in g if n in params]} for g, h in zip(groups, hyper, strict=True)]
-        # Renumber the recorded state for the params rebuilt (a subset under include=/exclude=).
-        old = param_indices(groups)
-        new = param_indices([[n for n in g if n in params] for g in groups])
-        osd = {"state": {new[n]: osd["state"][old[n]] for n in new if old[n] in osd["state"]},
-               "param_groups": [{**pg, "params": [new[n] for n in g if n in params]}
-                                for pg, g in zip(osd["param_groups"], groups, strict=True)]}
-        try:
-            opt = cls(arg, **kwargs)
-            opt.load_state_dict(osd)
-        except Exception as e:  # torch refuses this configuration here (fused on this device, ...)
-            raise RebuildError(f"cannot rebuild from keyframe {k} of {run.path}: building a {cls.__name__} with the "
-                               f"recorded hyperparameters and state failed on {device} ({type(e).__name__}: {e})") from e
-        chain = Chain(keyframe=k, step=k, params=params, groups=groups, optimized=optimized, optimizer=opt,
-                      grads=grads, ahead=ahead)
-        self._check(chain, trusted=trusted)
-        if "params" not in chain.checked:
-            log.debug("stepdump: keyframe %s of %s has no fingerprints to check its loaded state against", k, run.path)
-        return chain
+        """Stand-in params and a fresh optimizer loaded with keyframe ``k`` (gradlog_keyframe.py)."""
+        return start_chain(self, self._blobs, k)
+
 
     def _advance(self, chain: Chain, target: int, check: bool) -> None:
         """Re-apply update ``chain.step``; with ``check``, verify the state it gives at the next step."""
@@ -517,8 +414,8 @@ class GradientLog:
         # A kind is compared where the step records it: a stats-only step may leave the optimizer
         # state out (the lean capture reads it every few steps), a step without stats has none.
         compared = {kind for kind in REBUILT_KINDS if kind in captured and any(k == kind for k, _ in recorded)}
-        fps = self._fingerprints({key: t for key, t in rebuilt.items() if key[0] in compared and key in recorded},
-                                 trusted or {})
+        fps = fingerprints(self._pool, {key: t for key, t in rebuilt.items() if key[0] in compared and key in recorded},
+                           trusted or {})
         for key in sorted(set(recorded) | set(rebuilt), key=lambda k: (k[0] != "params", k[1])):
             if key[0] not in compared:
                 continue
@@ -538,31 +435,6 @@ class GradientLog:
         empty = {kind for kind in REBUILT_KINDS if not any(k == kind for k, _ in recorded)
                  and not any(k == kind for k, _ in rebuilt)}
         chain.checked = frozenset(compared | empty) if "params" in compared else frozenset()
-
-    def _fingerprints(self, tensors: dict[Key, torch.Tensor], trusted: Trusted) -> dict[Key, int]:
-        """Fingerprints of ``tensors`` (those ``trusted`` has, without hashing), the larger half of
-        the bytes hashed on the read call's worker while this thread hashes the rest."""
-        out: dict[Key, int] = {}
-        todo: list[tuple[int, Key]] = []
-        for key, t in tensors.items():
-            fp = trusted_fingerprint(trusted, t)
-            if fp is not None:
-                out[key] = fp
-            elif t.layout == torch.strided and t.device.type == "cpu":
-                todo.append((t.numel() * t.element_size(), key))
-        if self._pool is None or len(todo) < 2:
-            return out  # hashed by differs_from_row
-        mine: list[Key] = []
-        theirs: list[Key] = []
-        sizes = [0, 0]
-        for size, key in sorted(todo, reverse=True):  # largest first, each to the lighter side
-            side = 0 if sizes[0] <= sizes[1] else 1
-            (mine if side == 0 else theirs).append(key)
-            sizes[side] += size
-        job = self._pool.submit(lambda: {key: fingerprint(tensors[key]) for key in theirs})
-        out.update({key: fingerprint(tensors[key]) for key in mine})
-        out.update(job.result())
-        return out
 
     def _release(self, chain: Chain) -> None:
         """Before ``chain`` changes: a cached snapshot of its tensors takes copies of them. Only

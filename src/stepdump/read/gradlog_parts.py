@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stepdump.core.hashing import fingerprint
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
 from stepdump.store.format import SPARSE_COO_PREFIX
@@ -94,13 +95,15 @@ def read_grads(blobs: BlobReader, jobs: list[tuple[str, torch.Tensor, BlobRow, i
     return done
 
 
-def read_ahead(pool: ThreadPoolExecutor, blobs: BlobReader, params: dict[str, torch.Tensor], optimized: set[str],
-               grads: Buffers, s: int, rows: dict[Key, tuple[Any, ...]], blob_row: Callable[[Any], BlobRow]) -> Ahead:
+def read_ahead(pool: ThreadPoolExecutor, blobs: BlobReader, params: dict[str, torch.Tensor],
+               optimized: set[str], grads: Buffers, s: int, rows: dict[Key, tuple[Any, ...]],
+               blob_row: Callable[[Any], BlobRow]) -> Ahead:
     """Start reading the grads of update ``s`` (``rows``: the step's) on ``pool``'s worker, into
-    a chain's buffers for ``s`` (``grads``; ``params`` and ``optimized``: its params): the other set than the update running meanwhile uses
-    (``blob_row``: a grad's checked blob row, :meth:`BlobReader.blob_row`). The catalog is read here, on the reading thread (the worker touches only segment files and
-    buffers); a grad whose row is not as the update wants it is left to the update, which
-    says what is wrong with it."""
+    a chain's buffers for ``s`` (``grads``; ``params`` and ``optimized``: its params), the other
+    set than the update running meanwhile uses. The catalog is read here, on the reading thread
+    (``blob_row``: a grad's checked blob row, :meth:`BlobReader.blob_row`); the worker touches
+    only segment files and buffers. A grad whose row is not as the update wants it is left to
+    the update, which says what is wrong with it."""
     jobs = []
     for n, p in params.items():
         row = rows.get(("grads", n))
@@ -177,6 +180,33 @@ def trusted_fingerprint(trusted: Trusted, t: torch.Tensor) -> int | None:
         return None
     got = trusted.get(t.data_ptr())
     return got[0] if got is not None and got[1] == t.numel() * t.element_size() else None
+
+
+def fingerprints(pool: ThreadPoolExecutor | None, tensors: dict[Key, torch.Tensor],
+                 trusted: Trusted) -> dict[Key, int]:
+    """Fingerprints of ``tensors`` (those ``trusted`` has, without hashing), the larger half of
+    the bytes hashed on the read call's worker while this thread hashes the rest."""
+    out: dict[Key, int] = {}
+    todo: list[tuple[int, Key]] = []
+    for key, t in tensors.items():
+        fp = trusted_fingerprint(trusted, t)
+        if fp is not None:
+            out[key] = fp
+        elif t.layout == torch.strided and t.device.type == "cpu":
+            todo.append((t.numel() * t.element_size(), key))
+    if pool is None or len(todo) < 2:
+        return out  # hashed by differs_from_row
+    mine: list[Key] = []
+    theirs: list[Key] = []
+    sizes = [0, 0]
+    for size, key in sorted(todo, reverse=True):  # largest first, each to the lighter side
+        side = 0 if sizes[0] <= sizes[1] else 1
+        (mine if side == 0 else theirs).append(key)
+        sizes[side] += size
+    job = pool.submit(lambda: {key: fingerprint(tensors[key]) for key in theirs})
+    out.update({key: fingerprint(tensors[key]) for key in mine})
+    out.update(job.result())
+    return out
 
 
 def live(chain: Chain) -> dict[Key, torch.Tensor]:

@@ -1,0 +1,139 @@
+"""A gradient-log chain's start: stand-in params and a fresh optimizer loaded with a keyframe
+(read/gradlog.py, the engine).
+
+The keyframe is read once into the tensors the optimizer then updates in place. Its params
+(and the first update's grads) are read on the read call's worker thread while this thread
+reads the optimizer state (for Adam twice the params' bytes), so the two halves of the read
+run side by side. Every tensor is read verified against the fingerprint recorded at the
+keyframe; the chain's first check compares with those same fingerprints, so what was read
+verified is not hashed a second time (``trusted``: memory, by address and size, whose bytes
+hashed to a fingerprint and that nothing has written since).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stepdump.errors import RebuildError, StepdumpError
+from stepdump.read.blobs import check_layout
+from stepdump.read.gradlog_parts import Chain, Key, Trusted, read_ahead, read_grads, trust, warm_allocator
+from stepdump.read.state import optimizer_state_dict, param_indices, recorded_groups
+
+if TYPE_CHECKING:
+    from stepdump.read.blobs import BlobReader
+    from stepdump.read.gradlog import GradientLog
+
+log = logging.getLogger(__name__)
+
+
+def read_tensor(blobs: BlobReader, blob: Any, dtype: Any, shape: Any, fp: int,
+                trusted: Trusted | None = None) -> torch.Tensor:
+    """A stored tensor in memory of its own: the chain updates it in place for many steps
+    (``BlobReader.tensor`` hands out a buffer the read call keeps until it ends). With
+    ``trusted``: noted there as verified against ``fp`` (see :func:`trust`)."""
+    tdtype, dims, _ = check_layout(dtype, shape)
+    t = blobs.read_into(torch.empty(dims, dtype=tdtype), blob, dtype, shape, fp)
+    if trusted is not None:
+        trust(trusted, t, fp)
+    return t
+
+
+def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, tuple[Any, ...]], names: list[str],
+                 trusted: Trusted) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """The keyframe's params ``names``, read on the read call's worker (while this thread reads
+    the optimizer state, twice their size for Adam): their buffers, and a function that waits
+    for the worker and reads here whatever it could not read and verify, raising the error a
+    read without a worker raises."""
+    bufs: dict[str, torch.Tensor] = {}
+    jobs = []
+    for n in names:
+        dtype, shape, fp, blob = rows[("params", n)]
+        try:
+            tdtype, dims, _ = check_layout(dtype, shape)
+            b = blobs.blob_row(blob) if engine._pool is not None else None
+        except StepdumpError:
+            continue  # left to ``finish``, which raises it
+        bufs[n] = torch.empty(dims, dtype=tdtype)
+        if b is not None:
+            jobs.append((n, bufs[n], b, fp))
+    done = engine._pool.submit(read_grads, blobs, jobs) if engine._pool is not None and jobs else None
+
+    def finish() -> None:
+        ok = done.result() if done is not None else set()  # read_grads never raises
+        for n in names:
+            dtype, shape, fp, blob = rows[("params", n)]
+            if n in ok:
+                with blobs.call() as scope:
+                    scope.returned += check_layout(dtype, shape)[2]  # what read_into counts
+                if fp is not None:
+                    trust(trusted, bufs[n], fp)
+            else:
+                bufs[n] = engine._read(blob, dtype, shape, fp, trusted)
+
+    return bufs, finish
+
+
+def start_chain(engine: GradientLog, blobs: BlobReader, k: int) -> Chain:
+    """Stand-in params and a fresh optimizer loaded with keyframe ``k``."""
+    run = engine._run
+    cls = getattr(torch.optim, run.meta["optimizer_class"])  # refusal() checked it is one
+    state = run.step_state(k)
+    groups = [list(g["params"]) for g in recorded_groups(run, k, state)]
+    hyper = [dict(g["hyper"]) for g in recorded_groups(run, k, state)]
+    rows = engine._rows(k)
+    stored = [n for (kind, n), row in rows.items() if kind == "params" and row[3] is not None]
+    device = engine._device()
+    # Every param stored at the keyframe: those the optimizer steps, and the model's others
+    # (not optimized: they keep their keyframe value, which each step's fingerprints confirm).
+    order = {n: i for i, n in enumerate([*param_indices(groups), *stored])}
+    names = sorted(stored, key=order.__getitem__)
+    if not any(n in names for g in groups for n in g):
+        raise RebuildError(f"keyframe {k} of {run.path} stores no optimized params, so nothing can be rebuilt "
+                           "from it; record with capture including 'params'")
+    # The keyframe's tensors, read verified against the fingerprints its check compares them
+    # with: that check does not hash them again (``trusted``).
+    trusted: Trusted = {}
+    bufs, finish = _read_params(engine, blobs, rows, names, trusted)
+    optimized = {n for g in groups for n in g if n in bufs}
+    grads: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+    # The first update's grads, on the worker too, after the params (nothing else waits for it).
+    ahead = (read_ahead(engine._pool, blobs, bufs, optimized, grads, k, engine._rows(k), engine._window.blob_row)
+             if engine._pool is not None else None)
+    # The constructor's own flags (fused, foreach, capturable, differentiable, ...) decide
+    # which kernel runs: give it group 0's recorded values; each group keeps its own too.
+    accepted = set(inspect.signature(cls).parameters)
+    kwargs = {key: v for key, v in hyper[0].items() if key in accepted and key != "params"}
+    # Read into tensors of their own, which load_state_dict keeps as they are (already of the
+    # param's dtype and device) and the optimizer then updates in place.
+    osd = optimizer_state_dict(run, blobs, k, read=functools.partial(engine._read, trusted=trusted))
+    finish()
+    params: dict[str, torch.Tensor] = {}
+    for n, t in bufs.items():
+        t = t.to(device)
+        params[n] = torch.nn.Parameter(t, requires_grad=t.is_floating_point() or t.is_complex())
+    warm_allocator(max((p.numel() * p.element_size() for p in params.values()), default=0))
+    arg = [{**h, "params": [params[n] for n in g if n in params]} for g, h in zip(groups, hyper, strict=True)]
+    # Renumber the recorded state for the params rebuilt (a subset under include=/exclude=).
+    old = param_indices(groups)
+    new = param_indices([[n for n in g if n in params] for g in groups])
+    osd = {"state": {new[n]: osd["state"][old[n]] for n in new if old[n] in osd["state"]},
+           "param_groups": [{**pg, "params": [new[n] for n in g if n in params]}
+                            for pg, g in zip(osd["param_groups"], groups, strict=True)]}
+    try:
+        opt = cls(arg, **kwargs)
+        opt.load_state_dict(osd)
+    except Exception as e:  # torch refuses this configuration here (fused on this device, ...)
+        raise RebuildError(f"cannot rebuild from keyframe {k} of {run.path}: building a {cls.__name__} with the "
+                           f"recorded hyperparameters and state failed on {device} ({type(e).__name__}: {e})") from e
+    chain = Chain(keyframe=k, step=k, params=params, groups=groups, optimized=optimized, optimizer=opt,
+                  grads=grads, ahead=ahead)
+    engine._check(chain, trusted=trusted)
+    if "params" not in chain.checked:
+        log.debug("stepdump: keyframe %s of %s has no fingerprints to check its loaded state against", k, run.path)
+    return chain
