@@ -115,7 +115,8 @@ _BUCKET_COLUMNS = ("norm", "min", "max", "mean", "std", *BUCKET_EXTRAS)
 
 
 def bucketed_matrices(run: Run, kind: str, max_columns: int) -> dict[str, StatMatrix] | None:
-    """norm/min/max/mean/std (and :data:`BUCKET_EXTRAS`) of every ``kind`` tensor, aggregated
+    """norm/min/max/mean/std (and :data:`BUCKET_EXTRAS`; ``norm_change`` for params only, the
+    update-ratio bound: NaN for other kinds) of every ``kind`` tensor, aggregated
     in the catalog into at most ``max_columns`` buckets of equal step width; None when the run
     has at most ``max_columns`` stats steps (read it exactly, :func:`stat_matrices`).
 
@@ -133,7 +134,7 @@ def bucketed_matrices(run: Run, kind: str, max_columns: int) -> dict[str, StatMa
         return None
     first, last = steps[0], steps[-1]
     width = -(-(last - first + 1) // max_columns)
-    rows = run.catalog.stat_buckets(kind, first, width)
+    rows = run.catalog.stat_buckets(kind, first, width, change=kind == "params")  # the update-ratio bound
     table = _floats(run, rows, 5 + len(_BUCKET_COLUMNS), f"bucketed {kind} stats")
     del rows
     if not table.shape[0]:

@@ -293,24 +293,26 @@ class CatalogReader:
         return self._q(f"SELECT t.series, t.step, {cols} FROM tensors t WHERE t.series IN "
                        f"(SELECT s.id FROM series s WHERE {where})", args)
 
-    def stat_buckets(self, kind: str, first: int, width: int) -> list[tuple[Any, ...]]:
+    def stat_buckets(self, kind: str, first: int, width: int, *, change: bool = False) -> list[tuple[Any, ...]]:
         """Per ``kind`` tensor and bucket of ``width`` steps from ``first``, aggregated in SQLite.
 
         Rows ``(series id, bucket, first step, last step, rows, max(norm), min(min), max(max),
-        avg(mean), avg(std), max(|norm - previous norm| / previous norm), steps with any NaN/±Inf
-        element)``, bucket
-        ``(step - first) // width``; the previous norm is the tensor's at its previous recorded
-        step (window ``lag``). One row per tensor and bucket that has rows: a long run's report
-        reads ``tensors x buckets`` rows, not ``tensors x steps``. NULLs are skipped by every
-        aggregate (a bucket with none measured: NULL)."""
+        avg(mean), avg(std), change, steps with any NaN/±Inf element)``, bucket
+        ``(step - first) // width``. ``change`` (when asked for, else NULL): the bucket's largest
+        ``|norm - previous norm| / previous norm``, the previous norm being the tensor's at its
+        previous recorded step (window ``lag``, which costs about as much again as the rest).
+        One row per tensor and bucket that has rows: a long run's report reads ``tensors x
+        buckets`` rows, not ``tensors x steps``. NULLs are skipped by every aggregate (a bucket
+        with none measured: NULL)."""
         if width < 1:
             raise ConfigError(f"bucket width {width} must be at least 1")
+        prev = "lag(t.norm) OVER (PARTITION BY t.series ORDER BY t.step)" if change else "NULL"
         return self._q(
-            "SELECT series, b, min(step), max(step), count(*), max(norm), min(mn), max(mx), avg(mean), avg(std), max(abs(norm - prev) / prev), "
-            "sum(bad) FROM (SELECT t.series AS series, t.step AS step, (t.step - ?) / ? AS b, t.norm AS norm, t.min AS mn, "
-            "t.max AS mx, t.mean AS mean, t.std AS std, "
+            "SELECT series, b, min(step), max(step), count(*), max(norm), min(mn), max(mx), avg(mean), avg(std), "
+            "max(abs(norm - prev) / prev), sum(bad) FROM (SELECT t.series AS series, t.step AS step, "
+            "(t.step - ?) / ? AS b, t.norm AS norm, t.min AS mn, t.max AS mx, t.mean AS mean, t.std AS std, "
             "(coalesce(t.nan, 0) + coalesce(t.posinf, 0) + coalesce(t.neginf, 0) > 0) AS bad, "
-            "lag(t.norm) OVER (PARTITION BY t.series ORDER BY t.step) AS prev FROM tensors t WHERE t.series IN "
+            f"{prev} AS prev FROM tensors t WHERE t.series IN "
             "(SELECT s.id FROM series s WHERE s.kind != 'state' AND s.kind = ?)) GROUP BY series, b",
             (int(first), int(width), kind))
 
