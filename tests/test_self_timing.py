@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import stepdump
-from stepdump.capture import profiling
+from stepdump.capture import activations, iteration, profiling
 from stepdump.capture import recorder as recorder_module
 from stepdump.capture.profiling import BackgroundClock, timed
 
@@ -111,3 +111,52 @@ def test_background_clock_counts_each_thread_from_its_last_reading(case) -> None
     else:
         want = 0.5
     assert clock.take() == pytest.approx(want, abs=0) and clock.take() == 0.0
+
+
+class _Clock:
+    """A clock that stands still until a test moves it."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# Recorder work on the training thread outside the pre-hook's record and the post-hook: each is
+# made to take exactly 1 s of the injected clock; recorder_ms must count it in its iteration.
+TRAINING_THREAD_WORK = {
+    "pre-hook, before the record is taken": (iteration, "update_starting"),
+    "log()": (recorder_module, "checked_scalar"),
+    "log_batch()": (activations.ModuleCapture, "log_batch"),
+}
+
+
+@pytest.mark.parametrize("work", list(TRAINING_THREAD_WORK))
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_recorder_ms_counts_all_recorder_work_on_the_training_thread(tmp_path, monkeypatch, mode, work) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(recorder_module, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(profiling, "_wall", clock)
+    owner, name = TRAINING_THREAD_WORK[work]
+    real = getattr(owner, name)
+
+    def slow(*args, **kwargs):
+        clock.t += 1.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, slow)
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", **MODES[mode]) as rec:
+        for _ in range(5):
+            x = torch.randn(3, 4)
+            rec.log_batch(x)
+            loss = model(x).sum()
+            loss.backward()
+            rec.log(loss=loss)
+            opt.step()
+            opt.zero_grad()
+    prof = stepdump.open(tmp_path / "run").profile().loc[0:4]
+    assert list(prof["sys/recorder_ms"]) == [1000.0] * 5, work

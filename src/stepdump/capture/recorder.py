@@ -280,15 +280,19 @@ class Recorder(_iteration.IterationStart):
             raise ConfigError("this Recorder is closed; create a new one to record more")
         if not self.recording:
             return
-        values = {name: checked_scalar(name, value) for name, value in scalars.items()}  # all, before any is kept
-        if self._guard.stopped or self._link.failed():
-            return
-        self._watch.event()
-        for name, value in values.items():
-            step = self._step
-            if self._prev_open and not self._forward_seen and name not in self._pending.get(step - 1, {}):
-                step -= 1
-            self._pending.setdefault(step, {})[name] = value
+        started = time.perf_counter()  # this call's time is the recorder's (sys/recorder_ms)
+        try:
+            values = {name: checked_scalar(name, value) for name, value in scalars.items()}  # all, before any is kept
+            if self._guard.stopped or self._link.failed():
+                return
+            self._watch.event()
+            for name, value in values.items():
+                step = self._step
+                if self._prev_open and not self._forward_seen and name not in self._pending.get(step - 1, {}):
+                    step -= 1
+                self._pending.setdefault(step, {})[name] = value
+        finally:
+            self._overhead += time.perf_counter() - started
 
     def log_batch(self, batch: Any) -> None:
         """Record the batch of the current iteration (any nest of tensors) as kind ``inputs``.
@@ -303,6 +307,7 @@ class Recorder(_iteration.IterationStart):
             return
         if self._level(self._step) == LEVEL_NONE:
             return
+        started = time.perf_counter()  # this call's time is the recorder's (sys/recorder_ms)
         try:
             skeleton = self._modules.log_batch(batch)
         except ConfigError:  # the caller's mistake (no tensors in it): say so
@@ -310,6 +315,8 @@ class Recorder(_iteration.IterationStart):
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "log_batch()")
             return
+        finally:
+            self._overhead += time.perf_counter() - started
         if skeleton is not None:  # what replay hands back to train_step
             self._batch = skeleton
 
@@ -385,11 +392,12 @@ class Recorder(_iteration.IterationStart):
             return t
         self._captured_at = t
         self._asm.state_before = optimizer_state
+        started = time.perf_counter()  # from here on the pre-hook's time is the recorder's (sys/recorder_ms)
         try:
             if self._joint is not None:  # a pair of a joint run: is it this pair's turn?
                 self._joint.update_starting(self)
             _iteration.update_starting(self)  # the loop's first update: every start state is final
-            self._record_step(skipped)
+            self._record_step(skipped, started)
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "optimizer.step() pre-hook" if self.options.auto_capture else "capture()")
         return t
@@ -450,9 +458,8 @@ class Recorder(_iteration.IterationStart):
         _iteration.leave(self)
         self._lean.drop()  # nothing in flight is sent any more
 
-    def _record_step(self, skipped: bool) -> None:
+    def _record_step(self, skipped: bool, started: float) -> None:
         t = self._step
-        started = time.perf_counter()
         self._send_held()
         meta = self._asm.refresh_layout(self.model, t)
         with span("stepdump.capture"):  # a no-op unless a torch profiler is on
