@@ -32,8 +32,8 @@ of the two, not their sum. The worker is the read call's own, joined when it end
 ends; what it could not read and verify the reading thread reads itself, raising the errors a
 read without a worker raises. The keyframe is read once into the tensors the optimizer steps
 (its params and the first update's grads on the worker, beside the optimizer state:
-gradlog_keyframe.py), and the verified state is handed out from the chain itself, copied only
-when the chain moves on while it is still cached. The catalog is read a window of steps at a
+gradlog_keyframe.py), and the verified state is handed out from the chain itself (the cached
+state is dropped, not copied, when the chain moves on). The catalog is read a window of steps at a
 time (gradlog_window.py), and the check at the target step hashes half its bytes on the worker.
 """
 
@@ -437,10 +437,11 @@ class GradientLog:
         chain.checked = frozenset(compared | empty) if "params" in compared else frozenset()
 
     def _release(self, chain: Chain) -> None:
-        """Before ``chain`` changes: a cached snapshot of its tensors takes copies of them. Only
-        reads that go on from a step already read pay this (reading steps in order)."""
+        """Before ``chain`` changes: a cached snapshot of its tensors is dropped. Copying it (the
+        whole model and optimizer state, at every step of a read in order) cost a third of an
+        update, to serve only a read that goes back a step; one state per run is kept, not two."""
         if self._snapshot is not None and self._snapshot.chain is chain:
-            self._snapshot = copied(self._snapshot)
+            self._snapshot = None
 
     # -- what the run says -------------------------------------------------------------
     def _rows(self, step: int) -> dict[Key, tuple[Any, ...]]:
