@@ -126,7 +126,7 @@ def test_every_public_name_resolves() -> None:
 def test_the_public_names_are_pinned() -> None:
     """The top level is what a user types in the first hour; option groups and types have a home."""
     assert sorted(stepdump.__all__) == TOP_LEVEL
-    assert stepdump.open is importlib.import_module("stepdump.read.run").open  # public, just not in __all__
+    assert stepdump.open is importlib.import_module("stepdump.read.opener").open  # public, just not in __all__
     assert sorted(stepdump.options.__all__) == sorted(OPTIONS)
     assert sorted(stepdump.types.__all__) == sorted(TYPES)
 

@@ -10,7 +10,7 @@ whose fields are their thresholds; pick and tune them by name or by instance::
     stepdump.check(run, objective="policy_loss")           # which logged scalar should fall
 
 Rules only read the run. Within one call they share one read of each stats and
-scalars frame (see :class:`CachedRun`), so ten rules cost about one query each.
+scalars frame (see :class:`~stepdump.analysis.rule_runner.CachedRun`), so ten rules cost about one query each.
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import pandas as pd
-
 from stepdump.analysis.findings import Finding
+from stepdump.analysis.rule_runner import CachedRun, rule_name, run_rules
 from stepdump.analysis.rules import (
     DEFAULT_RULES,
     Rule,
     RuleLike,
     registered_rules,
 )
-from stepdump.analysis.rules._roles import DECLARED_ATTR, check_declaration
+from stepdump.analysis.rules._roles import check_declaration
 from stepdump.errors import ConfigError
 
 RuleSpec = str | Rule | type[Rule] | Callable[[Any], Iterable[Finding]]
@@ -77,7 +76,7 @@ def check(
     selected = resolve_rules(rules, config)
     check_declaration(objective)
     if isinstance(run, (str, os.PathLike)):
-        from stepdump.read.run import open as open_run
+        from stepdump.read.opener import open as open_run
 
         with open_run(run) as opened:
             return _check_opened(opened, selected, rules is None, objective)
@@ -94,7 +93,7 @@ def _check_opened(run: Any, selected: list[RuleLike], default: bool, objective: 
         return check_joint(run, selected, objective)
     if is_multirank(run):  # every rule on each rank's store, plus cross_rank over all of them
         return check_distributed(run, selected, add_cross_rank=default, objective=objective)
-    return _run_rules(CachedRun(run, objective=objective), selected)
+    return run_rules(CachedRun(run, objective=objective), selected)
 
 
 def resolve_rules(
@@ -121,7 +120,7 @@ def resolve_rules(
     if unused:
         raise ConfigError(
             f"config has options for {', '.join(map(repr, unused))}, which is not among the rules run "
-            f"({', '.join(_name_of(r) for r in out) or 'none'})"
+            f"({', '.join(rule_name(r) for r in out) or 'none'})"
         )
     return out
 
@@ -157,7 +156,7 @@ def _resolve_one(spec: Any, cfg: dict[str, dict[str, Any]], used: set[str]) -> R
         base = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
         return type(spec).from_config({**base, **opts})
     if callable(spec):
-        name = _name_of(spec)
+        name = rule_name(spec)
         if not name:
             raise ConfigError(f"rule {spec!r} has no name: give it a `name` attribute (a string)")
         if name in cfg:
@@ -166,104 +165,3 @@ def _resolve_one(spec: Any, cfg: dict[str, dict[str, Any]], used: set[str]) -> R
     raise ConfigError(
         f"a rule must be a name, a Rule, or a callable (run) -> findings; got {type(spec).__name__}"
     )
-
-
-def _name_of(rule: Any) -> str:
-    name = getattr(rule, "name", None)
-    if not isinstance(name, str) or not name:
-        name = getattr(rule, "__name__", None)
-    return name if isinstance(name, str) else ""
-
-
-def _run_rules(run: CachedRun, rules: list[RuleLike]) -> list[Finding]:
-    findings: list[Finding] = []
-    for rule in rules:
-        result = rule(run)
-        if result is None:
-            continue
-        for f in result:
-            if not isinstance(f, Finding):
-                raise ConfigError(
-                    f"rule {_name_of(rule)!r} returned {type(f).__name__}; rules must return stepdump Finding objects"
-                )
-            findings.append(f)
-    return sorted(findings, key=_sort_key)
-
-
-def _sort_key(f: Finding) -> tuple[Any, ...]:
-    return (f.step is None, f.step or 0, -int(f.severity), f.rule, f.kind or "", f.tensor or "")
-
-
-class CachedRun:
-    """A read-only view of a Run for the rules of one ``check`` call.
-
-    ``stats()``, ``scalars()``, ``scalar_rows()``, ``kinds()``, ``names()`` and the
-    step lists are read once and shared (each call returns a copy, so a rule may modify what it
-    gets); everything else is passed through to the Run. The view is a snapshot:
-    steps a live recorder commits during the check are not seen halfway.
-    ``declared_objective`` is ``check(objective=...)`` (None: not declared; see
-    :mod:`stepdump.analysis.rules._roles`).
-    """
-
-    def __init__(self, run: Any, *, objective: str | bool | None = None) -> None:
-        self._run = run
-        self._memo: dict[Any, Any] = {}
-        setattr(self, DECLARED_ATTR, objective)
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._run, attr)
-
-    def __repr__(self) -> str:
-        return f"<CachedRun of {self._run!r}>"
-
-    def _cached(self, key: Any, make: Callable[[], Any]) -> Any:
-        try:
-            hit = key in self._memo
-        except TypeError:  # unhashable arguments: no caching
-            return make()
-        if not hit:
-            self._memo[key] = make()
-        return self._memo[key]
-
-    def stats(self, kind: str | None = None, name: str | None = None, steps: Any = None) -> pd.DataFrame:
-        if name is None and steps is None:
-            full = self._cached(("stats",), lambda: self._run.stats())
-            if kind is None:
-                return full.copy()
-            if kind not in self.kinds():
-                return self._run.stats(kind)  # validates the kind, empty if merely absent
-            return full[full["kind"] == kind].reset_index(drop=True)
-        key = ("stats", kind, name, tuple(steps) if isinstance(steps, (list, range)) else steps)
-        return self._cached(key, lambda: self._run.stats(kind, name, steps)).copy()
-
-    def scalars(self, names: Any = None, steps: Any = None) -> pd.DataFrame:
-        key = ("scalars", tuple(names) if isinstance(names, list) else names,
-               tuple(steps) if isinstance(steps, (list, range)) else steps)
-        return self._cached(key, lambda: self._run.scalars(names, steps)).copy()
-
-    def scalar_rows(self, steps: Any = None, *, nan_only: bool = False) -> list[tuple[int, str, float | None]]:
-        # Several rules ask for the logged NaNs (nan_inf, and the damage a flagged step did).
-        key = ("scalar_rows", tuple(steps) if isinstance(steps, (list, range)) else steps, nan_only)
-        return list(self._cached(key, lambda: self._run.scalar_rows(steps, nan_only=nan_only)))
-
-    def kinds(self) -> list[str]:
-        return list(self._cached(("kinds",), self._run.kinds))
-
-    def names(self, kind: str = "params") -> list[str]:
-        return list(self._cached(("names", kind), lambda: self._run.names(kind)))
-
-    @property
-    def steps(self) -> list[int]:
-        return list(self._cached(("steps",), lambda: self._run.steps))
-
-    @property
-    def stats_steps(self) -> list[int]:
-        return list(self._cached(("stats_steps",), lambda: self._run.stats_steps))
-
-    @property
-    def all_steps(self) -> list[int]:
-        return list(self._cached(("all_steps",), lambda: self._run.all_steps))
-
-    @property
-    def skipped_steps(self) -> list[int]:
-        return list(self._cached(("skipped_steps",), lambda: self._run.skipped_steps))

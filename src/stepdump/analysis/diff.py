@@ -37,8 +37,9 @@ from typing import Any
 
 from stepdump.analysis.diff_ignore import RNG_STREAMS, Ignore, parse_ignore
 from stepdump.analysis.diff_joint import diff_joint
-from stepdump.analysis.diff_noise import NoiseDiff
-from stepdump.analysis.diff_reading import headline, reading, rng_notes, summary_lines
+from stepdump.analysis.diff_noise import noise_diff
+from stepdump.analysis.diff_reading import reading, rng_notes
+from stepdump.analysis.diff_result import Coverage, DiffResult, Key
 from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, RngDiff, config_differences, parse_state,
                                           scalar_differences, scalar_table, scalars_equal, state_differences)
 from stepdump.analysis.diff_values import TensorDiff, compare_tensors
@@ -52,129 +53,6 @@ __all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "RngDiff", "Ten
 #: pass reads, its activations, the backward pass, the optimizer state).
 KIND_ORDER = ("inputs", "params", "buffers", "activations", "activation_grads", "grads", "optimizer")
 _BLOCK = 256
-
-Key = tuple[str, str]
-
-
-@dataclass
-class Coverage:
-    """What a diff compared, and what it could not.
-
-    Counts are over the steps the comparison went through: the recorded state is compared up
-    to the first divergent step, tensors up to the first step where tensors differ, scalars
-    at every common step.
-    """
-
-    #: Common steps with fingerprints (the same as ``DiffResult.steps_compared``).
-    steps: int = 0
-    #: (kind, name) compared at one step or more, and (step, tensor) pairs compared.
-    tensors: int = 0
-    tensor_checks: int = 0
-    #: Tensor kinds compared; kinds recorded by one run only.
-    kinds: list[str] = field(default_factory=list)
-    kinds_only_in_a: list[str] = field(default_factory=list)
-    kinds_only_in_b: list[str] = field(default_factory=list)
-    #: Steps whose recorded state (param groups, scheduler, scaler, RNG) was compared, and
-    #: which of its parts both runs had (``hyperparameters``, ``scheduler``, ``scaler``, ``rng``, ``batch``).
-    state_steps: int = 0
-    state_parts: list[str] = field(default_factory=list)
-    #: Steps (as far as the state was compared) where one run or both had no recorded state:
-    #: their hyperparameters other than the lr, scheduler, scaler and RNG state are unknown.
-    state_missing: int = 0
-    #: Steps whose RNG state both runs recorded and the diff compared (see ``DiffResult.rng``).
-    rng_steps: int = 0
-    #: Scalars compared (logged by both; the recorder's ``sys/*`` timings are never compared),
-    #: steps at which the ``lr`` scalars were, and scalars logged by one run only.
-    scalars: list[str] = field(default_factory=list)
-    lr_steps: int = 0
-    scalars_only_in_a: list[str] = field(default_factory=list)
-    scalars_only_in_b: list[str] = field(default_factory=list)
-
-
-@dataclass
-class DiffResult:
-    """What :func:`diff` found.
-
-    ``identical`` means something was compared (``comparable``) and nothing compared differs:
-    no tensor at a common step, no hyperparameter, scheduler, scaler state or batch, no logged
-    scalar. An RNG state that differs while none of these does is a note (``notes``), not a
-    difference. What was not compared (names, steps, scalars in one run only) is listed, and
-    ``complete`` says whether there was any.
-    """
-
-    #: The first step where anything compared differs (None: none does).
-    first_step: int | None
-    #: How each tensor differs at ``first_tensor_step``, earliest cause first.
-    tensors: list[TensorDiff]
-    steps_compared: int
-    steps_only_in_a: list[int] = field(default_factory=list)
-    steps_only_in_b: list[int] = field(default_factory=list)
-    names_only_in_a: list[Key] = field(default_factory=list)
-    names_only_in_b: list[Key] = field(default_factory=list)
-    #: (step, name) of the first logged scalar that differs.
-    first_scalar_diff: tuple[int, str] | None = None
-    #: For multi-rank runs: the rank ``first_step`` and ``tensors`` are about (None: single stores).
-    rank: int | None = None
-    #: For multi-rank runs: each rank's own result (empty for single stores).
-    per_rank: dict[int, DiffResult] = field(default_factory=dict)
-    #: Everything that differs at ``first_step``, earliest cause first (``differences[0]`` is the cause).
-    differences: list[Difference] = field(default_factory=list)
-    #: The first step where tensors differ (``tensors`` are about it); may be later than ``first_step``.
-    first_tensor_step: int | None = None
-    #: What was compared and what could not be.
-    coverage: Coverage = field(default_factory=Coverage)
-    #: Recorded settings that differ between the runs: (meta key, A's value, B's value).
-    config: list[tuple[str, Any, Any]] = field(default_factory=list)
-    #: One line: what the first differences point at ("" when nothing differs).
-    reading: str = ""
-    #: RNG streams that differ where they were compared (up to ``first_step``): not divergences.
-    rng: list[RngDiff] = field(default_factory=list)
-    #: What is worth knowing but is no divergence ("numpy and python RNG differ at every step
-    #: compared (0-99); nothing computed differs").
-    notes: list[str] = field(default_factory=list)
-    #: The parts left out with ``ignore=``, sorted.
-    ignored: list[str] = field(default_factory=list)
-    #: For joint runs (several model/optimizer pairs): the pair ``differences[0]`` is about, and
-    #: each pair's own result (analysis/diff_joint.py).
-    pair: str | None = None
-    per_pair: dict[str, DiffResult] = field(default_factory=dict)
-    #: With ``noise=``: each quantity's difference against the spread among A and its repeats
-    #: (:mod:`~stepdump.analysis.diff_noise`); ``first_step`` is then where one first exceeds it.
-    noise: NoiseDiff | None = None
-
-    @property
-    def comparable(self) -> bool:
-        """Whether the runs had anything to compare: a tensor recorded by both at a common step."""
-        return self.coverage.tensor_checks > 0
-
-    @property
-    def identical(self) -> bool:
-        """Something was compared and nothing compared differs (see the class docstring)."""
-        return self.comparable and self.first_step is None
-
-    @property
-    def complete(self) -> bool:
-        """Whether everything either run recorded had a counterpart in the other."""
-        c = self.coverage
-        return not (self.steps_only_in_a or self.steps_only_in_b or self.names_only_in_a or self.names_only_in_b
-                    or c.scalars_only_in_a or c.scalars_only_in_b)
-
-    @property
-    def first_tensor(self) -> TensorDiff | None:
-        return self.tensors[0] if self.tensors else None
-
-    @property
-    def cause(self) -> Difference | None:
-        """The earliest difference at ``first_step`` (None when nothing differs)."""
-        return self.differences[0] if self.differences else None
-
-    def headline(self) -> str:
-        """The first line of :meth:`summary`: identical, nothing comparable, or where and why they part."""
-        return headline(self)
-
-    def summary(self) -> str:
-        """A few lines: the headline, the reading, what was compared and what could not be."""
-        return "\n".join(summary_lines(self))
 
 
 def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.0,
@@ -223,13 +101,12 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
         if atol or rtol:
             raise ConfigError("diff with noise= judges differences by the spread among the repeats: "
                               "leave atol and rtol at 0")
-        from stepdump.analysis.diff_noise import noise_diff
-
-        return noise_diff(run_a, run_b, list(noise), wanted, left_out, noise_factor)  # type: ignore[no-any-return]
+        return noise_diff(run_a, run_b, list(noise), wanted, left_out, noise_factor, exact=diff)
     if is_joint(run_a) or is_joint(run_b):  # pair by pair (G with G, D with D)
         return diff_joint(run_a, run_b, lambda a, b: _diff_store(a, b, atol, rtol, wanted, left_out))
-    stores_a, stores_b = list(run_a.stores()), list(run_b.stores())
-    ranks_a, ranks_b = [r for r, _ in stores_a], [r for r, _ in stores_b]
+    # Rank by rank, one pair of stores at a time: run.stores() opens them lazily, a list of them
+    # would hold every rank open at once (tests/test_ranks_bounded.py).
+    ranks_a, ranks_b = [r for r, _ in run_a.stores()], [r for r, _ in run_b.stores()]
     if ranks_a != ranks_b:
         def which(ranks: list[int | None]) -> str:
             return "a single process" if ranks == [None] else f"ranks {ranks}"
@@ -238,9 +115,9 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
             "rank. Compare one rank of each: stepdump.diff(run_a.rank(r), run_b.rank(r)) (or the single run)"
         )
     if ranks_a == [None]:
-        return _diff_store(stores_a[0][1], stores_b[0][1], atol, rtol, wanted, left_out)
+        return _diff_store(next(run_a.stores())[1], next(run_b.stores())[1], atol, rtol, wanted, left_out)
     per_rank = {r: _diff_store(a, b, atol, rtol, wanted, left_out)
-                for (r, a), (_, b) in zip(stores_a, stores_b, strict=True) if r is not None}
+                for (r, a), (_, b) in zip(run_a.stores(), run_b.stores(), strict=True) if r is not None}
     return _merge(per_rank)
 
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
+from stepdump.analysis.diff_result import Coverage, DiffResult
 from stepdump.analysis.diff_state import Difference
 from stepdump.errors import ConfigError
 from stepdump.read.joint import JointRun, is_joint
 
 if TYPE_CHECKING:
-    from stepdump.analysis.diff import Coverage, DiffResult
     from stepdump.read.run import Run
 
 
@@ -71,8 +71,6 @@ def _own(scalar: str) -> bool:
 
 
 def _merge(per_pair: dict[str, DiffResult]) -> DiffResult:
-    from stepdump.analysis.diff import DiffResult
-
     results = list(per_pair.values())
     firsts = [r.first_step for r in results if r.first_step is not None]
     first = min(firsts) if firsts else None

@@ -23,11 +23,12 @@ is then left out (a note says so).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
+from stepdump.analysis.diff_result import DiffResult
 from stepdump.analysis.diff_state import KIND_STAGE, STAGES, Difference, scalar_label, scalar_stage, scalar_table
 from stepdump.errors import ConfigError
 
@@ -130,11 +131,11 @@ def _row(step: int, key: tuple[str, str], a: tuple, b: tuple, reps: list[tuple],
 
 
 def noise_diff(run_a: Any, run_b: Any, noise: Sequence[Any], kinds: Sequence[str], left_out: Any,
-               factor: float = FACTOR) -> Any:
+               factor: float = FACTOR, *, exact: Callable[..., DiffResult]) -> DiffResult:
     """:func:`stepdump.diff` with ``noise=``: see the module docstring. Returns a DiffResult with
-    ``noise`` set; ``first_step`` is the first step where something exceeds the spread."""
-    from stepdump.analysis.diff import DiffResult, diff  # diff.py imports this module lazily
-
+    ``noise`` set; ``first_step`` is the first step where something exceeds the spread.
+    ``exact`` is :func:`stepdump.diff` itself (passed in: it compares the recorded state
+    exactly, and diff.py calls this function)."""
     if factor <= 0:
         raise ConfigError("noise_factor must be > 0")
     for r in (run_a, run_b, *noise):
@@ -143,8 +144,8 @@ def noise_diff(run_a: Any, run_b: Any, noise: Sequence[Any], kinds: Sequence[str
                               "compare one rank or pair of each")
     # The recorded state, exactly: A against B, and A against each repeat (noise there, if any).
     state_ignore = [*left_out.listed, "scalars", "rng"]
-    state = diff(run_a, run_b, kinds=(), ignore=state_ignore)
-    state_noise = [diff(run_a, r, kinds=(), ignore=state_ignore) for r in noise]
+    state = exact(run_a, run_b, kinds=(), ignore=state_ignore)
+    state_noise = [exact(run_a, r, kinds=(), ignore=state_ignore) for r in noise]
     nd = NoiseDiff(len(noise), factor)
     result = DiffResult(first_step=None, tensors=[], steps_compared=0, ignored=left_out.listed,
                         config=state.config, noise=nd)

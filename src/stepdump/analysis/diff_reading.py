@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stepdump.analysis.diff import DiffResult
+    from stepdump.analysis.diff_result import DiffResult
     from stepdump.analysis.diff_state import RngDiff
 
 _SHOWN = 5

@@ -12,14 +12,13 @@ from dataclasses import replace
 from typing import Any
 
 from stepdump.analysis.findings import Finding
+from stepdump.analysis.rule_runner import CachedRun, run_rules, sort_key
 from stepdump.analysis.rules.base import RuleLike
 from stepdump.read.joint import _OWN
 
 
 def check_joint(run: Any, rules: list[RuleLike], objective: str | bool | None = None) -> list[Finding]:
     """Each rule on every pair's store; findings named by pair, in the order :func:`stepdump.check` sorts."""
-    from stepdump.analysis.checks import CachedRun, _run_rules, _sort_key
-
     out: list[Finding] = []
     home = run.pair_names[0]
     owned = {p: {n for g in store.meta.get("layout", {}).get("groups", []) for n in g} for p, store in run.pair_stores()}
@@ -31,9 +30,9 @@ def check_joint(run: Any, rules: list[RuleLike], objective: str | bool | None = 
         # A module two pairs share: each param is judged in the pair whose optimizer updates it
         # (in another pair's records it moves by an update that pair did not make).
         elsewhere = {n for q in run.pair_names if q != pair and model_of[q] == model_of[pair] for n in owned[q]}
-        for f in _run_rules(CachedRun(store, objective=objective if pair == home else None), rules):
+        for f in run_rules(CachedRun(store, objective=objective if pair == home else None), rules):
             if f.kind is not None and f.tensor in elsewhere and all(t in elsewhere for t in f.tensors):
                 continue
             out.append(replace(f, tensor=None if f.tensor is None else name(f.tensor, f.kind),
                                tensors=tuple(name(t, f.kind) for t in f.tensors), message=f"{pair}: {f.message}"))
-    return sorted(out, key=_sort_key)
+    return sorted(out, key=sort_key)

@@ -14,6 +14,7 @@ from typing import Any
 
 from stepdump.analysis.cross_rank import CrossRank
 from stepdump.analysis.findings import Finding
+from stepdump.analysis.rule_runner import CachedRun, run_rules, sort_key
 from stepdump.analysis.rules.base import RuleLike
 from stepdump.read.reader import ranked_stores
 
@@ -41,15 +42,16 @@ def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool,
     Findings that several ranks share (same rule, step, kind, tensor, severity)
     are reported once, the message starting with the ranks (``ranks 0, 1: ...``).
     """
-    from stepdump.analysis.checks import CachedRun, _run_rules, _sort_key
-
     if add_cross_rank and not any(getattr(r, "name", None) == CrossRank.name for r in rules):
         rules = [*rules, CrossRank()]
     whole: list[RuleLike] = [r for r in rules if isinstance(r, CrossRank)]
     per_rank = [r for r in rules if not isinstance(r, CrossRank)]
     merged: dict[tuple[Any, ...], tuple[Finding, list[int]]] = {}
-    for rank, store in ranked_stores(run):
-        for f in _run_rules(CachedRun(store, objective=objective), per_rank) if per_rank else []:
+    # One rank's store at a time (run.stores() opens them lazily; a list would hold every rank open).
+    for rank, store in run.stores():
+        if rank is None:
+            continue
+        for f in run_rules(CachedRun(store, objective=objective), per_rank) if per_rank else []:
             key = (f.rule, f.step, f.kind, f.tensor, f.severity)
             if key in merged:
                 merged[key][1].append(rank)
@@ -58,6 +60,6 @@ def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool,
     out = [replace(f, message=f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {f.message}")
            for f, rs in merged.values()]
     if whole:
-        out.extend(_run_rules(CachedRun(run), whole))
-    return sorted(out, key=_sort_key)
+        out.extend(run_rules(CachedRun(run), whole))
+    return sorted(out, key=sort_key)
 

@@ -97,9 +97,9 @@ def tables(run: Any, kind: str | None = None, name: str | None = None, steps: St
     if steps is not None and not isinstance(steps, (slice, range)) and not hasattr(steps, "__index__"):
         steps = list(steps)  # read by every rank's query
     if not getattr(run, "ranks", None):
-        from stepdump.read.run import Run
-
-        if isinstance(run, Run):
+        # One store (a Run or RemoteRun: the readers with a catalog). Asked of the object, not by
+        # isinstance, because run.py imports this module (tests/test_layers.py: no import circles).
+        if hasattr(run, "catalog"):
             yield store_table(run, kind, name, steps)
         else:
             yield frame_to_table(run.stats(kind, name, steps), ranked=False)

@@ -4,13 +4,14 @@ or a checkpoint the Hugging Face Trainer or Lightning resumes from (read/export_
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stepdump.errors import ConfigError, TensorNotFoundError
+from stepdump.read.export_files import save_atomically
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
@@ -97,19 +98,3 @@ def _rank_store(run: Run, rank: int) -> Run:
         raise ConfigError(f"rank= is for a run recorded on several ranks; {run.path} is one store: leave rank "
                           "out (--rank)")
     return run.rank(rank)  # type: ignore[attr-defined, no-any-return]  # a DistributedRun: it names a missing rank
-
-
-def save_atomically(out: Path, write: Callable[[Path], object]) -> Path:
-    """Write the file ``out`` with ``write(tmp)`` and a rename, so a failed export never leaves
-    half a checkpoint at ``out`` (nor a ``.partial`` file beside it)."""
-    if out.is_dir():
-        raise ConfigError(f"{out} is a directory; give a file path for the checkpoint")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    try:
-        write(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from stepdump.errors import ConfigError
-from stepdump.read.export import save_atomically
+from stepdump.read.export_files import save_atomically
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run

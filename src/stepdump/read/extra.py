@@ -22,6 +22,7 @@ import torch
 
 from stepdump.core import tjson
 from stepdump.errors import ConfigError, CorruptDataError, RestoreMismatchError, StepNotFoundError
+from stepdump.read.extra_rebuild import rebuild
 from stepdump.store.format import LEVEL_FULL, STATE_EXTRA
 
 if TYPE_CHECKING:
@@ -64,9 +65,7 @@ def extra_state_dict(run: Run, step: int, name: str) -> Any:
                                 "record it with Recorder(..., extra_state={name: obj})")
     level = run.catalog.level(step)
     if not (isinstance(level, int) and level >= LEVEL_FULL):  # a gradient log's step between keyframes
-        from stepdump.read.extra_rebuild import rebuild
-
-        return rebuild(run, step, name)
+        return rebuild(run, step, name, extra_state_dict)
     try:
         return tjson.decode(trees[name], lambda ref: run.tensor(ref, step, kind="state"),
                             lambda ref: run.tensor(ref, step, kind=KIND))

@@ -15,6 +15,7 @@ object is refused with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,8 +34,13 @@ _KNOWN = ("torch.optim.swa_utils.AveragedModel with its default average, or with
           "swa_utils.get_ema_multi_avg_fn / get_ema_avg_fn / get_swa_multi_avg_fn / get_swa_avg_fn")
 
 
-def rebuild(run: Run, step: int, name: str) -> dict[str, torch.Tensor]:
-    """The ``state_dict()`` of the averaged model ``name`` before update ``step``, rebuilt and verified."""
+def rebuild(run: Run, step: int, name: str,
+            read_full: Callable[[Run, int, str], Any]) -> dict[str, torch.Tensor]:
+    """The ``state_dict()`` of the averaged model ``name`` before update ``step``, rebuilt and verified.
+
+    ``read_full(run, k, name)`` reads the object's state at a keyframe ``k``
+    (:func:`stepdump.read.extra.extra_state_dict`, which calls this function: passed in so that
+    neither module imports the other)."""
     log = run.gradient_log
     if log is None:
         raise StepNotFoundError(f"extra state {name!r} at step {step} of {run.path} has only stats and "
@@ -49,9 +55,7 @@ def rebuild(run: Run, step: int, name: str) -> dict[str, torch.Tensor]:
         raise _error(run, step, name, f"a gradient log stores extra state in full at keyframes only, and stepdump "
                      f"knows no update rule for this {cls} to rebuild it with (it rebuilds {_KNOWN}); {where}")
     k = keys[-1]
-    from stepdump.read.extra import extra_state_dict
-
-    averaged, standin = _start(run, k, name, rule, extra_state_dict(run, k, name))
+    averaged, standin = _start(run, k, name, rule, read_full(run, k, name))
     before = _rows(run, k, name)
     for s in range(k + 1, step + 1):
         rows = _rows(run, s, name)

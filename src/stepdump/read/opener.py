@@ -49,3 +49,17 @@ def open_run(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any]
 
         return DistributedRun(p)
     return Run(p)
+
+
+def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,  # noqa: A001
+         cache_dir: str | os.PathLike[str] | None = None) -> RunReader:
+    """Open a recorded run for reading (it may still be being written).
+
+    Args:
+        path: A run directory, a multi-rank run directory (``ranks.json``: gives a
+            :class:`~stepdump.read.ranked.DistributedRun`), or an fsspec URL
+            (``s3://bucket/run``, ``gs://...``, ``memory://...``) of either.
+        storage_options: fsspec options for a URL (endpoint, credentials).
+        cache_dir: Local cache for a URL's catalog snapshot and fetched bytes.
+    """
+    return open_run(path, storage_options=storage_options, cache_dir=cache_dir)

@@ -39,7 +39,6 @@ from stepdump.store.queries import STAT_ROW_COLUMNS, CatalogReader, StepRange
 if TYPE_CHECKING:
     import pandas as pd
 
-    from stepdump.read.reader import RunReader
     from stepdump.read.reexecuted import Activations
     from stepdump.store.storage import ReadStorage
 
@@ -471,19 +470,3 @@ class Run:
             f"{kind} {name!r} has no value at step {step} (e.g. a parameter with no gradient that step, or "
             "optimizer state not created yet)"
         )
-
-
-def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,  # noqa: A001
-         cache_dir: str | os.PathLike[str] | None = None) -> RunReader:
-    """Open a recorded run for reading (it may still be being written).
-
-    Args:
-        path: A run directory, a multi-rank run directory (``ranks.json``: gives a
-            :class:`~stepdump.read.ranked.DistributedRun`), or an fsspec URL
-            (``s3://bucket/run``, ``gs://...``, ``memory://...``) of either.
-        storage_options: fsspec options for a URL (endpoint, credentials).
-        cache_dir: Local cache for a URL's catalog snapshot and fetched bytes.
-    """
-    from stepdump.read.opener import open_run
-
-    return open_run(path, storage_options=storage_options, cache_dir=cache_dir)

@@ -35,7 +35,7 @@ from stepdump.core import tjson
 from stepdump.core.hashing import fingerprint
 from stepdump.core.layout import build_layout
 from stepdump.errors import ConfigError, CorruptDataError, StepNotFoundError, nearest_steps
-from stepdump.read.run import open as open_run
+from stepdump.read.opener import open as open_run
 from stepdump.reexec.engine import TrainStep, prepare
 from stepdump.store import catalog
 from stepdump.store.codecs import get_codec

@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from stepdump.errors import CorruptDataError
-from stepdump.store.codecs import BloscCodec, Bytes, check_blosc_header
+from stepdump.store.plain_codecs import BloscCodec, Bytes, check_blosc_header
 
 # The longest chain a writer may build and a reader follows (Recorder's delta_chain).
 MAX_DELTA_CHAIN = 4096
