@@ -40,6 +40,7 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/leave_on.py
 	$(PY) benchmarks/leave_on_tiny.py
 	$(PY) benchmarks/report_scale.py
+	$(PY) benchmarks/lean_summaries.py --results   # what a per-step distribution summary would cost (docs/report.md)
 	$(PY) benchmarks/gradlog_read.py   # gradient-log reads vs the optimizer steps they re-apply (K = 16, 32, 100)
 	$(PY) benchmarks/reexec.py         # re-executing one step vs a training step, the op tracer's overhead
 	$(PY) benchmarks/docs_numbers.py   # marked numbers of docs/performance.md, README from results.json

@@ -20,6 +20,7 @@ with no recording, timed as interleaved repeats (median). Timings on a loaded ma
 worth much; the deterministic columns are.
 
     .venv/bin/python benchmarks/lean_summaries.py --json /tmp/lean_summaries.json
+    .venv/bin/python benchmarks/lean_summaries.py --results   # make bench: section lean_summaries of results.json
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--reps", type=int, default=15, help="interleaved repeats per arm (default 15)")
     p.add_argument("--json", type=Path, help="also write the numbers here")
+    p.add_argument("--results", action="store_true",
+                   help="also store them in benchmarks/results.json, section lean_summaries (make bench)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
@@ -147,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
         log.info("wrote %s", args.json)
+    if args.results:
+        from results_json import update
+
+        log.info("wrote %s", update("lean_summaries", results))
     return 0
 
 
