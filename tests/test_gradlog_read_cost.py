@@ -189,3 +189,40 @@ def test_every_grad_is_read_on_the_worker_the_first_update_beside_the_keyframe(
             assert_same(got[name], want, name)
     assert seen["grads on the reading thread"] == 0, seen  # was n: update 0's, read before the worker started
     assert seen["ahead"] >= (K - 1) * n, seen
+
+
+@pytest.mark.parametrize("name", ["0.weight", "2.bias"])  # a grad read by the worker or by the reading thread
+def test_a_damaged_grad_met_reading_in_order_raises_the_error_of_a_read_without_the_worker(
+        logs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Reading in order, each read's update has nothing read ahead: its grads are split between
+    the worker and the reading thread. A damaged one is reported as without the worker."""
+    import shutil
+
+    from helpers import catalog_sql
+
+    src, snaps = logs["adam"]
+    path = tmp_path / "damaged"
+    shutil.copytree(src, path)
+    ((key, offset, length),) = catalog_sql(
+        path, "SELECT s.key, b.offset, b.length FROM tensors t JOIN blobs b ON b.id = t.blob "
+              "JOIN segments s ON s.id = b.segment WHERE t.step = 5 AND t.series = "
+              "(SELECT id FROM series WHERE kind = 'grads' AND name = ?)", (name,))
+    with open(path / key, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    def error_reading_in_order() -> str:
+        with stepdump.open(path) as run:
+            for s in (4, 5):
+                for n, want in snaps[s]["params"].items():
+                    assert_same(run.tensors(s, "params")[n], want, f"step {s} {n}")
+            with pytest.raises(stepdump.StepdumpError) as e:
+                run.tensors(6, "params")  # update 5: the damaged grad
+            return f"{type(e.value).__name__}: {e.value}"
+
+    with_worker = error_reading_in_order()
+    assert "checksum" in with_worker, with_worker
+    monkeypatch.setattr(BlobReader, "read_ahead", lambda *a: False)  # the reading thread alone
+    assert error_reading_in_order() == with_worker

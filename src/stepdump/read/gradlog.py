@@ -66,6 +66,7 @@ from stepdump.read.gradlog_parts import (
     copied,
     fingerprints,
     grad_buffer,
+    halves,
     live,
     read_ahead,
     ready_grads,
@@ -316,16 +317,26 @@ class GradientLog:
         for group, g in zip(opt.param_groups, groups, strict=True):
             group.update({k: v for k, v in g["hyper"].items() if k != "params"})
         ahead, chain.ahead = chain.ahead, None
-        ready = ready_grads(ahead, t)  # name -> the row read from; waits for the worker: the buffers are ours
         rows = chain.rows or (ahead.rows if ahead is not None and ahead.step == t else self._rows(t))
-        for n, p in chain.params.items():
-            if n not in chain.optimized:
-                continue
-            row = rows.get(("grads", n))
-            if row is None:
-                p.grad = None  # no gradient at this step: the optimizer leaves p (and its state) alone
-                continue
-            p.grad = self._grad(chain, target, t, n, p, row, ready.get(n) == row)  # read ahead from this row
+        mine: list[str] = []
+        theirs = [n for n in chain.params if n in chain.optimized]
+        if self._pool is not None and (ahead is None or ahead.step != t):
+            # Nothing read ahead (the first update of a read call that goes on from the cached chain:
+            # reading steps in order): the worker reads half of the grads' bytes while this thread
+            # reads the other half.
+            half = halves({n: chain.params[n].numel() * chain.params[n].element_size() for n in theirs})[1]
+            mine, theirs = [n for n in theirs if n not in half], [n for n in theirs if n in half]
+            ahead = read_ahead(self._pool, self._blobs, {n: chain.params[n] for n in theirs}, chain.optimized,
+                               chain.grads, t, rows, self._window.blob_row)
+        for names, wait in ((mine, False), (theirs, True)):
+            # name -> the row read from; waits for the worker: the buffers are ours
+            ready: dict[str, tuple[Any, ...]] = ready_grads(ahead, t) if wait else {}
+            for n in names:
+                p, row = chain.params[n], rows.get(("grads", n))
+                if row is None:
+                    p.grad = None  # no gradient at this step: the optimizer leaves p (and its state) alone
+                    continue
+                p.grad = self._grad(chain, target, t, n, p, row, ready.get(n) == row)  # read ahead from this row
         if self._pool is not None and t + 1 < target:  # update t + 1 follows: read its grads meanwhile
             chain.ahead = read_ahead(self._pool, self._blobs, chain.params, chain.optimized, chain.grads, t + 1,
                                      self._rows(t + 1), self._window.blob_row)

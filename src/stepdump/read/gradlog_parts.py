@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from stepdump.store.schema import BlobRow
 
 Key = tuple[str, str]
+T = TypeVar("T")
 Buffers = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # a chain's two sets of grad buffers
 #: data pointer -> (fingerprint, bytes): memory read verified against that fingerprint (see trust)
 Trusted = dict[int, tuple[int, int]]
@@ -182,27 +183,33 @@ def trusted_fingerprint(trusted: Trusted, t: torch.Tensor) -> int | None:
     return got[0] if got is not None and got[1] == t.numel() * t.element_size() else None
 
 
+def halves(sizes: dict[T, int]) -> tuple[list[T], list[T]]:
+    """``sizes``' keys in two lists of about the same total size (largest first, each to the lighter
+    side): the work of one thread and of the worker beside it."""
+    out: tuple[list[T], list[T]] = ([], [])
+    total = [0, 0]
+    for key in sorted(sizes, key=lambda k: -sizes[k]):
+        side = 0 if total[0] <= total[1] else 1
+        out[side].append(key)
+        total[side] += sizes[key]
+    return out
+
+
 def fingerprints(pool: ThreadPoolExecutor | None, tensors: dict[Key, torch.Tensor],
                  trusted: Trusted) -> dict[Key, int]:
     """Fingerprints of ``tensors`` (those ``trusted`` has, without hashing), the larger half of
     the bytes hashed on the read call's worker while this thread hashes the rest."""
     out: dict[Key, int] = {}
-    todo: list[tuple[int, Key]] = []
+    todo: dict[Key, int] = {}
     for key, t in tensors.items():
         fp = trusted_fingerprint(trusted, t)
         if fp is not None:
             out[key] = fp
         elif t.layout == torch.strided and t.device.type == "cpu":
-            todo.append((t.numel() * t.element_size(), key))
+            todo[key] = t.numel() * t.element_size()
     if pool is None or len(todo) < 2:
         return out  # hashed by differs_from_row
-    mine: list[Key] = []
-    theirs: list[Key] = []
-    sizes = [0, 0]
-    for size, key in sorted(todo, reverse=True):  # largest first, each to the lighter side
-        side = 0 if sizes[0] <= sizes[1] else 1
-        (mine if side == 0 else theirs).append(key)
-        sizes[side] += size
+    mine, theirs = halves(todo)
     job = pool.submit(lambda: {key: fingerprint(tensors[key]) for key in theirs})
     out.update({key: fingerprint(tensors[key]) for key in mine})
     out.update(job.result())
