@@ -192,8 +192,25 @@ def _refused_bundle(tmp_path: Path) -> tuple[Path, type[StepdumpError], str]:
     return out, ConfigError, "bundle"
 
 
-@pytest.mark.parametrize("case", ["bundle", "being recorded"])
+@pytest.mark.parametrize("case", ["bundle", "being recorded", "remote"])
 def test_write_back_refused_where_it_cannot_be_safe(tmp_path: Path, case: str) -> None:
+    if case == "remote":
+        import uuid
+
+        where = f"memory://stepdump-tests/{uuid.uuid4().hex}"
+        model, opt, train_step = L.nan_factory()
+        with stepdump.Recorder(where, model, opt, every=None, stats_every=1) as rec:
+            b = L.nan_batch(0, 99)
+            rec.log_batch(b)
+            rec.log(loss=train_step(model, opt, b))
+        with stepdump.open(where, cache_dir=tmp_path / "cache") as run:
+            model, opt, train_step = L.nan_factory()
+            with pytest.raises(ConfigError, match=f"back into {where}: write-back needs a local run directory"):
+                stepdump.reexecute(run, 0, model, opt, train_step, batch=L.nan_batch(0, 99), activations="fc1",
+                                   write_back=True)
+        with stepdump.open(where, cache_dir=tmp_path / "cache2") as run:
+            assert "reexecutions" not in run.meta
+        return
     if case == "bundle":
         path, err, words = _refused_bundle(tmp_path)
         model, opt, train_step = L.nan_factory()

@@ -35,7 +35,7 @@ from stepdump.core.stats import compute_stats
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.catalog import CatalogWriter
 from stepdump.store.format import META_REEXECUTIONS, REEXEC_KINDS, SEGMENT_DIR, format_shape
-from stepdump.store.lock import RunLock, is_locked
+from stepdump.store.lock import RunLock
 from stepdump.store.storage import LocalStorage
 
 # captured kind -> the kind it is written back as
@@ -48,7 +48,8 @@ def check_writable(run: Any) -> Path:
     from stepdump.read.remote import RemoteRun
 
     if isinstance(run, RemoteRun) or not isinstance(run.path, Path):
-        raise ConfigError(f"cannot write a re-execution back into {run.path}: write-back needs a local run "
+        raise ConfigError(f"cannot write a re-execution back into {getattr(run, 'url', run.path)}: write-back "
+                          "needs a local run "
                           "directory (download the run, or re-execute without write_back)")
     stores = list(run.stores())
     if len(stores) != 1 or stores[0][0] is not None:
@@ -58,9 +59,10 @@ def check_writable(run: Any) -> Path:
         raise ConfigError(f"{run.path} is a bundle (a read-only snapshot of step {run.meta['bundle'].get('step')}"
                           f" of {run.meta['bundle'].get('source')}): write-back is refused, so that a bundle "
                           "stays the record it was made from; write back into the source run instead")
-    if is_locked(run.path):
-        # Checked now, before any re-execution runs; write_back takes the lock itself.
-        RunLock(run.path).acquire()  # raises RunLockedError naming the Recorder holding it
+    # Checked now, before any re-execution runs (write_back takes the lock again to write).
+    probe = RunLock(run.path)
+    probe.acquire()  # RunLockedError naming the Recorder that holds it
+    probe.release()
     return run.path
 
 
