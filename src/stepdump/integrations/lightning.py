@@ -191,6 +191,16 @@ class StepdumpCallback(pl.Callback):
         log.info("stepdump: recording %d optimizer(s) into %s from step %d", len(optimizers), self.path,
                  self._recorders[0].step)
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # Every (micro-)batch, as log_batch stores it: its fingerprint at every recorded step, the
+        # batch itself where the schedule stores tensors, so a step can be replayed / re-executed.
+        for rec in self._recorders:
+            try:
+                rec.log_batch(batch)
+            except ConfigError as e:  # a batch without tensors: nothing to identify it by
+                log.debug("stepdump: batch %d not logged: %s", batch_idx, e)
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         rec = self._by_optimizer.get(id(optimizer))

@@ -25,7 +25,7 @@ import torch
 from stepdump.core.host import kernels_meta
 from stepdump.core.optrace import OpRecord, first_op_difference
 from stepdump.errors import ConfigError, StepNotFoundError, nearest_steps
-from stepdump.reexec import ranks
+from stepdump.reexec import frameworks, ranks
 from stepdump.reexec.capture import module_globs
 from stepdump.reexec.engine import (
     Key,
@@ -145,8 +145,8 @@ def environment_difference(meta: dict[str, Any], model: torch.nn.Module) -> list
     return out
 
 
-def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              train_step: TrainStep, scheduler: Any = None, scaler: Any = None, *, repeat: int = 2,
+def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              train_step: TrainStep | None = None, scheduler: Any = None, scaler: Any = None, *, repeat: int = 2,
               batch: Any = None, find_nan: bool = False, trace: bool | None = None,
               loss: str | None = "loss", activations: str | Iterable[str] | None = None,
               activation_grads: str | Iterable[str] | None = None, write_back: bool = False) -> ReexecResult:
@@ -162,6 +162,9 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
             did (zero_grad, forward, backward, ``optimizer.step()``); it may return the loss,
             compared with the scalar ``loss`` logged at the step. A batch logged in several
             ``log_batch`` calls (micro-batches) is handed over as a list, one item per call.
+            None for a run recorded by the Lightning callback: the iteration is built from the
+            LightningModule ``model`` (``training_step``, the Trainer's accumulation and clipping
+            from the run's meta; ``optimizer`` None: from ``configure_optimizers``).
         repeat: Re-executions (2 or more tells nondeterminism from a difference with the record).
         batch: The step's batch, when the run holds only its fingerprint; checked against it
             (:class:`stepdump.errors.BatchMismatchError`: "this is not the batch of step k").
@@ -188,6 +191,12 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
     whole, rank = run, None
     if ranks.is_multi_rank(run):  # each rank re-executes its own step, inside the process group
         run, rank = ranks.select(run)
+    supplied: list[str] = []
+    if train_step is None:  # a framework's recording: its module gives the iteration (reexec/frameworks.py)
+        optimizer, train_step, scheduler, supplied = frameworks.supply(run, model, optimizer, scheduler)
+    elif optimizer is None:
+        raise ConfigError("optimizer= is needed with a train_step of your own (only a Lightning recording's module "
+                          "supplies both)")
     globs = (module_globs(activations, "activations"), module_globs(activation_grads, "activation_grads"))
     if write_back:
         check_writable(run)  # before any work: a bundle, a remote run, a run being recorded
@@ -207,6 +216,7 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
             for i in range(repeat)]
     result = _judge(run, step, prep, runs, batch, model, optimizer, train_step, scheduler, scaler, trace, find_nan,
                     loss, repeat)
+    result.notes += supplied
     captured = runs[0].captured or {}
     result.activations = dict(captured.get("activations", {}))
     result.activation_grads = dict(captured.get("activation_grads", {}))
