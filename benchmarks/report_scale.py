@@ -126,7 +126,7 @@ def main() -> None:
             f"{' '.join(f'{v:.2f}' for v in load_before)} / {' '.join(f'{v:.2f}' for v in load_after)}. "
             "A stats-only run (params and grads of small tensors named in blocks, a spike and a NaN "
             "planted), written by benchmarks/synth_run.py (first steps recorded, the rest appended through "
-            "the catalog writer); docs/report.md has the 500 x 100,000 numbers.",
+            "the catalog writer); docs/report.md has the numbers measured for issue 26.",
             "",
             "| what | result |",
             "|---|---:|",
