@@ -358,3 +358,49 @@ def test_micro_batches_and_every_mode_write_back_what_live_hooks_see(tmp_path: P
             for t in range(step):
                 train_step(model, opt, batches[t])
         assert stepdump.reexecute(fresh, step, model, opt, train_step, **kw).verdict == "reproduces"
+
+
+def test_write_back_leaves_the_record_as_it_was(tmp_path: Path) -> None:
+    """What the recording wrote is untouched: diff against a twin recording is identical, and every
+    step's level, state, stats rows and scalars are the twin's."""
+    a, b = record_lean(tmp_path / "a", flip_at=FLIP_AT), record_lean(tmp_path / "b", flip_at=FLIP_AT)
+    for t in (1, FLIP_AT):
+        model, opt, train_step = at_step(t)
+        stepdump.reexecute(a, t, model, opt, train_step, batch=L.nan_batch(t, 99), activations="fc*",
+                           activation_grads="*", find_nan=True, write_back=True)
+    with stepdump.open(a) as ra, stepdump.open(b) as rb:
+        assert stepdump.diff(ra, rb).identical
+        timed = [[r for r in run.scalar_rows() if not r[1].startswith("sys/")] for run in (ra, rb)]  # not timings
+        assert ra.all_steps == rb.all_steps and timed[0] == timed[1] and len(timed[0]) >= len(ra.all_steps)
+        for t in ra.all_steps:
+            assert ra.catalog.level(t) == rb.catalog.level(t) and ra.catalog.step_state(t) == rb.catalog.step_state(t)
+            recorded = {k: fp for k, fp in ra.fingerprints(t).items() if not k[0].startswith("reexec_")}
+            assert recorded == rb.fingerprints(t)
+        assert sorted(ra.kinds()) == sorted([*rb.kinds(), "reexec_activations", "reexec_activation_grads"])
+
+
+@pytest.mark.parametrize("fail_in", ["add_tensors", "set_meta"])
+def test_a_write_back_that_fails_half_way_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         fail_in: str) -> None:
+    from stepdump.store.catalog import CatalogWriter
+
+    run = record_lean(tmp_path / "r")
+    model, opt, train_step = at_step(1)
+    stepdump.reexecute(run, 1, model, opt, train_step, batch=L.nan_batch(1, 99), activations="fc1", write_back=True)
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise OSError("disk gone")
+    monkeypatch.setattr(CatalogWriter, fail_in, boom)
+    model, opt, train_step = at_step(1)
+    with pytest.raises(OSError, match="disk gone"):
+        stepdump.reexecute(run, 1, model, opt, train_step, batch=L.nan_batch(1, 99), activations="fc2",
+                           write_back=True)
+    monkeypatch.undo()
+    with stepdump.open(run) as fresh:  # the first write-back, whole; the second, not at all
+        assert sorted(fresh.activations(1)) == ["fc1"]
+        assert fresh.meta["reexecutions"]["1"]["captured"]["activations"] == ["fc1"]
+        assert stepdump.verify(fresh).ok
+    model, opt, train_step = at_step(1)  # and the lock was released: a write-back works again
+    stepdump.reexecute(run, 1, model, opt, train_step, batch=L.nan_batch(1, 99), activations="fc2", write_back=True)
+    with stepdump.open(run) as fresh:
+        assert sorted(fresh.activations(1)) == ["fc2"]
