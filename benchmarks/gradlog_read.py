@@ -58,34 +58,46 @@ def record(path: Path, k: int) -> dict[str, torch.Tensor]:
     return snap
 
 
-def time_optimizer(k: int) -> float:
-    """Seconds of k ``optimizer.step()`` calls of workload A's Adam (grads from one backward)."""
+class Clock:
+    """Wall time, and CPU time of this thread and of the whole process (the read's worker
+    included): on a machine loaded by other work the CPU times are the steadier measure."""
+
+    def __enter__(self) -> Clock:
+        self._t = (time.perf_counter(), time.thread_time(), time.process_time())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        now = (time.perf_counter(), time.thread_time(), time.process_time())
+        self.wall, self.thread_cpu, self.cpu = (b - a for a, b in zip(self._t, now, strict=True))
+
+
+def time_optimizer(k: int) -> Clock:
+    """k ``optimizer.step()`` calls of workload A's Adam (grads from one backward)."""
     w = workloads.mlp()
     w.step(None)  # grads and Adam state exist
-    t = time.perf_counter()
-    for _ in range(k):
-        w.optimizer.step()
-    return time.perf_counter() - t
+    with Clock() as c:
+        for _ in range(k):
+            w.optimizer.step()
+    return c
 
 
-def read_last(path: Path, k: int) -> tuple[float, dict[str, torch.Tensor]]:
-    t = time.perf_counter()
-    run = stepdump.open(path)
-    sd = run.state_dict(k - 1)
-    took = time.perf_counter() - t
+def read_last(path: Path, k: int) -> tuple[Clock, dict[str, torch.Tensor]]:
+    with Clock() as c:
+        run = stepdump.open(path)
+        sd = run.state_dict(k - 1)
     run.close()
-    return took, dict(sd)
+    return c, dict(sd)
 
 
-def read_in_order(path: Path, k: int) -> tuple[float, int]:
-    t = time.perf_counter()
-    run = stepdump.open(path)
-    for s in range(k):
-        run.state_dict(s)
-    took = time.perf_counter() - t
-    applied = run.gradient_log.updates_applied if run.gradient_log is not None else -1
+def read_in_order(path: Path, k: int) -> tuple[Clock, int]:
+    with Clock() as c:
+        run = stepdump.open(path)
+        for s in range(k):
+            run.state_dict(s)
+    engine = getattr(run, "gradient_log", None)  # a local Run of a gradient log has one
+    applied = engine.updates_applied if engine is not None else -1
     run.close()
-    return took, applied
+    return c, applied
 
 
 def bench_k(work: Path, k: int, repeats: int) -> dict[str, Any]:
@@ -94,9 +106,9 @@ def bench_k(work: Path, k: int, repeats: int) -> dict[str, Any]:
     t = time.perf_counter()
     snap = record(path, k)
     print(f"K={k}: recorded {k} steps of A in {time.perf_counter() - t:.1f} s", flush=True)
-    opt: list[float] = []
-    last: list[float] = []
-    order: list[float] = []
+    opt: list[Clock] = []
+    last: list[Clock] = []
+    order: list[Clock] = []
     equal = True
     applied = -1
     for rep in range(repeats):
@@ -111,18 +123,30 @@ def bench_k(work: Path, k: int, repeats: int) -> dict[str, Any]:
             else:
                 took, applied = read_in_order(path, k)
                 order.append(took)
-        print(f"  repeat {rep}: optimizer x{k} {opt[-1] * 1e3:.0f} ms, open + state_dict({k - 1}) "
-              f"{last[-1] * 1e3:.0f} ms, every step in order {order[-1] * 1e3:.0f} ms", flush=True)
+        print(f"  repeat {rep}: optimizer x{k} {opt[-1].wall * 1e3:.0f} ms (CPU {opt[-1].thread_cpu * 1e3:.0f}), "
+              f"open + state_dict({k - 1}) {last[-1].wall * 1e3:.0f} ms (CPU this thread "
+              f"{last[-1].thread_cpu * 1e3:.0f}, all {last[-1].cpu * 1e3:.0f}), every step in order "
+              f"{order[-1].wall * 1e3:.0f} ms (CPU {order[-1].thread_cpu * 1e3:.0f}, all {order[-1].cpu * 1e3:.0f})",
+              flush=True)
     shutil.rmtree(path, ignore_errors=True)
-    r_last = sorted(a / b for a, b in zip(last, opt, strict=True))
-    r_order = sorted(a / b for a, b in zip(order, opt, strict=True))
-    out = {"K": k, "repeats": repeats, "opt_ms": [v * 1e3 for v in opt], "read_ms": [v * 1e3 for v in last],
-           "in_order_ms": [v * 1e3 for v in order], "read_ratio": statistics.median(r_last),
-           "read_ratio_spread": [r_last[0], r_last[-1]], "in_order_ratio": statistics.median(r_order),
-           "in_order_ratio_spread": [r_order[0], r_order[-1]], "bitwise_equal": equal,
-           "in_order_updates": applied}
-    print(f"  read {out['read_ratio']:.3f}x ({r_last[0]:.3f}-{r_last[-1]:.3f}), in order "
-          f"{out['in_order_ratio']:.3f}x ({r_order[0]:.3f}-{r_order[-1]:.3f}); bitwise equal {equal}; "
+
+    def ratios(arm: list[Clock], what: str) -> list[float]:
+        return sorted(getattr(a, what) / getattr(b, what) for a, b in zip(arm, opt, strict=True))
+
+    out: dict[str, Any] = {"K": k, "repeats": repeats, "bitwise_equal": equal, "in_order_updates": applied}
+    measured: list[tuple[str, list[Clock]]] = [("opt", opt), ("read", last), ("in_order", order)]
+    for name, clocks in measured:
+        out[f"{name}_ms"] = [c.wall * 1e3 for c in clocks]
+        out[f"{name}_thread_cpu_ms"] = [c.thread_cpu * 1e3 for c in clocks]
+        out[f"{name}_cpu_ms"] = [c.cpu * 1e3 for c in clocks]
+        if name == "opt":
+            continue
+        for what, key in (("wall", "ratio"), ("thread_cpu", "thread_cpu_ratio"), ("cpu", "cpu_ratio")):
+            r = ratios(clocks, what)
+            out[f"{name}_{key}"], out[f"{name}_{key}_spread"] = statistics.median(r), [r[0], r[-1]]
+    print(f"  read {out['read_ratio']:.3f}x wall, {out['read_thread_cpu_ratio']:.3f}x CPU of the reading thread, "
+          f"{out['read_cpu_ratio']:.3f}x CPU of both; in order {out['in_order_ratio']:.3f}x wall, "
+          f"{out['in_order_thread_cpu_ratio']:.3f}x, {out['in_order_cpu_ratio']:.3f}x; bitwise equal {equal}; "
           f"in-order updates {applied} (K - 1 = {k - 1})", flush=True)
     return out
 
@@ -168,18 +192,28 @@ def main() -> None:
         "Workload A recorded with `gradient_log=K` over K steps; interleaved in one process: a fresh "
         "`stepdump.open` + `state_dict(K-1)` (K-1 updates re-applied and checked), a fresh Run reading "
         "`state_dict(s)` for every s in 0..K-1 in order, and K `optimizer.step()` calls of the same Adam. "
-        "Ratio: read / optimizer, median of the per-pair ratios (spread).",
+        "Ratio: read / optimizer, median of the per-pair ratios (spread); wall time, and CPU time of the "
+        "reading thread and of the whole process (the read's worker thread included), steadier than wall "
+        "time when other work loads the machine.",
         "",
-        "| K | K × optimizer.step() (median) | open + state_dict(K-1) | ratio | every step in order | ratio | "
-        "updates in order | bitwise |",
+        "| K | K × optimizer.step(): wall (CPU) | open + state_dict(K-1): wall | ratio: wall / reading-thread CPU "
+        "/ all CPU | every step in order: wall | ratio: wall / reading-thread CPU / all CPU | updates in order "
+        "| bitwise |",
         "|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
+
+    def med(r: dict[str, Any], key: str) -> str:
+        return f"{statistics.median(r[key]):.0f} ms"
+
+    def ratio(r: dict[str, Any], arm: str) -> str:
+        lo, hi = r[f"{arm}_ratio_spread"]
+        return (f"{r[f'{arm}_ratio']:.3f}× ({lo:.3f}–{hi:.3f}) / {r[f'{arm}_thread_cpu_ratio']:.3f}× / "
+                f"{r[f'{arm}_cpu_ratio']:.3f}×")
+
     for r in rows:
         lines.append(
-            f"| {r['K']} | {statistics.median(r['opt_ms']):.0f} ms | {statistics.median(r['read_ms']):.0f} ms | "
-            f"{r['read_ratio']:.3f}× ({r['read_ratio_spread'][0]:.3f}–{r['read_ratio_spread'][1]:.3f}) | "
-            f"{statistics.median(r['in_order_ms']):.0f} ms | {r['in_order_ratio']:.3f}× "
-            f"({r['in_order_ratio_spread'][0]:.3f}–{r['in_order_ratio_spread'][1]:.3f}) | "
+            f"| {r['K']} | {med(r, 'opt_ms')} ({med(r, 'opt_thread_cpu_ms')}) | {med(r, 'read_ms')} | "
+            f"{ratio(r, 'read')} | {med(r, 'in_order_ms')} | {ratio(r, 'in_order')} | "
             f"{r['in_order_updates']} | {'yes' if r['bitwise_equal'] else 'NO'} |")
     lines.append("")
     write_section(Path(args.out), "\n".join(lines))
