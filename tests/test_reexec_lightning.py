@@ -112,3 +112,28 @@ def test_refused_with_the_reason(tmp_path: Path, what: str, words: str) -> None:
         run = stepdump.open(record(tmp_path / "run", Net()))
         with pytest.raises(ConfigError, match=words):
             stepdump.reexecute(run, 0, Net(), train_step=lambda m, o, b: None)
+
+
+# -- the CLI: --entry may return the LightningModule alone ------------------------------------------------
+def make_module() -> L.LightningModule:
+    """``--entry test_reexec_lightning:make_module``."""
+    return Net()
+
+
+def make_plain() -> nn.Module:
+    return nn.Linear(6, 1)
+
+
+@pytest.mark.parametrize(("entry", "code", "words"), [
+    ("make_module", 0, "step 1: reproduces"),
+    ("make_plain", 5, "pass train_step="),
+])
+def test_cli_reexec_from_a_module_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch, entry: str, code: int, words: str) -> None:
+    from stepdump.cli.main import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    run = record(tmp_path / "run", Net(), accumulate_grad_batches=2, gradient_clip_val=0.05)
+    assert main(["reexec", str(run), "--step", "1", "--entry", f"test_reexec_lightning:{entry}"]) == code
+    got = capsys.readouterr()
+    assert words in (got.out if code == 0 else got.err), got

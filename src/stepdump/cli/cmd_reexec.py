@@ -22,7 +22,8 @@ EXAMPLES = """examples:
 --entry pkg.module:factory names a function of yours (importable from the current directory) that
 takes no arguments and returns (model, optimizer, train_step[, scheduler[, scaler]]) or a dict
 with those keys, freshly built as the recorded loop built them; train_step(model, optimizer,
-batch) runs one iteration. Exit 0: the step reproduces; 1: it does not (the verdict says how).
+batch) runs one iteration. For a run recorded by the Lightning callback it may return the
+LightningModule alone: the iteration is built from it. Exit 0: the step reproduces; 1: it does not (the verdict says how).
 """
 
 
@@ -69,9 +70,13 @@ def load_entry(spec: str) -> dict[str, Any]:
         out = {k: made.get(k) for k in keys}
     elif isinstance(made, (tuple, list)) and 3 <= len(made) <= 5:
         out = dict(zip(keys, made))
+    elif callable(getattr(made, "training_step", None)) or hasattr(made, "state_dict"):
+        out = {"model": made}  # a module alone: a Lightning recording's iteration comes from it (or it is refused)
     else:
         raise ConfigError(f"--entry {spec!r} returned {type(made).__name__}: return (model, optimizer, train_step"
                           "[, scheduler[, scaler]]) or a dict with those keys")
+    if out.get("model") is not None and out.get("train_step") is None:
+        return out  # reexecute builds the iteration from a LightningModule, or says what is missing
     if out.get("model") is None or out.get("optimizer") is None or not callable(out.get("train_step")):
         raise ConfigError(f"--entry {spec!r}: the factory must give a model, an optimizer and a callable train_step")
     return out
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--trace compares re-executions op by op: give --repeat 2 or more")
     parts = load_entry(args.entry)
     with open_run(args.run) as r:
-        result = reexecute(r, args.step, parts["model"], parts["optimizer"], parts["train_step"],
+        result = reexecute(r, args.step, parts["model"], parts.get("optimizer"), parts.get("train_step"),
                            parts.get("scheduler"), parts.get("scaler"), repeat=args.repeat, find_nan=args.find_nan,
                            loss=args.loss, activations=args.activations, activation_grads=args.activation_grads,
                            write_back=args.write_back, trace=args.trace)
