@@ -21,6 +21,7 @@ from torch import nn
 
 import stepdump
 from stepdump.capture import lean, packed
+from stepdump.capture.step_state import tensor_entries
 from stepdump.core.hashing import signed64
 from stepdump.core.stats import compute_stats, segment_sums, small_stats
 
@@ -153,6 +154,10 @@ def _add_param(model, opt):
     opt.add_param_group({"params": list(model.extra.parameters())})
 
 
+def _add_outside_tensor(model, opt):  # not the model's: the layout names it group1.param0
+    opt.add_param_group({"params": [nn.Parameter(torch.linspace(-1.0, 1.0, 6))]})
+
+
 def _grad_becomes_none(model, opt):
     model.scale.requires_grad_(False)
     model.scale.grad = None
@@ -182,12 +187,17 @@ def _same_numel_other_shape(model, opt):  # 16 elements either way: only the sha
 
 CHANGES = {
     "param added to the optimizer": _add_param,
+    "tensor outside the model added to the optimizer": _add_outside_tensor,
     "grad becomes None": _grad_becomes_none,
     "grad appears": _grad_appears,
     "param reshaped": _reshape,
     "param dtype changed": _retype,
     "same numel, other shape": _same_numel_other_shape,
 }
+
+
+def _ids(entries: list[tuple]) -> list[tuple]:
+    return [(e[0], e[1], id(e[2]), *e[3:]) for e in entries]
 
 
 class _Bias2d(_Net):
@@ -218,6 +228,10 @@ def test_a_layout_change_mid_run_is_a_new_plan_and_every_row_stays_right(tmp_pat
             x = torch.randn(5, 8, generator=g)
             model(x).pow(2).mean().backward()
             caps.append(snapshot(model, opt))
+            # the Assembler's stats-only entries (selected params cached per layout) == tensor_entries now
+            asm = rec._asm
+            want_entries = tensor_entries(asm.layout, opt, asm.kinds, asm.selected, False, {})
+            assert _ids(asm.entries(False)) == _ids(want_entries), f"{change}: step {t} entries"
             opt.step()
         plans = rec._lean.plans
     assert plans.built <= 5, plans.built  # steady steps reuse their plan (2 layouts before, 2 after, + step 0)

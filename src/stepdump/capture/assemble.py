@@ -24,7 +24,7 @@ import torch
 from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import LeanCapture, lean_rows
-from stepdump.capture.naming import StateBefore, full_state, state_json, tensor_entries
+from stepdump.capture.step_state import StateBefore, full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, Slot, Stager
@@ -61,6 +61,8 @@ class Assembler:
             self.lean.optimizer_every = 1
         # A gradient log derives params from the updates: one changed outside the optimizer is stored.
         self.watch = ParamWatch() if self.gradlog and "params" in self.kinds else None
+        # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
+        self._selected_of: tuple[Layout, list[tuple[str, torch.Tensor]], list[tuple]] | None = None
 
     def _watched(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.layout.params.items() if self.selected(n)}
@@ -93,7 +95,28 @@ class Assembler:
                 state: dict[Any, dict[str, Any]] | None = None) -> list[tuple]:
         """The step's live tensors as ``(kind, name, tensor, full, param, key)`` (``state``: the
         optimizer's per-param state to read, None: ``optimizer.state`` now)."""
+        if not full and not buffers and state is None:
+            return self._stats_entries()
         return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {}, state)
+
+    def _stats_entries(self) -> list[tuple]:
+        """:func:`tensor_entries` of a stats-only step (nothing full, no buffers, the optimizer's state
+        now), the same list, with the selected params and their entries made once per layout (a step
+        of a small model paid a name match and a tuple per param for them)."""
+        if self._selected_of is None or self._selected_of[0] is not self.layout:
+            params = [(n, p) for n, p in self.layout.params.items() if self.selected(n)]
+            self._selected_of = (self.layout, params, [("params", n, p, False, None, None) for n, p in params])
+        _, params, param_entries = self._selected_of
+        out = list(param_entries) if "params" in self.kinds else []
+        if "grads" in self.kinds:
+            out += [("grads", n, g, False, None, None) for n, p in params if (g := p.grad) is not None]
+        if "optimizer" in self.kinds:
+            opt_state = self.optimizer.state
+            for n, p in params:
+                for k, v in opt_state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out.append(("optimizer", f"{n}.{k}", v, False, n, k))
+        return out
 
     def fill(self, msg: StepMessage, slot: Slot, full: bool, begin: dict[str, Any] | None, batch: Any,
              captured: list[tuple[str, str, torch.Tensor]]) -> bool:

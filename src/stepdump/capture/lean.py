@@ -69,7 +69,7 @@ _CHUNK = CHUNK
 __all__ = ["LeanRow"]  # defined in packed.py (it builds them), imported from here by the writer and readers
 
 
-Entry = tuple  # (kind, name, tensor, full, param, key), as capture.naming.tensor_entries makes them
+Entry = tuple  # (kind, name, tensor, full, param, key), as capture.step_state.tensor_entries makes them
 
 
 def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: bool = False,
@@ -95,6 +95,8 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: b
     else:
         rest, packed = snapshot(entries, warned)
         rows = packed()
+    if not rest:
+        return rows
     buffers: dict[torch.dtype, torch.Tensor] = {}
     with torch.no_grad():
         for kind, name, t, param, key in rest:

@@ -109,12 +109,12 @@ def packed_rows(kinds: Sequence[str], buf: torch.Tensor, sizes: Sequence[int],
             state = np.array([kd == "state" for kd in kinds], dtype=bool)
         full = small & finite & ~state
         # Cancellation regime (|mean| > 10 std, e.g. LayerNorm weights): two passes, in float64 (small_stats).
-        for i in np.flatnonzero(full & (var < 1e-2 * mean * mean)).tolist():
+        for i in (full & (var < 1e-2 * mean * mean)).nonzero()[0].tolist():
             a, m = starts[i], sizes[i]
             d = x[a:a + m].astype(np.float64) - mean[i]
             var[i] = float(np.add.reduceat(d * d, [0])[0]) / m
         zero_frac = np.zeros(k)
-        for i in np.flatnonzero(full & ~signed).tolist():  # counting zeros: only where there may be some
+        for i in (full & ~signed).nonzero()[0].tolist():  # counting zeros: only where there may be some
             a, m = starts[i], sizes[i]
             zero_frac[i] = (m - int(_count_nonzero(x[a:a + m]))) / m
         std = np.sqrt(np.maximum(var, 0.0))
@@ -126,7 +126,7 @@ def packed_rows(kinds: Sequence[str], buf: torch.Tensor, sizes: Sequence[int],
     zeros = [0] * k
     stats: list[Any] = list(zip(list(sizes), zeros, zeros, zeros, lo.tolist(), hi.tolist(), mean_o.tolist(),
                                 std_o.tolist(), norm.tolist(), zero_o.tolist()))
-    for i in np.flatnonzero(state | ~np.where(small, finite, finite3)).tolist():  # rare: one by one
+    for i in (state | ~np.where(small, finite, finite3)).nonzero()[0].tolist():  # rare: one by one
         a, m = starts[i], sizes[i]
         stats[i] = (m,) + (None,) * 9 if state[i] else compute_stats(buf[a:a + m])
     return stats, fps.view(np.int64).tolist()
