@@ -192,3 +192,36 @@ def test_lazy_section_button_decodes_it(browser: Any, page_file: Path) -> None:
         assert not problems, problems
     finally:
         page.close()
+
+
+def test_watch_page_starts_lazy_and_takes_live_updates_inline(browser: Any, big: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stepdump report --watch`` of a long run: the first page is lazy like a written one; an
+    update (the run moved on) carries the data inline and the page draws every section from it."""
+    import threading
+
+    from stepdump.render.live import LiveReport, make_server
+
+    monkeypatch.setattr("stepdump.render.html.LAZY_BYTES", 50_000)
+    report = LiveReport([big], interval_s=0.2, max_points=200)
+    server = make_server(report, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        host, port = server.server_address[:2]
+        page, problems = open_page(browser, f"http://{host}:{port}/")
+        try:
+            assert page.get_attribute("#grad-norms", "data-lazy") == "pending"
+            assert page.locator("#grad-norms canvas").count() == 0
+            report._key = None  # as if the run had moved on: the next poll gets a new version
+            # the server rebuilds the data first: slow on a loaded machine, hence the long limit
+            page.wait_for_selector("body[data-version='2']", state="attached", timeout=120_000)
+            assert page.get_attribute("#grad-norms", "data-lazy") is None  # inline now: drawn at once
+            assert page.locator("#grad-heatmap canvas").count() >= 1
+            assert page.locator("#layer-select").count() == 1
+            # the browser's own /favicon.ico request is answered 404; the page's errors are the point
+            assert [p for p in problems if "404" not in p] == [], problems
+        finally:
+            page.close()
+    finally:
+        server.shutdown()
+        server.server_close()
