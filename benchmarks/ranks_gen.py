@@ -83,12 +83,19 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, rec: Any, rank: int, wo
 
 
 def write_ranks(root: str | os.PathLike[str], n: int, *, steps: int = 8, seed: int = 0,
-                record: dict[str, Any] | None = None) -> Path:
+                record: dict[str, Any] | None = None, recorded: int | None = None) -> Path:
     """Record an ``n``-rank DDP run of :func:`mlp` into ``root`` (``root/rank00000`` ... + ``ranks.json``).
 
     ``record``: extra ``Recorder`` keywords (default: a full record every step). Each rank's
     forward pass covers the global batch (``n`` x 2 rows), small beside the Recorder's own
     per-rank work up to a few thousand ranks.
+
+    ``recorded``: record only ranks ``0 .. recorded-1`` (about a second each on an idle 2-core
+    machine); every later rank ``r`` is a copy of rank ``r % recorded``'s store with the three
+    meta values that differ between DDP ranks (``distributed``, ``run_id``, ``created``)
+    rewritten through the catalog writer, so its tensors, stats and fingerprints are what rank
+    ``r`` records (DDP replicas are the same bytes) but its logged ``loss`` repeats the copied
+    rank's.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -96,7 +103,8 @@ def write_ranks(root: str | os.PathLike[str], n: int, *, steps: int = 8, seed: i
     batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     if dist.is_initialized():
         raise RuntimeError("write_ranks starts its own process groups; call it outside torch.distributed")
-    for rank in range(n):
+    real = n if recorded is None else max(1, min(recorded, n))
+    for rank in range(real):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
         try:
             model = DDP(mlp(seed))
@@ -106,7 +114,32 @@ def write_ranks(root: str | os.PathLike[str], n: int, *, steps: int = 8, seed: i
                 _train(model, opt, rec, rank, n, steps, seed, batches)
         finally:
             dist.destroy_process_group()
+    for rank in range(real, n):
+        _clone_rank(root, rank % real, rank)
     return root
+
+
+def _clone_rank(root: Path, src: int, rank: int) -> None:
+    """Rank ``rank``'s store as a copy of rank ``src``'s, its per-rank meta rewritten (see write_ranks)."""
+    import shutil
+    import time
+    import uuid
+
+    from stepdump.store import ranks as ranks_file
+    from stepdump.store.catalog import CatalogWriter
+
+    dst = root / ranks_file.rank_dir(rank)
+    shutil.copytree(root / ranks_file.rank_dir(src), dst)
+    with stepdump.open(dst) as run:
+        dist_meta = dict(run.meta["distributed"], rank=rank)
+    cat = CatalogWriter(dst)
+    try:
+        cat.set_meta("distributed", dist_meta)
+        cat.set_meta("run_id", uuid.uuid4().hex)
+        cat.set_meta("created", time.time())
+        cat.commit()
+    finally:
+        cat.close()
 
 
 def real_rank(root: str, steps: int = 8, seed: int = 0) -> None:
@@ -130,12 +163,13 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--recorded", type=int, help="record this many ranks, copy the rest (see write_ranks)")
     ap.add_argument("--real", action="store_true", help="be one rank of a real gloo job (env: RANK, ...)")
     args = ap.parse_args()
     if args.real:
         real_rank(args.out, args.steps, args.seed)
     else:
-        write_ranks(args.out, args.ranks, steps=args.steps, seed=args.seed)
+        write_ranks(args.out, args.ranks, steps=args.steps, seed=args.seed, recorded=args.recorded)
         log.info("wrote %d ranks into %s", args.ranks, args.out)
 
 

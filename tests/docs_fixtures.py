@@ -15,6 +15,8 @@ folder) and the names a block may use without defining them (``model``, ``optimi
 * ``gpt2``: ``runs/gpt``, a tiny GPT-2 (tests/tiny_gpt2.py) trained for 12 steps.
 * ``two-rank``: ``runs/exp1`` replaced by a 2-rank FSDP2 job (gloo, two processes: sharded params)
   whose model has ``layers.0.wq``, ``layers.0.wo``.
+* ``many-ranks``: ``runs/job``, an 8-rank DDP job of a small MLP written by benchmarks/ranks_gen.py
+  (4 steps).
 * ``remote``: no runs of its own; ``s3://`` in the page's blocks is read as ``memory://``, fsspec's
   in-process filesystem.
 
@@ -37,7 +39,7 @@ from torch import nn
 import stepdump
 
 STEPS = 50
-FIXTURES = ("plain-loop", "gpt2", "two-rank", "remote")
+FIXTURES = ("plain-loop", "gpt2", "two-rank", "remote", "many-ranks")
 # Other names the docs give two runs of the plain loop (symbolic links in each page's folder).
 ALIASES = {"base": "exp1", "fix": "exp2", "a": "exp1", "b": "exp2"}
 
@@ -158,6 +160,15 @@ def _two_rank_worker(out: str) -> None:
     dist.destroy_process_group()
 
 
+def record_many_ranks(path: Path, ranks: int = 8) -> None:
+    """An 8-rank DDP job written by benchmarks/ranks_gen.py (the Recorder on every rank, in one
+    process); docs/scale.md shows the same query's output on 256 ranks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from ranks_gen import write_ranks
+
+    write_ranks(path, ranks, steps=4)
+
+
 def build(name: str, root: Path) -> None:
     """Record fixture ``name``'s runs under ``root`` (once per session)."""
     if name == "plain-loop":
@@ -167,6 +178,8 @@ def build(name: str, root: Path) -> None:
         record_gpt2(root / "runs" / "gpt")
     elif name == "two-rank":
         record_two_rank(root)
+    elif name == "many-ranks":
+        record_many_ranks(root / "runs" / "job")
     elif name != "remote":
         raise KeyError(f"no doc fixture {name!r}; choose from {', '.join(FIXTURES)}")
 

@@ -130,3 +130,24 @@ def test_open_reads_both_the_same_way(pair: tuple[Path, Path]) -> None:
         # Replicas agree in both (DDP); the analyses see the same structure.
         assert cross_rank(a) == [] and cross_rank(b) == []
         assert a.state_dict(STEPS).keys() == b.state_dict(STEPS).keys()
+
+
+def test_copied_ranks_are_what_a_recorded_rank_writes(tmp_path: Path) -> None:
+    """``write_ranks(recorded=k)`` (what benchmarks/ranks_scale.py uses for 64 and 256 ranks):
+    ranks past k are copies whose stores hold the rows, tensors and meta a recorded rank would
+    (DDP replicas: the same bytes), only their logged loss is the copied rank's."""
+    full = write_ranks(tmp_path / "full", 3, steps=2)
+    part = write_ranks(tmp_path / "part", 3, steps=2, recorded=1)
+    assert (full / "ranks.json").read_bytes() == (part / "ranks.json").read_bytes()
+    for what, sql in ROW_KINDS.items():
+        a, b = (_rows(d / "rank00002" / "catalog.sqlite", sql) for d in (full, part))
+        assert a and a == b, what
+    with stepdump.open(full) as a, stepdump.open(part) as b:
+        assert a.stats().equals(b.stats())  # every rank's stats and fingerprints, bit for bit
+        ma, mb = a.rank(2).meta, b.rank(2).meta
+        assert ma["distributed"] == mb["distributed"] and mb["distributed"]["rank"] == 2
+        assert {k for k in ma if ma[k] != mb[k]} == {"run_id", "created"}  # fresh per store, as recorded
+        assert len({b.rank(r).meta["run_id"] for r in b.ranks}) == 3
+        assert not a.scalars(rank=2)["loss"].equals(b.scalars(rank=2)["loss"])  # the one known gap
+        assert b.scalars(rank=2)["loss"].equals(b.scalars(rank=0)["loss"])
+        assert stepdump.check(a) == stepdump.check(b) == []

@@ -26,7 +26,6 @@ import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules.base import Rule, check_int, check_kinds, register_rule
-from stepdump.read.reader import ranked_stores
 
 _KINDS = ("params", "grads", "optimizer", "buffers")
 _HINT = {
@@ -88,36 +87,35 @@ class CrossRank(Rule):
 
     def first_split(self, run: Any) -> tuple[list[Finding], int, list[tuple[str, str]], pd.DataFrame, list[int]] | None:
         """(warnings about step sets, the first step where replicas disagree or -1, the tensors that
-        differ there, the stats rows of that step, the ranks); None for fewer than two ranks."""
-        stores = ranked_stores(run)
-        if len(stores) < 2:
+        differ there, their stats rows at that step, the ranks); None for fewer than two ranks.
+
+        Streams the ranks (one rank's store and rows at a time, opened lazily by ``run.stores()``):
+        what is kept between ranks is each (step, kind, name, group) with its distinct versions and
+        how many ranks hold it -- one rank's rows when replicas agree -- so memory does not grow
+        with the number of ranks, and the work grows linearly with it."""
+        steps: dict[int, set[int]] = {r: set(rr.all_steps) for r, rr in run.stores() if r is not None}
+        ranks = sorted(steps)
+        if len(ranks) < 2:
             return None
-        ranks = [r for r, _ in stores]
-        frames = []
-        steps: dict[int, set[int]] = {}
-        for r, rr in stores:
-            steps[r] = set(rr.all_steps)
-            df = rr.stats()
-            df = df[df["kind"].isin(list(self.kinds))]
-            params: dict[str, str | None] = {}  # optimizer-state name -> its parameter, on this rank
-            df = df.assign(rank=r, group=[_group(run, rr, r, k, n, s, params) for k, n, s in
-                                          zip(df["kind"], df["name"], df["shape"], strict=True)])
-            frames.append(df[["step", "rank", "kind", "name", "group", "dtype", "shape", "fingerprint", "norm"]])
         findings = self._step_sets(steps)
-        common = set.intersection(*steps.values())
-        df = pd.concat(frames, ignore_index=True)
-        df = df[df["step"].isin(list(common))]
-        if df.empty:
-            return findings, -1, [], df, ranks
-        df = df.assign(version=df["dtype"].astype(str) + "|" + df["shape"].astype(str) + "|"
-                       + df["fingerprint"].astype(str))
+        common = sorted(set.intersection(*steps.values()))
         keys = ["step", "kind", "name", "group"]
-        per = df.groupby(keys, sort=False).agg(versions=("version", "nunique"), members=("rank", "nunique"))
+        acc: pd.DataFrame | None = None  # keys + version -> n (ranks holding that version)
+        for r, rr in run.stores():
+            if r is None:
+                continue
+            df = self._rank_rows(run, r, rr, common)
+            part = df[[*keys, "version"]].assign(n=1)
+            acc = part if acc is None else (pd.concat([acc, part], ignore_index=True)
+                                            .groupby([*keys, "version"], sort=False, as_index=False)["n"].sum())
+        if acc is None or acc.empty:
+            return findings, -1, [], _EMPTY.copy(), ranks
+        per = acc.groupby(keys, sort=False).agg(versions=("version", "nunique"), members=("n", "sum"))
         # A plain (replicated) tensor must be on every rank that stats-recorded the step.
         want = len(ranks)
         bad = per[(per["versions"] > 1) | ((per.index.get_level_values("group") == "replica") & (per["members"] != want))]
         if bad.empty:
-            return findings, -1, [], df, ranks
+            return findings, -1, [], _EMPTY.copy(), ranks
         first = int(bad.index.get_level_values("step").min())
         at = bad[bad.index.get_level_values("step") == first]
         order = {k: i for i, k in enumerate(_KINDS)}
@@ -125,7 +123,27 @@ class CrossRank(Rule):
             (k, n) for k in self.kinds if k in run.kinds() for n in run.names(k))}
         items = sorted({(k, n) for _, k, n, _ in at.index},
                        key=lambda kn: (order.get(kn[0], 99), series.get(kn, 1 << 30), kn[1]))
-        return findings, first, items, df[df["step"] == first], ranks
+        # The rows the findings describe: those tensors at that step, read again rank by rank.
+        wanted = set(items)
+        rows = []
+        for r, rr in run.stores():
+            if r is None:
+                continue
+            df = self._rank_rows(run, r, rr, [first])
+            rows.append(df[[(k, n) in wanted for k, n in zip(df["kind"], df["name"], strict=True)]])
+        return findings, first, items, pd.concat(rows, ignore_index=True), ranks
+
+    def _rank_rows(self, run: Any, r: int, rr: Any, steps: list[int]) -> pd.DataFrame:
+        """Rank ``r``'s rows (store ``rr``) of the compared kinds at ``steps``, with group and version."""
+        # One step: asked of SQLite; many: filtered here (a long IN list would pass SQLite's limit).
+        df = rr.stats(steps=steps[0]) if len(steps) == 1 else rr.stats()
+        df = df[df["kind"].isin(list(self.kinds)) & df["step"].isin(steps)]
+        params: dict[str, str | None] = {}  # optimizer-state name -> its parameter, on this rank
+        df = df.assign(rank=r, group=[_group(run, rr, r, k, n, s, params) for k, n, s in
+                                      zip(df["kind"], df["name"], df["shape"], strict=True)])
+        df = df[["step", "rank", "kind", "name", "group", "dtype", "shape", "fingerprint", "norm"]]
+        return df.assign(version=df["dtype"].astype(str) + "|" + df["shape"].astype(str) + "|"
+                         + df["fingerprint"].astype(str))
 
     def _finding(self, step: int, kind: str, name: str, rows: pd.DataFrame, ranks: Sequence[int],
                  total: int) -> Finding:
@@ -155,6 +173,10 @@ class CrossRank(Rule):
             f"ranks recorded different steps ({desc}); cross-rank comparison covers the steps all ranks have. "
             "A rank with fewer steps stopped early (crash, hang) or recorded with another schedule.",
         )]
+
+
+_EMPTY = pd.DataFrame(columns=["step", "rank", "kind", "name", "group", "dtype", "shape", "fingerprint", "norm",
+                               "version"])
 
 
 def _versions(rows: pd.DataFrame) -> dict[str, list[int]]:

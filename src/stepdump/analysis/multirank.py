@@ -21,7 +21,7 @@ from stepdump.read.reader import ranked_stores
 
 def is_multirank(run: Any) -> bool:
     """True for a run recorded by ranks (its ``stores()`` name ranks)."""
-    return bool(ranked_stores(run))
+    return any(r is not None for r, _ in run.stores())  # the first store tells; no need to open every rank
 
 
 def finding_ranks(f: Finding) -> list[int] | None:

@@ -82,6 +82,15 @@ class ReadConnection:
     def close(self) -> None:
         self._con.close()
 
+    def __del__(self) -> None:
+        # A sqlite3 connection sits in a reference cycle (its statement cache), so it would stay
+        # open until the cyclic GC runs; a reader no one holds any more (a rank store that a
+        # DistributedRun dropped, see read/ranked.py max_open) closes its file now.
+        try:
+            self._con.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown, a connection already gone
+            pass
+
 
 def connect_reader(run_dir: str | Path) -> ReadConnection:
     """Open a run's catalog for reading, checking that it is one we understand."""
