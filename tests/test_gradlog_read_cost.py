@@ -226,3 +226,41 @@ def test_a_damaged_grad_met_reading_in_order_raises_the_error_of_a_read_without_
     assert "checksum" in with_worker, with_worker
     monkeypatch.setattr(BlobReader, "read_ahead", lambda *a: False)  # the reading thread alone
     assert error_reading_in_order() == with_worker
+
+
+def test_a_params_read_hashes_the_params_and_a_later_optimizer_read_of_that_step_hashes_its_state_once(
+        logs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """state_dict() at a rebuilt step checks the params only (the optimizer state is not handed
+    out); reading the optimizer state of that same step afterwards checks it there, without
+    re-applying anything or hashing the params again; both bitwise. Counted in elements hashed."""
+    from stepdump.read import gradlog_parts, rows
+
+    path, snaps = logs["adam"]
+    hashed = [0]
+    for module in (gradlog_parts, rows):
+        real = module.fingerprint
+
+        def counted(t: torch.Tensor, real: Any = real) -> int:
+            hashed[0] += t.numel()
+            return int(real(t))
+
+        monkeypatch.setattr(module, "fingerprint", counted)
+    n_params = sum(t.numel() for t in snaps[6]["params"].values())
+    n_state = sum(t.numel() for t in snaps[6]["optimizer"].values())  # exp_avg, exp_avg_sq, step
+    with stepdump.open(path) as run:
+        applied = _Applications()
+        try:
+            sd = run.state_dict(6)
+            for n, want in snaps[6]["params"].items():
+                assert_same(sd[n], want, n)
+            # The keyframe's tensors were checked as they were read; at step 6 the params alone.
+            assert hashed[0] == n_params, (hashed, n_params, n_state)  # was n_params + n_state
+            hashed[0] = 0
+            got = run.tensors(6, "optimizer")
+            assert sorted(got) == sorted(snaps[6]["optimizer"])
+            for n, want in snaps[6]["optimizer"].items():
+                assert_same(got[n], want, n)
+            assert hashed[0] == n_state, (hashed, n_state)
+        finally:
+            applied.remove()
+        assert applied.n == 2  # updates 4 and 5, once

@@ -257,8 +257,14 @@ class GradientLog:
         else:
             budget.reserve(self._run, chain.step, step - 1, step)
         try:
-            while chain.step < step:  # checked at ``step`` only: a difference on the way shows there too
-                self._advance(chain, target=step, check=chain.step + 1 == step)
+            # Checked at ``step`` only (a difference on the way shows there too), and only the kind read
+            # with the params: a state_dict() need not hash the optimizer state (for Adam twice the
+            # params' bytes) at every step of a read in order; a later read of it here checks it then.
+            want, moved = frozenset({"params", kind}), chain.step < step
+            while chain.step < step:
+                self._advance(chain, target=step, check=chain.step + 1 == step, kinds=want)
+            if not moved and kind not in chain.checked:  # the chain was at ``step``, checked for another kind
+                self._check(chain, step, kinds=frozenset({kind}))
             snap = take(chain)
             last = self._run.catalog.last_step()
             if kind not in snap.verified:  # no fingerprints at ``step``: verified by the next step that has them
@@ -304,8 +310,9 @@ class GradientLog:
         return start_chain(self, self._blobs, k)
 
 
-    def _advance(self, chain: Chain, target: int, check: bool) -> None:
-        """Re-apply update ``chain.step``; with ``check``, verify the state it gives at the next step."""
+    def _advance(self, chain: Chain, target: int, check: bool, kinds: frozenset[str] | None = None) -> None:
+        """Re-apply update ``chain.step``; with ``check``, verify the state it gives at the next step
+        (``kinds`` of it, default all)."""
         run, t = self._run, chain.step
         self._release(chain)  # the cached snapshot may be this chain's tensors, about to change
         groups = self._window.groups(t)
@@ -354,7 +361,7 @@ class GradientLog:
         chain.step, chain.rows, chain.checked = t + 1, nxt, frozenset()
         self._take_stored(chain, target)  # params changed outside the optimizer before update t + 1
         if check:
-            self._check(chain, target)
+            self._check(chain, target, kinds=kinds)
 
     def _take_stored(self, chain: Chain, target: int) -> None:
         """Params that the record of ``chain.step`` stores because replay does not derive them (changed
@@ -413,10 +420,12 @@ class GradientLog:
             dev = chain.on_device[n] = torch.empty(dims, dtype=tdtype, device=p.device)
         return dev.copy_(buf)
 
-    def _check(self, chain: Chain, target: int | None = None, trusted: Trusted | None = None) -> None:
+    def _check(self, chain: Chain, target: int | None = None, trusted: Trusted | None = None,
+               kinds: frozenset[str] | None = None) -> None:
         """Compare the chain's state with the fingerprints recorded at its step (raises on a
-        difference); ``chain.checked`` says which kinds were compared. ``trusted``: the memory
-        read verified since the chain started (a keyframe's tensors), not hashed again."""
+        difference); ``chain.checked`` says which kinds were compared, at this step so far.
+        ``trusted``: the memory read verified since the chain started (a keyframe's tensors), not
+        hashed again. ``kinds``: compare only these (default: every kind)."""
         step = chain.step
         rows = chain.rows = chain.rows or self._rows(step)
         recorded = {key: row for key, row in rows.items() if key[0] in REBUILT_KINDS}
@@ -424,7 +433,8 @@ class GradientLog:
         captured = set(self._run.meta.get("capture") or REBUILT_KINDS)
         # A kind is compared where the step records it: a stats-only step may leave the optimizer
         # state out (the lean capture reads it every few steps), a step without stats has none.
-        compared = {kind for kind in REBUILT_KINDS if kind in captured and any(k == kind for k, _ in recorded)}
+        compared = {kind for kind in REBUILT_KINDS if kind in captured and any(k == kind for k, _ in recorded)
+                    and (kinds is None or kind in kinds)}
         fps = fingerprints(self._pool, {key: t for key, t in rebuilt.items() if key[0] in compared and key in recorded},
                            trusted or {})
         for key in sorted(set(recorded) | set(rebuilt), key=lambda k: (k[0] != "params", k[1])):
@@ -445,7 +455,8 @@ class GradientLog:
         # Nothing recorded and nothing rebuilt (a stateless SGD's optimizer state) agree as well.
         empty = {kind for kind in REBUILT_KINDS if not any(k == kind for k, _ in recorded)
                  and not any(k == kind for k, _ in rebuilt)}
-        chain.checked = frozenset(compared | empty) if "params" in compared else frozenset()
+        checked = compared | empty | chain.checked  # (kinds compared before at this same step stay so)
+        chain.checked = frozenset(checked) if "params" in checked else frozenset()
 
     def _release(self, chain: Chain) -> None:
         """Before ``chain`` changes: a cached snapshot of its tensors is dropped. Copying it (the
