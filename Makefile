@@ -43,7 +43,14 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/lean_summaries.py --results   # what a per-step distribution summary would cost (docs/report.md)
 	$(PY) benchmarks/gradlog_read.py   # gradient-log reads vs the optimizer steps they re-apply (K = 16, 32, 100)
 	$(PY) benchmarks/reexec.py         # re-executing one step vs a training step, the op tracer's overhead
+	$(PY) benchmarks/ranks_scale.py    # info, check, diff, cross-rank, report, export-stats on 8 / 64 / 256 rank stores
 	$(PY) benchmarks/docs_numbers.py   # marked numbers of docs/performance.md, README from results.json
+
+# Not part of `make test`: the CUDA paths and the device-side lean path's contract on a real GPU
+# (tests_gpu/, docs/cuda.md). Refuses, exit 1, where torch sees no CUDA device: never a run of skips.
+test-gpu: $(VENV)/.installed-test
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch.cuda.is_available() is False (torch ' + torch.__version__ + ', CUDA build: ' + str(torch.version.cuda) + '): run it on a machine with a GPU and a CUDA build of torch')"
+	$(PY) -m pytest -q tests_gpu
 
 # Not part of `make test`: 54 SIGKILLs of a recording process (each followed by
 # open / verify / bit-exact reads / resume) and 10,000-step load runs (~5 min).

@@ -16,7 +16,6 @@ from stepdump.analysis.cross_rank import CrossRank
 from stepdump.analysis.findings import Finding
 from stepdump.analysis.rule_runner import CachedRun, run_rules, sort_key
 from stepdump.analysis.rules.base import RuleLike
-from stepdump.read.reader import ranked_stores
 
 
 def is_multirank(run: Any) -> bool:
