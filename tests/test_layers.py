@@ -9,6 +9,7 @@ fails here with the file and line.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,14 @@ def test_read_floors() -> None:
              for m in sorted(read) for t, line in sorted(graph[m].items())
              if READ_FLOORS[t] >= READ_FLOORS[m]]
     assert not wrong, "imports that do not point down a floor:\n" + "\n".join(wrong)
+
+
+def test_architecture_draws_the_read_floors() -> None:
+    """docs/architecture.md's floor table of read/ is READ_FLOORS, line for line."""
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    drawn = {f"read.{name.strip()}": int(floor)
+             for floor, names in re.findall(r"^floor (\d+)  (.+)$", doc, flags=re.M) for name in names.split(",")}
+    assert drawn == {m: f for m, f in READ_FLOORS.items() if m != "read.__init__"}
 
 
 @pytest.mark.parametrize("graph, circle", [

@@ -23,7 +23,7 @@ import torch
 
 from stepdump.capture.assemble import Assembler
 from stepdump.capture.extra import take as take_extra
-from stepdump.capture.naming import full_state, state_json, tensor_entries
+from stepdump.capture.step_state import full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY
 from stepdump.capture.staging import StagingPool
 from stepdump.capture.writer import StepMessage, Writer

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from stepdump.capture.handles import Hook, ScalerStep
-from stepdump.capture.naming import StateBefore
+from stepdump.capture.step_state import StateBefore
 
 
 def _step_wrapper_code() -> Any:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from stepdump.capture.naming import begin_state
+from stepdump.capture.step_state import begin_state
 from stepdump.store.format import LEVEL_NONE, LEVEL_STATS
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ from stepdump.capture.handoff import WriterLink
 from stepdump.capture.handles import Hook
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
-from stepdump.capture.naming import StateBefore
+from stepdump.capture.step_state import StateBefore
 from stepdump.capture.profiling import BackgroundClock, span, timed
 from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.ring import Ring

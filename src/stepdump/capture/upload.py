@@ -99,8 +99,6 @@ class Uploader(threading.Thread):
         self.config = config
         self.progress = progress
         self.error: BaseException | None = None
-        self.uploads = 0
-        self.bytes_uploaded = 0
         self._uploaded: dict[str, int] = {}
         self._stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -138,10 +136,7 @@ class Uploader(threading.Thread):
                     if self._uploaded.get(key) != size:
                         self.storage.put_file(key, path)
                         self._uploaded[key] = size
-                        self.bytes_uploaded += size
                 self.storage.put_file(CATALOG_FILE, tmp)
-                self.bytes_uploaded += os.path.getsize(tmp)
-                self.uploads += 1
             finally:
                 Path(tmp).unlink(missing_ok=True)
 

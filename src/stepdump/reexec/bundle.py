@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from stepdump.capture.lean import LeanRow
-from stepdump.capture.naming import full_state, tensor_entries
+from stepdump.capture.step_state import full_state, tensor_entries
 from stepdump.capture.session import prepare_dir
 from stepdump.capture.staging import Item, StagingPool
 from stepdump.capture.writer import StepMessage, Writer

@@ -94,11 +94,6 @@ def objective(run: Any) -> Objective:
     return Objective(DEFAULT_OBJECTIVE, False)
 
 
-def judged_scalar(run: Any, chosen: str | None) -> str | None:
-    """The scalar a loss rule judges: the one it was configured with, else the run's objective."""
-    return chosen if chosen is not None else objective(run).name
-
-
 def damage_scalar(run: Any, chosen: str | None) -> str:
     """The scalar whose rise measures damage: the one configured, else the objective, else ``"loss"``."""
     if chosen is not None:

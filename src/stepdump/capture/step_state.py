@@ -1,4 +1,10 @@
-"""The per-step state a record holds besides tensors: optimizer/scheduler/scaler state as JSON."""
+"""What one record holds, read from the live objects: its state JSON and its tensor entries.
+
+The state a record holds besides tensors (param groups, optimizer extras, scheduler, scaler,
+the RNG and buffers taken when the iteration begins) as typed JSON, and the list of live
+tensors it takes at the pre-hook. (Names come from core/layout.py.) ``Run.step_state`` reads
+back what :func:`state_json` writes.
+"""
 
 from __future__ import annotations
 
