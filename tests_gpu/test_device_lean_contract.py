@@ -1,0 +1,338 @@
+"""The device-side lean path's contract (docs/cuda.md), on a real GPU.
+
+THESE TESTS FAIL UNTIL THE DEVICE-SIDE LEAN PATH IS BUILT. They are written against the
+interface docs/cuda.md designs, before any of it exists, so that the day a GPU is lent the
+work starts from a red suite rather than from a blank page:
+
+* ``stepdump.core.device_lean``: ``DEVICE_FP_KIND`` (``"dmix64"``), ``HOST_FP_KIND``
+  (``"xxh3"``), ``device_fingerprint(t)`` (0-dim int64 tensor on ``t``'s device, any device),
+  ``fused_stats(tensors)`` ((n, STATS_LEN) float64 on the device, one fused pass) and
+  ``lean_pack(tensors)`` ((n, STATS_LEN + 1) int64: the stats' float64 bits, then the
+  fingerprint: the one thing a stats step copies to the host);
+* ``stepdump.core.hashing.same_fingerprint(kind_a, fp_a, kind_b, fp_b)``: True / False only
+  for two fingerprints of one kind, None (not comparable) otherwise;
+* ``Recorder(..., fingerprint="auto" | "xxh3" | "dmix64")`` and
+  ``RunReader.fingerprint_kinds(step, kinds=None)``.
+
+The not-yet-built names are imported inside the tests, so the module collects on CPU
+(``tests/test_gpu_suite.py`` checks that). ``tests_gpu/test_cuda_paths.py`` holds the
+checks of what is built today; they pass on an H100 (docs/design-measurements.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from cuda_workloads import DEV, gpt2_step_times
+from helpers import assert_same
+from torch import nn
+
+import stepdump
+from stepdump.core.hashing import fingerprint, raw_bytes
+from stepdump.core.stats import STATS_LEN, device_stats
+
+# -- the fingerprint's definition, in plain Python integers (docs/cuda.md "dmix64") -------------
+_M = (1 << 64) - 1
+_K1, _C1, _C2, _K2 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xC2B2AE3D27D4EB4F
+
+
+def _fmix(x: int) -> int:
+    x ^= x >> 33
+    x = (x * _C1) & _M
+    x ^= x >> 33
+    x = (x * _C2) & _M
+    return x ^ (x >> 33)
+
+
+def reference_dmix64(data: bytes) -> int:
+    """dmix64 of ``data``, word by word: the definition the device kernel must equal bit for bit."""
+    n = len(data)
+    data += bytes(-n % 8)
+    total = 0
+    for i in range(len(data) // 8):
+        word = int.from_bytes(data[8 * i:8 * i + 8], "little")
+        total = (total + _fmix((word + (i + 1) * _K1) & _M)) & _M
+    v = _fmix((total + n * _K2) & _M)
+    return v - (1 << 64) if v >= 1 << 63 else v  # stored signed, as xxh3 is (core.hashing.signed64)
+
+
+def _same_or_both_nan(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Bitwise equal, except that a missing value (NaN) may be any NaN."""
+    if bool(torch.isnan(b)):
+        assert bool(torch.isnan(a)), f"{what}: {float(a)} is not NaN"
+    else:
+        assert_same(a, b, what)
+
+
+def _lean() -> ModuleType:
+    return importlib.import_module("stepdump.core.device_lean")
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-100, 100, shape, generator=g).to(dtype)
+    return (torch.randn(shape, generator=g) * 5).to(dtype)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool]
+SHAPES = [(0,), (1,), (3,), (7,), (8,), (9,), (33, 17), (4, 256, 3)]  # byte lengths on and off a word
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_device_fingerprint_is_dmix64_of_the_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """On the GPU and on the CPU, equal to the integer definition of the recorded bytes."""
+    lean = _lean()
+    t = _tensor(dtype, shape)
+    want = reference_dmix64(bytes(raw_bytes(t)))
+    on_gpu = lean.device_fingerprint(t.to(DEV))
+    assert on_gpu.device.type == "cuda" and on_gpu.dtype == torch.int64 and on_gpu.dim() == 0
+    assert int(on_gpu) == want
+    assert int(lean.device_fingerprint(t)) == want  # the reader computes it from a stored blob
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded"])
+def test_device_fingerprint_of_a_view_is_that_of_its_contiguous_bytes(layout: str) -> None:
+    lean = _lean()
+    base = _tensor(torch.float32, (64, 48)).to(DEV)
+    view = {"transposed": base.T, "sliced": base[3:50:2, 5:], "expanded": base[:1].expand(5, 48)}[layout]
+    assert int(lean.device_fingerprint(view)) == reference_dmix64(bytes(raw_bytes(view.cpu())))
+
+
+CHANGES = ["first bit", "middle bit", "last bit", "sign of last element", "swap two words", "one zero byte more",
+           "one zero byte less", "-0.0 for 0.0", "another NaN payload"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_device_fingerprint_sees_every_change(change: str) -> None:
+    """Every change of the bytes or their length changes the fingerprint (each row once, bitwise)."""
+    lean = _lean()
+    a = bytearray(bytes(raw_bytes(_tensor(torch.float32, (1001,)))))
+    b = bytearray(a)
+    if change == "first bit":
+        b[0] ^= 1
+    elif change == "middle bit":
+        b[len(b) // 2] ^= 0x10
+    elif change == "last bit":
+        b[-1] ^= 0x80
+    elif change == "sign of last element":
+        a[-1] &= 0x7F  # float32 little-endian: the sign is the top bit of the last byte
+        b[-1] = a[-1] | 0x80
+    elif change == "swap two words":
+        b[0:8], b[8:16] = a[8:16], a[0:8]
+    elif change == "one zero byte more":
+        b += b"\0"
+    elif change == "one zero byte less":
+        a += b"\0"
+    elif change == "-0.0 for 0.0":
+        a[0:4] = bytes(4)
+        b[0:4] = bytes([0, 0, 0, 0x80])
+    else:
+        a[0:4] = bytes([0, 0, 0xC0, 0x7F])
+        b[0:4] = bytes([1, 0, 0xC0, 0x7F])
+    assert a != b  # the control: the change is one
+    fa, fb = (int(lean.device_fingerprint(torch.frombuffer(bytearray(x), dtype=torch.uint8).to(DEV)))
+              for x in (a, b))
+    assert fa == reference_dmix64(bytes(a)) and fb == reference_dmix64(bytes(b))
+    assert fa != fb
+
+
+MIXES = {
+    "fp32 params": [torch.float32] * 6,
+    "bf16 + fp32 master": [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32],
+    "fp16 grads + int step": [torch.float16, torch.float16, torch.int64, torch.float32],
+    "one tensor": [torch.float32],
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_fused_stats_agree_with_device_stats(mix: str, nonfinite: bool) -> None:
+    """Row i of fused_stats is device_stats(tensors[i]): counts, min, max exactly; sums to 1e-12.
+
+    Sums (mean, std, norm) are the one place an order of reduction shows: the fused pass may
+    add in another order than the per-tensor one, so they are held to 1e-12 relative (health
+    indicators, not identity: identity is the fingerprint's, which is exact).
+    """
+    lean = _lean()
+    ts = [_tensor(d, (1 + 977 * i, 3), seed=i).to(DEV) for i, d in enumerate(MIXES[mix])]
+    ts.append(torch.empty(0, device=DEV))  # an empty tensor: NaN for what has no value
+    if nonfinite:
+        for t in ts:
+            if t.dtype.is_floating_point and t.numel() > 20:
+                t.view(-1)[::7] = float("nan")
+                t.view(-1)[1::13] = float("inf")
+                t.view(-1)[2::17] = float("-inf")
+    got = lean.fused_stats(ts)
+    assert got.shape == (len(ts), STATS_LEN) and got.dtype == torch.float64 and got.device.type == "cuda"
+    for i, t in enumerate(ts):
+        want = device_stats(t)
+        for col in (0, 1, 2, 3, 4, 5, 9):  # numel, nan, +inf, -inf, min, max, zero fraction: exact
+            _same_or_both_nan(got[i, col], want[col], f"{mix} tensor {i} column {col}")
+        for col in (6, 7, 8):
+            w, g = float(want[col]), float(got[i, col])
+            assert (w != w and g != g) or abs(g - w) <= 1e-12 * max(1.0, abs(w)), (mix, i, col, g, w)
+
+
+def test_lean_pack_is_stats_bits_then_fingerprint() -> None:
+    lean = _lean()
+    ts = [_tensor(d, (500 + i,), seed=i).to(DEV) for i, d in enumerate((torch.float32, torch.bfloat16, torch.int64))]
+    pack = lean.lean_pack(ts)
+    assert pack.shape == (len(ts), STATS_LEN + 1) and pack.dtype == torch.int64 and pack.device.type == "cuda"
+    assert_same(pack[:, :STATS_LEN].view(torch.float64), lean.fused_stats(ts), "stats columns")
+    for i, t in enumerate(ts):
+        assert int(pack[i, STATS_LEN]) == int(lean.device_fingerprint(t)), i
+
+
+# -- comparisons across fingerprint kinds: equal only when same kind and same value --------------
+COMPARE_ROWS = [
+    ("xxh3", 7, "xxh3", 7, True),
+    ("xxh3", 7, "xxh3", 8, False),
+    ("dmix64", -3, "dmix64", -3, True),
+    ("dmix64", -3, "dmix64", 3, False),
+    ("xxh3", 7, "dmix64", 7, None),  # same number, other kind: not "identical", not comparable
+    ("dmix64", 7, "xxh3", 7, None),
+    ("xxh3", 7, "dmix64", 8, None),  # nor "different": the bytes may still be equal
+]
+
+
+@pytest.mark.parametrize(("ka", "fa", "kb", "fb", "want"), COMPARE_ROWS)
+def test_same_fingerprint_rules(ka: str, fa: int, kb: str, fb: int, want: bool | None) -> None:
+    from stepdump.core.hashing import same_fingerprint
+
+    assert same_fingerprint(ka, fa, kb, fb) is want
+
+
+# -- what a recorded stats step costs the host and the training stream -------------------------
+def _mlp(width: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.LayerNorm(width)).to(DEV)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), torch.randn(32, width, device=DEV)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def _dtoh_bytes(root: Path, width: int, steps: int) -> tuple[int, int]:
+    """(D2H bytes, D2H copies) of ``steps`` lean steps, from the profiler's trace."""
+    model, opt, x = _mlp(width)
+    with stepdump.Recorder(root / f"w{width}", model, opt, every=None, stats_every=1, on_error="raise"):
+        _train(model, opt, x, 2)  # first steps: buffers, optimizer state
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            _train(model, opt, x, steps)
+            torch.cuda.synchronize()  # every copy enqueued by these steps has run
+    trace = root / f"trace{width}.json"
+    prof.export_chrome_trace(str(trace))
+    events: list[dict[str, Any]] = json.loads(trace.read_text())["traceEvents"]
+    dtoh = [e for e in events if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")]
+    return sum(int(e.get("args", {}).get("bytes", 0)) for e in dtoh), len(dtoh)
+
+
+def test_stats_step_copies_a_few_numbers_whatever_the_model_size(tmp_path: Path) -> None:
+    """A lean step moves n_tensors x (STATS_LEN + 1) x 8 bytes to the host in one copy: the same
+    bytes for a model 64x bigger with the same tensors (today: the whole record, every step)."""
+    steps = 5
+    small, n_small = _dtoh_bytes(tmp_path, 64, steps)
+    big, n_big = _dtoh_bytes(tmp_path, 512, steps)
+    model, opt, _ = _mlp(64)
+    n_tensors = 5 * len(list(model.parameters()))  # params, grads, exp_avg, exp_avg_sq, step (a CUDA tensor when fused)
+    assert small > 0, "the control: the profiler saw the step's copy"
+    assert big == small, f"D2H bytes per {steps} lean steps: {big} at width 512 vs {small} at width 64"
+    assert small <= steps * (n_tensors + 1) * (STATS_LEN + 1) * 8, small  # (+1: the step counter)
+    assert n_small <= steps, f"{n_small} D2H copies for {steps} steps: one per step"
+
+
+def test_lean_steps_never_sync_the_training_thread(tmp_path: Path) -> None:
+    """Under sync debug mode "error", lean steps run: no .item(), no pageable copy, no stream sync;
+    the worker waits on an event (cudaEventSynchronize, which the mode does not flag)."""
+    model, opt, x = _mlp(128)
+    with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1, on_error="raise"):
+        _train(model, opt, x, 2)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with pytest.raises(RuntimeError):  # the control: the mode is on
+                torch.ones(1, device=DEV).item()
+            ev = torch.cuda.Event()
+            ev.record()
+            ev.synchronize()  # the control: what the worker waits with is allowed
+            _train(model, opt, x, 5)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    with stepdump.open(tmp_path / "run") as run:
+        assert run.stats_steps[-5:] == list(range(2, 7)), run.stats_steps
+        assert "recording_stopped" not in run.meta
+
+
+# -- rows carry their kind; readers never call two kinds equal ---------------------------------
+def _record(root: Path, fingerprint: str, every: int | None) -> Path:
+    model, opt, x = _mlp(96)
+    with stepdump.Recorder(root, model, opt, every=every, stats_every=1, fingerprint=fingerprint, on_error="raise"):
+        _train(model, opt, x, 4)
+    return root
+
+
+@pytest.mark.parametrize(("fingerprint", "kind"), [("auto", "dmix64"), ("dmix64", "dmix64"), ("xxh3", "xxh3")])
+@pytest.mark.parametrize("every", [None, 2])
+def test_rows_carry_their_fingerprint_kind(tmp_path: Path, fingerprint: str, kind: str, every: int | None) -> None:
+    """Every row of a CUDA run says its kind; a stored blob's bytes give the row's fingerprint
+    again under that kind; verify passes."""
+    lean = _lean()
+    path = _record(tmp_path / "run", fingerprint, every)
+    with stepdump.open(path) as run:
+        for step in run.stats_steps:
+            kinds = run.fingerprint_kinds(step)
+            assert kinds and set(kinds.values()) == {kind}, (step, kinds)
+        for step in run.steps:
+            fps = run.fingerprints(step, ["params", "grads"])
+            for (k, name), fp in fps.items():
+                t = run.tensors(step, k)[name]
+                again = int(lean.device_fingerprint(t)) if kind == "dmix64" else fingerprint(t)
+                assert again == fp, (step, k, name)
+        assert stepdump.verify(run).ok
+
+
+@pytest.mark.parametrize("every", [None, 2])
+def test_diff_across_kinds_is_never_identical(tmp_path: Path, every: int | None) -> None:
+    """The same training recorded twice, host and device fingerprints: stats-only steps are not
+    comparable (never "identical"); where both stored bytes, the bytes decide. A twin of the same
+    kind is identical (the control)."""
+    a = _record(tmp_path / "a", "xxh3", every)
+    b = _record(tmp_path / "b", "dmix64", every)
+    twin = _record(tmp_path / "twin", "dmix64", every)
+    with stepdump.open(a) as ra, stepdump.open(b) as rb, stepdump.open(twin) as rt:
+        assert stepdump.diff(rb, rt).identical  # the control
+        res = stepdump.diff(ra, rb)
+        assert not res.identical
+        if every is None:
+            assert not res.comparable
+            assert "fingerprint kind" in res.summary(), res.summary()
+        else:  # bytes at steps 0 and 2 compared: equal there, the stats-only steps named as not compared
+            assert res.first_step is None and not res.complete, res.summary()
+
+
+# -- the target ------------------------------------------------------------------------------
+def test_lean_overhead_on_gpt2_small(tmp_path: Path) -> None:
+    """Lean recording (stats + fingerprints every step) ≤ 1.02x an unrecorded GPT-2-small step,
+    medians of 5 interleaved rounds in one process; the floor (one fused read) reported beside."""
+    times = gpt2_step_times(tmp_path)
+    plain, lean, floor = (statistics.median(times[k]) for k in ("plain", "lean", "floor"))
+    msg = f"plain {plain:.2f} ms, lean {lean:.2f} ms ({lean / plain:.3f}x), floor {floor:.2f} ms ({floor / plain:.3f}x)"
+    assert lean / plain <= 1.02, msg
