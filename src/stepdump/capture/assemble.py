@@ -1,0 +1,178 @@
+"""What goes into one step's message: which tensors are copied, written live, or read lean.
+
+The Recorder decides *when* (its hooks, the schedule); this decides *what* a
+record of a given level holds and how each tensor travels to the writer:
+
+* a full record: every tensor, through the staging budget (copied while it
+  lasts, the rest written live while the training thread waits);
+* a stats-only record on the CPU: stats and fingerprints of the live tensors
+  from the lean worker (capture/lean.py), no copy; a gradient log's grads and
+  the small ``state`` tensors still travel in full;
+* the ring and CUDA devices (no lean worker): the stats-only record is copied
+  like a full one (the ring may keep it; a CUDA tensor's bytes are on the device).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stepdump.capture.extra import take as take_extra
+from stepdump.capture.hooks import group_sizes
+from stepdump.capture.lean import LeanCapture, lean_rows
+from stepdump.capture.step_state import StateBefore, full_state, state_json, tensor_entries
+from stepdump.capture.outside import STATE_KEY, ParamWatch
+from stepdump.capture.selection import NameFilter
+from stepdump.capture.staging import Item, Slot, Stager
+from stepdump.capture.writer import StepMessage
+from stepdump.core.layout import Layout, build_layout
+
+log = logging.getLogger(__name__)
+
+_LEAN_KINDS = ("params", "grads", "optimizer")
+
+
+@dataclass
+class Assembler:
+    """Fills StepMessages for one Recorder (its ``layout`` follows ``add_param_group``)."""
+
+    layout: Layout
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    kinds: tuple[str, ...]
+    selected: NameFilter
+    lean: LeanCapture
+    keyframes: bool = False  # KeyframeSchedule: RNG state and batch at every step, for replay
+    gradlog: bool = False  # GradientLogSchedule: grads in full and the param groups at every step
+    # The optimizer state as step() began, for the next fill() only: a record taken after a closure's first call.
+    state_before: StateBefore | None = None
+    stager: Stager = field(default_factory=Stager)
+    extra: Mapping[str, Any] | None = None  # Recorder(extra_state=): objects recorded beside the model (extra.py)
+    frozen: str = "once"  # RecordOptions.frozen: "fingerprint" stores no bytes of requires_grad=False params
+
+    def __post_init__(self) -> None:
+        self._group_sizes = group_sizes(self.optimizer)
+        if self.gradlog:
+            self.lean.optimizer_every = 1
+        # A gradient log derives params from the updates: one changed outside the optimizer is stored.
+        self.watch = ParamWatch() if self.gradlog and "params" in self.kinds else None
+        # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
+        self._selected_of: tuple[Layout, list[tuple[str, torch.Tensor]], list[tuple]] | None = None
+
+    def _watched(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.layout.params.items() if self.selected(n)}
+
+    def after_update(self) -> None:
+        """The update is over (optimizer post-hook): note what it left in the params (outside.py)."""
+        if self.watch is not None:
+            self.watch.after_update(self._watched())
+
+    def outside(self, step: int) -> tuple[dict[str, int], list[str]]:
+        """Before update ``step``: the recorded params' fingerprints, and the names of those changed
+        outside the optimizer since the previous update (outside.py; nothing without a watch)."""
+        if self.watch is None:
+            return {}, []
+        return self.watch.before_update(step, self._watched())
+
+    def refresh_layout(self, model: torch.nn.Module, step: int) -> dict[str, Any] | None:
+        """``optimizer.add_param_group`` since the last step: name the new params, and
+        return the catalog meta that says so (resume checks the groups against it)."""
+        sizes = group_sizes(self.optimizer)
+        if sizes == self._group_sizes:
+            return None
+        self.layout = build_layout(model, self.optimizer)
+        self._group_sizes = sizes
+        log.info("stepdump: the optimizer's param groups changed at step %d; recording %d groups from here",
+                 step, len(sizes))
+        return {"layout": self.layout.to_meta()}
+
+    def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None,
+                state: dict[Any, dict[str, Any]] | None = None) -> list[tuple]:
+        """The step's live tensors as ``(kind, name, tensor, full, param, key)`` (``state``: the
+        optimizer's per-param state to read, None: ``optimizer.state`` now)."""
+        if not full and not buffers and state is None:
+            return self._stats_entries()
+        return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {}, state)
+
+    def _stats_entries(self) -> list[tuple]:
+        """:func:`tensor_entries` of a stats-only step (nothing full, no buffers, the optimizer's state
+        now), the same list, with the selected params and their entries made once per layout (a step
+        of a small model paid a name match and a tuple per param for them)."""
+        if self._selected_of is None or self._selected_of[0] is not self.layout:
+            params = [(n, p) for n, p in self.layout.params.items() if self.selected(n)]
+            self._selected_of = (self.layout, params, [("params", n, p, False, None, None) for n, p in params])
+        _, params, param_entries = self._selected_of
+        out = list(param_entries) if "params" in self.kinds else []
+        if "grads" in self.kinds:
+            out += [("grads", n, g, False, None, None) for n, p in params if (g := p.grad) is not None]
+        if "optimizer" in self.kinds:
+            opt_state = self.optimizer.state
+            for n, p in params:
+                for k, v in opt_state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out.append(("optimizer", f"{n}.{k}", v, False, n, k))
+        return out
+
+    def fill(self, msg: StepMessage, slot: Slot, full: bool, begin: dict[str, Any] | None, batch: Any,
+             captured: list[tuple[str, str, torch.Tensor]]) -> bool:
+        """Fill ``msg`` (tensors staged into ``slot``): everything (``full``), or a stats-only
+        record. True: the message waits for its grads' lean rows (``LeanCapture.finish``)."""
+        before, self.state_before = self.state_before, None
+        opt_state = before.state(msg.step) if before is not None else None
+        fps, outside = self.outside(msg.step) if msg.step is not None else ({}, [])
+        entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None,
+                               opt_state)
+        if outside and not full:  # what replay cannot derive: stored at this step
+            entries = [(*e[:3], True, *e[4:]) if e[0] == "params" and e[1] in outside else e for e in entries]
+        if full:
+            entries = self.frozen_entries(entries)
+        if full or self.keyframes or self.gradlog:
+            state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler, opt_state) \
+                if full or self.gradlog else {}
+            if outside:
+                state[STATE_KEY] = outside
+            # Extra state at full steps; a gradient log's other steps get its stats and fingerprints.
+            extra = take_extra(self.extra, full, entries) if self.extra and (full or self.gradlog) else None
+            msg.state_json = state_json(state, begin, batch, entries, extra)
+        held = False
+        if self.lean.enabled and not full:
+            def in_full(e: tuple) -> bool:
+                return (e[0] == "grads" and self.gradlog) or (e[0] == "params" and e[3])
+            if self.gradlog or outside:
+                stored = [(*e[:3], True, *e[4:]) for e in entries if in_full(e)]
+                lean = [e for e in entries if e[0] in _LEAN_KINDS and not in_full(e)]
+            else:  # nothing stored in full (no entry is full at a stats-only step): no call per tensor
+                stored, lean = [], [e for e in entries if e[0] in _LEAN_KINDS]
+            held = self.lean.take(msg, lean, fps)
+            if fps:
+                self._as_now(msg, fps, entries)
+            entries = stored + [e for e in entries if e[0] not in _LEAN_KINDS]
+        else:
+            self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
+        # A gradient log's grads are written from the live tensors while the update runs.
+        msg.items = self.stager.stage(slot, entries, defer=("grads",) if self.gradlog and not full else ())
+        # Hook values are private copies already; no second staging copy. Keyframe and gradient-log
+        # runs store the batch at every step, so any step can be replayed or re-executed.
+        msg.items.extend(Item(kind, name, tensor, full or ((self.keyframes or self.gradlog) and kind == "inputs"))
+                         for kind, name, tensor in captured)
+        return held
+
+    def frozen_entries(self, entries: list[tuple]) -> list[tuple]:
+        """A full record's entries with ``frozen="fingerprint"``: the params with ``requires_grad=False``
+        get stats and a fingerprint, no bytes (``"once"``: the writer stores unchanged bytes once)."""
+        if self.frozen != "fingerprint":
+            return entries
+        return [(*e[:3], False, *e[4:]) if e[0] == "params" and not e[2].requires_grad else e for e in entries]
+
+    def _as_now(self, msg: StepMessage, fps: dict[str, int], entries: list[tuple]) -> None:
+        """Lean param rows read at the iteration's first forward that describe other bytes than the
+        params entering the update (``fps``: theirs now) are computed again, from the params now."""
+        stale = {r.name for r in msg.lean if r.kind == "params" and r.name in fps and r.fp != fps[r.name]}
+        if stale:
+            msg.lean[:] = [r for r in msg.lean if not (r.kind == "params" and r.name in stale)]
+            msg.lean.extend(lean_rows([e for e in entries if e[0] == "params" and e[1] in stale], set()))

@@ -1,0 +1,437 @@
+"""Lean capture: stats and fingerprints of the live tensors, off the training thread, no copy.
+
+A stats-only record does not need the tensors' bytes, only what they say: their
+health stats and an exact fingerprint. Copying the whole record into staging to
+compute those later is what made stats-only steps cost ~1.3x. Here the
+training thread hands *references* to a worker thread, which reads the live
+tensors while the forward and backward run:
+
+* params and optimizer state of update *t* are submitted at the iteration's first
+  training forward (:meth:`LeanCapture.forward_started`; submitted again at a later
+  forward when no backward ran since, so an evaluation with grad enabled before the
+  training forward is not what gets read) and collected at the optimizer pre-hook
+  (:meth:`LeanJob.rows_for`);
+* grads are final at the pre-hook and no torch optimizer writes into them, so
+  they are submitted there and collected at the post-hook, while the update runs.
+
+Nothing guarantees that the params the worker read are the ones the optimizer steps
+from: user code may swap other weights in through ``.data`` (an EMA evaluated with grad
+enabled), copy into them through ``.data`` or a numpy view (no version bump), or
+re-initialise them between backward and step. So the content is checked where it
+counts: at the pre-hook, on the training thread, the exact fingerprint of each param
+(and of the optimizer state read) is computed from the live bytes, one xxh3 pass, and
+a worker row is used only when its fingerprint is that one; any other row is computed
+again there, from the bytes the update reads. For the stats of a used row to describe
+those same bytes, the worker reads each tensor through a private buffer, chunk by
+chunk (``private``): its stats and its fingerprint come from the same copied bytes, so
+a fingerprint equal to the live one proves the stats are the live bytes' too, even if
+the tensor was changed and changed back while the worker read it. Version counters
+(bumped by in-place ops) and object identity are checked as well: a tensor replaced
+(a new param group, ``load_state_dict``) is computed again.
+
+Stats per tensor: numel, NaN/+Inf/-Inf counts (exact), min, max and L2 norm; for the
+large float tensors they come from the chunks (the norm as the root of the sum of the
+chunks' squared norms), small tensors (most of a transformer's, few of its bytes) get
+every stat of :func:`stepdump.core.stats.compute_stats`. The fingerprint is the same
+exact xxh3 of the bytes as at a full step (xxh3 streamed over the chunks equals xxh3 of
+the whole), so ``diff`` and gradient-log verification can trust it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import xxhash
+
+from stepdump.capture.packed import CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, packable, packed_rows
+from stepdump.capture.staging import storable
+from stepdump.core.dtensor import local_part
+from stepdump.core.dtypes import stored_dtype
+from stepdump.core.hashing import LiveHasher, fingerprint, signed64
+from stepdump.core.stats import StatsTuple, compute_stats
+from stepdump.store.format import format_shape
+
+log = logging.getLogger(__name__)
+
+# Tensors up to this many elements go through compute_stats (its numpy path is
+# cheaper than four torch dispatches); larger fp32/fp64 ones take the chunked path.
+_SMALL = SMALL
+_FUSED_DTYPES = FUSED_DTYPES
+# Elements per chunk of the chunked path: 512 KiB of fp32, so that the copy, the hash, the
+# norm and min/max of a chunk read it from the core's L2 cache, not from memory four times.
+_CHUNK = CHUNK
+__all__ = ["LeanRow"]  # defined in packed.py (it builds them), imported from here by the writer and readers
+
+
+Entry = tuple  # (kind, name, tensor, full, param, key), as capture.step_state.tensor_entries makes them
+
+
+def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: bool = False,
+              plan: Plan | None = None) -> list[LeanRow]:
+    """Stats and fingerprint rows of ``entries`` (live tensors), computed now, on this thread.
+
+    ``private``: read each tensor through a private copy (a chunk at a time for the large
+    ones), so that its row describes one set of bytes even if the tensor is written
+    meanwhile; a tensor whose exact NaN/Inf counts that would need is left out (the
+    caller computes it where nothing writes it). The rows are the same either way.
+
+    The fp32/fp64 tensors up to ``_CHUNK`` elements (most tensors of most models, few of the
+    bytes of a large one) are copied into one private buffer per dtype, a batch at a time,
+    and described together (:func:`snapshot`, :func:`~stepdump.capture.packed.packed_rows`): a few vectorised passes
+    over the batch instead of several torch calls per tensor, which is what a small model's
+    step paid for.
+
+    ``plan``: ``entries``' :class:`~stepdump.capture.packed.Plan` (their layout's, cached by the
+    caller): the same rows, without the per-tensor work of naming and packing them.
+    """
+    if plan is not None and plan.plain and not private:
+        rows, rest = plan.rows(entries)
+    else:
+        rest, packed = snapshot(entries, warned)
+        rows = packed()
+    if not rest:
+        return rows
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+    with torch.no_grad():
+        for kind, name, t, param, key in rest:
+            got = _stats_and_fp(kind, t, buffers if private else None)
+            if got is not None:
+                rows.append(LeanRow(kind, name, param, key, stored_dtype(t), format_shape(t.shape), *got))
+    return rows
+
+
+Head = tuple[str, str, "str | None", "str | None", str, str]  # a LeanRow's fields before stats and fp
+Rest = tuple[str, str, torch.Tensor, "str | None", "str | None"]  # (kind, name, storable tensor, param, key)
+
+
+def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[list[Rest], Callable[[], list[LeanRow]]]:
+    """Copy the packable tensors among ``entries`` now (one ``torch.cat`` per batch); return the
+    others (storable ones) and a function that gives the copies' rows, as of now, on any
+    thread, later. The copy is the only work done here: the training thread can take a
+    snapshot and leave its description to the worker."""
+    rest: list[Rest] = []
+    batches: dict[torch.dtype, list[tuple[Head, torch.Tensor]]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    done: list[tuple[list[Head], torch.Tensor, list[int]]] = []
+    with torch.no_grad():
+        for kind, name, tensor, _full, param, key in entries:
+            t = storable(kind, name, local_part(tensor.detach()), warned)
+            if t is None:
+                continue
+            if not _packable(t):
+                rest.append((kind, name, t, param, key))
+                continue
+            batch = batches.setdefault(t.dtype, [])
+            batch.append(((kind, name, param, key, stored_dtype(t), format_shape(t.shape)), t))
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+            if sizes[t.dtype] >= _PACK:
+                done.append(_pack(batch))
+                batches[t.dtype], sizes[t.dtype] = [], 0
+        done.extend(_pack(batch) for batch in batches.values() if batch)
+
+    def describe() -> list[LeanRow]:  # packed.packed_rows: a few vectorised passes per batch
+        return [LeanRow(*head, *got) for heads, buf, ns in done
+                for head, got in zip(heads, zip(*packed_rows([h[0] for h in heads], buf, ns)), strict=True)]
+
+    return rest, describe
+
+
+_PACK = PACK  # elements per packed batch (packed.py)
+_packable = packable
+
+
+def _pack(batch: list[tuple[Head, torch.Tensor]]) -> tuple[list[Head], torch.Tensor, list[int]]:
+    """One private copy of a batch's tensors, end to end: (their row heads, the copy, their sizes)."""
+    flat = [t.reshape(-1) for _h, t in batch]
+    buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+    return [h for h, _t in batch], buf, [f.numel() for f in flat]
+
+
+def _stats_and_fp(kind: str, t: torch.Tensor,
+                  buffers: dict[torch.dtype, torch.Tensor] | None) -> tuple[StatsTuple, int] | None:
+    """(stats, fingerprint) of ``t``, read through a private copy when ``buffers`` is given."""
+    if t.dtype in _FUSED_DTYPES and t.numel() > _SMALL and t.device.type == "cpu" \
+            and t.layout == torch.strided:  # a sparse grad: compute_stats, over its values
+        return _chunked(t, buffers)
+    if buffers is not None:
+        t = t.clone()  # small, or not fp32/fp64: one private copy (for as long as this tensor is read)
+    stats = compute_stats(t) if kind != "state" else (t.numel(),) + (None,) * 9
+    return stats, fingerprint(t)  # type: ignore[return-value]
+
+
+def _chunked(t: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor] | None) -> tuple[StatsTuple, int] | None:
+    """Stats of a large fp32/fp64 tensor and its fingerprint, in one read of each chunk.
+
+    Mean, std and the zero fraction would take two more passes over every large
+    tensor (a sum; ``count_nonzero``, the costliest of all), which is most of
+    what a stats-only step costs; they are NULL ("not measured", FORMAT.md) at
+    lean steps, except a zero fraction that min and max prove to be 0. A tensor
+    whose norm is not finite gets every stat, the exact counts included (read
+    privately: None, it is computed where nothing writes it).
+    """
+    flat = t.reshape(-1)
+    buf = None
+    if buffers is not None:
+        buf = buffers.get(t.dtype)
+        if buf is None:
+            buf = buffers[t.dtype] = torch.empty(_CHUNK, dtype=t.dtype)
+    h = xxhash.xxh3_64()
+    norms: list[float] = []
+    lo, hi = math.inf, -math.inf
+    for start in range(0, flat.numel(), _CHUNK):
+        c = flat[start:start + _CHUNK]
+        if buf is not None:
+            c = buf[:c.numel()].copy_(c)
+        h.update(c.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+        norms.append(float(torch.linalg.vector_norm(c)))
+        c_lo, c_hi = torch.aminmax(c)
+        lo, hi = min(lo, float(c_lo)), max(hi, float(c_hi))
+    norm = norms[0] if len(norms) == 1 else math.sqrt(math.fsum(n * n for n in norms))
+    if not math.isfinite(norm):  # a NaN or Inf somewhere (rare): the exact counts, the slow way
+        return None if buf is not None else (compute_stats(t), fingerprint(t))
+    zero_frac = 0.0 if lo > 0 or hi < 0 else None
+    return (flat.numel(), 0, 0, 0, lo, hi, None, None, norm, zero_frac), signed64(h.intdigest())
+
+
+class LeanJob:
+    """Rows being computed on the worker for tensors whose versions were noted at submit."""
+
+    def __init__(self, entries: list[Entry], pool: ThreadPoolExecutor,
+                 compute: Callable[[list[Entry]], list[LeanRow | None]]) -> None:
+        self._entries = entries
+        self._versions = [_version(e[2]) for e in entries]  # before the worker may read them
+        self._future: Future[list[LeanRow | None]] = pool.submit(compute, entries)
+
+    def rows_for(self, entries: Sequence[Entry], warned: set[tuple[str, str]], recompute: bool = True,
+                 live: Mapping[str, int] | None = None,
+                 hasher: LiveHasher | None = None) -> tuple[list[LeanRow], int]:
+        """Rows for ``entries`` (the tensors as they are now): the worker's where the same
+        tensor is unchanged since submit, else computed here (``recompute``) or left out;
+        and how many were not the worker's. With ``live`` (params and optimizer state at the
+        pre-hook: name -> fingerprint of the params now, where the caller has it), a worker
+        row is used only if it describes the bytes the tensor holds now (module docstring);
+        ``hasher`` computes the other fingerprints now (exact, its byte views reused)."""
+        results = self._future.result()
+        # A row is good for an entry when it was computed from the same tensor object,
+        # and no in-place op touched that tensor from submit until now.
+        ready: dict[tuple[str, str], tuple[torch.Tensor, LeanRow]] = {}
+        for (kind, name, tensor, *_), v0, row in zip(self._entries, self._versions, results, strict=True):
+            if row is not None and _version(tensor) == v0:
+                ready[(kind, name)] = (tensor, row)
+        out: list[LeanRow] = []
+        redo: list[Entry] = []
+        for e in entries:
+            hit = ready.get((e[0], e[1]))
+            if hit is not None and hit[0] is e[2] and (live is None or _describes(hit[1], e, live, warned, hasher)):
+                out.append(hit[1])
+            else:
+                redo.append(e)
+        if redo and recompute:
+            out.extend(lean_rows(redo, warned))
+        return out, len(redo)
+
+
+def _describes(row: LeanRow, e: Entry, live: Mapping[str, int], warned: set[tuple[str, str]],
+               hasher: LiveHasher | None = None) -> bool:
+    """Whether ``row`` describes the bytes entry ``e``'s tensor holds now (exact fingerprint,
+    dtype and shape); ``live`` gives the params' fingerprints already computed now."""
+    kind, name, tensor = e[0], e[1], e[2]
+    t = storable(kind, name, local_part(tensor.detach()), warned)
+    if t is None or row.dtype != stored_dtype(t) or row.shape != format_shape(t.shape):
+        return False
+    fp = live.get(name) if kind == "params" else None
+    if fp is None:
+        fp = hasher(t, (kind, name)) if hasher is not None else fingerprint(t)
+    return row.fp == fp
+
+
+def _version(t: torch.Tensor) -> int:
+    return int(t._version)
+
+
+class LeanWorker:
+    """One background thread computing lean rows (torch reductions and xxh3 release the GIL)."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []  # the worker, once started (its CPU time: sys/recorder_bg_ms)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepdump-stats",
+                                        initializer=lambda: self.threads.append(threading.current_thread()))
+        self._warned: set[tuple[str, str]] = set()
+        # The pre-hook's exact fingerprints of the live tensors, on the training thread (rows_for).
+        self.hasher = LiveHasher()
+
+    @property
+    def warned(self) -> set[tuple[str, str]]:
+        return self._warned
+
+    def submit(self, entries: Sequence[Entry], private: bool = False) -> LeanJob:
+        """Compute ``entries``' rows on the worker (``private``: see :func:`lean_rows`)."""
+        return LeanJob(list(entries), self._pool, lambda es: self._compute(es, private))
+
+    def run(self, describe: Callable[[], list[LeanRow]]) -> Future[list[LeanRow]]:
+        """Run ``describe`` (a :func:`snapshot`'s) on the worker."""
+        return self._pool.submit(describe)
+
+    def _compute(self, entries: list[Entry], private: bool) -> list[LeanRow | None]:
+        rows = {(r.kind, r.name): r for r in lean_rows(entries, self._warned, private)}
+        return [rows.get((e[0], e[1])) for e in entries]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+
+# Optimizer state at a lean step only every this many steps. Adam's state is two
+# thirds of the bytes a stats-only step reads; its stats move slowly, and the
+# fingerprints of the params (every step) show the first step an update differed.
+OPTIMIZER_EVERY = 10
+
+
+# A lean step whose params, grads (and optimizer state, when read) hold at most this many
+# bytes is read whole at the optimizer pre-hook on the training thread (LeanCapture.take).
+INLINE_BYTES = 2 << 20
+
+
+def _grad_marks(entries: list[Entry]) -> dict[str, tuple[int, int]]:
+    """Each grad among ``entries`` as (object id, version): a backward creates or adds into it."""
+    return {e[1]: (id(e[2]), _version(e[2])) for e in entries if e[0] == "grads"}
+
+
+def _param_grad_marks(params: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, int]]:
+    """:func:`_grad_marks` of the grads of ``params`` as they are now."""
+    return {n: (id(g), _version(g)) for n, p in params if (g := p.grad) is not None}
+
+
+def _before_update(step: int, entries: list[Entry], every: int | None) -> list[Entry]:
+    """What the worker reads before update ``step``: params, and optimizer state every ``every``
+    steps (None: OPTIMIZER_EVERY)."""
+    every = OPTIMIZER_EVERY if every is None else every
+    return [e for e in entries if e[0] != "grads" and (e[0] != "optimizer" or step % every == 0)]
+
+
+class LeanCapture:
+    """The Recorder's side of lean capture: when to submit what, and the message held
+    until the step's grads are read (the post-hook sends it). Not ``enabled`` (the ring,
+    CUDA): every method is a no-op and stats-only steps are copied like full ones."""
+
+    def __init__(self, enabled: bool = True, grads_at_capture: bool = False) -> None:
+        """``grads_at_capture``: the grads change between the record and the update by design
+        (a framework that clips after the record: Lightning), so read them at the record."""
+        self.enabled = enabled
+        # Steps between reads of the optimizer state (None: OPTIMIZER_EVERY); a gradient log
+        # reads it every step, so that a rebuild is verified at the step it is read at.
+        self.optimizer_every: int | None = None
+        self._worker = LeanWorker()
+        self._before: LeanJob | None = None  # params + optimizer state of the coming update
+        self._marks: dict[str, tuple[int, int]] = {}  # the grads when _before was submitted: a backward changes them
+        self._params: list[tuple[str, torch.Tensor]] = []  # the params read then, whose grads _marks notes
+        # (message, grads job, grad entries, rows of what was copied at the pre-hook)
+        self._pending: tuple[Any, LeanJob, list[Entry], Future[list[LeanRow]] | None] | None = None
+        # Grads computed at the pre-hook (from the start when they change after the record by design;
+        # else after one was changed during a step).
+        self._grads_now = grads_at_capture
+        # The last lean step's bytes were at most INLINE_BYTES: the whole step is read at the
+        # pre-hook, nothing is handed to the worker at the forward (see take()).
+        self._inline = False
+        # What the layout of a step's tensors decides, made once per layout (packed.py): a steady
+        # inline step does no per-tensor Python but the key that finds it.
+        self.plans = Plans()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The worker thread, once it has started."""
+        return self._worker.threads
+
+    def forward_started(self, step: int, entries: Callable[[], list[Entry]], again: bool = False) -> None:
+        """A training forward of iteration ``step`` (``again``: not its first; ``entries``: the
+        step's live tensors). The first submits the params and optimizer state it runs with; a
+        later one submits them again when no backward ran since: that forward was an evaluation
+        with grad enabled, perhaps with other weights swapped in (an EMA), and the training
+        forward's params are the likelier ones. Which ones were read only costs time: the
+        pre-hook uses a row only if it describes the params then (:meth:`take`)."""
+        if self._inline or (self._before is not None and not again):
+            return
+        if self._before is not None and self._params:
+            # A later forward: a backward since it was submitted (gradient accumulation) is seen in the
+            # grads of the params read then, without listing the step's tensors again.
+            if any(self._marks.get(n) != m for n, m in _param_grad_marks(self._params).items()):
+                return
+        now = entries()
+        marks = _grad_marks(now)
+        if self._before is not None and any(self._marks.get(n) != m for n, m in marks.items()):
+            return  # a backward since: a micro-batch of the same step (gradient accumulation)
+        self._before = self._worker.submit(_before_update(step, now, self.optimizer_every), private=True)
+        self._marks = marks
+        # Where the grads of the entries are the params' own (as tensor_entries lists them).
+        params = [(e[1], e[2]) for e in now if e[0] == "params"]
+        self._params = params if {n for n, _ in params} >= set(marks) else []
+
+    def take(self, msg: Any, entries: list[Entry], live: Mapping[str, int] | None = None) -> bool:
+        """Fill ``msg.lean`` for the step's ``entries`` (live tensors, none stored in full); the
+        grads' rows follow in :meth:`finish`, so the message is held until then (True; False:
+        no grads among ``entries``, the message is complete). ``live``: the params'
+        fingerprints now, where the caller computed them already (else computed here)."""
+        before = _before_update(msg.step, entries, self.optimizer_every)
+        grads = [e for e in entries if e[0] == "grads"]
+        job, self._before = self._before, None
+        # A small record is read here, whole, on this thread: for a small model the worker's
+        # hand-offs (a thread wake-up per submit, the GIL going to and fro while the forward
+        # and backward run) cost more than the reading, and rows read here describe the bytes
+        # the update reads by construction (no fingerprint check needed).
+        todo = [*before, *grads]
+        plan = self.plans.get(todo)
+        self._inline = plan.nbytes <= INLINE_BYTES
+        if self._inline:
+            msg.lean.extend(lean_rows(todo, self._worker.warned, plan=plan))
+            return False
+        now: list[Entry] = []  # read here, at the pre-hook
+        if job is not None:  # used only where it describes the bytes the update reads
+            rows, _ = job.rows_for(before, self._worker.warned, live=live or {}, hasher=self._worker.hasher)
+            msg.lean.extend(rows)
+        else:  # no forward seen (a closure optimizer, a model called through something else)
+            now.extend(before)
+        if self._grads_now:
+            now.extend(grads)
+            grads = []
+        copies = None
+        if now:  # the small tensors copied now (the bytes the update reads), described on the worker
+            rest, packed = snapshot(now, self._worker.warned)
+            msg.lean.extend(lean_rows([(k, n, t, False, p, key) for k, n, t, p, key in rest], self._worker.warned))
+            copies = self._worker.run(packed)
+        if not grads:
+            if copies is not None:
+                msg.lean.extend(copies.result())
+            return False
+        self._pending = (msg, self._worker.submit(grads), grads, copies)
+        return True
+
+    def finish(self) -> Any:
+        """The update is over: the held message, complete (None if there is none)."""
+        if self._pending is None:
+            return None
+        msg, job, grads, copies = self._pending
+        self._pending = None
+        if copies is not None:
+            msg.lean.extend(copies.result())
+        rows, changed = job.rows_for(grads, self._worker.warned, recompute=False)
+        msg.lean.extend(rows)
+        if changed and not self._grads_now:
+            self._grads_now = True
+            log.warning("stepdump: %d grad(s) changed in place during optimizer.step() at step %s before stepdump "
+                        "read them; their stats are left out of that step, and from now on grads are read "
+                        "before the update (slower)", changed, msg.step)
+        return msg
+
+    def drop(self) -> None:
+        """Forget what is in flight (the Recorder stepped aside)."""
+        self._before, self._pending = None, None
+
+    def close(self) -> None:
+        self.drop()
+        self._worker.close()
