@@ -10,7 +10,10 @@
   rows are read per window of steps, and the RNG tensors of a step's state are not read at all):
   counted as catalog queries per extra update.
 - Every grad, the first update's included, is read on the worker thread (the first while the
-  keyframe is read on the reading thread).
+  keyframe is read on the reading thread); reading in order, half of each update's grads are
+  (nothing is read ahead across read calls), and a damaged one is reported as without the worker.
+- The check at the step read hashes the params and the kind read, not the optimizer state for a
+  ``state_dict()``; a later optimizer read of that step hashes the state then, once.
 
 Timings: benchmarks/gradlog_read.py.
 """
