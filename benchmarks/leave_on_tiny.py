@@ -40,6 +40,7 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "floor: _foreach_norm(params + grads)": None,
 }
 TARGETS = {"lean": 1.05, "gradient log K=32": 1.15}
+SLUG = {"lean": "lean", "gradient log K=32": "gradlog", "floor: _foreach_norm(params + grads)": "floor"}  # JSON keys
 RL_TARGET = 1.10
 
 
@@ -138,7 +139,7 @@ def summary(results: dict[str, Any], args: argparse.Namespace, date: str) -> dic
                          "bg_ms": med(a["bg_ms"]) if arm in TARGETS else None,
                          "target": limit, "pass": None if limit is None else med(a["ratios"]) <= limit,
                          "raw": a}
-        out["workloads"][name] = {"title": res["title"], "arms": arms}
+        out["workloads"][name] = {"title": res["title"], "arms": {SLUG[a]: v | {"label": a} for a, v in arms.items()}}
     return out
 
 
