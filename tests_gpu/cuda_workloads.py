@@ -50,9 +50,10 @@ def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 50, (8, 5), generator=g).to(DEV), torch.randn(8, 4, generator=g).to(DEV)
 
 
-def build(kind: str, seed: int = 0):  # noqa: ANN201
+def build(kind: str, seed: int = 0) -> tuple[Net, torch.optim.Optimizer, Any]:
     torch.manual_seed(seed)
     model = Net(sparse=kind == "sgd-sparse").to(DEV)
+    opt: torch.optim.Optimizer
     if kind == "adamw-foreach":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     elif kind == "adamw-fused":

@@ -262,17 +262,20 @@ def test_stats_step_copies_a_few_numbers_whatever_the_model_size(tmp_path: Path)
 def test_lean_steps_never_sync_the_training_thread(tmp_path: Path) -> None:
     """Under sync debug mode "error", lean steps run: no .item(), no pageable copy, no stream sync;
     the worker waits on an event (cudaEventSynchronize, which the mode does not flag)."""
+    plain = _mlp(128)
     model, opt, x = _mlp(128)
+    _train(*plain, 2)
     with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1, on_error="raise"):
         _train(model, opt, x, 2)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with pytest.raises(RuntimeError):  # the control: the mode is on
+            with pytest.raises(RuntimeError):  # the controls: the mode is on,
                 torch.ones(1, device=DEV).item()
             ev = torch.cuda.Event()
             ev.record()
-            ev.synchronize()  # the control: what the worker waits with is allowed
+            ev.synchronize()  # what the worker waits with is allowed,
+            _train(*plain, 2)  # and the training loop itself does not sync
             _train(model, opt, x, 5)
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -282,20 +285,20 @@ def test_lean_steps_never_sync_the_training_thread(tmp_path: Path) -> None:
 
 
 # -- rows carry their kind; readers never call two kinds equal ---------------------------------
-def _record(root: Path, fingerprint: str, every: int | None) -> Path:
+def _record(root: Path, option: str, every: int | None) -> Path:
     model, opt, x = _mlp(96)
-    with stepdump.Recorder(root, model, opt, every=every, stats_every=1, fingerprint=fingerprint, on_error="raise"):
+    with stepdump.Recorder(root, model, opt, every=every, stats_every=1, fingerprint=option, on_error="raise"):
         _train(model, opt, x, 4)
     return root
 
 
-@pytest.mark.parametrize(("fingerprint", "kind"), [("auto", "dmix64"), ("dmix64", "dmix64"), ("xxh3", "xxh3")])
+@pytest.mark.parametrize(("option", "kind"), [("auto", "dmix64"), ("dmix64", "dmix64"), ("xxh3", "xxh3")])
 @pytest.mark.parametrize("every", [None, 2])
-def test_rows_carry_their_fingerprint_kind(tmp_path: Path, fingerprint: str, kind: str, every: int | None) -> None:
+def test_rows_carry_their_fingerprint_kind(tmp_path: Path, option: str, kind: str, every: int | None) -> None:
     """Every row of a CUDA run says its kind; a stored blob's bytes give the row's fingerprint
     again under that kind; verify passes."""
     lean = _lean()
-    path = _record(tmp_path / "run", fingerprint, every)
+    path = _record(tmp_path / "run", option, every)
     with stepdump.open(path) as run:
         for step in run.stats_steps:
             kinds = run.fingerprint_kinds(step)
