@@ -306,7 +306,7 @@ def test_no_import_circle_inside_a_package() -> None:
 # readers built on Run (remote, joint, ranked) above it, and the opener that picks one on top.
 READ_FLOORS: dict[str, int] = {
     "read.__init__": 0,
-    "read.rows": 0, "read.blobs": 0, "read.reader": 0, "read.gradlog_why": 0, "read.reexecuted": 0,
+    "read.rows": 0, "read.blobs": 0, "read.reader": 0, "read.gradlog_why": 0, "read.activations": 0,
     "read.columnar": 0,
     "read.state": 1, "read.gradlog_parts": 1, "read.gradlog_budget": 1,
     "read.restore_checks": 2, "read.extra_rebuild": 2, "read.gradlog_verify": 2, "read.replay": 2,

@@ -41,7 +41,7 @@ from stepdump.analysis.report_ranks import json_ready, ranks_summary
 from stepdump.analysis.report_scalars import group_scalars, scalar_order, wants_log
 from stepdump.errors import ConfigError, StepdumpError
 from stepdump.read.joint import is_joint
-from stepdump.read.reexecuted import reexecutions
+from stepdump.read.activations import reexecutions
 from stepdump.read.reader import RunReader, ranked_stores
 from stepdump.read.run import Run
 

@@ -39,7 +39,7 @@ from stepdump.store.queries import STAT_ROW_COLUMNS, CatalogReader, StepRange
 if TYPE_CHECKING:
     import pandas as pd
 
-    from stepdump.read.reexecuted import Activations
+    from stepdump.read.activations import Activations
     from stepdump.store.storage import ReadStorage
 
 _as_step = as_step  # the name ranked.py and older callers import
@@ -209,7 +209,7 @@ class Run:
         back (``stepdump.reexecute(..., write_back=True)``). The result is a dict with ``.reexecuted``
         (which of the two) and ``.verdict`` (the re-execution's, as stored); ``reexecuted=True`` /
         ``False`` asks for one source only. Empty when the step holds none."""
-        from stepdump.read.reexecuted import activations
+        from stepdump.read.activations import activations
 
         return activations(self, _as_step(step), grads=grads, reexecuted=reexecuted)
 

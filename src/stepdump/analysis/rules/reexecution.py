@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules.base import Rule, register_rule
-from stepdump.read.reexecuted import reexecutions
+from stepdump.read.activations import reexecutions
 
 # A verdict's quantity -> the tensor kind it names
 _KIND = {"grads": "grads", "params after the update": "params", "optimizer after the update": "optimizer"}
