@@ -274,6 +274,16 @@ def bench_readside(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def keep_other_sections(md: str, path: Path) -> str:
+    """``md`` plus the sections of the RESULTS.md at ``path`` that other scripts wrote (their ``## ``
+    headings are not in ``md``), in their order: running run.py alone must not drop them."""
+    if not path.exists():
+        return md
+    mine = {line for line in md.splitlines() if line.startswith("## ")}
+    kept = [part for part in path.read_text().split("\n## ")[1:] if "## " + part.splitlines()[0] not in mine]
+    return md.rstrip("\n") + "".join("\n\n## " + part.rstrip("\n") for part in kept) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -314,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     md = report.results_markdown(date=date, info=info, command=command, duration_s=duration,
                                  load_before=load_before, load_after=report.loadavg(), settings=settings,
                                  reports=reports, verdicts=verdicts, readside=readres)
-    args.results.write_text(md)
+    args.results.write_text(keep_other_sections(md, args.results))
     print(f"wrote {args.results}")
     data = {"date": date, "info": info, "settings": settings, "duration_s": duration,
             "load_before": load_before, "load_after": report.loadavg(),

@@ -96,3 +96,70 @@ def test_every_results_md_writer_also_writes_the_json(script: str) -> None:
     source = (ROOT / "benchmarks" / script).read_text()
     if "RESULTS.md" in source:
         assert "results_json" in source and re.search(r"\bupdate\w*\(", source)
+
+
+# --- no measured number on docs/performance.md outside a marked region --------------------------
+
+# A number with a unit of time, size or ratio, written in the page's prose or tables.
+_MEASURE = re.compile(r"(?<![\w.])[-+~]?\d[\d,]*(?:\.\d+)?(?:[–-]\d[\d,]*(?:\.\d+)?)?\s?"
+                      r"(?:×|%|ms\b|µs\b|s\b|MB\b|MiB\b|KiB\b|Ki\b|GB\b|GiB\b|TB\b|elements\b)")
+
+
+def _settings() -> dict[str, bool]:
+    """Numbers on the page that are settings, not measurements: each must equal the code's value."""
+    from stepdump.capture import lean, writer
+    from stepdump.capture.options import StoreOptions
+
+    return {"64 MiB": StoreOptions().staging_bytes == 64 << 20,
+            "1 MiB": writer._DIRECT_WRITE == 1 << 20,
+            "4 MiB": writer._MIN_PENDING == 4 << 20,
+            "2 MiB": lean.INLINE_BYTES == 2 << 20,
+            "128 Ki": lean._CHUNK == 128 * 1024,
+            "4096 elements": lean._SMALL == 4096,
+            "1.00×": True}  # the no-recording row: 1.00× of itself by definition
+
+
+def _unmarked_measures(text: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands and diagrams
+    text = docs_numbers.REGION.sub("", text)  # rendered from results.json
+    text = re.sub(r"`[^`]*`", "", text)  # code: option values, module names
+    settings = _settings()
+    out = []
+    for m in _MEASURE.finditer(text):
+        before = text[max(0, m.start() - 2):m.start()]
+        if "≤" in before:  # a target as an issue states it, not a measurement
+            continue
+        if m.group() in settings:
+            assert settings[m.group()], f"docs/performance.md says {m.group()!r}, the code says otherwise"
+            continue
+        out.append(f"{m.group()!r} in ...{text[max(0, m.start() - 40):m.end() + 10]!r}")
+    return out
+
+
+def test_performance_page_has_no_unmarked_measured_number() -> None:
+    """Issue 23: docs/performance.md has no number that is not generated from results.json (one-off
+    measurements behind design decisions live in docs/design-measurements.md, dated)."""
+    assert _unmarked_measures((ROOT / "docs" / "performance.md").read_text()) == []
+
+
+@pytest.mark.parametrize("text", ["lean costs 1.21× here", "it took 288 ms/step", "+1.1% of RSS",
+                                  "a 134 MB record", "the default is 32 MiB"])
+def test_an_unmarked_measurement_is_found(text: str) -> None:
+    assert _unmarked_measures(text)
+
+
+@pytest.mark.parametrize("text", ["lean ≤ 1.05 × no recording", "`every=100` steps", "a 2 MiB record",
+                                  "<!-- bench: run/x .2f -->1.21<!-- /bench -->×"])
+def test_marked_numbers_targets_and_settings_pass(text: str) -> None:
+    assert _unmarked_measures(text) == []
+
+
+def test_run_py_keeps_the_sections_other_scripts_wrote(tmp_path: Path) -> None:
+    """benchmarks/run.py writes RESULTS.md whole; run alone it must not drop the other scripts' sections."""
+    import run as bench_run
+
+    old = tmp_path / "RESULTS.md"
+    old.write_text("# results\n\nold head\n\n## Workload A\nold A\n\n## Keyframe mode\nkf\n\n## Startup\nst\n")
+    got = bench_run.keep_other_sections("# results\n\nnew head\n\n## Workload A\nnew A\n", old)
+    assert got == "# results\n\nnew head\n\n## Workload A\nnew A\n\n## Keyframe mode\nkf\n\n## Startup\nst\n"
+    assert bench_run.keep_other_sections("# r\n", tmp_path / "absent.md") == "# r\n"
