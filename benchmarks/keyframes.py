@@ -133,15 +133,9 @@ def main() -> None:
     print(text)
     out = Path(args.out)
     if out.exists():
-        body = out.read_text()
-        marker = "\n## Keyframe mode"
-        if marker in body:  # replace this section only: the ones after it belong to other scripts
-            start = body.index(marker)
-            nxt = body.find("\n## ", start + len(marker))
-            before, after = body[:start], (body[nxt:] if nxt != -1 else "")
-        else:
-            before, after = body, ""
-        out.write_text(before.rstrip("\n") + "\n" + text.rstrip("\n") + "\n" + after)
+        from results_md import replace_section  # benchmarks/ is sys.path[0] when run as a script
+
+        replace_section(out, "## Keyframe mode", text)
         from results_json import update  # benchmarks/ is sys.path[0] when run as a script
 
         update("keyframes", {"steps": args.steps, "every": args.every, "bytes_ratio": ratio,

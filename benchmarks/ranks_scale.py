@@ -97,12 +97,9 @@ def generate(root: Path, n: int, steps: int) -> float:
 
 def write_section(path: Path, text: str) -> None:
     """Replace this script's section of RESULTS.md (or add it at the end), leaving the rest alone."""
-    body = path.read_text() if path.exists() else "# stepdump benchmarks: results\n"
-    if MARKER in body:
-        start = body.index(MARKER)
-        nxt = body.find("\n## ", start + len(MARKER))
-        body = body[:start] + (body[nxt:] if nxt != -1 else "")
-    path.write_text(body.rstrip("\n") + "\n" + text)
+    from results_md import replace_section  # benchmarks/ is sys.path[0] when run as a script
+
+    replace_section(path, MARKER, text)
 
 
 def _slopes(results: dict[int, dict[str, Any]], sizes: list[int], what: str) -> str:

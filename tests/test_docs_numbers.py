@@ -163,3 +163,24 @@ def test_run_py_keeps_the_sections_other_scripts_wrote(tmp_path: Path) -> None:
     got = bench_run.keep_other_sections("# results\n\nnew head\n\n## Workload A\nnew A\n", old)
     assert got == "# results\n\nnew head\n\n## Workload A\nnew A\n\n## Keyframe mode\nkf\n\n## Startup\nst\n"
     assert bench_run.keep_other_sections("# r\n", tmp_path / "absent.md") == "# r\n"
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end", "absent"])
+def test_a_script_replaces_only_its_own_section_of_results_md(tmp_path: Path, where: str) -> None:
+    import results_md
+
+    mine_old, mine_new = "## Mine (issue 1)\n\nold numbers\n", "\n## Mine (issue 1)\n\nnew numbers\n"
+    a, b = "## Other A\n\nkept a\n", "## Other B\n\nkept b\n"
+    body = {"start": [mine_old, a, b], "middle": [a, mine_old, b], "end": [a, b, mine_old], "absent": [a, b]}[where]
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# results\n\n" + "\n".join(body))
+    for _ in range(2):  # twice: still one section, in the same place
+        results_md.replace_section(path, "## Mine (issue 1)", mine_new)
+    text = path.read_text()
+    assert "old numbers" not in text and text.count("## Mine (issue 1)") == 1 and "new numbers" in text
+    assert "kept a" in text and "kept b" in text and text.startswith("# results\n")
+    order = [line for line in text.splitlines() if line.startswith("## ")]
+    want = {"start": ["## Mine (issue 1)", "## Other A", "## Other B"],
+            "middle": ["## Other A", "## Mine (issue 1)", "## Other B"]}.get(where, ["## Other A", "## Other B",
+                                                                                     "## Mine (issue 1)"])
+    assert order == want
