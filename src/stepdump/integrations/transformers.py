@@ -135,17 +135,48 @@ class StepdumpTrainerCallback(TrainerCallback):
         kwargs_["metadata"] = with_grad_clip(kwargs_.get("metadata"), clip)
         self._recorder = Recorder(self.path, model, opt, scheduler=sched, scaler=scaler, resume=resume,
                                   start_step=start, **kwargs_)
+        trainer = _calling_trainer()
+        self._log_micro_batches(trainer)
         if state.global_step > 0:  # a resume: the Trainer restores the checkpoint's RNG after this
-            self._watch_rng_restore()
+            self._watch_rng_restore(trainer)
         log.info("stepdump: recording into %s from step %d", self.path, self._recorder.step)
 
-    def _watch_rng_restore(self) -> None:
+    def _log_micro_batches(self, trainer: Any) -> None:
+        """Have the Trainer's ``training_step`` log each micro-batch it is given (``rec.log_batch``):
+        every micro-batch of an accumulation step, as a user line would. Callbacks see no inputs,
+        and a forward hook would also see evaluation batches; ``training_step(model, inputs, ...)``
+        is called once per training micro-batch, with the batch as the data loader gave it."""
+        original = getattr(trainer, "training_step", None) if trainer is not None else None
+        if trainer is None or not callable(original):
+            log.warning("stepdump: no Trainer called on_train_begin; the batches are not recorded (a step is "
+                        "re-executed only with batch=)")
+            return
+        rec = self._recorder
+
+        def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if rec is not None and rec is self._recorder:
+                try:  # reads the tensors only (fingerprint, copy): the step is unchanged
+                    rec.log_batch(inputs)
+                except ConfigError as e:  # a batch without tensors: nothing to identify it by
+                    log.debug("stepdump: a micro-batch was not logged: %s", e)
+            return original(model, inputs, *args, **kwargs)
+
+        trainer.training_step = training_step  # an instance attribute: this Trainer only
+        undo = self._unwatch
+
+        def unwatch() -> None:
+            if trainer.__dict__.get("training_step") is training_step:
+                del trainer.__dict__["training_step"]
+            if undo is not None:
+                undo()
+        self._unwatch = unwatch
+
+    def _watch_rng_restore(self, trainer: Any) -> None:
         """Have the Trainer that called ``on_train_begin`` retake the first record's start state
         right after its ``_load_rng_state`` (the only moment between its restore and the data
         loader's next draw). Callbacks are not given the Trainer: it is the ``self`` of a caller."""
         # The Trainer's own (private) restore is the only hook at the right moment; it is reached
         # by name, as _common.found_inf reads the GradScaler's state, and left as it was at the end.
-        trainer = _calling_trainer()
         original = getattr(trainer, _RESTORE, None) if trainer is not None else None
         if trainer is None or not callable(original):
             self._first_begin = True
@@ -162,9 +193,13 @@ class StepdumpTrainerCallback(TrainerCallback):
 
         setattr(trainer, _RESTORE, load_rng_state)  # an instance attribute: this Trainer only
 
+        undo = self._unwatch
+
         def unwatch() -> None:
             if trainer.__dict__.get(_RESTORE) is load_rng_state:
                 del trainer.__dict__[_RESTORE]
+            if undo is not None:
+                undo()
         self._unwatch = unwatch
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

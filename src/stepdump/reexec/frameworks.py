@@ -12,7 +12,7 @@ then (after the grads are fingerprinted: Lightning records them before it clips)
 
 Refused with the reason where that would not be the recorded iteration: manual optimization,
 several optimizers, a module that clips its own way (``configure_gradient_clipping``).
-The HF Trainer's recordings are not covered yet (pass ``train_step``).
+A run recorded by the HF Trainer callback is re-executed by its Trainer (reexec/hf_trainer.py).
 """
 
 from __future__ import annotations
@@ -24,22 +24,27 @@ import torch
 
 from stepdump.errors import ConfigError
 from stepdump.read.export_trainers import TRAINER_META_KEY
+from stepdump.reexec import hf_trainer
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
 
 
-def supply(run: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-           scheduler: Any) -> tuple[torch.optim.Optimizer, TrainStep, Any, list[str]]:
-    """``(optimizer, train_step, scheduler, notes)`` for a framework's recording, or a ConfigError."""
+def supply(run: Any, module: Any, optimizer: torch.optim.Optimizer | None,
+           scheduler: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainStep, Any, list[str]]:
+    """``(model, optimizer, train_step, scheduler, notes)`` for a framework's recording, or a
+    ConfigError. ``module``: the LightningModule, or the HF ``Trainer`` (reexec/hf_trainer.py)."""
     meta_user = run.meta.get("user")
     user: dict[str, Any] = meta_user if isinstance(meta_user, dict) else {}
     raw = user.get(TRAINER_META_KEY)
     setup: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    if setup.get("framework") != "lightning" or not hasattr(module, "training_step"):
+    if setup.get("framework") == "hf-trainer":
+        return hf_trainer.supply(run, setup, module, optimizer, scheduler)
+    if setup.get("framework") != "lightning" or not hasattr(module, "training_step") or hf_trainer.is_trainer(module):
         what = f"a {setup['framework']} recording" if setup.get("framework") else "not recorded by a framework callback"
         raise ConfigError(f"{run.path} is {what}: pass train_step=(model, optimizer, batch) -> loss, one iteration as "
-                          "the loop ran it (a Lightning run re-executes from its LightningModule without one)")
-    return _lightning(user, setup, module, optimizer, scheduler)
+                          "the loop ran it (a Lightning run re-executes from its LightningModule without one, an "
+                          "HF Trainer run from its Trainer)")
+    return (module, *_lightning(user, setup, module, optimizer, scheduler))
 
 
 def _configured(module: Any) -> tuple[torch.optim.Optimizer, Any]:

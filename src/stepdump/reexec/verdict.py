@@ -164,7 +164,10 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
             ``log_batch`` calls (micro-batches) is handed over as a list, one item per call.
             None for a run recorded by the Lightning callback: the iteration is built from the
             LightningModule ``model`` (``training_step``, the Trainer's accumulation and clipping
-            from the run's meta; ``optimizer`` None: from ``configure_optimizers``).
+            from the run's meta; ``optimizer`` None: from ``configure_optimizers``). For a run
+            recorded by the HF Trainer callback, pass the ``transformers.Trainer`` as ``model``:
+            its ``training_step``, clipping, optimizer and scheduler run the step
+            (reexec/hf_trainer.py).
         repeat: Re-executions (2 or more tells nondeterminism from a difference with the record).
         batch: The step's batch, when the run holds only its fingerprint; checked against it
             (:class:`stepdump.errors.BatchMismatchError`: "this is not the batch of step k").
@@ -193,10 +196,10 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
         run, rank = ranks.select(run)
     supplied: list[str] = []
     if train_step is None:  # a framework's recording: its module gives the iteration (reexec/frameworks.py)
-        optimizer, train_step, scheduler, supplied = frameworks.supply(run, model, optimizer, scheduler)
+        model, optimizer, train_step, scheduler, supplied = frameworks.supply(run, model, optimizer, scheduler)
     elif optimizer is None:
         raise ConfigError("optimizer= is needed with a train_step of your own (only a Lightning recording's module "
-                          "supplies both)")
+                          "or an HF recording's Trainer supplies both)")
     globs = (module_globs(activations, "activations"), module_globs(activation_grads, "activation_grads"))
     if write_back:
         check_writable(run)  # before any work: a bundle, a remote run, a run being recorded
