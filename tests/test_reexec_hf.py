@@ -137,3 +137,17 @@ def test_cli_reexec_from_a_trainer_alone(tmp_path: Path, capsys: pytest.CaptureF
     _trainer(tmp_path / "o", callbacks=[StepdumpTrainerCallback(tmp_path / "run")]).train()
     assert main(["reexec", str(tmp_path / "run"), "--step", "4", "--entry", "test_reexec_hf:make_trainer"]) == 0
     assert "step 4: reproduces" in capsys.readouterr().out
+
+
+class Poisoned(Trainer):
+    """Its loss is NaN at every micro-batch: the Trainer logs a substitute (logging_nan_inf_filter)."""
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch) * float("nan")
+
+
+def test_a_nan_loss_the_trainer_filtered_is_not_compared(tmp_path: Path) -> None:
+    _trainer(tmp_path / "o", Poisoned, [StepdumpTrainerCallback(tmp_path / "run")], max_grad_norm=0.0).train()
+    r = stepdump.reexecute(stepdump.open(tmp_path / "run"), 1, _trainer(tmp_path / "re", Poisoned, max_grad_norm=0.0))
+    assert r.verdict == "reproduces", r.summary()  # the grads and params (NaN) compared, bitwise
+    assert any("logging_nan_inf_filter" in n for n in r.notes), r.summary()

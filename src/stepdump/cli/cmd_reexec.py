@@ -23,7 +23,8 @@ EXAMPLES = """examples:
 takes no arguments and returns (model, optimizer, train_step[, scheduler[, scaler]]) or a dict
 with those keys, freshly built as the recorded loop built them; train_step(model, optimizer,
 batch) runs one iteration. For a run recorded by the Lightning callback it may return the
-LightningModule alone: the iteration is built from it. Exit 0: the step reproduces; 1: it does not (the verdict says how).
+LightningModule alone (the iteration is built from it); by the HF Trainer callback, the Trainer
+alone (built as for the run, with its train_dataset: the Trainer runs the step). Exit 0: the step reproduces; 1: it does not (the verdict says how).
 """
 
 

@@ -66,6 +66,11 @@ class StepdumpTrainerCallback(TrainerCallback):
     ``grad_norm`` rather than the clipped grads (``logging_steps=1`` gives it
     at every step).
 
+    **Batches.** Every micro-batch the Trainer's ``training_step`` is given goes to
+    ``log_batch`` (the callback wraps ``training_step`` on the Trainer instance that
+    called ``on_train_begin``; it only reads the inputs), so
+    ``stepdump.reexecute(run, k, trainer)`` re-executes a step from a Trainer alone.
+
     **Resuming.** ``trainer.train(resume_from_checkpoint=...)`` records into the
     same run (``resume=True``) from ``state.global_step``; steps the run already
     has from there on (recorded after that checkpoint was saved) are dropped and

@@ -13,16 +13,16 @@ Trainer's own code, so that what it does is what the recorded loop did:
   step's micro-batches, ``current_gradient_accumulation_steps`` set as the loop sets it, then
   ``trainer.training_step`` on each micro-batch (``compute_loss``, the division by the
   accumulation where the Trainer divides, ``accelerator.backward``);
-- ``trainer._clip_grad_norm`` with ``max_grad_norm > 0`` *before* ``optimizer.step()``: the
-  callback records at the optimizer's step pre-hook, after the Trainer clipped, so the grads
-  compared are the clipped ones, as recorded;
+- ``trainer._clip_grad_norm`` with ``max_grad_norm > 0``, then ``trainer._get_grad_norm``, *before*
+  ``optimizer.step()``: the callback records at the optimizer's step pre-hook, after the Trainer
+  clipped, so the grads compared are the clipped ones, as recorded;
 - ``optimizer.step()``, ``lr_scheduler.step()``, ``model.zero_grad()``;
 - the loss as the Trainer logs it with ``logging_steps=1``: the float32 sum of the micro-batch
   losses ``training_step`` returned (``_tr_loss``), as a Python float. With ``logging_steps > 1``
   the logged loss is a mean over a window of steps, so no loss is returned (not compared; a note
   says so).
 
-The two ``_``-prefixed Trainer methods are private API, called by name as the callback reaches
+The ``_``-prefixed Trainer methods are private API, called by name as the callback reaches
 ``_load_rng_state``; a Trainer without them is refused with the reason.
 """
 
@@ -35,7 +35,8 @@ import torch
 
 from stepdump.errors import ConfigError
 
-_NEEDED = ("training_step", "create_optimizer_and_scheduler", "_get_num_items_in_batch", "_clip_grad_norm")
+_NEEDED = ("training_step", "create_optimizer_and_scheduler", "_get_num_items_in_batch", "_clip_grad_norm",
+           "_get_grad_norm")
 
 
 def is_trainer(obj: Any) -> bool:
@@ -77,6 +78,7 @@ def supply(run: Any, setup: dict[str, Any], trainer: Any, optimizer: torch.optim
         "window of steps, not this step's); grads, params and optimizer state are compared"]
 
     per_epoch = int(setup.get("steps_per_epoch") or 0)
+    nan_filter = bool(getattr(args, "logging_nan_inf_filter", False))
 
     def train_step(m: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> float | None:
         # One recorded call per micro-batch: a list of them, or one batch (a Mapping: HF inputs are dicts).
@@ -88,14 +90,24 @@ def supply(run: Any, setup: dict[str, Any], trainer: Any, optimizer: torch.optim
         num_items = trainer._get_num_items_in_batch(micro, device)
         trainer.current_gradient_accumulation_steps = len(micro)
         total = torch.tensor(0.0, device=device)  # the Trainer's _tr_loss (float32)
+        filtered = False
         for inputs in micro:
-            total += trainer.training_step(m, dict(inputs), num_items)
-        if max_norm > 0:
-            trainer._clip_grad_norm(m)  # before step(): the recorded grads are the clipped ones
+            step_loss = trainer.training_step(m, dict(inputs), num_items)
+            filtered |= bool(nan_filter and not torch.isfinite(step_loss).all())
+            total += step_loss
+        # Before step(), as the loop does: the recorded grads are the clipped ones. _get_grad_norm
+        # (the logged grad_norm) clips at inf without max_grad_norm: a no-op on finite grads, but
+        # it multiplies by NaN where the norm is not finite, so it is run too.
+        trainer._get_grad_norm(m, grad_norm=trainer._clip_grad_norm(m) if max_norm > 0 else None)
         opt.step()
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             scheduler.step()
         m.zero_grad()
+        if filtered:  # the Trainer logged a substitute (logging_nan_inf_filter), not this loss
+            note = "loss not compared: a micro-batch loss is NaN/Inf and logging_nan_inf_filter replaced it in the log"
+            if note not in notes:
+                notes.append(note)
+            return None
         return float(total.item()) if per_step_loss else None
 
     return model, inner, train_step, scheduler, notes
