@@ -123,6 +123,7 @@ class Pairs:
     # other people's jobs on the same cores, and it counts the writer thread's work.
     none_cpu: list[float] = field(default_factory=list)
     arm_cpu: list[float] = field(default_factory=list)
+    arm_close_ms: list[float] = field(default_factory=list)  # the arm's close(), timed apart (final record)
     error: str | None = None
 
     @property
@@ -134,11 +135,13 @@ class Pairs:
         r = [a / n for a, n in zip(self.arm_cpu, self.none_cpu, strict=True) if n > 0]
         return statistics.median(r) if r else float("nan")
 
-    def add(self, none: tuple[float, float], arm: tuple[float, float]) -> None:
+    def add(self, none: tuple[float, ...], arm: tuple[float, ...]) -> None:
         self.none_ms.append(none[0])
         self.none_cpu.append(none[1])
         self.arm_ms.append(arm[0])
         self.arm_cpu.append(arm[1])
+        if len(arm) > 2:
+            self.arm_close_ms.append(arm[2])
 
     @property
     def median(self) -> float:
@@ -153,7 +156,8 @@ class Pairs:
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "label": self.label, "none_ms": self.none_ms, "arm_ms": self.arm_ms,
                 "none_cpu_ms": self.none_cpu, "arm_cpu_ms": self.arm_cpu, "ratios": self.ratios,
-                "median": self.median, "cpu_median": self.cpu_median, "error": self.error}
+                "median": self.median, "cpu_median": self.cpu_median, "arm_close_ms": self.arm_close_ms,
+                "error": self.error}
 
 
 def _q(sorted_values: list[float], q: float) -> float:
@@ -164,10 +168,12 @@ def _q(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def time_segment(w: workloads.Workload, maker: Maker, out: Path, steps: int) -> tuple[float, float]:
-    """Wall ms/step and process-CPU ms/step of ``steps`` steps with one way of recording,
-    from the first timed step until after ``close()`` (deferred writer work counts, as
-    in run.py).
+def time_segment(w: workloads.Workload, maker: Maker, out: Path, steps: int) -> tuple[float, float, float]:
+    """Wall ms/step and process-CPU ms/step of ``steps`` steps with one way of recording, and
+    the wall ms of its ``close()``, timed apart: ``close()`` writes the final record (the trained
+    state, in full, whatever the schedule: capture/final.py), a cost paid once per run, which
+    spread over a segment of a few steps would read as a per-step cost it is not. What the
+    writer still had to do for the timed steps is in the close time too.
 
     The recording is built, and its first step run, outside the timed region: a
     fresh Recorder's first step allocates and creates its series, which a
@@ -182,8 +188,9 @@ def time_segment(w: workloads.Workload, maker: Maker, out: Path, steps: int) -> 
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             w.step(rec.hook)
+        t1, c1 = time.perf_counter(), time.process_time()
         rec.close()
-        return (time.perf_counter() - t0) / steps * 1e3, (time.process_time() - c0) / steps * 1e3
+        return (t1 - t0) / steps * 1e3, (c1 - c0) / steps * 1e3, (time.perf_counter() - t1) * 1e3
     finally:
         del rec
         if out.exists():
