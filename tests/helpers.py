@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -358,3 +359,38 @@ def open_page(browser: Any, url: str) -> tuple[Any, list[str]]:
     page.goto(url)
     page.wait_for_selector("body[data-ready='1']", timeout=15_000)
     return page, problems
+
+
+# gloo connects the ranks over the interface the hostname resolves to; keep it on loopback.
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gloo_env(world: int, *pythonpath: Path) -> dict[str, str]:
+    """The environment for ``world`` rank processes of one gloo job on loopback (rank not set),
+    with ``pythonpath`` in front of PYTHONPATH."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1", **LOOPBACK}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def one_batch_run(path: Path) -> Path:
+    """A plain loop's run (no framework callback): one SGD step of ``nn.Linear(2, 1)`` with its batch
+    logged by hand; for tests that a framework-only path refuses it."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    import stepdump
+
+    with stepdump.Recorder(path, model, opt) as rec:
+        rec.log_batch(torch.ones(1, 2))
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    return path

@@ -8,8 +8,6 @@ tests compare the recording with them bit for bit.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_same
+from helpers import LOOPBACK, assert_same, gloo_env
 from torch import nn
 
 import stepdump
@@ -36,22 +34,13 @@ DESYNC_STEP = 3
 PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")  # the workers' MLP; DDP prefixes "module."
 
 
-# gloo connects the ranks over the interface the hostname resolves to; keep it on loopback.
-_LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(WORLD),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           **_LOOPBACK}
+    env = gloo_env(WORLD, HERE)
     procs = [
         subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(out)], env={**env, "RANK": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -245,7 +234,7 @@ def test_cross_rank_finds_a_desync_between_hsdp_replicas(job: Path) -> None:
 @pytest.fixture
 def one_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A world_size=1 gloo group in this process, torn down after the test."""
-    for k, v in _LOOPBACK.items():
+    for k, v in LOOPBACK.items():
         monkeypatch.setenv(k, v)
     store = dist.FileStore(str(tmp_path / "pg-store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -142,30 +142,29 @@ def stepdump_recorder_types() -> tuple[type, ...]:
     return (Recorder, JointRecorder)
 
 
+def _unquoted(line: str, ch: str, after_space: bool = False) -> int:
+    """Index of the first ``ch`` outside quotes (only one after whitespace if ``after_space``), or -1."""
+    quote = ""
+    for i, c in enumerate(line):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == ch and (not after_space or (i and line[i - 1].isspace())):
+            return i
+    return -1
+
+
 def strip_comment(line: str) -> str:
     """``line`` without a trailing ``# comment`` (a ``#`` after whitespace, outside quotes)."""
-    quote = ""
-    for i, ch in enumerate(line):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and i and line[i - 1].isspace():
-            return line[:i].rstrip()
-    return line.rstrip()
+    i = _unquoted(line, "#", after_space=True)
+    return (line[:i] if i != -1 else line).rstrip()
 
 
 def split_pipe(line: str) -> tuple[str, str]:
     """``(the stepdump command, the rest of the pipeline or "")``, split at the first unquoted ``|``."""
-    quote = ""
-    for i, ch in enumerate(line):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "|":
-            return line[:i].rstrip(), line[i + 1:].strip()
-    return line, ""
+    i = _unquoted(line, "|")
+    return (line, "") if i == -1 else (line[:i].rstrip(), line[i + 1:].strip())
 
 
 def run_page(page: str, folder: Path, fixture_runs: Any, text: str | None = None) -> tuple[list[str], list[Block]]:

@@ -13,8 +13,6 @@ rounding).
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -22,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_same
+from helpers import assert_same, gloo_env
 
 import stepdump
 from stepdump.analysis.cross_rank import cross_rank
@@ -44,10 +42,7 @@ def _free_port() -> int:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("ranksgen")
     real, gen = root / "real", root / "gen"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1"}
-    if os.path.exists("/sys/class/net/lo"):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
+    env = gloo_env(2)
     procs = [subprocess.Popen([sys.executable, str(BENCH / "ranks_gen.py"), "--real", str(real), "--steps", str(STEPS)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, one_batch_run
 
 import stepdump
 from stepdump.errors import ConfigError
@@ -113,14 +113,8 @@ def test_refused_with_the_reason(tmp_path: Path, what: str, words: str) -> None:
         with pytest.raises(ConfigError, match=words):
             stepdump.reexecute(stepdump.open(tmp_path / "run"), 0, given)
     else:
-        model = torch.nn.Linear(2, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with stepdump.Recorder(tmp_path / "plain", model, opt) as rec:
-            rec.log_batch(torch.ones(1, 2))
-            model(torch.ones(1, 2)).sum().backward()
-            opt.step()
         with pytest.raises(ConfigError, match=words):
-            stepdump.reexecute(stepdump.open(tmp_path / "plain"), 0, _trainer(tmp_path / "re"))
+            stepdump.reexecute(stepdump.open(one_batch_run(tmp_path / "plain")), 0, _trainer(tmp_path / "re"))
 
 
 def make_trainer() -> Trainer:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import one_batch_run
 from torch import nn
 
 import stepdump
@@ -96,14 +97,8 @@ def test_a_changed_module_differs_from_the_record(tmp_path: Path) -> None:
                                              ("no-optimizer", "optimizer")])
 def test_refused_with_the_reason(tmp_path: Path, what: str, words: str) -> None:
     if what == "plain-run":
-        model = nn.Linear(2, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with stepdump.Recorder(tmp_path / "plain", model, opt) as rec:
-            rec.log_batch(torch.ones(1, 2))
-            model(torch.ones(1, 2)).sum().backward()
-            opt.step()
         with pytest.raises(ConfigError, match=words):
-            stepdump.reexecute(stepdump.open(tmp_path / "plain"), 0, model)
+            stepdump.reexecute(stepdump.open(one_batch_run(tmp_path / "plain")), 0, nn.Linear(2, 1))
     elif what == "custom-clip":
         run = stepdump.open(record(tmp_path / "run", CustomClip(), gradient_clip_val=0.05))
         with pytest.raises(ConfigError, match=words):

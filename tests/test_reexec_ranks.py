@@ -7,8 +7,6 @@ on rank 1 only, and every rank's verdict says which ranks agree.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import gloo_env
 from torch import nn
 
 import stepdump
@@ -24,21 +23,13 @@ from stepdump.errors import ConfigError
 HERE = Path(__file__).resolve().parent
 WORLD = 2
 FLIPPED = "module.0.weight"
-_LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reexec_ranks")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(WORLD),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           **_LOOPBACK}
+    env = gloo_env(WORLD, HERE)
     procs = [subprocess.Popen([sys.executable, str(HERE / "reexec_dist_worker.py"), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(WORLD)]
