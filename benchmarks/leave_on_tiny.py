@@ -144,12 +144,9 @@ def summary(results: dict[str, Any], args: argparse.Namespace, date: str) -> dic
 
 
 def write_results(path: Path, text: str) -> None:
-    body = path.read_text() if path.exists() else "# stepdump benchmarks: results\n"
-    if MARKER in body:
-        start = body.index(MARKER)
-        nxt = body.find("\n## ", start + len(MARKER))
-        body = body[:start] + (body[nxt:] if nxt != -1 else "\n")
-    path.write_text(body.rstrip("\n") + "\n" + text)
+    from results_md import replace_section  # benchmarks/ is sys.path[0] when run as a script
+
+    replace_section(path, MARKER, text)
 
 
 def main(argv: list[str] | None = None) -> int:
