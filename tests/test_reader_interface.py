@@ -113,10 +113,9 @@ def _record_single(path: Any) -> dict[str, Any]:
 
 
 def _multirank(out: Path) -> None:
-    from test_distributed import _LOOPBACK, _free_port
+    from helpers import gloo_env
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(WORLD),
-           "OMP_NUM_THREADS": "1", **_LOOPBACK}
+    env = gloo_env(WORLD)
     procs = [subprocess.Popen([sys.executable, __file__, str(out)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
     logs = []
