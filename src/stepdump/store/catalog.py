@@ -17,6 +17,7 @@ and :mod:`stepdump.store.queries` (every query a reader runs); the schema itself
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,6 +41,18 @@ from stepdump.store.schema import (
 )
 
 log = logging.getLogger(__name__)
+
+# Rows per multi-row INSERT (CatalogWriter._insert_rows): 16 values a tensor row, 8,000 per
+# statement, well inside SQLite's limit on bound values (32,766 since 3.32; 999 before it is
+# why older code used executemany: a build that old gets one row per statement, below).
+_ROWS_PER_INSERT = 500 if sqlite3.sqlite_version_info >= (3, 32, 0) else 1
+
+
+@functools.lru_cache(maxsize=64)
+def _row_marks(width: int, rows: int) -> str:
+    """``(?, …), (?, …)…``: ``rows`` groups of ``width`` marks (cached: the same few shapes every step)."""
+    one = "(" + ", ".join("?" * width) + ")"
+    return ", ".join([one] * rows)
 
 # Re-exported: the reader side lives in catalog_read / queries, the schema in schema.
 __all__ = [
@@ -236,20 +249,31 @@ class CatalogWriter:
 
     def add_tensors(self, rows: Iterable[Sequence[Any]]) -> None:
         """Rows of (series, step, dtype, shape, blob, *STAT_COLUMNS, fingerprint)."""
-        self.con.executemany(
-            "INSERT OR REPLACE INTO tensors(series, step, dtype, shape, blob, numel, nan, posinf, neginf,"
-            " min, max, mean, std, norm, zero_frac, fingerprint) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            rows,
-        )
+        self._insert_rows("INSERT OR REPLACE INTO tensors(series, step, dtype, shape, blob, numel, nan, posinf,"
+                          " neginf, min, max, mean, std, norm, zero_frac, fingerprint) VALUES ", 16, rows)
+
+    def _insert_rows(self, head: str, width: int, rows: Iterable[Sequence[Any]]) -> None:
+        """``rows`` (``width`` values each) inserted by a few multi-row INSERTs rather than one
+        ``executemany`` step per row: the sqlite3 module lets go of the GIL around every step, and
+        on a small model's step each of those hand-offs costs the training thread more than the
+        row (issue 25). Statements of ``_ROWS_PER_INSERT`` rows, the rest in one shorter one."""
+        rows = list(rows)
+        for i in range(0, len(rows), _ROWS_PER_INSERT):
+            part = rows[i:i + _ROWS_PER_INSERT]
+            marks = _row_marks(width, len(part))
+            self.con.execute(head + marks, [v for r in part for v in r])
 
     def add_step(self, step: int, level: int, skipped: bool, state: str | None) -> None:
-        self.con.execute(
-            "INSERT OR REPLACE INTO steps(step, level, skipped, time, state) VALUES (?, ?, ?, ?, ?)",
-            (step, level, int(skipped), time.time(), state),
-        )
+        """One step's row, timed now."""
+        self.add_steps([(step, level, int(skipped), time.time(), state)])
+
+    def add_steps(self, rows: Iterable[tuple[int, int, int, float, str | None]]) -> None:
+        """Rows of (step, level, skipped, time, state): steps held for a group commit keep the
+        time they were written at, not the commit's."""
+        self._insert_rows("INSERT OR REPLACE INTO steps(step, level, skipped, time, state) VALUES ", 5, rows)
 
     def add_scalars(self, rows: Iterable[tuple[int, str, float | None]]) -> None:
-        self.con.executemany("INSERT OR REPLACE INTO scalars(step, name, value) VALUES (?, ?, ?)", rows)
+        self._insert_rows("INSERT OR REPLACE INTO scalars(step, name, value) VALUES ", 3, rows)
 
     def renumber_step(self, old: int, new: int) -> None:
         """Move every row of step ``old`` (step, tensors, scalars) to step ``new``, which must be

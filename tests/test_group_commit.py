@@ -1,0 +1,136 @@
+"""Group commit (issue 25): stats-only steps are committed together, not one transaction each.
+
+On a millisecond step every SQLite call of the writer thread was a GIL hand-off that stalled the
+training thread (capture/writer.py's module docstring). These tests pin what the change may and
+may not do: fewer statements per stats-only step; every step still committed, in order, with the
+time it was written; a step with bytes, a ``durability="fsync"`` run and ``close()`` commit at
+once; an idle writer commits what it holds within ``COMMIT_WINDOW``; a failure still names the
+first step that did not commit.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import catalog_sql, tiny_batch, tiny_model
+
+import stepdump
+from stepdump.capture import writer as writer_mod
+from stepdump.store.catalog import CatalogWriter
+
+
+@pytest.fixture
+def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every SQL statement the writer's catalog connection runs, as SQLite expands it."""
+    seen: list[str] = []
+    real = sqlite3.connect
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        con = real(*args, **kwargs)
+        con.set_trace_callback(seen.append)
+        return con
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    return seen
+
+
+def _train(rec: stepdump.Recorder, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
+           pause: float = 0.0) -> None:
+    for t in range(steps):
+        x, y = tiny_batch(t)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        rec.log(loss=float(t))
+        if pause:
+            time.sleep(pause)
+
+
+def _steps_rows(statements: list[str], table: str) -> list[str]:
+    return [s for s in statements if s.startswith(f"INSERT OR REPLACE INTO {table}(")]
+
+
+def test_stats_only_steps_share_their_statements(tmp_path: Path, statements: list[str]) -> None:
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps = 40
+    with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
+        _train(rec, model, opt, steps)
+    commits = sum(s == "COMMIT" for s in statements)
+    step_inserts = _steps_rows(statements, "steps")
+    tensor_inserts = _steps_rows(statements, "tensors")
+    # One transaction per step before: >= 40 commits and 40 step and 40 tensor statements.
+    # Steps this fast (well under COMMIT_WINDOW) share a few; the final record commits alone.
+    assert commits < steps / 4, commits
+    assert len(step_inserts) < steps / 4 and len(tensor_inserts) < steps / 4, (len(step_inserts), len(tensor_inserts))
+    # ...and every step is there, once, in order, each with the time it was written (not its commit's)
+    rows = catalog_sql(tmp_path / "run", "SELECT step, level, time FROM steps ORDER BY step")
+    assert [r[0] for r in rows] == list(range(steps + 1))  # + the final record
+    times = [r[2] for r in rows[:steps]]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    run = stepdump.open(tmp_path / "run")
+    assert run.scalars()["loss"].dropna().tolist() == [float(t) for t in range(steps)]
+    assert len(run.stats(steps=steps - 1)) == len(run.stats(steps=0)) > 0
+
+
+def test_each_step_commits_alone_with_fsync_and_for_bytes(tmp_path: Path, statements: list[str]) -> None:
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "fsync", model, opt, every=None, stats_every=1, durability="fsync") as rec:
+        _train(rec, model, opt, 6)
+    assert sum(s == "COMMIT" for s in statements) >= 6
+    statements.clear()
+    with stepdump.Recorder(tmp_path / "full", model, opt, every=1) as rec:  # every step has bytes
+        _train(rec, model, opt, 6)
+    assert sum(s == "COMMIT" for s in statements) >= 6
+
+
+def test_an_idle_writer_commits_what_it_holds(tmp_path: Path) -> None:
+    """A live reader sees a stats-only step within COMMIT_WINDOW (plus slack), without close()."""
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    path = tmp_path / "run"
+    with stepdump.Recorder(path, model, opt, every=None, stats_every=1) as rec:
+        _train(rec, model, opt, 3)
+        deadline = time.monotonic() + writer_mod.COMMIT_WINDOW + 10  # slack for a loaded machine
+        seen: list[Any] = []
+        while time.monotonic() < deadline:
+            seen = catalog_sql(path, "SELECT step FROM steps ORDER BY step")
+            if len(seen) == 3:
+                break
+            time.sleep(0.02)
+        assert [s for (s,) in seen] == [0, 1, 2]
+        # and a step arriving after a pause starts a new window: it commits too
+        _train(rec, model, opt, 1)
+        while time.monotonic() < deadline and len(seen) < 4:
+            seen = catalog_sql(path, "SELECT step FROM steps ORDER BY step")
+            time.sleep(0.02)
+        assert len(seen) == 4
+
+
+def test_a_failed_group_names_its_first_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A group commit that fails takes every held step with it: the warning names the first of
+    them as where recording stopped, and the run holds none of them."""
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", 3600.0)  # hold every stats-only step until close()
+
+    def full_disk(self: Any, rows: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    path = tmp_path / "run"
+    rec = stepdump.Recorder(path, model, opt, every=None, stats_every=1)
+    _train(rec, model, opt, 5)  # steps 0..4 held, nothing committed yet
+    assert catalog_sql(path, "SELECT count(*) FROM steps") == [(0,)]
+    monkeypatch.setattr(CatalogWriter, "add_steps", full_disk)
+    with caplog.at_level("WARNING"):
+        rec.close()  # the final record's commit inserts the held steps first, and fails
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "stopped at step 0" in said and "No space left on device" in said, said
+    assert catalog_sql(path, "SELECT count(*) FROM steps") == [(0,)]
