@@ -145,3 +145,20 @@ def test_a_nan_loss_the_trainer_filtered_is_not_compared(tmp_path: Path) -> None
     r = stepdump.reexecute(stepdump.open(tmp_path / "run"), 1, _trainer(tmp_path / "re", Poisoned, max_grad_norm=0.0))
     assert r.verdict == "reproduces", r.summary()  # the grads and params (NaN) compared, bitwise
     assert any("logging_nan_inf_filter" in n for n in r.notes), r.summary()
+
+
+def test_steps_recorded_after_a_checkpoint_resume_reexecute(tmp_path: Path) -> None:
+    """A run the Trainer resumed from a checkpoint (its steps 2.. recorded by a second Trainer that
+    restored model, optimizer, scheduler and RNG from checkpoint-2): each step on either side of
+    the resume re-executes bit for bit."""
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    _trainer(out, callbacks=[StepdumpTrainerCallback(run_dir)], max_steps=2, save_strategy="steps",
+             save_steps=2).train()
+    _trainer(out, callbacks=[StepdumpTrainerCallback(run_dir)], max_steps=4).train(
+        resume_from_checkpoint=str(out / "checkpoint-2"))
+    with stepdump.open(run_dir) as run:
+        assert run.all_steps == [0, 1, 2, 3, 4] and [h["resumed_at"] for h in run.meta["history"]] == [2]
+        for k in range(4):
+            r = stepdump.reexecute(run, k, _trainer(tmp_path / "re", max_steps=4))
+            assert r.verdict == "reproduces", (k, r.summary())
+            assert r.compared > 50, r.summary()
