@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from stepdump.capture.handles import Hook, ScalerStep
+from stepdump.capture.profiling import timed
 from stepdump.capture.step_state import StateBefore
 
 
@@ -49,6 +50,7 @@ class Steps(Protocol):
     def step(self) -> int: ...
     def capture(self, *, skipped: bool = False, optimizer_state: StateBefore | None = None) -> int: ...
     def end_step(self) -> None: ...
+    def _spent(self, seconds: float) -> None: ...
 
 
 def attach(rec: Steps, scaler: Any, *, auto_capture: bool) -> list[Any]:
@@ -61,11 +63,21 @@ def attach(rec: Steps, scaler: Any, *, auto_capture: bool) -> list[Any]:
     the grads are final). A scaler wrapper is undone by :func:`detach_scaler`.
     """
     opt = rec.optimizer
+    # The frame walk that tells a step's own hook call from an inner super().step()'s is the
+    # recorder's time too (sys/recorder_ms, issue 25 item 2).
+    nested = timed(nested_step, rec._spent)
+
+    def post(o: Any, a: Any, k: Any) -> None:
+        if not nested(o):
+            rec.end_step()
+
+    def pre(o: Any, a: Any, k: Any) -> Any:
+        return None if nested(o) else capture_at_pre_hook(rec, a, k)
+
     # Hooks, not bare lambdas: a copy or pickle of the optimizer never carries the Recorder (handles.py).
-    handles = [opt.register_step_post_hook(Hook(lambda o, a, k: None if nested_step(o) else rec.end_step()))]
+    handles = [opt.register_step_post_hook(Hook(post))]
     if auto_capture:
-        handles.append(opt.register_step_pre_hook(
-            Hook(lambda o, a, k: None if nested_step(o) else capture_at_pre_hook(rec, a, k))))
+        handles.append(opt.register_step_pre_hook(Hook(pre)))
         if scaler is not None:
             scaler.step = watch_scaler(scaler, rec)  # an instance attribute shadows the method
     return handles

@@ -386,13 +386,13 @@ class Recorder(_iteration.IterationStart):
         ``optimizer_state``: the optimizer state as ``step()`` began, when the
         record is taken inside it (after a closure's first call; naming.StateBefore).
         """
+        started = time.perf_counter()  # from here on the pre-hook's time is the recorder's (sys/recorder_ms)
         t = self._step
         if (not self.recording or self._closed or self._captured_at == t or self._guard.stopped
                 or self._link.failed()):
             return t
         self._captured_at = t
         self._asm.state_before = optimizer_state
-        started = time.perf_counter()  # from here on the pre-hook's time is the recorder's (sys/recorder_ms)
         try:
             if self._joint is not None:  # a pair of a joint run: is it this pair's turn?
                 self._joint.update_starting(self)
