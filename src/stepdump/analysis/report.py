@@ -30,7 +30,6 @@ from stepdump.analysis.matrices import (
     bucketed_matrices,
     combined_norm,
     nonfinite_counts,
-    scalar_series,
     stat_matrices,
     stat_matrix,
     total_numel,
@@ -38,7 +37,8 @@ from stepdump.analysis.matrices import (
 from stepdump.analysis.report_dist import BAND_COLUMNS, DIST_KINDS, QUANTILES, sample_quantiles, stat_bands
 from stepdump.analysis.report_groups import tensor_groups
 from stepdump.analysis.report_ranks import json_ready, ranks_summary
-from stepdump.analysis.report_scalars import group_scalars, scalar_order, wants_log
+from stepdump.analysis.report_scalars import scalar_order
+from stepdump.analysis.scalar_charts import scalar_charts
 from stepdump.errors import ConfigError, StepdumpError
 from stepdump.read.joint import is_joint
 from stepdump.read.activations import reexecutions
@@ -281,11 +281,9 @@ def _scalars(stores: list[tuple[str, Run]], max_points: int) -> list[dict[str, A
     """One chart per group of equal series (:mod:`stepdump.analysis.report_scalars`); ranks side by side."""
     out: list[tuple[Any, dict[str, Any]]] = []
     for prefix, store in stores:
-        series = scalar_series(store)
-        for g in group_scalars(series):
-            steps, values = series[g.name]
-            x, y = minmax_downsample(steps, values, max_points)
-            bad = steps[~np.isfinite(values)]
+        # a series longer than max_points is shrunk inside the catalog (same points as in Python)
+        for chart in scalar_charts(store, max_points):
+            g, x, y = chart.group, chart.x, chart.y
             out.append(((scalar_order(g.name), prefix), {
                 "name": prefix + g.name,
                 "aliases": [prefix + n for n in g.aliases],
@@ -294,9 +292,9 @@ def _scalars(stores: list[tuple[str, Run]], max_points: int) -> list[dict[str, A
                 "note": g.note,
                 "x": _ints(x),
                 "y": _floats(y),
-                "points": int(steps.size),
-                "nonfinite_steps": _ints(bad[:max_points]),
-                "log": wants_log(values),
+                "points": chart.points,
+                "nonfinite_steps": _ints(chart.nonfinite_steps),
+                "log": chart.log,
             }))
     # loss first, then learning rates, then the rest alphabetically; ranks side by side
     return [d for _, d in sorted(out, key=lambda kd: kd[0])]

@@ -20,6 +20,7 @@ the logged series:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,17 +101,23 @@ def group_scalars(series: dict[str, Series]) -> list[ScalarGroup]:
     The series with the most points of a group is drawn (ties: :func:`scalar_order`); a name
     joins the first group whose drawn series it repeats.
     """
-    by_priority = sorted(series, key=lambda n: (-series[n][0].size, scalar_order(n)))
+    return fold_groups({n: int(v[0].size) for n, v in series.items()},
+                       lambda a, b, shift: _same_at(series[a], series[b], shift))
+
+
+def fold_groups(sizes: dict[str, int], same_at: Callable[[str, str, int], bool]) -> list[ScalarGroup]:
+    """:func:`group_scalars` over names with ``sizes`` points, ``same_at(a, b, shift)`` saying
+    whether ``b`` repeats ``a`` (read ``shift`` steps later): the catalog can answer it in SQL."""
+    by_priority = sorted(sizes, key=lambda n: (-sizes[n], scalar_order(n)))
     groups: list[ScalarGroup] = []
     for name in by_priority:
         home = None
         for g in groups:
-            a, b = series[g.name], series[name]
-            if _same_at(a, b, 0):
+            if same_at(g.name, name, 0):
                 g.aliases.append(name)
                 home = g
                 break
-            if _same_at(a, b, 1):
+            if same_at(g.name, name, 1):
                 g.shifted.append(name)
                 home = g
                 break

@@ -1,0 +1,85 @@
+"""Read-side aggregates for long runs: what the report and the checks ask the catalog to reduce.
+
+A 100k-step run logs millions of scalar rows and (with 500 tensors) fifty million stats rows;
+reading them into Python to draw a thousand pixels or to find one spike is the cost these
+queries remove. Each returns at most a bounded number of rows (per name, per bucket, per step
+window). They sit beside :class:`~stepdump.store.queries.CatalogReader` (SQL lives only in the
+store layer) and run through its connection.
+
+Non-finite scalars: SQLite stores a NaN REAL as NULL; ±Inf are stored as such (``9e999`` is
+SQLite's literal for Inf), so "finite" is ``value IS NOT NULL AND abs(value) != 9e999``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from stepdump.store.queries import CatalogReader
+
+_FINITE = "(value IS NOT NULL AND abs(value) != 9e999)"
+
+
+def scalar_summary(cat: CatalogReader) -> list[tuple[Any, ...]]:
+    """Per logged scalar name: ``(name, rows, non-finite rows, finite rows, finite min, finite max,
+    finite rows <= 0)``, in one pass over the scalars table."""
+    return cat._q(
+        f"SELECT name, count(*), sum(NOT {_FINITE}), sum({_FINITE}), min(CASE WHEN {_FINITE} THEN value END), "
+        f"max(CASE WHEN {_FINITE} THEN value END), sum({_FINITE} AND value <= 0) FROM scalars GROUP BY name")
+
+
+def scalar_median_rows(cat: CatalogReader) -> list[tuple[Any, Any]]:
+    """``(name, value)`` of the middle finite value(s) of every scalar: one row for an odd count,
+    the two middle ones for an even count (numpy's median is their mean)."""
+    return cat._q(
+        "SELECT name, value FROM (SELECT name, value, row_number() OVER (PARTITION BY name ORDER BY value) AS rn, "
+        f"count(*) OVER (PARTITION BY name) AS c FROM scalars WHERE {_FINITE}) "
+        "WHERE rn = (c + 1) / 2 OR rn = c / 2 + 1 ORDER BY name, rn")
+
+
+def scalar_rows_of(cat: CatalogReader, name: str) -> list[tuple[Any, Any]]:
+    """``(step, value)`` of one scalar, by step (value NULL for a logged NaN)."""
+    return cat._q("SELECT step, value FROM scalars WHERE name = ? ORDER BY step", (name,))
+
+
+def scalar_nonfinite_steps(cat: CatalogReader, name: str, limit: int) -> list[Any]:
+    """The first ``limit`` steps at which ``name`` was logged NaN or ±Inf, in order."""
+    return cat._ints(f"SELECT step FROM scalars WHERE name = ? AND NOT {_FINITE} ORDER BY step LIMIT ?",
+                     (name, int(limit)))
+
+
+def scalar_same_at(cat: CatalogReader, a: str, b: str, shift: int) -> tuple[int, int]:
+    """How ``b`` compares with ``a`` read ``shift`` steps later: ``(rows of b considered, rows that
+    differ)``. A row of ``b`` at step s differs when ``a`` has no row at s + shift or a different
+    value there (NULL, a logged NaN, equals NULL). For ``shift`` > 0 only rows of ``b`` whose
+    s + shift is at most ``a``'s last step are considered (the last of a shifted copy has no partner)."""
+    row = cat._q(
+        "SELECT count(*), coalesce(sum(x.step IS NULL OR x.value IS NOT y.value), 0) FROM scalars y "
+        "LEFT JOIN scalars x ON x.name = ? AND x.step = y.step + ? "
+        "WHERE y.name = ? AND (? = 0 OR y.step + ? <= (SELECT max(step) FROM scalars WHERE name = ?))",
+        (a, int(shift), b, int(shift), int(shift), a))[0]
+    return int(row[0]), int(row[1])
+
+
+def scalar_minmax_buckets(cat: CatalogReader, name: str, rows: int, buckets: int,
+                          later: Sequence[int] = (), earlier: Sequence[int] = ()) -> list[tuple[Any, Any, Any]]:
+    """``(index, step, value)`` of the points :func:`~stepdump.analysis.downsample.minmax_downsample`
+    keeps of scalar ``name``, chosen inside SQLite.
+
+    The ``rows`` points (by step, index i from 0) are cut into ``buckets`` buckets, bucket
+    ``((i + 1) * buckets - 1) // rows`` (the exact integer edges), moved one bucket on for the indices in
+    ``later`` and one back for those in ``earlier`` (where the caller's float edges round otherwise).
+    Per bucket: the first finite minimum, the first finite maximum, and the first non-finite point.
+    """
+    return cat._q(
+        "WITH r AS (SELECT step, value, row_number() OVER (ORDER BY step) - 1 AS i FROM scalars WHERE name = ?), "
+        "k AS (SELECT i, step, value, ((i + 1) * ? - 1) / ? + (i IN (SELECT value FROM json_each(?))) "
+        f"- (i IN (SELECT value FROM json_each(?))) AS b, {_FINITE} AS fin FROM r), "
+        "z AS (SELECT i, step, value, fin, "
+        "row_number() OVER (PARTITION BY b, fin ORDER BY value, i) AS lo, "
+        "row_number() OVER (PARTITION BY b, fin ORDER BY value DESC, i) AS hi, "
+        "row_number() OVER (PARTITION BY b, fin ORDER BY i) AS nth FROM k) "
+        "SELECT i, step, value FROM z WHERE (fin AND (lo = 1 OR hi = 1)) OR (NOT fin AND nth = 1) ORDER BY i",
+        (name, int(buckets), int(rows), json.dumps([int(i) for i in later]),
+         json.dumps([int(i) for i in earlier])))
