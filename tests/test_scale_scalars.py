@@ -141,9 +141,9 @@ def test_sql_buckets_draw_what_python_draws_and_keep_the_planted_point(
 
 
 def test_the_budgets_above_move_some_points_across_an_edge() -> None:
-    from stepdump.analysis.scalar_charts import _moved
+    from stepdump.analysis.scalar_charts import edge_moves
 
-    assert _moved(STEPS, 228 // 2) != ([], []) and _moved(STEPS, 171 // 3) != ([], [])
+    assert edge_moves(STEPS, 228 // 2) != ([], []) and edge_moves(STEPS, 171 // 3) != ([], [])
 
 
 def test_sql_path_is_taken_only_past_the_budget(base: Path) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from stepdump.analysis.downsample import minmax_downsample
 from stepdump.analysis.matrices import StatMatrix, scalar_series
-from stepdump.errors import StepdumpError
+from stepdump.errors import CorruptDataError, StepdumpError
 from stepdump.read.reader import RunReader
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ META_ROWS = ("model_class", "optimizer_class", "scheduler_class", "scaler", "tor
 def comparison(runs: Sequence[RunReader], page: dict[str, Any], max_points: int,
                *, diff_runs: bool = True) -> dict[str, Any]:
     """``page`` (combined data of ``runs``) with the comparison added (see the module docstring)."""
-    from stepdump.analysis.report import stacked_norms, stores_of
+    from stepdump.analysis.report import stores_of
 
     page["run_table"] = run_table(runs)
     if len(runs) < 2:
@@ -59,8 +59,7 @@ def comparison(runs: Sequence[RunReader], page: dict[str, Any], max_points: int,
     out = []
     for i in range(1, len(runs)):
         for kind, what in (("grads", "gradient L2 norm"), ("params", "weight L2 norm")):
-            a, b = stacked_norms(runs[0], kind), stacked_norms(runs[i], kind)
-            hm = _norm_diff(a, b, max_points, f"relative difference of {what}")
+            hm = norm_diff(runs[0], runs[i], kind, max_points, f"relative difference of {what}")
             if hm is not None:
                 out.append({"run": i, "kind": kind, "heatmap": hm})
     page["norm_diff"] = out
@@ -129,6 +128,67 @@ def scalar_difference(sa: np.ndarray, va: np.ndarray, sb: np.ndarray,
     return steps, d, rel, int(differ[0]) if differ.size else None
 
 
+def norm_diff(a: RunReader, b: RunReader, kind: str, max_points: int, label: str,
+              *, in_sql: bool | None = None) -> dict[str, Any] | None:
+    """The ``norm_diff`` heatmap of ``kind`` between runs ``a`` and ``b`` (None: nothing in common).
+
+    Two single-store runs sharing more than ``max_points`` steps are compared inside SQLite
+    (:func:`~stepdump.store.queries_scale.norm_diff_buckets`: the second catalog attached to the
+    first, tensors x buckets rows come back); the values are those of reading every norm and taking
+    each bucket's maximum (:func:`_norm_diff`). ``in_sql``: True forces the catalog path, False the
+    reading of every norm; None picks. Multi-rank runs, and a catalog that cannot be attached, are
+    read in full.
+    """
+    from stepdump.analysis.report import stacked_norms, stores_of
+
+    sa, sb = stores_of(a), stores_of(b)
+    if in_sql is not False and len(sa) == 1 and len(sb) == 1 and not sa[0][0] and not sb[0][0]:
+        try:
+            got = _norm_diff_sql(sa[0][1], sb[0][1], kind, max_points, label, force=bool(in_sql))
+        except StepdumpError as e:  # e.g. the second catalog is only readable as an immutable snapshot
+            log.info("report: %s compared in Python, the catalogs could not be joined: %s", kind, e)
+        else:
+            if got is not _IN_PYTHON:
+                return got  # type: ignore[return-value]
+    return _norm_diff(stacked_norms(a, kind), stacked_norms(b, kind), max_points, label)
+
+
+_IN_PYTHON = object()  # _norm_diff_sql: few enough common steps to read them all
+_NORM_NOTE = ("|‖A‖ − ‖B‖| / max(‖A‖, ‖B‖) per tensor and step; black: equal norms. Norms can agree "
+              "while tensors differ: stepdump diff compares the tensors bit for bit.")
+
+
+def _norm_diff_sql(a: Any, b: Any, kind: str, max_points: int, label: str, *, force: bool) -> object:
+    from stepdump.analysis.report import heatmap_data
+    from stepdump.analysis.scalar_charts import edge_moves
+    from stepdump.store import queries_scale as q
+
+    names_b = {str(n) for _, _, n in b.catalog.matching_series(kind, None)}
+    names = [str(n) for _, _, n in a.catalog.matching_series(kind, None) if str(n) in names_b]
+    if not names:
+        return None
+    with q.attached(a.catalog, b.catalog):
+        common = q.common_step_count(a.catalog, kind)
+        if not common:
+            return None
+        if common <= max_points and not force:
+            return _IN_PYTHON
+        buckets = max(1, min(common, max_points))
+        later, earlier = edge_moves(common, buckets)
+        rows, ranges = q.norm_diff_buckets(a.catalog, kind, common, buckets, later, earlier)
+    at = {n: i for i, n in enumerate(names)}
+    values = np.full((len(names), buckets), np.nan)
+    try:
+        for name, col, v in rows:
+            values[at[str(name)], int(col)] = np.nan if v is None else float(v)
+        span = np.array([r[1:] for r in ranges], dtype=np.int64).reshape(-1, 2)
+    except (KeyError, IndexError, ValueError, TypeError) as e:
+        raise CorruptDataError(f"the norms in the catalogs of {a.path} and {b.path} are not all numbers ({e!r}): "
+                               "a catalog is damaged (`stepdump verify` checks a run)") from e
+    return heatmap_data(StatMatrix(names, span[:, 0], values, ends=span[:, 1], count=common), max_points, label,
+                        _NORM_NOTE)
+
+
 def _norm_diff(a: StatMatrix, b: StatMatrix, max_points: int, label: str) -> dict[str, Any] | None:
     from stepdump.analysis.report import heatmap_data
 
@@ -141,9 +201,7 @@ def _norm_diff(a: StatMatrix, b: StatMatrix, max_points: int, label: str) -> dic
     with np.errstate(all="ignore"):
         scale = np.maximum(np.abs(ra), np.abs(rb))
         rel = np.where(scale > 0, np.abs(ra - rb) / scale, np.where(ra == rb, 0.0, np.nan))
-    return heatmap_data(StatMatrix(names, steps, rel), max_points, label,
-                        "|‖A‖ − ‖B‖| / max(‖A‖, ‖B‖) per tensor and step; black: equal norms. Norms can agree "
-                        "while tensors differ: stepdump diff compares the tensors bit for bit.")
+    return heatmap_data(StatMatrix(names, steps, rel), max_points, label, _NORM_NOTE)
 
 
 # -- the run table ---------------------------------------------------------------------------

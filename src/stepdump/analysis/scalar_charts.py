@@ -83,7 +83,7 @@ def _sql_charts(run: Any, summary: dict[str, tuple[Any, ...]], max_points: int) 
         else:
             per_bucket = 2 if bad == 0 else 3
             buckets = max(1, min(n, max_points // per_bucket))
-            later, earlier = _moved(n, buckets)
+            later, earlier = edge_moves(n, buckets)
             pts = np.array([r[1:] for r in q.scalar_minmax_buckets(cat, g.name, n, buckets, later, earlier)],
                            dtype=object).reshape(-1, 2)
         x, y = _arrays(run, pts)
@@ -93,7 +93,7 @@ def _sql_charts(run: Any, summary: dict[str, tuple[Any, ...]], max_points: int) 
     return out
 
 
-def _moved(n: int, buckets: int) -> tuple[list[int], list[int]]:
+def edge_moves(n: int, buckets: int) -> tuple[list[int], list[int]]:
     """Indices whose bucket by :func:`bucket_edges` (float edges) is one after (``later``) or one
     before (``earlier``) their bucket by exact integer edges ``k * n // buckets`` (the SQL's)."""
     edges = bucket_edges(n, buckets)

@@ -13,10 +13,14 @@ SQLite's literal for Inf), so "finite" is ``value IS NOT NULL AND abs(value) != 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from stepdump.store.queries import CatalogReader
+from stepdump.store.schema import catalog_path
 
 _FINITE = "(value IS NOT NULL AND abs(value) != 9e999)"
 
@@ -83,3 +87,60 @@ def scalar_minmax_buckets(cat: CatalogReader, name: str, rows: int, buckets: int
         "SELECT i, step, value FROM z WHERE (fin AND (lo = 1 OR hi = 1)) OR (NOT fin AND nth = 1) ORDER BY i",
         (name, int(buckets), int(rows), json.dumps([int(i) for i in later]),
          json.dumps([int(i) for i in earlier])))
+
+
+# -- two runs: the relative difference of their tensor norms, per tensor and step bucket -------
+_OTHER = "other_run"
+
+
+@contextmanager
+def attached(cat: CatalogReader, other: CatalogReader) -> Iterator[str]:
+    """``other``'s catalog attached read-only to ``cat``'s connection, as the schema name yielded.
+
+    Both catalogs were opened (and their schemas checked) by their own readers; attaching the
+    second lets one query join the two runs' rows without handing them to Python."""
+    path = catalog_path(other.path)
+    cat._q(f"ATTACH DATABASE ? AS {_OTHER}", ("file:" + urllib.parse.quote(os.fsencode(path.absolute())) + "?mode=ro",))
+    try:
+        yield _OTHER
+    finally:
+        cat._q(f"DETACH DATABASE {_OTHER}")
+
+
+_COMMON = (
+    "WITH sa AS (SELECT DISTINCT step FROM main.tensors WHERE series IN "
+    "(SELECT id FROM main.series WHERE kind = ?1)), "
+    f"sb AS (SELECT DISTINCT step FROM {_OTHER}.tensors WHERE series IN "
+    f"(SELECT id FROM {_OTHER}.series WHERE kind = ?1)), "
+    "cs AS (SELECT step, row_number() OVER (ORDER BY step) - 1 AS i FROM sa WHERE step IN sb)"
+)
+_BUCKETED = (
+    ", cb AS (SELECT step, ((i + 1) * ?2 - 1) / ?3 + (i IN (SELECT value FROM json_each(?4))) "
+    "- (i IN (SELECT value FROM json_each(?5))) AS b FROM cs)"
+)
+
+
+def common_step_count(cat: CatalogReader, kind: str) -> int:
+    """Steps at which both runs (``cat`` and the attached one) have ``kind`` rows."""
+    return int(cat._q(f"{_COMMON} SELECT count(*) FROM cs", (kind,))[0][0])
+
+
+def norm_diff_buckets(cat: CatalogReader, kind: str, common: int, buckets: int, later: Sequence[int] = (),
+                      earlier: Sequence[int] = ()) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Per ``kind`` tensor of both runs and bucket of their common steps, the largest
+    ``|‖A‖ − ‖B‖| / max(|‖A‖|, |‖B‖|)`` (0 where both norms are 0, NULL where either is missing).
+
+    The ``common`` steps (by step, index i) are cut into ``buckets`` as in
+    :func:`scalar_minmax_buckets`. Returns ``(rows (name, bucket, value), ranges (bucket, first
+    step, last step))``: tensors x buckets rows, never tensors x steps."""
+    args = (kind, int(buckets), int(common), json.dumps([int(i) for i in later]),
+            json.dumps([int(i) for i in earlier]))
+    rows = cat._q(
+        f"{_COMMON}{_BUCKETED} SELECT na.name, cb.b, max(CASE WHEN max(abs(ta.norm), abs(tb.norm)) > 0 "
+        "THEN abs(ta.norm - tb.norm) / max(abs(ta.norm), abs(tb.norm)) WHEN ta.norm = tb.norm THEN 0.0 END) "
+        f"FROM main.series na JOIN {_OTHER}.series nb ON nb.kind = ?1 AND nb.name = na.name "
+        "CROSS JOIN cb JOIN main.tensors ta ON ta.series = na.id AND ta.step = cb.step "
+        f"JOIN {_OTHER}.tensors tb ON tb.series = nb.id AND tb.step = cb.step "
+        "WHERE na.kind = ?1 GROUP BY na.id, cb.b", args)
+    ranges = cat._q(f"{_COMMON}{_BUCKETED} SELECT b, min(step), max(step) FROM cb GROUP BY b ORDER BY b", args)
+    return rows, ranges
