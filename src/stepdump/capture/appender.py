@@ -20,6 +20,12 @@ the queue are capped (``max_pending``): an append that would go over waits for
 earlier ones to land, and memory stays bounded whatever the model's size (one
 buffer bigger than the cap is let through alone).
 
+A step's last batch of small blobs may be written *inline* (``append(..., inline=True)``) when
+nothing is queued: on the writer's thread, one write, the order unchanged (the queue is empty). A
+small model's step is a few kilobytes, and handing them to this thread and waiting for it cost a
+GIL hand-off each way, each a context switch of the training thread (issue 25); there is nothing
+for the hand-off to overlap with at the end of a step, as the commit waits for the bytes anyway.
+
 Each append carries the offset the writer has already put in the catalog rows;
 storage returns where the bytes really landed, and a mismatch (another process
 writing into the segment, a storage that does not append) is an error, not a
@@ -61,13 +67,7 @@ class Appender(threading.Thread):
                 if job is None:
                     return
                 if self.error is None:  # after a failure, later bytes would land at wrong offsets
-                    key, data, offset, _ = job
-                    landed = self.storage.append(key, data)
-                    if landed != offset:
-                        raise WriterError(
-                            f"bytes for segment {key!r} landed at offset {landed}, where stepdump wrote {offset} "
-                            "into the catalog: something else writes into this run's segment files"
-                        )
+                    self._land(*job[:3])
             except BaseException as e:  # noqa: BLE001 - handed to the writer in wait()
                 self.error = e
             finally:
@@ -77,11 +77,20 @@ class Appender(threading.Thread):
                         self._room.notify_all()
                 self._queue.task_done()
 
-    def append(self, key: str, data: bytes | bytearray | memoryview, offset: int, owned: bool = False) -> None:
+    def append(self, key: str, data: bytes | bytearray | memoryview, offset: int, owned: bool = False,
+               inline: bool = False) -> None:
         """Queue an append of ``data`` that must land at ``offset`` of ``key``; ``data`` must
         stay unchanged until :meth:`wait` returns. ``owned``: ``data`` was made for this append
-        (it counts against ``max_pending``, and the call waits while the queue is full of such)."""
+        (it counts against ``max_pending``, and the call waits while the queue is full of such).
+        ``inline``: when no append is queued or running, write it now, on this thread (module
+        docstring); an error is kept for :meth:`wait` as a queued append's would be."""
         self._check()
+        if inline and not self._queue.unfinished_tasks:  # only this thread queues: it stays empty
+            try:
+                self._land(key, data, offset)
+            except BaseException as e:  # noqa: BLE001 - raised by wait(), as for a queued append
+                self.error = e
+            return
         n = memoryview(data).nbytes if owned else 0
         if n:
             with self._room:
@@ -89,6 +98,14 @@ class Appender(threading.Thread):
                     self._room.wait()
                 self.pending += n
         self._queue.put((key, data, offset, n))
+
+    def _land(self, key: str, data: bytes | bytearray | memoryview, offset: int) -> None:
+        landed = self.storage.append(key, data)
+        if landed != offset:
+            raise WriterError(
+                f"bytes for segment {key!r} landed at offset {landed}, where stepdump wrote {offset} "
+                "into the catalog: something else writes into this run's segment files"
+            )
 
     def wait(self) -> None:
         """Block until every queued append is done; raise the first error any of them hit."""

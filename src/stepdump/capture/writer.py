@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
+from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.lean import LeanRow
 from stepdump.capture.staging import Item, Slot, StagingPool
@@ -270,8 +271,9 @@ class Writer(threading.Thread):
         rows = []
         self._blob_rows = []
         live = sum(item.live for item in msg.items)  # they come first (Stager.stage)
+        known = small_rows(msg.items, _NO_STATS)  # the small staged ones, described together
         for i, item in enumerate(msg.items):
-            rows.append(self._item_row(cat, msg.step, item))
+            rows.append(self._item_row(cat, msg.step, item, known.get(i)))
             if i + 1 == live and msg.slot is not None:
                 # Direct appends point into the live tensors: the optimizer may change them
                 # once the training thread goes on, so the appends are done first.
@@ -292,7 +294,7 @@ class Writer(threading.Thread):
                 self._held_since = time.monotonic()
             return
         if wrote:
-            self._flush_buffer()
+            self._flush_buffer(inline=True)  # nothing left to overlap with: the commit waits for it
             cat.add_blobs(self._blob_rows)
         for key, value in (msg.meta or {}).items():
             cat.set_meta(key, value)
@@ -323,16 +325,21 @@ class Writer(threading.Thread):
         self._held_tensors, self._held_steps, self._held_scalars = [], [], []
         self._held_since = None
 
-    def _item_row(self, cat: CatalogWriter, step: int | None, item: Item) -> tuple[Any, ...]:
+    def _item_row(self, cat: CatalogWriter, step: int | None, item: Item,
+                  known: tuple[tuple[Any, ...], int] | None = None) -> tuple[Any, ...]:
+        """``item``'s tensor row (its bytes appended if it is stored); ``known``: its stats and
+        fingerprint, computed already (gradlog_rows.small_rows)."""
         t = item.tensor
         if item.live and t.device.type != "cpu":  # pragma: no cover - needs a GPU
             # Over the staging budget on a device: copied here, one tensor at a time. The
             # slot's event (synchronized in _write) fired after the training stream's work.
             t = t.cpu()
         data = item.raw if item.raw is not None else raw_bytes(t)
-        fp = fingerprint_bytes(data)
+        fp = fingerprint_bytes(data) if known is None else known[1]
         if item.kind in _NO_STATS:
             stats: tuple[Any, ...] = (t.numel(),) + (None,) * 9
+        elif known is not None:
+            stats = known[0]
         elif item.device_stats is not None:  # pragma: no cover - CUDA only
             stats = _from_device_stats(item.device_stats)
         else:
@@ -383,9 +390,9 @@ class Writer(threading.Thread):
         )
         return blob_id
 
-    def _flush_buffer(self) -> None:
+    def _flush_buffer(self, inline: bool = False) -> None:
         if self._buffer and self._segment is not None:
-            self._appender.append(self._segment, self._buffer, self._buffer_offset, owned=True)
+            self._appender.append(self._segment, self._buffer, self._buffer_offset, owned=True, inline=inline)
             self._buffer = bytearray()  # the old one now belongs to the appender
 
     def _segment_for(self, length: int) -> str:

@@ -218,12 +218,10 @@ class CatalogWriter:
         return bid
 
     def add_blobs(self, rows: Iterable[Sequence[Any]]) -> None:
-        """Rows of (id, segment id, offset, length, codec, raw_length, checksum, base)."""
-        self.con.executemany(
-            "INSERT INTO blobs(id, segment, offset, length, codec, raw_length, checksum, base) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            rows,
-        )
+        """Rows of (id, segment id, offset, length, codec, raw_length, checksum, base), by the
+        multi-row path (:meth:`_insert_rows`): a gradient log's step has a blob per grad."""
+        self._insert_rows("INSERT INTO blobs(id, segment, offset, length, codec, raw_length, checksum, base) "
+                          "VALUES ", 8, rows)
 
     def last_step(self) -> int | None:
         row = self.con.execute("SELECT max(step) FROM steps").fetchone()

@@ -1,0 +1,209 @@
+"""A gradient-log step is one hand-off and one write (issue 25): batched per step, never per tensor.
+
+On a small model's step the recorder's cost was GIL hand-offs between the training thread and
+the recorder's threads, not bytes: every SQLite call the writer makes lets go of the GIL, and so
+does every queue or condition a second thread waits on. A gradient-log step stores every grad,
+and it inserted each grad's blob row by its own ``executemany`` step (a hand-off per tensor) and
+handed its batched bytes to the appender thread and waited for them (two more). These tests pin,
+on every codec, durability and optimizer of the row below:
+
+* a step's transaction is a fixed handful of statements, whatever the number of tensors: one
+  multi-row INSERT of its blob rows, one of its tensor rows, its step row, its scalars, COMMIT;
+* a step with bytes still commits on its own (docs/reliability.md: durable on its commit);
+* a small step's bytes are written by the writer itself (one write), not handed to the appender
+  thread; a blob large enough to go straight to the file still goes through the appender;
+* the run reads back bit-exact: every step's grads, and the params a rebuild derives from them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_same, tiny_batch, tiny_model
+
+import stepdump
+from stepdump.store.storage import LocalStorage
+
+K = 4
+STEPS = 9
+
+
+@pytest.fixture
+def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every SQL statement the writer's catalog connection runs, as SQLite expands it (an
+    ``executemany`` shows once per row: each row is a step of its own, and a GIL hand-off)."""
+    seen: list[str] = []
+    real = sqlite3.connect
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        con = real(*args, **kwargs)
+        con.set_trace_callback(seen.append)
+        return con
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    return seen
+
+
+@pytest.fixture
+def append_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(thread name, bytes) of every segment append."""
+    seen: list[tuple[str, int]] = []
+    real = LocalStorage.append
+
+    def append(self: LocalStorage, key: str, data: Any) -> int:
+        seen.append((threading.current_thread().name, memoryview(data).nbytes))
+        return real(self, key, data)
+
+    monkeypatch.setattr(LocalStorage, "append", append)
+    return seen
+
+
+def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _big_model() -> torch.nn.Module:
+    """The tiny MLP with a 512x1024 layer in front: one grad of 2 MiB, past the writer's direct-write size."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512),
+                               torch.nn.GELU(), torch.nn.Linear(512, 4))
+
+
+def _record(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, **kwargs: Any
+            ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """Train STEPS steps under a gradient log; the grads each update applied and the params after it."""
+    grads: list[dict[str, torch.Tensor]] = []
+    params: list[dict[str, torch.Tensor]] = []
+    with stepdump.Recorder(path, model, opt, gradient_log=K, **kwargs) as rec:
+        for t in range(STEPS):
+            x, y = tiny_batch(t)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            rec.log(loss=float(t))
+    return grads, params
+
+
+def _transactions(statements: list[str]) -> list[list[str]]:
+    """The statements between one COMMIT and the next (each list ends with its COMMIT)."""
+    out: list[list[str]] = [[]]
+    for s in statements:
+        out[-1].append(s)
+        if s == "COMMIT":
+            out.append([])
+    return [t for t in out if t and t[-1] == "COMMIT"]
+
+
+CASES = [  # (codec, durability, optimizer)
+    ("raw", "flush", "adam"),
+    ("zstd", "flush", "sgd"),
+    ("delta-lz4", "flush", "adamw"),
+    ("blosc-lz4", "flush", "adam"),
+    ("raw", "fsync", "sgd"),
+    ("delta-zstd", "fsync", "adam"),
+]
+
+
+@pytest.mark.parametrize(("codec", "durability", "optim"), CASES, ids=["-".join(c) for c in CASES])
+def test_a_gradient_log_step_is_one_transaction_of_a_few_statements_and_one_write(
+        tmp_path: Path, statements: list[str], append_threads: list[tuple[str, int]],
+        codec: str, durability: str, optim: str) -> None:
+    model = tiny_model()
+    opt = _optimizer(optim, model)
+    grads, params = _record(tmp_path / "run", model, opt, codec=codec, durability=durability)
+    steps = [t for t in _transactions(statements) if any(s.startswith("INSERT OR REPLACE INTO steps(") for s in t)]
+    # Each step with bytes commits on its own (+ the final record's), in one transaction.
+    assert len(steps) == STEPS + 1, [len(t) for t in steps]
+    for t in steps[2:STEPS]:  # the first two made the series (the optimizer's state at the second), once per run
+        blobs = [s for s in t if s.startswith("INSERT INTO blobs(")]
+        tensors = [s for s in t if s.startswith("INSERT OR REPLACE INTO tensors(")]
+        assert len(blobs) == 1 and len(tensors) == 1, (len(blobs), len(tensors), t[:3])
+        # BEGIN, blobs, tensors, steps, scalars, COMMIT: a fixed handful, not one per tensor.
+        assert len(t) <= 6, [s[:60] for s in t]
+    # The model's bytes are small: the writer writes each step's batch itself, no second thread.
+    others = [(name, n) for name, n in append_threads if name != "stepdump-writer"]
+    assert others == [] and len(append_threads) >= STEPS, (others, len(append_threads))
+    with stepdump.open(tmp_path / "run") as run:
+        for step in range(STEPS):
+            for name, g in grads[step].items():
+                assert_same(run.tensor(name, step, "grads"), g, f"grad {name} at step {step}")
+        for step in (K + 1, STEPS - 1):  # not keyframes: params derived from the keyframe and the grads
+            sd = run.state_dict(step + 1)
+            for name, p in params[step].items():
+                assert_same(sd[name], p, f"param {name} after step {step}")
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_a_blob_past_the_direct_write_size_still_goes_through_the_appender(
+        tmp_path: Path, statements: list[str], append_threads: list[tuple[str, int]], codec: str) -> None:
+    """The small ones are written by the writer; the 2 MiB grad overlaps with the rest on the appender."""
+    model = _big_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    grads, _ = _record(tmp_path / "run", model, opt, codec=codec)
+    on_appender = [n for name, n in append_threads if name == "stepdump-appender"]
+    assert len(on_appender) >= STEPS and max(on_appender) >= 1 << 20, on_appender[:5]
+    for t in _transactions(statements)[2:STEPS]:
+        assert sum(s.startswith("INSERT INTO blobs(") for s in t) <= 1, [s[:60] for s in t]
+    with stepdump.open(tmp_path / "run") as run:
+        for step in (1, K + 1, STEPS - 1):
+            for name, g in grads[step].items():
+                assert_same(run.tensor(name, step, "grads"), g, f"grad {name} at step {step}")
+
+
+GRADS = {  # name -> a grad that makes the writer's packed stats take each of their paths
+    "normal": lambda g: torch.randn(300, generator=g),
+    "zeros": lambda g: torch.zeros(100),
+    "signed": lambda g: -torch.rand(50, generator=g) - 0.5,  # one sign: no zero count
+    "cancel": lambda g: 1 + 1e-4 * torch.randn(64, generator=g),  # |mean| > 10 std: two passes
+    "nan": lambda g: torch.randn(40, generator=g).index_fill_(0, torch.tensor([3]), float("nan")),
+    "inf": lambda g: torch.randn(40, generator=g).index_fill_(0, torch.tensor([5]), float("-inf")),
+    "one": lambda g: torch.randn(1, generator=g),
+    "fp64": lambda g: torch.randn(70, generator=g, dtype=torch.float64),
+    "fp64b": lambda g: torch.randn(4096, generator=g, dtype=torch.float64),  # the largest packed size
+    "large": lambda g: torch.randn(5000, generator=g),  # past it: compute_stats's torch path
+    "fp16": lambda g: torch.randn(80, generator=g).half(),  # not packed either
+}
+
+
+def test_a_gradient_log_steps_grad_rows_are_compute_stats_and_fingerprint_bit_for_bit(tmp_path: Path) -> None:
+    """The writer describes a step's small grads together; each row must be what ``compute_stats``
+    and ``fingerprint`` give that grad alone, in every regime of the stats (the row above)."""
+    from helpers import catalog_sql
+
+    from stepdump.core.hashing import fingerprint
+    from stepdump.core.stats import compute_stats
+
+    gen = torch.Generator().manual_seed(0)
+    made = {name: f(gen) for name, f in GRADS.items()}
+    params = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros_like(g)) for n, g in made.items()})
+    model = torch.nn.Module()
+    model.p = params
+    opt = torch.optim.SGD(params.parameters(), lr=0.0)
+    seen: list[dict[str, torch.Tensor]] = []
+    with stepdump.Recorder(tmp_path / "run", model, opt, gradient_log=K):
+        for step in range(3):
+            grads = {n: f(gen) for n, f in GRADS.items()}
+            for n, p in params.items():
+                p.grad = grads[n].clone()
+            seen.append(grads)
+            opt.step()
+    for step in range(3):
+        rows = catalog_sql(tmp_path / "run", "SELECT s.name, t.numel, t.nan, t.posinf, t.neginf, t.min, t.max, "
+                           "t.mean, t.std, t.norm, t.zero_frac, t.fingerprint FROM tensors t JOIN series s "
+                           "ON s.id = t.series WHERE s.kind = 'grads' AND t.step = ?", (step,))
+        got = {r[0]: tuple(r[1:]) for r in rows}
+        assert set(got) == {f"p.{n}" for n in GRADS}, sorted(got)
+        for n, g in seen[step].items():
+            want = (*compute_stats(g), fingerprint(g))
+            assert got[f"p.{n}"] == want, (step, n, got[f"p.{n}"], want)
