@@ -86,9 +86,13 @@ CONTENTS = ["normal", "zeros", "negzero", "positive", "negative", "layernorm", "
 SIZES = [1, 2, 7, 64, 4095, 4096, 4097, 10000, packed.CHUNK]
 
 
+@pytest.mark.parametrize("vector_min", [0, 10**9], ids=["whole-buffer passes", "one call per tensor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("content", CONTENTS)
-def test_packed_rows_equal_the_per_tensor_rows_bitwise(content: str, dtype: torch.dtype) -> None:
+def test_packed_rows_equal_the_per_tensor_rows_bitwise(monkeypatch, content: str, dtype: torch.dtype,
+                                                       vector_min: int) -> None:
+    # Zero counts and two-pass variances: over the whole buffer, or tensor by tensor (both the same bits).
+    monkeypatch.setattr(packed, "VECTOR_MIN", vector_min)
     g = torch.Generator().manual_seed(len(content))
     # Each size with this content, between normal neighbours (a tensor's row depends on its elements only).
     tensors, kinds = [], []

@@ -92,17 +92,20 @@ class Assembler:
         return {"layout": self.layout.to_meta()}
 
     def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None,
-                state: dict[Any, dict[str, Any]] | None = None) -> list[tuple]:
+                state: dict[Any, dict[str, Any]] | None = None, step: int | None = None) -> list[tuple]:
         """The step's live tensors as ``(kind, name, tensor, full, param, key)`` (``state``: the
-        optimizer's per-param state to read, None: ``optimizer.state`` now)."""
+        optimizer's per-param state to read, None: ``optimizer.state`` now). ``step``: the lean
+        step they are for, whose optimizer state is left out where the lean path will not read it."""
         if not full and not buffers and state is None:
-            return self._stats_entries()
+            return self._stats_entries(step is None or not self.lean.enabled or self.lean.reads_optimizer(step))
         return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {}, state)
 
-    def _stats_entries(self) -> list[tuple]:
+    def _stats_entries(self, optimizer: bool = True) -> list[tuple]:
         """:func:`tensor_entries` of a stats-only step (nothing full, no buffers, the optimizer's state
         now), the same list, with the selected params and their entries made once per layout (a step
-        of a small model paid a name match and a tuple per param for them)."""
+        of a small model paid a name match and a tuple per param for them). Not ``optimizer``: without
+        the optimizer state (a lean step reads it every ``OPTIMIZER_EVERY`` steps; walking it cost a
+        dict lookup through ``Tensor.__hash__`` and a tuple per tensor at every step)."""
         if self._selected_of is None or self._selected_of[0] is not self.layout:
             params = [(n, p) for n, p in self.layout.params.items() if self.selected(n)]
             self._selected_of = (self.layout, params, [("params", n, p, False, None, None) for n, p in params])
@@ -110,7 +113,7 @@ class Assembler:
         out = list(param_entries) if "params" in self.kinds else []
         if "grads" in self.kinds:
             out += [("grads", n, g, False, None, None) for n, p in params if (g := p.grad) is not None]
-        if "optimizer" in self.kinds:
+        if optimizer and "optimizer" in self.kinds:
             opt_state = self.optimizer.state
             for n, p in params:
                 for k, v in opt_state.get(p, {}).items():
@@ -126,7 +129,7 @@ class Assembler:
         opt_state = before.state(msg.step) if before is not None else None
         fps, outside = self.outside(msg.step) if msg.step is not None else ({}, [])
         entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None,
-                               opt_state)
+                               opt_state, msg.step)
         if outside and not full:  # what replay cannot derive: stored at this step
             entries = [(*e[:3], True, *e[4:]) if e[0] == "params" and e[1] in outside else e for e in entries]
         if full:

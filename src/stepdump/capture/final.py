@@ -60,11 +60,13 @@ class RngAfterUpdate:
     cuda: list[torch.Tensor] | None = None
 
     def take(self) -> None:
-        self.torch_cpu = torch.get_rng_state()
+        # Taken at every update, not lazily at close(): nothing tells a draw since then from none but
+        # reading the state again (a few us: torch's 5 KB state, numpy's words, Python's tuple).
+        self.torch_cpu = torch.default_generator.get_state()  # torch.get_rng_state(), without its wrapper
         self.numpy = _numpy_mt()
         self.python = random.getstate()
-        self.cuda = (list(torch.cuda.get_rng_state_all())
-                     if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+        # CUDA initialised implies available (and is_available() is three Python calls on a CPU-only run).
+        self.cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
 
     def state(self) -> dict[str, Any]:
         """In :func:`stepdump.core.rng.get_rng_state`'s form."""

@@ -88,6 +88,10 @@ def update_starting(rec: Participant) -> None:
     optimizer opens a loop iteration: every Recorder's start state for it is final now."""
     global _first
     first = _first() if _first is not None else None
+    if first is rec and len(_LIVE.data) == 1:  # one Recorder alone (the usual loop): the same, without the WeakSet walks
+        _updated[rec] = _tick()
+        rec._loop_freeze()
+        return
     if first is None or first not in _LIVE or _updated.get(first, 0) < _joined.get(rec, 0):
         _first, first = weakref.ref(rec), rec  # none yet, or one idle since rec joined: not rec's loop
     _updated[rec] = _tick()
@@ -97,6 +101,8 @@ def update_starting(rec: Participant) -> None:
 
 def update_ended(rec: Participant) -> None:
     """``rec``'s update is over (it took its own next start state): the others take theirs again."""
+    if len(_LIVE.data) == 1 and _first is not None and _first() is rec:  # rec alone: no others
+        return
     for r in list(_LIVE):
         if r is not rec:
             r._loop_update_ended()
@@ -151,7 +157,7 @@ class IterationStart:
         t = self._step
         if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
             try:
-                self._lean.forward_started(t, lambda: self._asm.entries(False), again)
+                self._lean.forward_started(t, lambda: self._asm.entries(False, step=t), again)
             except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
                 self._fail(e, "forward pre-hook")
 

@@ -311,8 +311,13 @@ def _param_grad_marks(params: list[tuple[str, torch.Tensor]]) -> dict[str, tuple
 def _before_update(step: int, entries: list[Entry], every: int | None) -> list[Entry]:
     """What the worker reads before update ``step``: params, and optimizer state every ``every``
     steps (None: OPTIMIZER_EVERY)."""
-    every = OPTIMIZER_EVERY if every is None else every
-    return [e for e in entries if e[0] != "grads" and (e[0] != "optimizer" or step % every == 0)]
+    if _reads_optimizer(step, every):
+        return [e for e in entries if e[0] != "grads"]
+    return [e for e in entries if e[0] != "grads" and e[0] != "optimizer"]
+
+
+def _reads_optimizer(step: int, every: int | None) -> bool:
+    return step % (OPTIMIZER_EVERY if every is None else every) == 0
 
 
 class LeanCapture:
@@ -342,6 +347,10 @@ class LeanCapture:
         # What the layout of a step's tensors decides, made once per layout (packed.py): a steady
         # inline step does no per-tensor Python but the key that finds it.
         self.plans = Plans()
+
+    def reads_optimizer(self, step: int) -> bool:
+        """Whether lean step ``step`` reads the optimizer state (every ``optimizer_every`` steps)."""
+        return _reads_optimizer(step, self.optimizer_every)
 
     @property
     def threads(self) -> list[threading.Thread]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import accumulate, repeat
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 import xxhash
 
 from stepdump.core.dtypes import stored_dtype
-from stepdump.core.stats import StatsTuple, compute_stats, segment_sums_array
+from stepdump.core.stats import StatsTuple, compute_stats
 from stepdump.store.format import format_shape
 
 # Tensors up to this many elements get every stat (as compute_stats's numpy path gives them);
@@ -45,6 +46,7 @@ CHUNK = 1 << 17
 PACK = 1 << 20
 # Tensor types a plan packs; any other (a DTensor, a subclass) makes the step take the per-tensor path.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_set_grad_enabled = torch._C._set_grad_enabled
 _flatten = torch._C._nn.flatten_dense_tensors  # one C call: each tensor contiguous, viewed flat, concatenated
 # np.count_nonzero without its Python wrapper (two Python calls per small tensor), where numpy has it.
 _count_nonzero = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "count_nonzero", np.count_nonzero)
@@ -68,13 +70,115 @@ def packable(t: torch.Tensor) -> bool:
     return t.dtype in FUSED_DTYPES and 0 < t.numel() <= CHUNK and t.layout == torch.strided and t.device.type == "cpu"
 
 
-def packed_rows(kinds: Sequence[str], buf: torch.Tensor, sizes: Sequence[int],
-                starts: Sequence[int] | None = None,
-                spans: Sequence[slice] | None = None,
-                state: np.ndarray | None = None) -> tuple[list[StatsTuple], list[int]]:
+# Vectorised over the whole buffer (one pass) when more than this many tensors need a zero count
+# or a two-pass variance, else one call per such tensor (a few of them in a large buffer).
+VECTOR_MIN = 4
+
+
+class Segments:
+    """What :func:`packed_rows` needs of a packed buffer's layout (its tensors' sizes, offsets, byte
+    spans, which are ``state``), as columns made once: a :class:`Plan` keeps it for its layout."""
+
+    def __init__(self, kinds: Sequence[str], sizes: Sequence[int], itemsize: int) -> None:
+        self.k = k = len(sizes)
+        self.sizes = list(sizes)
+        self.starts_list = list(accumulate(self.sizes[:-1], initial=0))
+        self.starts = np.asarray(self.starts_list, dtype=np.intp)
+        self.spans = [slice(a * itemsize, (a + m) * itemsize) for a, m in zip(self.starts_list, self.sizes, strict=True)]
+        self.n = np.asarray(self.sizes, dtype=np.float64)
+        self.total = sum(self.sizes)
+        self.small = self.n <= SMALL
+        self.large = ~self.small
+        self.any_large = bool(_count_nonzero(self.large))
+        self.state = np.array([kd == "state" for kd in kinds], dtype=bool)
+        self.described = ~self.state  # every stat measured, where small and finite
+        self.one = self.n == 1  # one element: its two-pass variance is 0 (x - x)
+        self.zeros = [0] * k
+
+    def rows(self, buf: torch.Tensor) -> tuple[list[StatsTuple], list[int]]:
+        """(stats, fingerprints) of the tensors packed in ``buf`` (:func:`packed_rows`)."""
+        k, starts, n, small = self.k, self.starts, self.n, self.small
+        x = buf.numpy()
+        raw = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+        fps = np.fromiter(map(xxhash.xxh3_64_intdigest, map(raw.__getitem__, self.spans)), dtype=np.uint64, count=k)
+        with np.errstate(all="ignore"):  # inf and NaN: compute_stats below
+            lo = np.minimum.reduceat(x, starts)
+            hi = np.maximum.reduceat(x, starts)
+            # The sum and the sum of squares in float64, in element order (core.stats.segment_sums)
+            x64 = x.astype(np.float64)
+            sums = np.add.reduceat(x64, starts)
+            np.multiply(x64, x64, out=x64)
+            sqs = np.add.reduceat(x64, starts)
+            finite3 = np.isfinite(lo) & np.isfinite(hi) & np.isfinite(sqs)  # what a large tensor's row needs
+            finite = finite3 & np.isfinite(sums)
+            signed = (lo > 0) | (hi < 0)  # of one sign: no zeros (-0.0 > 0 is False, as in the count)
+            mean = sums / n
+            var = sqs / n - mean * mean
+            full = small & finite & self.described
+            # Cancellation regime (|mean| > 10 std, e.g. LayerNorm weights): two passes, in float64 (small_stats).
+            again = full & (var < 1e-2 * mean * mean)
+            if _count_nonzero(again):
+                var[again & self.one] = 0.0  # x - mean is exactly 0: the two-pass variance of one element
+                self._two_pass(x, mean, var, again & ~self.one)
+            need = full & ~signed  # counting zeros: only where there may be some
+            zero_frac = self._zero_frac(x, need) if _count_nonzero(need) else np.zeros(k)
+            std = np.sqrt(np.maximum(var, 0.0))
+            norm = np.sqrt(sqs)
+        if self.any_large:  # mean and std not measured; the zero fraction only where min and max prove it 0
+            large = self.large
+            mean_l, std_l, zero_l = mean.astype(object), std.astype(object), zero_frac.astype(object)
+            mean_l[large] = std_l[large] = None
+            zero_l[large & ~signed] = None
+            mean_c, std_c, zero_c = mean_l.tolist(), std_l.tolist(), zero_l.tolist()
+        else:
+            mean_c, std_c, zero_c = mean.tolist(), std.tolist(), zero_frac.tolist()
+        zeros = self.zeros
+        stats: list[Any] = list(zip(self.sizes, zeros, zeros, zeros, lo.tolist(), hi.tolist(), mean_c, std_c,
+                                    norm.tolist(), zero_c))
+        odd = ~(finite3 & (finite | self.large)) | self.state  # small: finite; large: finite3
+        if _count_nonzero(odd):  # rare: one by one
+            state, sizes, starts_l = self.state, self.sizes, self.starts_list
+            for i in odd.nonzero()[0].tolist():
+                a, m = starts_l[i], sizes[i]
+                stats[i] = (m,) + (None,) * 9 if state[i] else compute_stats(buf[a:a + m])
+        return stats, fps.view(np.int64).tolist()
+
+    def _two_pass(self, x: np.ndarray, mean: np.ndarray, var: np.ndarray, which: np.ndarray) -> None:
+        """``var`` of the tensors ``which`` again, in two passes: the mean, then the squared deviations
+        (small_stats's arithmetic, segment by segment in element order, so the same bits)."""
+        idx = which.nonzero()[0]
+        if len(idx) > VECTOR_MIN:
+            d = x.astype(np.float64)
+            d -= np.repeat(mean, self.sizes)
+            np.multiply(d, d, out=d)
+            var[idx] = np.add.reduceat(d, self.starts)[idx] / self.n[idx]
+            return
+        starts, sizes = self.starts_list, self.sizes
+        for i in idx.tolist():
+            a, m = starts[i], sizes[i]
+            d1 = x[a:a + m].astype(np.float64) - mean[i]
+            var[i] = float(np.add.reduceat(d1 * d1, [0])[0]) / m
+
+    def _zero_frac(self, x: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """The fraction of zeros of the tensors ``need`` (0.0 elsewhere): one pass over the buffer when
+        they are many, else one count per tensor."""
+        idx = need.nonzero()[0]
+        if len(idx) > VECTOR_MIN:
+            zc = np.add.reduceat(x == 0, self.starts, dtype=np.intp)  # exact counts: zc / n is (n - nonzero) / n
+            frac = zc / self.n
+            frac[~need] = 0.0
+            return frac
+        out = np.zeros(self.k)
+        starts, sizes = self.starts_list, self.sizes
+        for i in idx.tolist():
+            a, m = starts[i], sizes[i]
+            out[i] = (m - int(_count_nonzero(x[a:a + m]))) / m
+        return out
+
+
+def packed_rows(kinds: Sequence[str], buf: torch.Tensor, sizes: Sequence[int]) -> tuple[list[StatsTuple], list[int]]:
     """(stats, fingerprints) of the tensors packed end to end in ``buf`` (one fp dtype; ``sizes``
-    elements each, at most ``CHUNK``; ``starts``: their offsets, ``spans``: their byte ranges,
-    ``state``: which kinds are ``state``, derived when not given), ``kinds`` their kinds.
+    elements each, at most ``CHUNK``), ``kinds`` their kinds.
 
     Four passes over the whole buffer give every tensor's min, max, sum and sum of squares
     (segmented reductions: a tensor's results depend on its own elements only, so its row is
@@ -84,57 +188,19 @@ def packed_rows(kinds: Sequence[str], buf: torch.Tensor, sizes: Sequence[int],
     (mean and std not measured, as the chunked path). A tensor with a NaN or Inf gets
     :func:`compute_stats` of its bytes in ``buf``; a ``state`` tensor only its numel.
     """
-    k = len(sizes)
-    if starts is None:
-        starts = list(accumulate(sizes[:-1], initial=0))
-    if spans is None:
-        isz = buf.element_size()
-        spans = [slice(a * isz, (a + n) * isz) for a, n in zip(starts, sizes, strict=True)]
-    x = buf.numpy()
-    raw = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-    fps = np.fromiter(map(xxhash.xxh3_64_intdigest, map(raw.__getitem__, spans)), dtype=np.uint64, count=k)
-    n = np.asarray(sizes, dtype=np.float64)
-    with np.errstate(all="ignore"):  # inf and NaN: compute_stats below
-        lo = np.minimum.reduceat(x, starts)
-        hi = np.maximum.reduceat(x, starts)
-        sums, sqs = segment_sums_array(x, starts)
-        lo64, hi64 = lo.astype(np.float64), hi.astype(np.float64)
-        finite3 = np.isfinite(lo64) & np.isfinite(hi64) & np.isfinite(sqs)  # what a large tensor's row needs
-        finite = finite3 & np.isfinite(sums)
-        signed = (lo64 > 0) | (hi64 < 0)  # of one sign: no zeros
-        small = n <= SMALL
-        mean = sums / n
-        var = sqs / n - mean * mean
-        if state is None:
-            state = np.array([kd == "state" for kd in kinds], dtype=bool)
-        full = small & finite & ~state
-        # Cancellation regime (|mean| > 10 std, e.g. LayerNorm weights): two passes, in float64 (small_stats).
-        for i in (full & (var < 1e-2 * mean * mean)).nonzero()[0].tolist():
-            a, m = starts[i], sizes[i]
-            d = x[a:a + m].astype(np.float64) - mean[i]
-            var[i] = float(np.add.reduceat(d * d, [0])[0]) / m
-        zero_frac = np.zeros(k)
-        for i in (full & ~signed).nonzero()[0].tolist():  # counting zeros: only where there may be some
-            a, m = starts[i], sizes[i]
-            zero_frac[i] = (m - int(_count_nonzero(x[a:a + m]))) / m
-        std = np.sqrt(np.maximum(var, 0.0))
-        norm = np.sqrt(sqs)
-    large = ~small
-    mean_o, std_o, zero_o = mean.astype(object), std.astype(object), zero_frac.astype(object)
-    mean_o[large] = std_o[large] = None
-    zero_o[large & ~signed] = None
-    zeros = [0] * k
-    stats: list[Any] = list(zip(list(sizes), zeros, zeros, zeros, lo.tolist(), hi.tolist(), mean_o.tolist(),
-                                std_o.tolist(), norm.tolist(), zero_o.tolist()))
-    for i in (state | ~np.where(small, finite, finite3)).nonzero()[0].tolist():  # rare: one by one
-        a, m = starts[i], sizes[i]
-        stats[i] = (m,) + (None,) * 9 if state[i] else compute_stats(buf[a:a + m])
-    return stats, fps.view(np.int64).tolist()
+    return Segments(kinds, sizes, buf.element_size()).rows(buf)
 
 
-def layout_key(entries: Sequence[tuple]) -> list[tuple]:
-    """What a :class:`Plan` depends on, per entry ``(kind, name, tensor, full, param, key)``."""
-    return [(e[0], e[1], e[4], e[5], type(e[2]), e[2].dtype, e[2].shape, e[2].layout, e[2].is_cpu) for e in entries]
+_HEAD = itemgetter(0, 1, 4, 5)  # an entry's kind, name, param, key
+_TENSOR = itemgetter(2)
+_ATTRS = attrgetter("__class__", "dtype", "shape", "layout", "is_cpu")
+
+
+def layout_key(entries: Sequence[tuple]) -> tuple[list[tuple], list[tuple]]:
+    """What a :class:`Plan` depends on, per entry ``(kind, name, tensor, full, param, key)``: its
+    kind, name, param and key, its tensor's type, dtype, shape, layout and device (C calls only:
+    this is the per-step price of finding the plan)."""
+    return list(map(_HEAD, entries)), list(map(_ATTRS, map(_TENSOR, entries)))
 
 
 class _Batch:
@@ -142,6 +208,7 @@ class _Batch:
 
     def __init__(self, entries: Sequence[tuple], idx: list[int]) -> None:
         self.idx = idx
+        self.take = itemgetter(*idx) if len(idx) > 1 else (lambda es: (es[idx[0]],))
         es = [entries[i] for i in idx]
         ts = [e[2] for e in es]
         self.kinds = [e[0] for e in es]
@@ -150,18 +217,14 @@ class _Batch:
         self.keys = [e[5] for e in es]
         self.dtypes = [stored_dtype(t) for t in ts]
         self.shapes = [format_shape(t.shape) for t in ts]
-        self.sizes = [t.numel() for t in ts]
-        self.starts = list(accumulate(self.sizes[:-1], initial=0))
-        isz = ts[0].element_size()
-        self.spans = [slice(a * isz, (a + m) * isz) for a, m in zip(self.starts, self.sizes, strict=True)]
-        self.state = np.array([k == "state" for k in self.kinds], dtype=bool)
+        self.segs = Segments(self.kinds, [t.numel() for t in ts], ts[0].element_size())
 
     def rows(self, entries: Sequence[tuple]) -> list[LeanRow]:
-        ts = [entries[i][2] for i in self.idx]
+        ts = list(map(_TENSOR, self.take(entries)))
         buf = _flatten(ts)
         if len(ts) == 1:
             buf = buf.clone()  # one tensor: _flatten gives a view of it, not a copy
-        stats, fps = packed_rows(self.kinds, buf, self.sizes, self.starts, self.spans, self.state)
+        stats, fps = self.segs.rows(buf)
         return list(map(tuple.__new__, repeat(LeanRow), zip(self.kinds, self.names, self.params, self.keys,
                                                                self.dtypes, self.shapes, stats, fps)))
 
@@ -169,7 +232,7 @@ class _Batch:
 class Plan:
     """What the layout of a list of entries decides (module docstring): made once per layout."""
 
-    def __init__(self, entries: Sequence[tuple], key: list[tuple]) -> None:
+    def __init__(self, entries: Sequence[tuple], key: tuple[list[tuple], list[tuple]]) -> None:
         self.key = key
         self.nbytes = sum(e[2].numel() * e[2].element_size() for e in entries)
         # Only plain, dense CPU tensors; otherwise the per-tensor path (lean.snapshot) does it all.
@@ -200,10 +263,14 @@ class Plan:
         """The packed entries' rows now, and the other entries as ``(kind, name, tensor, param, key)``
         (for the per-tensor path). ``entries`` must have this plan's key."""
         out: list[LeanRow] = []
-        with torch.no_grad():
+        grad = torch.is_grad_enabled()
+        _set_grad_enabled(False)  # torch.no_grad() without its Python context manager (a few calls a step)
+        try:
             for b in self.batches:
                 out.extend(b.rows(entries))
-        rest = [(e[0], e[1], e[2].detach(), e[4], e[5]) for e in (entries[i] for i in self.rest)]
+        finally:
+            _set_grad_enabled(grad)
+        rest = [(e[0], e[1], e[2].detach(), e[4], e[5]) for e in (entries[i] for i in self.rest)] if self.rest else []
         return out, rest
 
 

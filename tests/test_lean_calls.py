@@ -1,0 +1,113 @@
+"""Issue 25.1: the training thread's fixed work per lean step, counted (a deterministic measure).
+
+A small model's lean step (``every=None, stats_every=1``) costs what the recorder's hooks do
+on the training thread, and on a millisecond step that is Python work, not bytes: every call
+(a Python function, or a builtin: a torch op, a lock's ``acquire``) is interpreter time taken
+from training. Wall timings on a shared machine are noise; calls are not. Here a profile
+function counts the training thread's calls over the same steps of the same loop, without a
+Recorder and with a lean one, and the difference per step must stay under a budget: no
+per-tensor Python, nothing rebuilt that did not change (the layout's entries and plan, the
+optimizer state on steps that do not read it). The steps are a multiple of
+``lean.OPTIMIZER_EVERY`` so that steps reading the optimizer state count in their share.
+
+Cases: the loop calling the model through ``forward`` or through its submodules (the forward
+hooks never fire), SGD or Adam, gradient accumulation, and clipping.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import stepdump
+from stepdump.capture import lean
+
+# Calls (Python + builtin) the recorder may add per lean step on the training thread. Before
+# issue 25.1's third pass these loops cost 385-456 a step; after it 241-303.
+BUDGET = 330
+STEPS = 2 * lean.OPTIMIZER_EVERY
+WARM = lean.OPTIMIZER_EVERY + 2  # plans for both layouts (with and without the optimizer state) made
+
+
+class _Net(nn.Module):
+    """A PPO-sized MLP (actor and critic heads), callable through ``forward`` or ``encode``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+        self.actor = nn.Linear(64, 4)
+        self.critic = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encode(x)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:  # the submodules one by one: no hook of self fires
+        h = self.body(x)
+        return self.actor(h).logsumexp(-1).mean() + self.critic(h).pow(2).mean()
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "adam, forward": {"opt": "adam"},
+    "adam, through another entry point": {"opt": "adam", "entry": "encode"},
+    "sgd momentum, forward": {"opt": "sgd"},
+    "adam, accumulation 2 + clipping": {"opt": "adam", "accum": 2, "clip": True},
+}
+
+
+def _loop(case: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    model = _Net()
+    opt: torch.optim.Optimizer = (torch.optim.Adam(model.parameters(), lr=1e-3) if case["opt"] == "adam"
+                                  else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    call = model.encode if case.get("entry") == "encode" else model
+
+    def step() -> None:
+        opt.zero_grad()
+        for _ in range(case.get("accum", 1)):
+            call(x).backward()
+        if case.get("clip"):
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+
+    return model, opt, step
+
+
+def _calls(case: dict[str, Any], recorded: bool, path: Any) -> int:
+    """Calls (Python + builtin) on this thread over STEPS steps of ``case``'s loop."""
+    model, opt, step = _loop(case)
+    rec = stepdump.Recorder(path, model, opt, on_error="raise", every=None, stats_every=1) if recorded else None
+    counts: Counter[str] = Counter()
+    me = threading.get_ident()
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call") and threading.get_ident() == me:
+            counts[event] += 1
+
+    try:
+        for _ in range(WARM):
+            step()
+        sys.setprofile(prof)
+        try:
+            for _ in range(STEPS):
+                step()
+        finally:
+            sys.setprofile(None)
+    finally:
+        if rec is not None:
+            rec.close()
+    return counts["call"] + counts["c_call"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_lean_step_adds_few_calls_on_the_training_thread(tmp_path, case: str) -> None:
+    plain = _calls(CASES[case], False, tmp_path / "plain")
+    added = (_calls(CASES[case], True, tmp_path / "run") - plain) / STEPS
+    assert added <= BUDGET, f"{case}: the recorder added {added:.0f} calls per lean step (budget {BUDGET})"
