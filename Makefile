@@ -9,18 +9,27 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: demo test test-gpu bench soak install install-test clean
 
-$(VENV)/.installed: pyproject.toml
+# The venv with pip and torch (idempotent: a second run only checks them).
+define VENV_BASE
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
+endef
+
+$(VENV)/.installed: pyproject.toml
+	$(VENV_BASE)
 	$(PIP) install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+# Not on top of .installed: `-e ".[test]"` installs all that `-e .` does, and each editable
+# install builds stepdump's wheel anew (an isolated build env with setuptools fetched into it),
+# so `make test` on a fresh clone builds it once, not twice; it then counts as installed too.
+$(VENV)/.installed-test: pyproject.toml
+	$(VENV_BASE)
 	$(PIP) install -q -e ".[test]"
 	# the report's browser test drives Debian's chromium (never `playwright install`)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
-	touch $@
+	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
 
