@@ -104,11 +104,10 @@ class Segments:
         with np.errstate(all="ignore"):  # inf and NaN: compute_stats below
             lo = np.minimum.reduceat(x, starts)
             hi = np.maximum.reduceat(x, starts)
-            # The sum and the sum of squares in float64, in element order (core.stats.segment_sums)
-            x64 = x.astype(np.float64)
-            sums = np.add.reduceat(x64, starts)
-            np.multiply(x64, x64, out=x64)
-            sqs = np.add.reduceat(x64, starts)
+            # The sum and the sum of squares in float64, in element order (core.stats.segment_sums: the
+            # same bits); cast on the fly, not through a float64 copy of the buffer (half the memory traffic).
+            sums = np.add.reduceat(x, starts, dtype=np.float64)
+            sqs = np.add.reduceat(np.square(x, dtype=np.float64), starts)
             finite3 = np.isfinite(lo) & np.isfinite(hi) & np.isfinite(sqs)  # what a large tensor's row needs
             finite = finite3 & np.isfinite(sums)
             signed = (lo > 0) | (hi < 0)  # of one sign: no zeros (-0.0 > 0 is False, as in the count)
