@@ -102,14 +102,15 @@ def build_report_data(
     change = _stack([(p, t["norm_change"]) for p, t in tables["params"]]) \
         if "params" in tables and all("norm_change" in t for _, t in tables["params"]) else None
     grads = _stack([(p, t["norm"]) for p, t in tables["grads"]]) if "grads" in tables else None
+    bad = {k: _stack([(p, t["nonfinite"]) for p, t in tables[k]]) for k in ("params", "grads") if k in tables}
     return {
         "version": REPORT_DATA_VERSION,
         "summary": summarize(run),
         "domain": domain,
         "max_points": max_points,
         "scalars": _scalars(stores, max_points),
-        "grad_norms": _heatmap(grads, max_points, "grad L2 norm") if grads is not None else None,
-        "param_norms": _heatmap(params, max_points, "weight L2 norm") if params is not None else None,
+        "grad_norms": _heatmap(grads, max_points, "grad L2 norm", bad=bad.get("grads")) if grads is not None else None,
+        "param_norms": _heatmap(params, max_points, "weight L2 norm", bad=bad.get("params")) if params is not None else None,
         "update_ratio": _update_ratio(stores, params, max_points, exact_steps, exact_budget, change),
         "moments": _moments(stores, max_points) if "optimizer" in kinds else [],
         "nonfinite": _nonfinite(run, stores, max_points),
@@ -124,8 +125,18 @@ def build_report_data(
 
 
 def _kind_matrices(store: Run, kind: str, max_points: int) -> dict[str, StatMatrix]:
-    """norm and band columns of ``kind``: bucketed in the catalog for a long run, else exact."""
-    return bucketed_matrices(store, kind, max_points) or stat_matrices(store, kind, ("norm", *BAND_COLUMNS))
+    """norm and band columns of ``kind``: bucketed in the catalog for a long run, else exact; and
+    ``nonfinite``: per tensor and column, the steps with a NaN/±Inf element (exact: 0 or 1)."""
+    bucketed = bucketed_matrices(store, kind, max_points)
+    if bucketed is not None:
+        return bucketed
+    m = stat_matrices(store, kind, ("norm", *BAND_COLUMNS, *_NONFINITE_COLUMNS))
+    counts = sum(np.nan_to_num(m[c].values) for c in _NONFINITE_COLUMNS)
+    m["nonfinite"] = StatMatrix(m["norm"].names, m["norm"].steps, (counts > 0).astype(np.float64))
+    return m
+
+
+_NONFINITE_COLUMNS = ("nan", "posinf", "neginf")
 
 
 def stores_of(run: RunReader) -> list[tuple[str, Run]]:
@@ -305,11 +316,15 @@ def heatmap_data(m: StatMatrix, max_points: int, label: str, note: str = "") -> 
     return _heatmap(m, max_points, label, note)
 
 
-def _heatmap(m: StatMatrix, max_points: int, label: str, note: str = "") -> dict[str, Any] | None:
+def _heatmap(m: StatMatrix, max_points: int, label: str, note: str = "",
+             bad: StatMatrix | None = None) -> dict[str, Any] | None:
+    """A heatmap of ``m``'s columns reduced by max to ``max_points``. ``bad`` (same rows and
+    columns): steps with a NaN/±Inf element, for ``nonfinite``, the ``[row, column]`` cells whose
+    bucket holds one (the page marks them: a norm of the finite elements would hide them)."""
     if m.empty:
         return None
     first, last, reduced = bucket_max(m.values, max_points)
-    return {
+    out = {
         "label": label,
         "note": note,
         "names": m.names,
@@ -318,6 +333,10 @@ def _heatmap(m: StatMatrix, max_points: int, label: str, note: str = "") -> dict
         "values": [_floats(row) for row in reduced],
         "steps": m.recorded,
     }
+    if bad is not None and bad.values.shape == m.values.shape:
+        _, _, hot = bucket_max(np.nan_to_num(bad.values), max_points)
+        out["nonfinite"] = [[int(r), int(c)] for r, c in zip(*np.nonzero(hot > 0))]
+    return out
 
 
 def _update_ratio(

@@ -174,17 +174,18 @@
     ctx.charts = ctx.charts.filter(ch => ch.cv.isConnected);
     const name = state.layer;
     for (const [key, what, get] of LAYER_KINDS) {
-      const series = [], notes = [];
+      const series = [], notes = [], bad = [];
       D.runs.forEach((r, i) => {
         const hm = get(r), k = hm ? hm.names.indexOf(name) : -1;
         if (k < 0) return;
+        bad.push(...SD.rowBad(hm, k));   // buckets where this tensor had a NaN/Inf element: red ticks
         series.push({ run: i, x: hm.x0, x1: hm.x1, y: SD.row(hm, k), label: who(i, `${name} ${what}`), color: colour(i) });
         if (hm.steps > hm.x0.length) notes.push(`${several() ? r.label + ": " : ""}max per bucket of ${Math.ceil(hm.steps / hm.x0.length)} steps`);
         if (key === "update_ratio" && !r.update_ratio.exact) notes.push(`${several() ? r.label + ": " : ""}lower bound from norms`);
       });
       if (!series.length) continue;
       const id = "layer:" + key, log = id in state.log ? state.log[id] : wantsLog(series.flatMap(s => s.y));
-      const c = addLineChart(grid, what, { id, series, legend: legend(series), log, toggle: true, height: 190, margin: SMALL, skipped, connect: true },
+      const c = addLineChart(grid, what, { id, series, legend: legend(series), log, toggle: true, height: 190, margin: SMALL, skipped, connect: true, bad },
         [name].concat(notes).join(" · "), state.log, cv => { cv.dataset.tensor = name; });
       layerCharts.push(c); c.draw();
     }

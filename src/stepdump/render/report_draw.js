@@ -290,6 +290,7 @@ const SD = (function () {
     g.strokeStyle = "#999"; g.strokeRect(m.l + 0.5, m.t + 0.5, W - 1, H - 1);
     markers(f, true, cv); xAxis(cv, f);
     // What was drawn, for people and tests: point count, scale, series and their value range.
+    cv.dataset.bad = JSON.stringify(spec.bad || []);
     cv.dataset.drawn = drawn; cv.dataset.banded = banded; cv.dataset.log = spec.log ? "1" : "0"; cv.dataset.smooth = smoothing ? String(ctx.smooth) : "0";
     cv.dataset.series = JSON.stringify(spec.series.map((s, i) => ({ label: s.label, points: per[i] })));
     cv.dataset.range = JSON.stringify(isFinite(vlo) ? [vlo, vhi] : null);

@@ -12,7 +12,7 @@
     const p = Math.min(Math.max(t, 0), 1) * (VIRIDIS.length - 1), i = Math.min(Math.floor(p), VIRIDIS.length - 2), a = p - i;
     return VIRIDIS[i].map((c, k) => Math.round(c + (VIRIDIS[i + 1][k] - c) * a));
   }
-  const LUT = Array.from({ length: 256 }, (_, i) => color(i / 255)), ZERO = [20, 20, 20];
+  const LUT = Array.from({ length: 256 }, (_, i) => color(i / 255)), ZERO = [20, 20, 20], NONFINITE = "#ff1f5a";
   function decode(p) {   // uint16 codes -> log10 values (NaN: none, -Infinity: zero); once per matrix
     if (p._vals) return p._vals;
     const bin = atob(p.b64), n = p.rows * p.cols, out = new Float32Array(n), span = p.hi - p.lo;
@@ -76,6 +76,18 @@
     const off = document.createElement("canvas"); off.width = PW; off.height = rows; off.getContext("2d").putImageData(img, 0, 0);
     g.fillStyle = "#eee"; g.fillRect(m.l, m.t, W, H);
     g.imageSmoothingEnabled = false; g.drawImage(off, m.l, m.t, W, H);
+    // Cells whose bucket holds a step with a NaN/±Inf element: the norm of the finite elements
+    // would hide it, so they are painted in a colour the scale does not use (and listed for tests).
+    const marks = [], rowOf = new Map();
+    rowsView.forEach((v, i) => { for (const t of v.idx) { if (!rowOf.has(t)) rowOf.set(t, []); rowOf.get(t).push(i); } });
+    g.fillStyle = NONFINITE;
+    for (const [t, c] of hm.nonfinite || []) {
+      const end = c + 1 < cols ? hm.x0[c + 1] : hm.x1[c] + 1, xa = f.sx(ax(run, hm.x0[c])), xb = f.sx(ax(run, end));
+      if (xb < m.l || xa > m.l + W) continue;   // zoomed out of view
+      const x = Math.max(m.l, Math.min(xa, m.l + W - 3)), w = Math.max(3, Math.min(m.l + W, xb) - x);
+      for (const r of rowOf.get(t) || []) { g.fillRect(x, m.t + r * rh, w, rh); marks.push({ row: r, tensor: hm.names[t], x0: hm.x0[c], x1: hm.x1[c], x: x + w / 2, y: m.t + (r + 0.5) * rh, w, h: rh }); }
+    }
+    cv.dataset.nonfinite = JSON.stringify(marks);
     g.strokeStyle = "#999"; g.strokeRect(m.l + 0.5, m.t + 0.5, W - 1, H - 1);
     g.fillStyle = "#333"; g.textAlign = "right"; g.textBaseline = "middle";
     const every = Math.ceil(11 / rh), labels = [];   // label every row that has room (and every block header)
@@ -94,7 +106,7 @@
     for (let i = 0; i < cw; i++) { const [R, G, B] = color(i / (cw - 1)); g.fillStyle = `rgb(${R},${G},${B})`; g.fillRect(m.l + i, cy, 1, 9); }
     g.fillStyle = "#555"; g.font = "11px system-ui, sans-serif"; g.textBaseline = "middle"; g.textAlign = "right";
     g.fillText(fmt(Math.pow(10, p.lo)), m.l - 5, cy + 5); g.textAlign = "left";
-    g.fillText(`${fmt(Math.pow(10, p.hi))}   (log colour scale; ${hm.label}; black: 0, grey: no value)`, m.l + cw + 6, cy + 5);
+    g.fillText(`${fmt(Math.pow(10, p.hi))}   (log colour scale; ${hm.label}; black: 0, grey: no value${(hm.nonfinite || []).length ? ", red: NaN/Inf in the bucket" : ""})`, m.l + cw + 6, cy + 5);
     cv.dataset.drawn = drawn;
     f.rowVal = rowVal;
     return f;
@@ -106,6 +118,7 @@
     const o = opts || {}, run = o.run || 0, folded = o.folded || {};
     const c = card(parent, title, hm.note), cv = el("canvas", { "data-plot": id }, c.card), ov = overlay(c, cv);
     let f = null, rv = view(hm, o.groups, folded);
+    const badCells = new Set((hm.nonfinite || []).map(([t, c]) => t * hm.x0.length + c));
     if (rv.some(v => v.header)) {   // fold / unfold every block
       const bar = el("span", { class: "toggle" }, c.head);
       for (const [text, fold] of [["fold all", true], ["unfold all", false]]) {
@@ -121,9 +134,9 @@
       if (px < f.m.l) return what ? [what] : null;   // the label column: the full name
       const u = f.at(px), step = SD.lib.stepAt(run, u), col = lower(hm.x0, step), near = SD.lib.findingsNear(f, px);
       if (!inRows || col < 0) return near;
-      const val = f.rowVal(r, col);
+      const val = f.rowVal(r, col), bad = v.idx.some(t => badCells.has(t * hm.x0.length + col));
       const range = hm.x1[col] !== hm.x0[col] ? `${stepText(hm.x0[col])}–${hm.x1[col] + ctx.offset} (max)` : stepText(hm.x0[col]);
-      return [`${what}  ${range}`, `${hm.label}: ${Number.isNaN(val) ? "—" : val === -Infinity ? "0" : fmt(Math.pow(10, val))}`].concat(near);
+      return [`${what}  ${range}`, `${hm.label}: ${Number.isNaN(val) ? "—" : val === -Infinity ? "0" : fmt(Math.pow(10, val))}`].concat(bad ? ["NaN/Inf in this bucket"] : [], near);
     });
     cv.addEventListener("click", ev => {
       if (ctx.dragged) { ctx.dragged = false; return; }
@@ -137,5 +150,7 @@
     const draw = () => { rv = view(hm, o.groups, folded); f = heatmap(cv, hm, rv, run); placeOverlay(cv, ov); };
     return { draw, canvas: cv, card: c };
   }
-  SD.row = row; SD.addHeatmap = addHeatmap; SD.decode = decode;
+  // The first step of each column where tensor r's bucket holds a NaN/±Inf element (a line chart's `bad` ticks).
+  function rowBad(hm, r) { return (hm.nonfinite || []).filter(([t]) => t === r).map(([, c]) => hm.x0[c]); }
+  SD.row = row; SD.rowBad = rowBad; SD.addHeatmap = addHeatmap; SD.decode = decode;
 })();
