@@ -207,3 +207,43 @@ def test_a_gradient_log_steps_grad_rows_are_compute_stats_and_fingerprint_bit_fo
         for n, g in seen[step].items():
             want = (*compute_stats(g), fingerprint(g))
             assert got[f"p.{n}"] == want, (step, n, got[f"p.{n}"], want)
+
+
+def _deep(n: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), *[torch.nn.Linear(16, 16) for _ in range(n)],
+                               torch.nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("layers", [0, 4, 12])
+def test_staging_a_gradient_log_steps_grads_is_not_a_torch_call_per_grad(tmp_path: Path, layers: int) -> None:
+    """Each torch call of the training thread lets go of the GIL, and with the writer waiting for it
+    that is a hand-off; the step's grads are copied into staging by one call, not one per grad."""
+    import sys
+
+    model = _deep(layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    copies = 0
+    grads = len(list(model.parameters()))
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal copies
+        if event == "c_call" and getattr(arg, "__name__", "") == "copy_":
+            copies += 1
+
+    with stepdump.Recorder(tmp_path / "run", model, opt, gradient_log=K):
+        for t in range(STEPS):
+            x, y = tiny_batch(t)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if t >= 2:
+                sys.setprofile(prof)
+            try:
+                opt.step()
+            finally:
+                sys.setprofile(None)
+    steps = STEPS - 2
+    assert copies <= steps, (copies, steps, grads)  # was a copy per grad: grads x steps
+    with stepdump.open(tmp_path / "run") as run:
+        for name, p in model.named_parameters():
+            assert_same(run.tensor(name, STEPS, "params"), p.detach(), f"param {name} at the end")

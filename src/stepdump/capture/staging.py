@@ -227,6 +227,10 @@ class Stager:
         copied: list[Item] = []
         live: list[Item] = []
         cuda_entries = []
+        # One copy call for the step's staged CPU tensors, not one per tensor: each torch call lets go
+        # of the GIL, a hand-off to the writer when it waits for it (issue 25).
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         slot.live_done.clear()
         slot.deferred = []
         with torch.no_grad():
@@ -248,8 +252,11 @@ class Stager:
                     if kind in defer and self.defer_ok:
                         slot.deferred.append((tensor, int(tensor._version)))
                     continue
-                buf.copy_(t)
+                dsts.append(buf)
+                srcs.append(t)
                 copied.append(Item(kind, name, buf, full, param, key, raw=slot.raw_for(kind, name)))
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)  # each as buf.copy_(t): the same bytes
             if cuda_entries:
                 self._stage_cuda(slot, cuda_entries, copied, live)
         slot.has_live = bool(live)
