@@ -88,7 +88,7 @@ def update_starting(rec: Participant) -> None:
     optimizer opens a loop iteration: every Recorder's start state for it is final now."""
     global _first
     first = _first() if _first is not None else None
-    if first is rec and len(_LIVE.data) == 1:  # one Recorder alone (the usual loop): the same, without the WeakSet walks
+    if first is rec and len(_LIVE) == 1:  # one Recorder alone (the usual loop): the same, without the WeakSet walks
         _updated[rec] = _tick()
         rec._loop_freeze()
         return
@@ -101,7 +101,7 @@ def update_starting(rec: Participant) -> None:
 
 def update_ended(rec: Participant) -> None:
     """``rec``'s update is over (it took its own next start state): the others take theirs again."""
-    if len(_LIVE.data) == 1 and _first is not None and _first() is rec:  # rec alone: no others
+    if len(_LIVE) == 1 and _first is not None and _first() is rec:  # rec alone: no others
         return
     for r in list(_LIVE):
         if r is not rec:
