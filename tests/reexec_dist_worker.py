@@ -1,6 +1,7 @@
 """One rank of the 2-process gloo job tests/test_reexec_ranks.py starts (not a test module).
 
-Usage: ``python reexec_dist_worker.py OUT`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set.
+``main(OUT)`` in each rank's process (the test forks them, tests/gloo_fork.py), or
+``python reexec_dist_worker.py OUT`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set.
 Records a DDP MLP (each rank its own batches, every batch given to ``log_batch``) into OUT/run;
 on rank 1 one bit of one reduced grad flips at FLIP_STEP (after the allreduce, before the
 update: the update uses it and rank 1's record holds it, as a fault in rank 1's memory would).

@@ -7,20 +7,18 @@ on rank 1 only, and every rank's verdict says which ranks agree.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import reexec_dist_worker
 import torch
-from helpers import gloo_env
+from gloo_fork import run_ranks
 from torch import nn
 
 import stepdump
 from stepdump.errors import ConfigError
 
-HERE = Path(__file__).resolve().parent
 WORLD = 2
 FLIPPED = "module.0.weight"
 
@@ -28,21 +26,9 @@ FLIPPED = "module.0.weight"
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank job of tests/reexec_dist_worker.py, its ranks forked from this process (gloo_fork)."""
     out = tmp_path_factory.mktemp("reexec_ranks")
-    env = gloo_env(WORLD, HERE)
-    procs = [subprocess.Popen([sys.executable, str(HERE / "reexec_dist_worker.py"), str(out)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"ranks failed {failed}:\n" + "\n".join(f"--- rank {r}\n{log[-4000:]}" for r, log in enumerate(logs))
+    run_ranks(lambda rank: reexec_dist_worker.main(out), WORLD, out / "logs")
     return out
 
 
