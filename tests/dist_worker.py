@@ -1,6 +1,7 @@
 """One rank of the 2-process gloo job that tests/test_distributed.py starts (not a test module).
 
-Usage: ``python dist_worker.py OUT`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set.
+``main(OUT)`` in each rank's process (the test forks them, tests/gloo_fork.py), or
+``python dist_worker.py OUT`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set.
 Each scenario records into OUT/<scenario> and writes what the rank saw live (clones
 of its tensors before every update, flags) to OUT/side/<scenario>_rank<r>.pt, the side
 channel the test compares the recording with.
@@ -146,8 +147,8 @@ def fsdp(out: Path, rank: int) -> None:
         train(model, opt, rec, range(5), rank, out=3, desync=DESYNC_PARAM["hsdp"])
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def main(out: Path | None = None) -> None:
+    out = Path(sys.argv[1]) if out is None else out
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()

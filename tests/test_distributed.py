@@ -8,14 +8,14 @@ tests compare the recording with them bit for bit.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import dist_worker
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import LOOPBACK, assert_same, gloo_env
+from gloo_fork import run_ranks
+from helpers import LOOPBACK, assert_same
 from torch import nn
 
 import stepdump
@@ -28,7 +28,6 @@ from stepdump.errors import (
     TensorNotFoundError,
 )
 
-HERE = Path(__file__).parent
 WORLD = 2
 DESYNC_STEP = 3
 PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")  # the workers' MLP; DDP prefixes "module."
@@ -39,23 +38,9 @@ PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")  # the workers' MLP; DDP p
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank job of tests/dist_worker.py, its ranks forked from this process (gloo_fork)."""
     out = tmp_path_factory.mktemp("dist")
-    env = gloo_env(WORLD, HERE)
-    procs = [
-        subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(out)], env={**env, "RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"ranks failed {failed}:\n" + "\n".join(f"--- rank {r}\n{log[-4000:]}" for r, log in enumerate(logs))
+    run_ranks(lambda rank: dist_worker.main(out), WORLD, out / "logs")
     return out
 
 
