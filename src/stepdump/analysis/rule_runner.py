@@ -7,16 +7,24 @@ each rank's or pair's store. All three use what is here, so it sits below them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from stepdump.analysis.findings import Finding
+from stepdump.analysis.rules._frames import glob_literal
 from stepdump.analysis.rules._roles import DECLARED_ATTR
 from stepdump.analysis.rules.base import RuleLike
 from stepdump.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: importing pandas costs ~0.3 s
     import pandas as pd
+
+
+#: Stats steps per frame of :meth:`CachedRun.stats_windows` (its memory: this x tensors rows).
+WINDOW_STEPS = 256
+#: Stats rows (steps x tensors) above which ``check`` walks the stats in windows and per tensor
+#: instead of reading one frame for every rule (~200 bytes a row in a frame: about 0.4 GB).
+STREAM_ROWS = 2_000_000
 
 
 def rule_name(rule: Any) -> str:
@@ -59,10 +67,23 @@ class CachedRun:
     :mod:`stepdump.analysis.rules._roles`).
     """
 
-    def __init__(self, run: Any, *, objective: str | bool | None = None) -> None:
+    def __init__(self, run: Any, *, objective: str | bool | None = None, streaming: bool | None = None) -> None:
         self._run = run
         self._memo: dict[Any, Any] = {}
+        self._streaming = streaming if hasattr(run, "catalog") else False
         setattr(self, DECLARED_ATTR, objective)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the rules walk the stats in windows and per tensor (True) or share one frame.
+
+        ``CachedRun(streaming=None)`` (what ``check`` uses) streams when the run holds more than
+        :data:`STREAM_ROWS` stats rows (stats steps x tensors): the shared frame is faster, the
+        windows bound the memory. Both give the same findings (tests/test_check_windows.py)."""
+        if self._streaming is None:
+            series = sum(len(self.names(k)) for k in self.kinds())
+            self._streaming = len(self.stats_steps) * series > STREAM_ROWS
+        return self._streaming
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._run, attr)
@@ -87,8 +108,49 @@ class CachedRun:
             if kind not in self.kinds():
                 return self._run.stats(kind)  # validates the kind, empty if merely absent
             return full[full["kind"] == kind].reset_index(drop=True)
+        if self.streaming:  # one tensor or a few steps: a bounded read, kept by nobody
+            return self._run.stats(kind, name, steps)
         key = ("stats", kind, name, tuple(steps) if isinstance(steps, (list, range)) else steps)
         return self._cached(key, lambda: self._run.stats(kind, name, steps)).copy()
+
+    def stats_windows(self, kind: str | None = None) -> Iterator[pd.DataFrame]:
+        """The rows of ``stats(kind)``, in order, as frames of at most :data:`WINDOW_STEPS` stats steps.
+
+        A rule that walks them holds one window at a time: ``check`` of a long run with many
+        tensors then never holds the steps x tensors frame (``streaming=False``: one frame, read whole).
+        """
+        if not self.streaming or (kind is not None and kind not in self.kinds()):
+            yield self.stats(kind)
+            return
+        steps = self.stats_steps
+        if not steps:
+            yield self._run.stats(kind, steps=[])
+            return
+        bounds = [0, *steps[WINDOW_STEPS::WINDOW_STEPS], 2**62]  # every row of a step in [lo, hi)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            yield self._run.stats(kind, steps=range(lo, hi))
+
+    def tensor_series(self, kind: str) -> Iterator[tuple[str, pd.DataFrame]]:
+        """Each ``kind`` tensor's rows of ``stats(kind)``, one tensor at a time, in the order the
+        frame first shows them: what ``stats(kind).groupby("name", sort=False)`` yields, read per
+        tensor when streaming (memory: one tensor's history, not every tensor's)."""
+        if not self.streaming or kind not in self.kinds():
+            for name, rows in self.stats(kind).groupby("name", sort=False):
+                yield str(name), rows
+            return
+        for name in self.frame_names(kind):
+            yield str(name), self._run.stats(kind, glob_literal(str(name)))
+
+    def frame_names(self, kind: str) -> list[str]:
+        """The ``kind`` tensors in the order ``stats(kind)`` first shows them."""
+        if not self.streaming or kind not in self.kinds():
+            import pandas
+
+            return [str(n) for n in pandas.unique(self.stats(kind)["name"])]
+        from stepdump.store.queries_scale import series_first_steps
+
+        return list(self._cached(("frame_names", kind),
+                                 lambda: [str(n) for _, n, _ in series_first_steps(self._run.catalog, kind)]))
 
     def scalars(self, names: Any = None, steps: Any = None) -> pd.DataFrame:
         key = ("scalars", tuple(names) if isinstance(names, list) else names,

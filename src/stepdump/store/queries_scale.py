@@ -144,3 +144,13 @@ def norm_diff_buckets(cat: CatalogReader, kind: str, common: int, buckets: int, 
         "WHERE na.kind = ?1 GROUP BY na.id, cb.b", args)
     ranges = cat._q(f"{_COMMON}{_BUCKETED} SELECT b, min(step), max(step) FROM cb GROUP BY b ORDER BY b", args)
     return rows, ranges
+
+
+# -- check: a kind's tensors in the order they first appear -----------------------------------
+def series_first_steps(cat: CatalogReader, kind: str) -> list[tuple[Any, Any, Any]]:
+    """``(series id, name, first step with a row)`` of every ``kind`` series that has rows, in the
+    order a stats frame (by step, then series) first shows them. One key seek per series."""
+    return cat._q(
+        "SELECT id, name, f FROM (SELECT s.id AS id, s.name AS name, "
+        "(SELECT min(t.step) FROM tensors t WHERE t.series = s.id) AS f FROM series s "
+        "WHERE s.kind != 'state' AND s.kind = ?) WHERE f IS NOT NULL ORDER BY f, id", (kind,))

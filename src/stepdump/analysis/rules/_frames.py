@@ -7,7 +7,7 @@ that each rule stays a short statement of its test.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,46 @@ def ndim(shape: Any) -> int:
     """Number of dimensions of a stats-frame ``shape`` string ("16,8" -> 2, "" -> 0)."""
     text = "" if shape is None else str(shape).strip()
     return 0 if not text else len(text.split(","))
+
+
+def stats_windows(run: Any, kind: str | None = None) -> Iterator[pd.DataFrame]:
+    """``run.stats(kind)`` as consecutive frames of a few steps each when ``run`` can give them
+    (:meth:`~stepdump.analysis.rule_runner.CachedRun.stats_windows`), else as one frame."""
+    windows = getattr(run, "stats_windows", None)
+    if windows is None:
+        yield run.stats(kind) if kind is not None else run.stats()
+        return
+    yield from windows(kind)
+
+
+def tensor_series(run: Any, kind: str) -> Iterator[tuple[str, pd.DataFrame]]:
+    """``(name, rows)`` of each ``kind`` tensor, as ``run.stats(kind).groupby("name", sort=False)``
+    yields them, one tensor read at a time when ``run`` can (see :func:`stats_windows`)."""
+    series = getattr(run, "tensor_series", None)
+    if series is None:
+        for name, rows in run.stats(kind).groupby("name", sort=False):
+            yield str(name), rows
+        return
+    yield from series(kind)
+
+
+def glob_literal(name: str) -> str:
+    """A GLOB pattern matching exactly ``name`` (its ``*``, ``?`` and ``[`` taken literally)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def name_rows(run: Any, kind: str, name: str) -> pd.DataFrame:
+    """The stats rows of one tensor, by step (what ``run.stats(kind)`` holds for ``name``)."""
+    return run.stats(kind, glob_literal(name))
+
+
+def frame_names(run: Any, kind: str) -> list[str]:
+    """The ``kind`` tensors in the order ``run.stats(kind)`` first shows them (no rows read when
+    ``run`` can say it from the catalog)."""
+    names = getattr(run, "frame_names", None)
+    if names is not None:
+        return list(names(kind))
+    return [str(n) for n in pd.unique(run.stats(kind)["name"])]
 
 
 def nonfinite(df: pd.DataFrame) -> pd.Series:
@@ -83,6 +123,29 @@ def global_grad_norm(grads: pd.DataFrame, skipped: set[int]) -> pd.Series:
     out = np.sqrt(per["sq"].astype(float))
     out.name = "grad_norm"
     return out
+
+
+def windowed_grad_norm(run: Any, skipped: set[int], names: set[str] | None = None) -> tuple[pd.Series, list[int]]:
+    """:func:`global_grad_norm` of the run's grads (only ``names``, when given), window by window
+    (:func:`stats_windows`), and the steps at which any grad has a norm (the rows a
+    ``pivot_table`` of the grads' norms has). The norm of a step is a sum over that step's rows
+    only, so windows of whole steps give the very same series."""
+    parts: list[pd.Series] = []
+    steps: list[int] = []
+    if "grads" in run.kinds():
+        for df in stats_windows(run, "grads"):
+            if names is not None:
+                df = df[df["name"].isin(names)]
+            if df.empty:
+                continue
+            parts.append(global_grad_norm(df, skipped))
+            steps.extend(int(s) for s in pd.unique(df.loc[df["norm"].notna(), "step"]))
+    parts = [p for p in parts if not p.empty]
+    if not parts:
+        return pd.Series(dtype=float, name="grad_norm"), sorted(set(steps))
+    out = pd.concat(parts) if len(parts) > 1 else parts[0]
+    out.name = "grad_norm"
+    return out, sorted(set(steps))
 
 
 def trailing_median(values: pd.Series, window: int, min_history: int) -> pd.Series:

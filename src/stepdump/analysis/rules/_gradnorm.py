@@ -90,9 +90,12 @@ def _scalar(run: Any, name: str | None, skipped: set[int]) -> pd.Series:
     return v
 
 
-def grad_norms(run: Any, grads: pd.DataFrame, skipped: set[int], scalar: str | None = "grad_norm") -> GradNorm:
-    """The global grad norm per step, before clipping when the run shows clipping (module docstring)."""
-    recorded = global_grad_norm(grads, skipped)
+def grad_norms(run: Any, grads: pd.DataFrame | pd.Series, skipped: set[int], scalar: str | None = "grad_norm") -> GradNorm:
+    """The global grad norm per step, before clipping when the run shows clipping (module docstring).
+
+    ``grads``: the grads' stats frame, or their global norm per step already summed
+    (:func:`~._frames.windowed_grad_norm`)."""
+    recorded = grads if isinstance(grads, pd.Series) else global_grad_norm(grads, skipped)
     meta = clip_meta(run)
     name = meta.get("norm_scalar", scalar) if scalar is not None else None
     logged = _scalar(run, name if isinstance(name, str) else scalar, skipped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -13,14 +14,15 @@ from stepdump.analysis.rules._roles import check_scalar_option, damage_scalar
 from stepdump.analysis.rules._frames import (
     episodes,
     fmt,
-    global_grad_norm,
     matches,
     nonfinite,
     optimized_params,
     skipped_steps,
     sustained,
+    tensor_series,
     times,
     trailing_median,
+    windowed_grad_norm,
 )
 from stepdump.analysis.rules._gradnorm import GradNorm, grad_norms
 from stepdump.analysis.rules.base import (
@@ -35,12 +37,6 @@ from stepdump.analysis.rules.base import (
 from stepdump.analysis.rules.lr import lr_cause
 from stepdump.errors import ConfigError
 from stepdump.store.format import TENSOR_KINDS
-
-
-def _grads(run: Any) -> pd.DataFrame:
-    if "grads" not in run.kinds():
-        return pd.DataFrame(columns=["step", "kind", "name", "norm", "nan", "posinf", "neginf", "zero_frac"])
-    return run.stats("grads")
 
 
 @register_rule
@@ -91,8 +87,8 @@ class ExplodingGradient(Rule):
         check_scalar_option(self.name, "loss", self.loss)
 
     def __call__(self, run: Any) -> list[Finding]:
-        grads = _grads(run)
-        gn = grad_norms(run, grads, skipped_steps(run), self.norm_scalar)
+        recorded, grad_steps = windowed_grad_norm(run, skipped_steps(run))
+        gn = grad_norms(run, recorded, skipped_steps(run), self.norm_scalar)
         out = [self._hidden(gn)] if gn.hidden else []
         g = gn.norms
         if g.empty:
@@ -103,13 +99,9 @@ class ExplodingGradient(Rule):
         flagged = [int(s) for s in g.index[over_abs | over_rel]]
         if not flagged:
             return out
-        # Per-tensor norms as backward made them: clipping scaled every tensor of a step alike.
-        per_tensor = grads.pivot_table(index="step", columns="name", values="norm", aggfunc="last")
-        per_tensor = per_tensor.mul(gn.scale().reindex(per_tensor.index).fillna(1.0), axis=0)
-        tensor_med = per_tensor.shift(1).rolling(self.window, min_periods=1).median()
         eps = episodes(flagged, [int(s) for s in g.index])
         s, peak = flagged[0], max(flagged, key=lambda t: g[t])
-        name = _most_jumped(per_tensor, tensor_med, s)
+        name = self._most_jumped_at(run, gn, grad_steps, s)
         absolute = bool(over_abs[s])
         if absolute:
             limit, why = float(self.max_norm), f"above max_norm={fmt(self.max_norm)}"  # type: ignore[arg-type]
@@ -133,6 +125,19 @@ class ExplodingGradient(Rule):
             kind="grads", tensor=name, value=g[s], threshold=limit,
         ))
         return out
+
+    def _most_jumped_at(self, run: Any, gn: GradNorm, grad_steps: list[int], s: int) -> str | None:
+        """The grad whose norm at ``s`` jumped most against its median over the ``window`` steps
+        before (steps with grad norms); reads only those steps' rows."""
+        pos = bisect.bisect_left(grad_steps, s)
+        if pos == len(grad_steps) or grad_steps[pos] != s:
+            return None
+        grads = run.stats("grads", steps=grad_steps[max(0, pos - self.window): pos + 1])
+        # Per-tensor norms as backward made them: clipping scaled every tensor of a step alike.
+        per_tensor = grads.pivot_table(index="step", columns="name", values="norm", aggfunc="last")
+        per_tensor = per_tensor.mul(gn.scale().reindex(per_tensor.index).fillna(1.0), axis=0)
+        tensor_med = per_tensor.shift(1).rolling(self.window, min_periods=1).median()
+        return _most_jumped(per_tensor, tensor_med, s)
 
     def _hidden(self, gn: GradNorm) -> Finding:
         scalar = self.norm_scalar or "grad_norm"
@@ -184,11 +189,7 @@ class VanishingGradient(Rule):
         check_int(self.name, "patience", self.patience, 1)
 
     def __call__(self, run: Any) -> list[Finding]:
-        grads = _grads(run)
-        if grads.empty:
-            return []
-        grads = grads[grads["name"].isin(optimized_params(run))]
-        g = global_grad_norm(grads, skipped_steps(run))
+        g, _ = windowed_grad_norm(run, skipped_steps(run), optimized_params(run))
         flagged = [int(s) for s in g.index[g < self.min_norm]]
         out = []
         for ep in sustained(flagged, [int(s) for s in g.index], self.patience):
@@ -252,11 +253,15 @@ class DeadUnits(Rule):
         for kind in self.kinds:
             if kind not in present:
                 continue
-            df = run.stats(kind)
-            df = df[~df["step"].isin(list(skipped)) & (nonfinite(df) == 0)]
-            order = {str(n): i for i, n in enumerate(pd.unique(df["name"]))}
+            # where each tensor first shows among the rows kept (by step, then recording order)
+            recording = {n: i for i, n in enumerate(run.names(kind))}
+            first: dict[str, tuple[int, int]] = {}
             stretches: dict[int, list[tuple[str, list[int], int, float]]] = {}  # first step -> hits
-            for name, rows in df.groupby("name", sort=False):
+            for name, rows in tensor_series(run, kind):
+                rows = rows[~rows["step"].isin(list(skipped)) & (nonfinite(rows) == 0)]
+                if rows.empty:
+                    continue
+                first[name] = (int(rows["step"].min()), recording.get(name, -1))
                 if matches(str(name), self.exclude) or (kind == "grads" and str(name) in sparse):
                     continue
                 rows = rows.sort_values("step")
@@ -268,7 +273,7 @@ class DeadUnits(Rule):
                 if eps:
                     stretches.setdefault(eps[0][0], []).append((str(name), eps[0], len(eps) - 1, float(zf[eps[0][0]])))
             for s, hits in sorted(stretches.items()):
-                out.append(self._grouped(kind, s, sorted(hits, key=lambda h: order[h[0]])))
+                out.append(self._grouped(kind, s, sorted(hits, key=lambda h: first[h[0]])))
         return out
 
     def _grouped(self, kind: str, s: int, hits: list[tuple[str, list[int], int, float]]) -> Finding:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._frames import matches, nonfinite, skipped_steps
+from stepdump.analysis.rules._frames import matches, nonfinite, skipped_steps, stats_windows
 from stepdump.analysis.rules._roles import DEFAULT_OBJECTIVE, objective
 from stepdump.analysis.rules.base import Rule, check_globs, register_rule
 
@@ -107,7 +107,7 @@ class NanInf(Rule):
 
     def __call__(self, run: Any) -> list[Finding]:
         skipped = skipped_steps(run)
-        events = self._tensor_events(run) + self._scalar_events(run)
+        events = self._tensor_events(run, skipped) + self._scalar_events(run)
         if not events:
             return []
         expected = [e for e in events if e["step"] in skipped and e["kind"] in EXPECTED_WHEN_SKIPPED]
@@ -155,28 +155,38 @@ class NanInf(Rule):
             value=first["nan"] + first["inf"], threshold=0,
         )
 
-    def _tensor_events(self, run: Any) -> list[dict[str, Any]]:
-        df = run.stats()
-        if df.empty:
-            return []
-        bad = nonfinite(df)
-        hit = df[bad > 0].assign(bad=bad[bad > 0])
-        if hit.empty:
-            return []
-        # Position of each name in recording order, per kind (grads reversed: backward order).
-        order: dict[tuple[str, str], int] = {}
-        for kind, names in df.groupby("kind", sort=False)["name"]:
-            uniq = list(pd.unique(names))
-            if kind == "grads":
-                uniq.reverse()
-            order.update({(kind, n): i for i, n in enumerate(uniq)})
-        return [
-            {
-                "step": int(r.step), "kind": r.kind, "tensor": r.name, "pos": order[(r.kind, r.name)],
-                "nan": int(r.nan or 0), "inf": int((r.posinf or 0) + (r.neginf or 0)),
-            }
-            for r in hit.itertuples(index=False)
-        ]
+    def _tensor_events(self, run: Any, skipped: set[int]) -> list[dict[str, Any]]:
+        """Non-finite stats rows as events, read window by window (:func:`stats_windows`).
+
+        Kept in full: the events at the first step of each class (real, or expected at a skipped
+        step); at every later step, one event stands for the step (the finding only counts the
+        steps). So memory follows the steps with NaN/Inf, not the rows holding them."""
+        seen: dict[str, dict[str, int]] = {}  # kind -> name -> index in recording order (first appearance)
+        kept: dict[bool, list[dict[str, Any]]] = {True: [], False: []}  # expected? -> events
+        stand_in: dict[bool, dict[int, dict[str, Any]]] = {True: {}, False: {}}
+        for df in stats_windows(run):
+            if df.empty:
+                continue
+            for kind, names in df.groupby("kind", sort=False)["name"]:
+                order = seen.setdefault(str(kind), {})
+                for n in pd.unique(names):
+                    order.setdefault(str(n), len(order))
+            bad = nonfinite(df)
+            hit = df[bad > 0]
+            for r in hit.itertuples(index=False):
+                step, kind = int(r.step), str(r.kind)
+                e = {"step": step, "kind": kind, "tensor": r.name, "idx": seen[kind][str(r.name)],
+                     "nan": int(r.nan or 0), "inf": int((r.posinf or 0) + (r.neginf or 0))}
+                expected = step in skipped and kind in EXPECTED_WHEN_SKIPPED
+                first = kept[expected]
+                if not first or first[0]["step"] == step:
+                    first.append(e)
+                elif step not in stand_in[expected]:
+                    stand_in[expected][step] = e
+        events = [*kept[True], *kept[False], *stand_in[True].values(), *stand_in[False].values()]
+        for e in events:  # grads in backward order: the last parameter's gradient is made first
+            e["pos"] = len(seen["grads"]) - 1 - e["idx"] if e["kind"] == "grads" else e["idx"]
+        return events
 
     def _scalar_events(self, run: Any) -> list[dict[str, Any]]:
         sc = run.scalars()

@@ -11,6 +11,8 @@ import pandas as pd
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules._frames import (
     fmt,
+    frame_names,
+    name_rows,
     nonfinite,
     optimizer_param,
     param_hypers,
@@ -69,18 +71,18 @@ class OptimizerState(Rule):
         kinds = run.kinds()
         if "optimizer" not in kinds:
             return []
-        opt = run.stats("optimizer")
         params = run.names("params") if "params" in kinds else []
-        split = {n: optimizer_param(n, params) for n in pd.unique(opt["name"])}
+        split = {n: optimizer_param(n, params) for n in frame_names(run, "optimizer")}
         if not params:  # no params recorded: fall back to "<param>.<key>" with the key last
             split = {n: tuple(n.rsplit(".", 1)) if "." in n else None for n in split}  # type: ignore[misc]
         wanted = {n: pk for n, pk in split.items() if pk is not None and pk[1] in self.keys}
         if not wanted:
             return []
         hypers = param_hypers(run)
-        counts = _step_counts(opt, split)
+        counts = _StepCounts(run, split)
         out = []
-        for name, rows in opt[opt["name"].isin(list(wanted))].groupby("name", sort=False):
+        for name in (n for n in split if n in wanted):  # one state tensor's rows at a time
+            rows = name_rows(run, "optimizer", name)
             param, key = wanted[str(name)]
             hyper = hypers.get(param, {})
             eps = self.eps if self.eps is not None else _float(hyper.get("eps"), DEFAULT_EPS)
@@ -113,14 +115,18 @@ class OptimizerState(Rule):
         return out
 
 
-def _step_counts(opt: pd.DataFrame, split: dict[str, Any]) -> dict[str, pd.Series]:
-    """Param -> its optimizer ``step`` count by step (Adam keeps it as a tensor)."""
-    out: dict[str, pd.Series] = {}
-    for name, rows in opt.groupby("name", sort=False):
-        pk = split.get(name)
-        if pk is not None and pk[1] == "step":
-            out[pk[0]] = rows.set_index("step")["max"].astype(float)
-    return out
+class _StepCounts:
+    """Param -> its optimizer ``step`` count by step (Adam keeps it as a tensor), read when asked."""
+
+    def __init__(self, run: Any, split: dict[str, Any]) -> None:
+        self._run = run
+        self._names = {pk[0]: n for n, pk in split.items() if pk is not None and pk[1] == "step"}
+
+    def get(self, param: str, default: pd.Series) -> pd.Series:
+        name = self._names.get(param)
+        if name is None:
+            return default
+        return name_rows(self._run, "optimizer", name).set_index("step")["max"].astype(float)
 
 
 def _beta2(hyper: dict[str, Any]) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,10 +16,12 @@ from stepdump.analysis.rules._roles import check_scalar_option, damage_scalar
 from stepdump.analysis.rules._frames import (
     fmt,
     matches,
+    name_rows,
     ndim,
     nonfinite,
     optimized_params,
     skipped_steps,
+    tensor_series,
     times,
 )
 from stepdump.analysis.rules.base import (
@@ -32,11 +35,10 @@ from stepdump.analysis.rules.lr import lr_cause
 from stepdump.errors import ConfigError
 
 
-def _params(run: Any) -> pd.DataFrame:
-    if "params" not in run.kinds():
-        return pd.DataFrame(columns=["step", "kind", "name", "shape", "norm", "nan", "posinf", "neginf",
-                                     "fingerprint"])
-    return run.stats("params")
+def _param_series(run: Any) -> Iterator[tuple[str, pd.DataFrame]]:
+    """Each param's stats rows, one tensor at a time (:func:`tensor_series`); none without params."""
+    if "params" in run.kinds():
+        yield from tensor_series(run, "params")
 
 
 @register_rule
@@ -71,10 +73,9 @@ class WeightNormGrowth(Rule):
         check_globs(self.name, "names", self.names)
 
     def __call__(self, run: Any) -> list[Finding]:
-        params = _params(run)
         grown: list[tuple[int, str, float, float, float, int]] = []  # step, name, ratio, norm, first norm, first step
         last: dict[str, float] = {}
-        for name, rows in params.groupby("name", sort=False):
+        for name, rows in _param_series(run):
             if not matches(str(name), self.names) or ndim(rows["shape"].iloc[0]) < self.min_dims:
                 continue
             rows = rows[nonfinite(rows) == 0].sort_values("step")
@@ -183,27 +184,32 @@ class UpdateRatio(Rule):
         check_scalar_option(self.name, "loss", self.loss)
 
     def __call__(self, run: Any) -> list[Finding]:
-        params = _params(run)
-        if params.empty:
-            return []
+        # Two passes over the weights, one tensor's rows at a time (a long run's params frame is
+        # steps x tensors): the first picks the names and each step's largest norm change (which
+        # pairs to read), the second judges each weight.
         optimized = optimized_params(run)
-        shapes = params.groupby("name", sort=False)["shape"].first()
-        names = [str(n) for n, sh in shapes.items()
-                 if n in optimized and matches(str(n), self.names) and ndim(sh) >= self.min_dims]
+        skipped = skipped_steps(run)
+        names: list[str] = []
+        score = pd.Series(dtype=float)
+        for name, rows in _param_series(run):
+            shape = rows["shape"].dropna()  # the groupby's first(): the first shape given
+            if not (name in optimized and matches(name, self.names) and len(shape) and ndim(shape.iloc[0]) >= self.min_dims):
+                continue
+            names.append(name)
+            score = _running_max(score, _norm_change(rows, skipped).get(name, pd.Series(dtype=float)))
         if not names:
             return []
-        skipped = skipped_steps(run)
-        bound = _norm_change(params[params["name"].isin(names)], skipped)
         full = set(run.steps)
         pairs = [t for t in sorted(full) if t + 1 in full and t not in skipped]
-        pairs, spread = _choose_pairs(pairs, bound, self.max_pairs)
+        pairs, spread = _choose_pairs(pairs, score, self.max_pairs)
         measured = _measure(run, names, pairs)
         verdicts: dict[str, list[_Verdict]] = {"blow_up": [], "high": [], "low": []}
-        grown = _from_zero(params[params["name"].isin(names)])
         for name in names:
+            rows = name_rows(run, "params", name)
+            bound = _norm_change(rows, skipped).get(name, pd.Series(dtype=float))
             ratios = measured.get(name, {})
             typical = {t: r for t, r in ratios.items() if t in spread}
-            for v in self._judge(name, ratios, typical, bound.get(name, pd.Series(dtype=float)), grown.get(name)):
+            for v in self._judge(name, ratios, typical, bound, _from_zero(rows).get(name)):
                 verdicts[v.what].append(v)
         return [f for what, vs in verdicts.items() if vs for f in [self._grouped(run, what, vs)]]
 
@@ -354,8 +360,19 @@ def _measure(run: Any, names: list[str], pairs: list[int]) -> dict[str, dict[int
     return out
 
 
-def _choose_pairs(pairs: list[int], bound: dict[str, pd.Series], budget: int) -> tuple[list[int], set[int]]:
-    """At most ``budget`` pairs: half with the largest norm change, the rest evenly spaced.
+def _running_max(score: pd.Series, more: pd.Series) -> pd.Series:
+    """Per step, the larger of ``score`` and ``more`` (NaN ignored): the largest norm change of
+    any weight so far, kept as one series instead of one per weight."""
+    if more.empty:
+        return score
+    if score.empty:
+        return more.astype(float)
+    return pd.concat([score, more], axis=1).max(axis=1)
+
+
+def _choose_pairs(pairs: list[int], score: pd.Series, budget: int) -> tuple[list[int], set[int]]:
+    """At most ``budget`` pairs: half with the largest ``score`` (the largest norm change of any
+    weight at the step), the rest evenly spaced.
 
     Returns the chosen pairs and the evenly spread ones (a fair sample for medians).
     """
@@ -363,7 +380,6 @@ def _choose_pairs(pairs: list[int], bound: dict[str, pd.Series], budget: int) ->
         return pairs, set(pairs)
     if budget == 0:
         return [], set()
-    score = pd.concat(list(bound.values()), axis=1).max(axis=1) if bound else pd.Series(dtype=float)
     score = score.reindex(pairs).fillna(0.0)
     chosen = set(score.sort_values(ascending=False, kind="stable").index[: budget // 2].astype(int))
     rest = [t for t in pairs if t not in chosen]

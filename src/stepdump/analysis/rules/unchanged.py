@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._frames import nonfinite, optimized_params, skipped_steps
+from stepdump.analysis.rules._frames import name_rows, nonfinite, optimized_params, skipped_steps, tensor_series
 from stepdump.analysis.rules.base import Rule, check_int, register_rule
-from stepdump.analysis.rules.params import _listed, _params
+from stepdump.analysis.rules.params import _listed
 
 
 @register_rule
@@ -45,17 +45,15 @@ class UnchangedTensor(Rule):
         check_int(self.name, "min_steps", self.min_steps, 2)
 
     def __call__(self, run: Any) -> list[Finding]:
-        params = _params(run)
-        if params.empty:
+        if "params" not in run.kinds():
             return []
         optimized = optimized_params(run)
         skipped = skipped_steps(run)
         groups = _group_of(run)
-        grads = run.stats("grads") if "grads" in run.kinds() else None
+        grads = "grads" in run.kinds()
         causes: dict[str, list[tuple[str, int, int, int]]] = {}  # cause -> (name, first step, last, steps)
         changed = set()
-        for name, rows in params.groupby("name", sort=False):
-            name = str(name)
+        for name, rows in tensor_series(run, "params"):  # one weight's rows at a time
             if name not in optimized or len(rows) < self.min_steps:
                 continue
             if rows["fingerprint"].nunique() != 1:
@@ -115,9 +113,10 @@ def _group_of(run: Any) -> dict[str, int]:
     return out
 
 
-def _why_unchanged(run: Any, name: str, grads: pd.DataFrame | None, groups: dict[str, int]) -> str:
-    """The cause of an unchanged param: no_grad, not_in_optimizer, zero_grad, lr_zero or unknown."""
-    g = grads[grads["name"] == name] if grads is not None else None
+def _why_unchanged(run: Any, name: str, grads: bool, groups: dict[str, int]) -> str:
+    """The cause of an unchanged param: no_grad, not_in_optimizer, zero_grad, lr_zero or unknown
+    (``grads``: the run recorded grads; this param's are read)."""
+    g = name_rows(run, "grads", name) if grads else None
     if g is not None and g.empty:
         return "no_grad"
     if groups and name not in groups:
