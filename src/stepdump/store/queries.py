@@ -67,6 +67,10 @@ def step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
     return f"{col} IN ({','.join('?' * len(lst))})", lst
 
 
+#: Narrowest bucket (in steps) that :meth:`CatalogReader.stat_buckets` reads by walking key ranges.
+WALK_WIDTH = 16
+
+
 class CatalogReader:
     """A run's catalog, opened read-only (schema and format version checked), and its queries.
 
@@ -300,21 +304,56 @@ class CatalogReader:
         avg(mean), avg(std), change, steps with any NaN/±Inf element)``, bucket
         ``(step - first) // width``. ``change`` (when asked for, else NULL): the bucket's largest
         ``|norm - previous norm| / previous norm``, the previous norm being the tensor's at its
-        previous recorded step (window ``lag``, which costs about as much again as the rest).
+        previous recorded step (window ``lag``; for a bucket's first row, the row before it).
         One row per tensor and bucket that has rows: a long run's report reads ``tensors x
         buckets`` rows, not ``tensors x steps``. NULLs are skipped by every aggregate (a bucket
-        with none measured: NULL)."""
+        with none measured: NULL).
+
+        Buckets of at least :data:`WALK_WIDTH` steps: one query per bucket, each a range of the
+        ``(series, step)`` key per tensor grouped by series, so the rows arrive in group order
+        and SQLite aggregates as it walks them. One query grouping by ``(series, (step - first)
+        / width)`` makes SQLite sort every row of the kind first (it cannot tell that the bucket
+        rises with the step); that sort costs more than a key seek per tensor and bucket once a
+        bucket holds ~16 steps (10 M rows, CPU, grads: width 5 sorted 13.9 s / walked 18.0 s,
+        width 16 9.9 / 8.7 s, width 50 9.4 / 5.2 s): narrower buckets still go by the one query."""
         if width < 1:
             raise ConfigError(f"bucket width {width} must be at least 1")
-        prev = "lag(t.norm) OVER (PARTITION BY t.series ORDER BY t.step)" if change else "NULL"
-        return self._q(
-            "SELECT series, b, min(step), max(step), count(*), max(norm), min(mn), max(mx), avg(mean), avg(std), "
-            "max(abs(norm - prev) / prev), sum(bad) FROM (SELECT t.series AS series, t.step AS step, "
-            "(t.step - ?) / ? AS b, t.norm AS norm, t.min AS mn, t.max AS mx, t.mean AS mean, t.std AS std, "
-            "(coalesce(t.nan, 0) + coalesce(t.posinf, 0) + coalesce(t.neginf, 0) > 0) AS bad, "
-            f"{prev} AS prev FROM tensors t WHERE t.series IN "
-            "(SELECT s.id FROM series s WHERE s.kind != 'state' AND s.kind = ?)) GROUP BY series, b",
-            (int(first), int(width), kind))
+        if width < WALK_WIDTH:
+            prev = "lag(t.norm) OVER (PARTITION BY t.series ORDER BY t.step)" if change else "NULL"
+            return self._q(
+                "SELECT series, b, min(step), max(step), count(*), max(norm), min(mn), max(mx), avg(mean), avg(std), "
+                "max(abs(norm - prev) / prev), sum(bad) FROM (SELECT t.series AS series, t.step AS step, "
+                "(t.step - ?) / ? AS b, t.norm AS norm, t.min AS mn, t.max AS mx, t.mean AS mean, t.std AS std, "
+                "(coalesce(t.nan, 0) + coalesce(t.posinf, 0) + coalesce(t.neginf, 0) > 0) AS bad, "
+                f"{prev} AS prev FROM tensors t WHERE t.series IN "
+                "(SELECT s.id FROM series s WHERE s.kind != 'state' AND s.kind = ?)) GROUP BY series, b",
+                (int(first), int(width), kind))
+        lo_step, hi_step = self._q("SELECT min(step), max(step) FROM tensors")[0]
+        if lo_step is None:
+            return []
+        first, width = int(first), int(width)
+        if change:
+            # the previous row of a bucket's first row lies in an earlier bucket: looked up (a key
+            # seek; coalesce() evaluates it only where lag() has no row before it in the range)
+            prev = ("coalesce(lag(t.norm) OVER (PARTITION BY t.series ORDER BY t.step), (SELECT p.norm FROM tensors p "
+                    "WHERE p.series = t.series AND p.step < t.step ORDER BY p.step DESC LIMIT 1))")
+            sql = ("SELECT series, ?, min(step), max(step), count(*), max(norm), min(mn), max(mx), avg(mean), avg(std), "
+                   "max(abs(norm - prev) / prev), sum(bad) FROM (SELECT t.series AS series, t.step AS step, "
+                   "t.norm AS norm, t.min AS mn, t.max AS mx, t.mean AS mean, t.std AS std, "
+                   "(coalesce(t.nan, 0) + coalesce(t.posinf, 0) + coalesce(t.neginf, 0) > 0) AS bad, "
+                   f"{prev} AS prev FROM tensors t WHERE t.series IN (SELECT s.id FROM series s "
+                   "WHERE s.kind != 'state' AND s.kind = ?) AND t.step >= ? AND t.step <= ?) GROUP BY series")
+        else:
+            sql = ("SELECT t.series, ?, min(t.step), max(t.step), count(*), max(t.norm), min(t.min), max(t.max), "
+                   "avg(t.mean), avg(t.std), NULL, "
+                   "sum(coalesce(t.nan, 0) + coalesce(t.posinf, 0) + coalesce(t.neginf, 0) > 0) FROM tensors t "
+                   "WHERE t.series IN (SELECT s.id FROM series s WHERE s.kind != 'state' AND s.kind = ?) "
+                   "AND t.step >= ? AND t.step <= ? GROUP BY t.series")
+        rows: list[tuple[Any, ...]] = []
+        for b in range((int(lo_step) - first) // width, (int(hi_step) - first) // width + 1):
+            lo = first + b * width
+            rows.extend(self._q(sql, (b, kind, lo, lo + width - 1)))
+        return rows
 
     def norm_squares(self, kind: str, name_glob: str) -> list[tuple[Any, Any]]:
         """(step, sum of squared norms of the matching tensors) per step, aggregated in SQLite."""
