@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -113,19 +112,10 @@ def _record_single(path: Any) -> dict[str, Any]:
 
 
 def _multirank(out: Path) -> None:
-    from helpers import gloo_env
+    """The 2-rank job (``_worker`` in each rank), its ranks forked from this process (tests/gloo_fork.py)."""
+    from gloo_fork import run_ranks
 
-    env = gloo_env(WORLD)
-    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    logs = []
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    run_ranks(lambda rank: _worker(out), WORLD, out.with_name(out.name + "-logs"))
 
 
 @pytest.fixture(scope="module")

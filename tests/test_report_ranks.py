@@ -1,6 +1,6 @@
 """The report of a multi-rank run: the ranks summary and the outlier ranks (issue 26 item 5).
 
-A real 2-rank DDP job over gloo (two processes, this file's ``__main__``) records two runs: one
+A real 2-rank DDP job over gloo (two processes forked from the test's, each running ``_worker``) records two runs: one
 whose replicas agree, one where rank 1 edits a parameter after step DESYNC (what ``cross_rank``
 finds). The report's ranks section lists each rank's steps, last loss and grad norm (checked
 against what each rank logged and the stats it recorded) and names rank 1 as the outlier of the
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gloo_fork import run_ranks
 
 WORLD, STEPS, DESYNC = 2, 5, 2
 
@@ -59,15 +57,7 @@ def _worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1", **({"GLOO_SOCKET_IFNAME": "lo"} if os.path.exists("/sys/class/net/lo") else {})}
-    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    run_ranks(lambda rank: _worker(out), WORLD, out.with_name(out.name + "-logs"))  # ranks forked from this process
     return out
 
 
