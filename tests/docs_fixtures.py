@@ -20,15 +20,13 @@ folder) and the names a block may use without defining them (``model``, ``optimi
 * ``remote``: no runs of its own; ``s3://`` in the page's blocks is read as ``memory://``, fsspec's
   in-process filesystem.
 
-Run as ``python tests/docs_fixtures.py two-rank OUT`` (with RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT set) it is one rank of the two-rank job.
+The two-rank job's ranks are forked from the test process (tests/gloo_fork.py); run as
+``python tests/docs_fixtures.py two-rank OUT`` (with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+set) it is one rank of it.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,19 +118,10 @@ class Layered(nn.Module):
 
 def record_two_rank(root: Path) -> None:
     """Start the 2-process gloo job that records ``root/runs/exp1``; raise if a rank fails."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
-    if os.path.exists("/sys/class/net/lo"):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    procs = [subprocess.Popen([sys.executable, __file__, "two-rank", str(root / "runs" / "exp1")],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    logs = [p.communicate(timeout=120)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError("the two-rank fixture failed:\n" + "\n".join(logs))
+    from gloo_fork import run_ranks  # the ranks forked from this process: no torch import each
+
+    out = str(root / "runs" / "exp1")
+    run_ranks(lambda rank: _two_rank_worker(out), 2, root.with_name(root.name + "-two-rank-logs"), timeout=120)
 
 
 def _two_rank_worker(out: str) -> None:

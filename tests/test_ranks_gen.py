@@ -14,40 +14,29 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_same, gloo_env
+from gloo_fork import run_ranks
+from helpers import assert_same
 
 import stepdump
 from stepdump.analysis.cross_rank import cross_rank
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-from ranks_gen import write_ranks  # noqa: E402
+from ranks_gen import real_rank, write_ranks  # noqa: E402
 
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("ranksgen")
     real, gen = root / "real", root / "gen"
-    env = gloo_env(2)
-    procs = [subprocess.Popen([sys.executable, str(BENCH / "ranks_gen.py"), "--real", str(real), "--steps", str(STEPS)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    run_ranks(lambda rank: real_rank(str(real), STEPS), 2, root / "logs")  # ranks forked from this process
     write_ranks(gen, 2, steps=STEPS)
     return real, gen
 
