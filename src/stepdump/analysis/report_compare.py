@@ -223,9 +223,12 @@ def _settings(run: RunReader) -> dict[str, str]:
     out: dict[str, str] = {}
     steps = run.all_steps
     out["steps recorded"] = f"{len(steps)} ({steps[0]}–{steps[-1]})" if steps else "0"
-    lr = scalar_series(next(iter(run.stores()))[1]).get("lr")
-    if lr is not None and lr[0].size:  # first and last: a schedule or a change mid-run shows here
-        out["lr (first, last)"] = f"{_text(float(lr[1][0]))}, {_text(float(lr[1][-1]))}"
+    from stepdump.store.queries_scale import scalar_ends
+
+    lr = scalar_ends(next(iter(run.stores()))[1].catalog, "lr")  # two rows, however long the run
+    if len(lr) == 2:  # first and last: a schedule or a change mid-run shows here
+        first, last = (float("nan") if v is None else float(v) for v in lr)
+        out["lr (first, last)"] = f"{_text(first)}, {_text(last)}"
     for g, group in enumerate(_groups(run)):
         for k, v in (group.get("hyper") or {}).items():
             out[f"param group {g} {k}"] = _text(v)

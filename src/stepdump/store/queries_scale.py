@@ -47,6 +47,14 @@ def scalar_rows_of(cat: CatalogReader, name: str) -> list[tuple[Any, Any]]:
     return cat._q("SELECT step, value FROM scalars WHERE name = ? ORDER BY step", (name,))
 
 
+def scalar_ends(cat: CatalogReader, name: str) -> list[Any]:
+    """The value of scalar ``name`` at its first and at its last logged step ([] when never logged)."""
+    rows = cat._q("SELECT 0, value FROM (SELECT value FROM scalars WHERE name = ? ORDER BY step LIMIT 1) "
+                  "UNION ALL SELECT 1, value FROM (SELECT value FROM scalars WHERE name = ? ORDER BY step DESC "
+                  "LIMIT 1)", (name, name))
+    return [v for _, v in sorted(rows, key=lambda r: r[0])]
+
+
 def scalar_nonfinite_steps(cat: CatalogReader, name: str, limit: int) -> list[Any]:
     """The first ``limit`` steps at which ``name`` was logged NaN or ±Inf, in order."""
     return cat._ints(f"SELECT step FROM scalars WHERE name = ? AND NOT {_FINITE} ORDER BY step LIMIT ?",
