@@ -91,13 +91,13 @@ class Segments:
         self.large = ~self.small
         self.any_large = bool(_count_nonzero(self.large))
         self.state = np.array([kd == "state" for kd in kinds], dtype=bool)
-        self.described = ~self.state  # every stat measured, where small and finite
+        self.described = self.small & ~self.state  # every stat measured, where finite
         self.one = self.n == 1  # one element: its two-pass variance is 0 (x - x)
         self.zeros = [0] * k
 
     def rows(self, buf: torch.Tensor) -> tuple[list[StatsTuple], list[int]]:
         """(stats, fingerprints) of the tensors packed in ``buf`` (:func:`packed_rows`)."""
-        k, starts, n, small = self.k, self.starts, self.n, self.small
+        k, starts, n = self.k, self.starts, self.n
         x = buf.numpy()
         raw = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         fps = np.fromiter(map(xxhash.xxh3_64_intdigest, map(raw.__getitem__, self.spans)), dtype=np.uint64, count=k)
@@ -112,10 +112,11 @@ class Segments:
             finite = finite3 & np.isfinite(sums)
             signed = (lo > 0) | (hi < 0)  # of one sign: no zeros (-0.0 > 0 is False, as in the count)
             mean = sums / n
-            var = sqs / n - mean * mean
-            full = small & finite & self.described
+            msq = mean * mean
+            var = sqs / n - msq
+            full = finite & self.described
             # Cancellation regime (|mean| > 10 std, e.g. LayerNorm weights): two passes, in float64 (small_stats).
-            again = full & (var < 1e-2 * mean * mean)
+            again = full & (var < 1e-2 * msq)
             if _count_nonzero(again):
                 var[again & self.one] = 0.0  # x - mean is exactly 0: the two-pass variance of one element
                 self._two_pass(x, mean, var, again & ~self.one)
