@@ -1,24 +1,28 @@
-"""Report build time, page size and first-view time at scale (issue 26 item 5).
+"""Report build time, memory, page size and first-view time at scale (issue 26 item 5).
 
 Writes a synthetic stats-only run (``--tensors`` small parameters x ``--steps`` optimizer
 steps, named like a transformer's blocks, with a spike and a NaN planted: ``synth_run.py``, the
-first steps recorded for real and the rest appended through the store's catalog writer, row for
-row what a recording writes), then times ``build_report_data`` + ``render_report`` and, when
-Debian's chromium and playwright are there, how long the page takes to draw its first view (load
-to ``data-ready``; the per-tensor sections of a large page are still undecoded then, the script
+first steps recorded for real and the rest generated inside SQLite, row for row what a lean
+recording writes), then, in a fresh process (so its peak RSS is the report's, not the
+generator's), times ``build_report_data`` (wall and CPU) + ``render_report``, and, when Debian's
+chromium and playwright are there, how long the page takes to draw its first view (load to
+``data-ready``; the per-tensor sections of a large page are still undecoded then, the script
 checks and reports how many) and to decode and draw the gradient heatmap when scrolled to.
-Prints one line per number and writes them into its section of benchmarks/RESULTS.md
-(``--out``; ``--out ''`` writes nothing).
+Prints one line per number and writes them into its section of benchmarks/RESULTS.md and
+results.json (``--out``; ``--out ''`` writes nothing). The run lives in a temporary directory,
+deleted at the end (500 x 100,000 is ~10 GB of catalog).
 
-    python benchmarks/report_scale.py                                 # make bench: 300 x 200, under a minute
-    python benchmarks/report_scale.py --tensors 500 --steps 100000 --out /tmp/x/RESULTS.md  # issue 26's size
+    python benchmarks/report_scale.py                    # make bench: 500 x 20,000 (the page shape of 100,000 steps)
+    python benchmarks/report_scale.py --tensors 500 --steps 100000 --out ''   # issue 26's size (~10 GB, ~15 min here)
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import platform
+import resource
 import shutil
 import tempfile
 import time
@@ -38,6 +42,33 @@ MARKER = "\n## Report at scale"
 def record(path: Path, tensors: int, steps: int) -> None:
     """The run: a spike a third of the way in, a NaN half way (see synth_run.py)."""
     synth_run(path, tensors, steps, spike=steps // 3, nan_step=steps // 2)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS: VmHWM (Linux), which a new program starts afresh; ru_maxrss
+    elsewhere (on Linux it carries the parent's peak across the exec of a spawned process)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build(run_dir: str, out: str) -> tuple[float, float, float, float, float]:
+    """In a fresh process: build and render the report of ``run_dir`` into ``out``. Returns (build
+    wall s, build CPU s, render s, peak RSS MiB after the imports, peak RSS MiB at the end)."""
+    before = peak_rss_mib()
+    with stepdump.open(run_dir) as run:
+        t, c = time.perf_counter(), time.process_time()
+        data = build_report_data(run, findings=[])
+        built, built_cpu = time.perf_counter() - t, time.process_time() - c
+        t = time.perf_counter()
+        html = render_report(data)
+        rendered = time.perf_counter() - t
+    Path(out).write_text(html, encoding="utf-8")
+    return built, built_cpu, rendered, before, peak_rss_mib()
 
 
 def first_view_s(html: Path) -> tuple[float, int, float] | None:
@@ -75,29 +106,25 @@ def write_section(path: Path, text: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tensors", type=int, default=300)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--tensors", type=int, default=500)
+    ap.add_argument("--steps", type=int, default=20_000)
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="RESULTS.md to update ('' for none)")
     args = ap.parse_args()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d) / "run"
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         record(run_dir, args.tensors, args.steps)
-        recorded = time.perf_counter() - t
-        print(f"record: {recorded:.1f} s ({args.tensors} tensors x {args.steps} steps, stats only)")
-        with stepdump.open(run_dir) as run:
-            t, c = time.perf_counter(), time.process_time()
-            data = build_report_data(run, findings=[])
-            built, built_cpu = time.perf_counter() - t, time.process_time() - c
-            t = time.perf_counter()
-            html = render_report(data)
-            rendered = time.perf_counter() - t
+        recorded, recorded_cpu = time.perf_counter() - t, time.process_time() - c
+        catalog_mib = sum(f.stat().st_size for f in run_dir.iterdir() if f.is_file()) / 2**20
+        print(f"record: {recorded:.1f} s (CPU {recorded_cpu:.1f} s; {args.tensors} tensors x {args.steps} steps, "
+              f"stats only, {catalog_mib:.0f} MiB)")
         out = Path(d) / "report.html"
-        out.write_text(html, encoding="utf-8")
-        mib = len(html.encode()) / 2**20
-        print(f"build_report_data: {built:.2f} s (CPU {built_cpu:.2f} s); render_report: {rendered:.2f} s; "
-              f"page: {mib:.1f} MiB")
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            built, built_cpu, rendered, rss_before, rss_peak = pool.apply(build, (str(run_dir), str(out)))
+        mib = out.stat().st_size / 2**20
+        print(f"build_report_data: {built:.2f} s (CPU {built_cpu:.2f} s), peak RSS {rss_peak:.0f} MiB "
+              f"({rss_before:.0f} MiB after imports); render_report: {rendered:.2f} s; page: {mib:.1f} MiB")
         seen = first_view_s(out)
         view = None if seen is None else seen[0]
         print("first view in chromium: " + ("n/a" if seen is None else
@@ -107,7 +134,9 @@ def main() -> None:
         from results_json import update  # benchmarks/ is sys.path[0] when run as a script
 
         update("report_scale", {"tensors": args.tensors, "steps": args.steps, "record_s": recorded,
-                                "build_s": built, "build_cpu_s": built_cpu, "render_s": rendered,
+                                "record_cpu_s": recorded_cpu, "catalog_mib": catalog_mib,
+                                "build_s": built, "build_cpu_s": built_cpu, "build_peak_rss_mib": rss_peak,
+                                "rss_after_imports_mib": rss_before, "render_s": rendered,
                                 "page_mib": mib, "first_view_s": view,
                                 "lazy_pending": None if seen is None else seen[1],
                                 "heatmap_decode_s": None if seen is None else seen[2]},
@@ -122,13 +151,15 @@ def main() -> None:
             f"{os.cpu_count()} cores, {platform.machine()}; load average before / after: "
             f"{' '.join(f'{v:.2f}' for v in load_before)} / {' '.join(f'{v:.2f}' for v in load_after)}. "
             "A stats-only run (params and grads of small tensors named in blocks, a spike and a NaN "
-            "planted), written by benchmarks/synth_run.py (first steps recorded, the rest appended through "
-            "the catalog writer); docs/report.md has the numbers measured for issue 26.",
+            "planted), written by benchmarks/synth_run.py (first steps recorded, the rest generated inside "
+            "SQLite, row for row what a lean recording writes).",
             "",
             "| what | result |",
             "|---|---:|",
-            f"| write the run ({args.tensors} tensors x {args.steps} steps, stats only, synth_run.py) | {recorded:.1f} s |",
+            f"| write the run ({args.tensors} tensors x {args.steps} steps, stats only, synth_run.py) | "
+            f"{recorded:.1f} s (CPU {recorded_cpu:.1f} s), {catalog_mib:.0f} MiB |",
             f"| `build_report_data` wall (CPU) | {built:.2f} s ({built_cpu:.2f} s) |",
+            f"| peak RSS of the process that built and rendered it (after imports) | {rss_peak:.0f} MiB ({rss_before:.0f} MiB) |",
             f"| `render_report` | {rendered:.2f} s |",
             f"| page size | {mib:.2f} MiB |",
             "| first view in headless Chromium (load to `data-ready`) | "
