@@ -68,6 +68,11 @@ def _rank_main(target: Callable[[int], None], rank: int, env: dict[str, str], lo
         sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)  # not pytest's capture objects
         os.environ.update(env)
         os.environ["RANK"] = str(rank)
+        import torch
+
+        # One intra-op thread, as OMP_NUM_THREADS=1 gives a launched rank: a thread pool the
+        # parent started does not come across a fork (GNU OpenMP's can hang a child that uses it).
+        torch.set_num_threads(1)
         target(rank)
         code = 0
     except BaseException:
