@@ -247,3 +247,97 @@ def test_staging_a_gradient_log_steps_grads_is_not_a_torch_call_per_grad(tmp_pat
     with stepdump.open(tmp_path / "run") as run:
         for name, p in model.named_parameters():
             assert_same(run.tensor(name, STEPS, "params"), p.detach(), f"param {name} at the end")
+
+
+def _staging_calls(tmp_path: Path, layers: int) -> float:
+    """Python calls into capture/staging.py per gradient-log step (keyframes excluded) on the training thread."""
+    import sys
+
+    model = _deep(layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    calls = 0
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.endswith("capture/staging.py"):
+            calls += 1
+
+    measured = 0
+    with stepdump.Recorder(tmp_path / f"run{layers}", model, opt, gradient_log=K):
+        for t in range(3 * K + 2):
+            x, y = tiny_batch(t)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            on = t > 2 * K and t % K != 0  # each slot has seen both layouts (its steps and keyframes)
+            measured += on
+            if on:
+                sys.setprofile(prof)
+            try:
+                opt.step()
+            finally:
+                sys.setprofile(None)
+    return calls / measured
+
+
+def test_staging_a_gradient_log_step_costs_no_python_per_tensor(tmp_path: Path) -> None:
+    """Once a layout was seen, staging a step does no Python per tensor: a 14-layer model's step
+    makes as many calls into staging as a 2-layer one's."""
+    small, deep = _staging_calls(tmp_path, 0), _staging_calls(tmp_path, 12)
+    assert deep == small, (small, deep)
+
+
+def _entries(step: int, case: str) -> list[tuple]:
+    """A step's ``(kind, name, tensor, full, param, key)`` entries for the stager, new values each step."""
+    if case == "empty":  # nothing staged (every tensor lean)
+        return []
+    g = torch.Generator().manual_seed(step)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(10, generator=g)
+    full = True
+    if case == "shape" and step == 1:
+        a = torch.randn(5, 6, generator=g)
+    if case == "dtype" and step == 1:
+        b = b.double()
+    if case == "full_flip":
+        full = step % 2 == 0
+    if case == "noncontig":
+        a = torch.randn(6, 4, generator=g).t()
+    if case == "budget" and step >= 1:
+        a = torch.randn(40, 60, generator=g)  # past the slot's budget: goes live
+    out = [("grads", "a", a, full, None, None), ("grads", "b", b, True, None, None),
+           ("state", "/rng/x", torch.randint(0, 255, (7,), generator=g, dtype=torch.uint8), True, None, None)]
+    if case == "new_tensor" and step >= 1:
+        out.append(("grads", "c", torch.randn(3, generator=g), True, None, None))
+    return out
+
+
+@pytest.mark.parametrize("case", ["same", "shape", "dtype", "full_flip", "noncontig", "budget", "new_tensor", "empty"])
+def test_a_staging_plan_stages_what_the_per_tensor_path_stages(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Steps of one layout reuse a plan (one copy call); whatever changes between steps, the items
+    are those the per-tensor path gives, holding the step's bytes, never a stale buffer's."""
+    from stepdump.capture import staging
+
+    planned, slot = staging.Stager(), staging.Slot(0, budget=4096)
+    hits = 0
+    real = staging.Stager._restage
+
+    def restage(*args: Any) -> list[staging.Item]:
+        nonlocal hits
+        hits += 1
+        return real(*args)
+
+    monkeypatch.setattr(staging.Stager, "_restage", staticmethod(restage))
+    for step in [0, 1, 2, 0, 1, 2]:
+        entries = _entries(step, case)
+        got = planned.stage(slot, entries)
+        with monkeypatch.context() as m:
+            m.setattr(staging, "_PLANS_KEPT", 0)
+            want = staging.Stager().stage(staging.Slot(0, budget=4096), entries)
+        assert [(i.kind, i.name, i.full, i.live, i.param, i.key) for i in got] == \
+            [(i.kind, i.name, i.full, i.live, i.param, i.key) for i in want], (case, step)
+        src = {e[1]: e[2] for e in entries}
+        for item in got:
+            assert_same(item.tensor, src[item.name], f"{case} step {step} {item.name}")
+            if item.raw is not None:
+                assert bytes(item.raw) == src[item.name].contiguous().numpy().tobytes(), (case, step, item.name)
+    # The plans were used (a budget that sends a tensor live gives it up: its buffer was let go).
+    assert hits >= (0 if case == "budget" else 5 if case in ("same", "empty") else 1), hits

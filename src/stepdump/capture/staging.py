@@ -84,6 +84,7 @@ class Slot:
     # thread waits for them at the end of the update instead (Stager.wait_deferred),
     # so the writer appends them while the update runs. With their versions at staging.
     deferred: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    generation: int = 0  # bumped whenever ``buffers`` gains, loses or replaces one (Stager's plans check it)
 
     def buffer_for(self, kind: str, name: str, src: torch.Tensor, pin: bool) -> torch.Tensor | None:
         """A buffer like ``src`` for ``(kind, name)``: the one kept from an earlier step, or a
@@ -92,6 +93,7 @@ class Slot:
         buf = self.buffers.get(key)
         if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype:
             return buf
+        self.generation += 1
         if buf is not None:  # the shape changed: its bytes go back to the budget first
             self.held -= _nbytes(buf)
             del self.buffers[key], self.views[key]
@@ -161,6 +163,20 @@ class StagingPool:
         self._free.put(slot)
 
 
+# Tensor types a staging plan copies from as they are (a DTensor, a subclass: the per-tensor path).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Layouts whose plans a slot keeps (a gradient log alternates two: its steps and its keyframes).
+_PLANS_KEPT = 4
+_Plan = tuple[list[tuple], list["Item"], list[torch.Tensor], int]  # key, items, buffers, slot generation
+
+
+def _layout_key(items: list[tuple]) -> list[tuple]:
+    """What decides how each ``(kind, name, tensor, full, param, key)`` entry is staged (a plan's key):
+    all but the tensor's bytes."""
+    return [(e[0], e[1], e[3], e[4], e[5], type(e[2]), e[2].dtype, e[2].shape, e[2].layout, e[2].is_cpu,
+             e[2].is_quantized) for e in items]
+
+
 def storable(kind: str, name: str, t: torch.Tensor, warned: set[tuple[str, str]]) -> torch.Tensor | None:
     """The tensor as stepdump stores it, or None (with one warning) for a kind it cannot store.
 
@@ -193,6 +209,10 @@ class Stager:
         self._warned: set[tuple[str, str]] = set()  # tensors left out, warned about once
         self._waiting: Slot | None = None  # a slot whose deferred live tensors the writer may still read
         self.defer_ok = True  # False once an update was seen changing a deferred tensor
+        # slot index -> [(layout key, items, buffers, slot generation)] of the last few layouts staged
+        # there with every tensor copied into a buffer: a step of one again is one copy call (_restage),
+        # while the slot's buffers are still those (its generation).
+        self._plans: dict[int, list[_Plan]] = {}
 
     def wait_deferred(self, writer_alive: Callable[[], bool]) -> None:
         """The update is over: wait until the writer has appended the deferred live tensors,
@@ -224,6 +244,12 @@ class Stager:
         Live CPU tensors of the kinds in ``defer`` are waited for at the end of the update
         instead (:meth:`wait_deferred`): the optimizer does not change them. (Copies come
         first all the same: the writer's disk is often slower than the update.)"""
+        layout = _layout_key(items)
+        plans = self._plans.setdefault(slot.index, [])
+        for plan in plans:
+            if plan[0] == layout and plan[3] == slot.generation:
+                return self._restage(slot, plan, items)
+        plans[:] = [plan for plan in plans if plan[3] == slot.generation]  # the others' buffers are gone
         copied: list[Item] = []
         live: list[Item] = []
         cuda_entries = []
@@ -260,12 +286,28 @@ class Stager:
             if cuda_entries:
                 self._stage_cuda(slot, cuda_entries, copied, live)
         slot.has_live = bool(live)
+        if not live and not cuda_entries and len(copied) == len(items) and all(i.raw is not None for i in copied) \
+                and all(type(e[2]) in _PLAIN for e in items):
+            plans.insert(0, (layout, list(copied), dsts, slot.generation))
+            del plans[_PLANS_KEPT:]
         if slot.deferred:
             if any(item.kind not in defer for item in live):  # some went live for the budget: wait now
                 slot.deferred = []
             else:
                 self._waiting = slot
         return live + copied
+
+    @staticmethod
+    def _restage(slot: Slot, plan: _Plan, items: list[tuple]) -> list[Item]:
+        """:meth:`stage` of a layout staged into ``slot`` last time with every tensor copied into its
+        buffer (the same items, buffers and bytes as then): one copy call, no Python per tensor."""
+        slot.live_done.clear()
+        slot.deferred = []
+        slot.has_live = False
+        if plan[2]:  # (torch refuses an empty list)
+            with torch.no_grad():
+                torch._foreach_copy_(plan[2], [e[2] for e in items])
+        return list(plan[1])
 
     def _stage_cuda(self, slot: Slot, entries: list, copied: list[Item],
                     live: list[Item]) -> None:  # pragma: no cover - needs a GPU
