@@ -320,6 +320,9 @@ def sigkill_child_when(script: Path, args: Iterable[Any], log_path: Path, ready:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)  # not pytest's capture
+            # one intra-op thread, as in a fresh process of the suite: a thread pool the parent
+            # started does not come across a fork (GNU OpenMP's can hang a child that uses it)
+            torch.set_num_threads(1)
             sys.argv = [str(script), *map(str, args)]
             runpy.run_path(str(script), run_name="__main__")
             code = 0
