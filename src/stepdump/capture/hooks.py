@@ -50,10 +50,10 @@ class Steps(Protocol):
     def step(self) -> int: ...
     def capture(self, *, skipped: bool = False, optimizer_state: StateBefore | None = None) -> int: ...
     def end_step(self) -> None: ...
-    def _spent(self, seconds: float) -> None: ...
 
 
-def attach(rec: Steps, scaler: Any, *, auto_capture: bool) -> list[Any]:
+def attach(rec: Steps, scaler: Any, *, auto_capture: bool,
+           spent: Callable[[float], None] | None = None) -> list[Any]:
     """Hook ``rec`` to its optimizer (and ``scaler``); return the handles to remove at close.
 
     The post-hook ends every update (:meth:`Recorder.end_step`). With
@@ -61,11 +61,12 @@ def attach(rec: Steps, scaler: Any, *, auto_capture: bool) -> list[Any]:
     and ``scaler.step`` is wrapped to record the steps the scaler skips;
     without, the caller does both (a framework callback that knows better when
     the grads are final). A scaler wrapper is undone by :func:`detach_scaler`.
+    ``spent``: takes the seconds the hooks' own frame walk costs (``sys/recorder_ms``).
     """
     opt = rec.optimizer
     # The frame walk that tells a step's own hook call from an inner super().step()'s is the
-    # recorder's time too (sys/recorder_ms, issue 25 item 2).
-    nested = timed(nested_step, rec._spent)
+    # recorder's time too (sys/recorder_ms, issue 25 item 2): ``spent`` takes it.
+    nested = timed(nested_step, spent) if spent is not None else nested_step
 
     def post(o: Any, a: Any, k: Any) -> None:
         if not nested(o):

@@ -248,7 +248,7 @@ class Recorder(_iteration.IterationStart):
         self._modules = ModuleCapture(self.model, self.kinds, list(rec.modules or "*"),
                                       active=lambda: self._level(self._step) != LEVEL_NONE,
                                       on_error=lambda e, where: self._fail(e, where))
-        self._hooks.extend(attach(self, self.scaler, auto_capture=opts.auto_capture))
+        self._hooks.extend(attach(self, self.scaler, auto_capture=opts.auto_capture, spent=self._spent))
         # On the module given (a torch.compile wrapper runs its own hooks eagerly: no graph break).
         if not isinstance(self.model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
             # Timed: their time on the training thread is the recorder's too (sys/recorder_ms). Copies: handles.py.

@@ -12,10 +12,12 @@ the slot's ``live_done`` and the training thread, waiting in the pre-hook, lets
 the optimizer go on. A failed step sets it too, after the appender has stopped
 reading, so the training thread never waits on a writer that gave up.
 
-Group commit (issue 25). A step that wrote no bytes (stats only: a lean step's rows, its
-scalars) is not committed on its own: its rows wait in Python until ``COMMIT_WINDOW``
-seconds have passed since the first of them, the queue runs dry for that long, or a step
-with bytes, a meta change or the end comes, and then go in together, in one transaction.
+Group commit (issue 25). The writer commits a step that wrote no bytes (stats only: a lean
+step's rows, its scalars) at once only if its last commit is ``COMMIT_WINDOW`` seconds old;
+otherwise the rows wait in Python until it is (the queue running dry or not), or until a step
+with bytes, a meta change or the end comes, and then go in together, in one transaction. A
+loop slower than that commits every step as before; a fast one at most 1/``COMMIT_WINDOW``
+times a second.
 Each SQLite call lets go of the GIL and takes it back, and on a millisecond step each of
 those hand-offs cost the training thread more than the rows did (a context switch of the
 training thread per statement: ~18 a step before, ~1 after). What a crash can lose grows
@@ -142,7 +144,8 @@ class Writer(threading.Thread):
         self._held_tensors: list[tuple[Any, ...]] = []
         self._held_steps: list[tuple[int, int, int, float, str | None]] = []
         self._held_scalars: list[tuple[int, str, float | None]] = []
-        self._held_since: float | None = None
+        self._last_commit = -math.inf  # monotonic time of the last commit
+        self._due: float | None = None  # when the held rows must commit (None: none held)
 
     # -- thread body -------------------------------------------------------
     def run(self) -> None:
@@ -172,9 +175,9 @@ class Writer(threading.Thread):
 
     def _next(self) -> StepMessage | None:
         """The next message; with steps held, :class:`queue.Empty` once they are due."""
-        if self._held_since is None:
+        if self._due is None:
             return self.queue.get()
-        wait = self._held_since + COMMIT_WINDOW - time.monotonic()
+        wait = self._due - time.monotonic()
         return self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
 
     def _handle(self, msg: StepMessage | None) -> bool:
@@ -186,7 +189,7 @@ class Writer(threading.Thread):
                 self._write(msg)
                 if msg.level is not None:
                     self._pace.observe(self.bytes_written)
-                if self._held_since is not None and time.monotonic() - self._held_since >= COMMIT_WINDOW:
+                if self._due is not None and time.monotonic() >= self._due:
                     self._commit_held()  # a steady stream of messages never leaves the queue dry
         except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
             # Not logged as an error here: the training thread reports it, as a
@@ -289,9 +292,9 @@ class Writer(threading.Thread):
             self._held_steps.append((msg.step, msg.level, int(msg.skipped), time.time(),  # type: ignore[arg-type]
                                      msg.state_json))
         self._held_scalars.extend((s, n, _to_float(v)) for s, n, v in msg.scalars)
-        if not (wrote or msg.meta or self.durable):  # stats only: commits with the next ones (group commit)
-            if self._held_since is None:
-                self._held_since = time.monotonic()
+        if not (wrote or msg.meta or self.durable) and time.monotonic() - self._last_commit < COMMIT_WINDOW:
+            if self._due is None:  # stats only, a commit a moment ago: commits with the next ones (group commit)
+                self._due = self._last_commit + COMMIT_WINDOW
             return
         if wrote:
             self._flush_buffer(inline=True)  # nothing left to overlap with: the commit waits for it
@@ -316,6 +319,7 @@ class Writer(threading.Thread):
         if self._held_scalars:
             cat.add_scalars(self._held_scalars)
         cat.commit()
+        self._last_commit = time.monotonic()
         if self._held_steps:
             self.steps_written += len(self._held_steps)
             self.last_step = self._held_steps[-1][0]
@@ -323,7 +327,7 @@ class Writer(threading.Thread):
 
     def _forget_held(self) -> None:
         self._held_tensors, self._held_steps, self._held_scalars = [], [], []
-        self._held_since = None
+        self._due = None
 
     def _item_row(self, cat: CatalogWriter, step: int | None, item: Item,
                   known: tuple[tuple[Any, ...], int] | None = None) -> tuple[Any, ...]:
