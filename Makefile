@@ -48,7 +48,7 @@ bench: $(VENV)/.installed-test
 	$(PY) benchmarks/startup.py
 	$(PY) benchmarks/leave_on.py
 	$(PY) benchmarks/leave_on_tiny.py
-	$(PY) benchmarks/report_scale.py   # the report of a 500-tensor x 20,000-step lean run (the page shape of 100,000 steps; --steps 100000 for the full size): build, RSS, page, first view
+	$(PY) benchmarks/report_scale.py   # the report of a 500-tensor x 100,000-step lean run (issue 26's size, ~10 GB of temporary catalog): build, RSS, page, first view
 	$(PY) benchmarks/lean_summaries.py --results   # what a per-step distribution summary would cost (docs/report.md)
 	$(PY) benchmarks/gradlog_read.py   # gradient-log reads vs the optimizer steps they re-apply (K = 16, 32, 100)
 	$(PY) benchmarks/reexec.py         # re-executing one step vs a training step, the op tracer's overhead
