@@ -108,3 +108,21 @@ def browser():
             yield b
         finally:
             b.close()
+
+
+@pytest.fixture
+def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every SQL statement a catalog connection opened during the test runs, as SQLite expands it
+    (an ``executemany`` shows once per row: each row is a step of its own, and a GIL hand-off)."""
+    import sqlite3
+
+    seen: list[str] = []
+    real = sqlite3.connect
+
+    def connect(*args: object, **kwargs: object) -> sqlite3.Connection:
+        con = real(*args, **kwargs)  # type: ignore[arg-type]
+        con.set_trace_callback(seen.append)
+        return con
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    return seen

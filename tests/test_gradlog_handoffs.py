@@ -17,7 +17,6 @@ on every codec, durability and optimizer of the row below:
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,22 +30,6 @@ from stepdump.store.storage import LocalStorage
 
 K = 4
 STEPS = 9
-
-
-@pytest.fixture
-def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every SQL statement the writer's catalog connection runs, as SQLite expands it (an
-    ``executemany`` shows once per row: each row is a step of its own, and a GIL hand-off)."""
-    seen: list[str] = []
-    real = sqlite3.connect
-
-    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        con = real(*args, **kwargs)
-        con.set_trace_callback(seen.append)
-        return con
-
-    monkeypatch.setattr(sqlite3, "connect", connect)
-    return seen
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ first step that did not commit.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -23,20 +22,6 @@ import stepdump
 from stepdump.capture import writer as writer_mod
 from stepdump.store.catalog import CatalogWriter
 
-
-@pytest.fixture
-def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every SQL statement the writer's catalog connection runs, as SQLite expands it."""
-    seen: list[str] = []
-    real = sqlite3.connect
-
-    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        con = real(*args, **kwargs)
-        con.set_trace_callback(seen.append)
-        return con
-
-    monkeypatch.setattr(sqlite3, "connect", connect)
-    return seen
 
 
 def _train(rec: stepdump.Recorder, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
