@@ -31,37 +31,13 @@ from typing import Any
 import pytest
 import torch
 from cuda_workloads import DEV, gpt2_step_times
+from dmix_reference import reference_dmix64
 from helpers import assert_same
 from torch import nn
 
 import stepdump
 from stepdump.core.hashing import fingerprint, raw_bytes
 from stepdump.core.stats import STATS_LEN, device_stats
-
-# -- the fingerprint's definition, in plain Python integers (docs/cuda.md "dmix64") -------------
-_M = (1 << 64) - 1
-_K1, _C1, _C2, _K2 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xC2B2AE3D27D4EB4F
-
-
-def _fmix(x: int) -> int:
-    x ^= x >> 33
-    x = (x * _C1) & _M
-    x ^= x >> 33
-    x = (x * _C2) & _M
-    return x ^ (x >> 33)
-
-
-def reference_dmix64(data: bytes) -> int:
-    """dmix64 of ``data``, word by word: the definition the device kernel must equal bit for bit."""
-    n = len(data)
-    data += bytes(-n % 8)
-    total = 0
-    for i in range(len(data) // 8):
-        word = int.from_bytes(data[8 * i:8 * i + 8], "little")
-        total = (total + _fmix((word + (i + 1) * _K1) & _M)) & _M
-    v = _fmix((total + n * _K2) & _M)
-    return v - (1 << 64) if v >= 1 << 63 else v  # stored signed, as xxh3 is (core.hashing.signed64)
-
 
 def _same_or_both_nan(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """Bitwise equal, except that a missing value (NaN) may be any NaN."""
