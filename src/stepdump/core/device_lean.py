@@ -92,14 +92,20 @@ def lean_pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """What a lean step copies to the host: ``(n, STATS_LEN + 1)`` int64, each row the tensor's
     stats as float64 bits, then its dmix64 fingerprint. The fused kernel when it takes the list,
     else the torch-ops reference (same bits for counts, min, max and the fingerprint)."""
-    try:  # optional: Triton and a GPU
-        from stepdump.core.device_lean_triton import fused_pack
-    except ImportError:
-        fused_pack = None
-    fused = fused_pack(list(tensors)) if fused_pack is not None and tensors else None
+    fused = _fused_pack(list(tensors)) if tensors else None
     if fused is not None:
         return fused
     return reference_pack(tensors)
+
+
+def _fused_pack(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The fused kernel's pack, or None where it does not take the list (no Triton, no GPU)."""
+    try:
+        from stepdump.core import device_lean_triton  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return None
+    result: torch.Tensor | None = device_lean_triton.fused_pack(tensors)
+    return result
 
 
 def reference_pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
