@@ -1,4 +1,5 @@
-"""Fingerprints: xxh3-64 of a tensor's exact little-endian bytes.
+"""Fingerprints: xxh3-64 of a tensor's exact little-endian bytes (and the rules for comparing two
+kinds of fingerprint: :func:`same_fingerprint`, :func:`fingerprint_as`).
 
 Equal fingerprints mean bitwise-equal bytes (to 2**-64); dtype and shape are
 compared separately. A sparse COO tensor's bytes include its structure (indices in their
@@ -13,6 +14,7 @@ import torch
 import xxhash
 
 from stepdump.core.sparse import sparse_raw_bytes
+from stepdump.errors import FormatVersionError
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -76,3 +78,39 @@ class LiveHasher:
         view = raw_bytes(t)
         self._views[key] = (t.data_ptr(), t.dtype, t.shape, view)
         return fingerprint_bytes(view)
+
+
+#: The fingerprint kinds a store may hold (FORMAT.md; docs/cuda.md "The device fingerprint"):
+#: xxh3-64 of the bytes (the host's, every store of format 1) and dmix64 (the device's). The
+#: names are ``core.device_lean``'s HOST_FP_KIND / DEVICE_FP_KIND, said here too so that a
+#: comparison does not import the device code.
+XXH3 = "xxh3"
+DMIX64 = "dmix64"
+
+
+def same_fingerprint(kind_a: str, fp_a: int, kind_b: str, fp_b: int) -> bool | None:
+    """Whether two recorded fingerprints say "the same bytes": True only for one kind and one
+    value, False for one kind and two values, None (not comparable) for two kinds, whatever the
+    values: an xxh3 and a dmix64 number are unrelated, equal or not, so neither "identical" nor
+    "different" would be true. The caller then compares the bytes, or says what it could not."""
+    if kind_a != kind_b:
+        return None
+    return fp_a == fp_b
+
+
+def fingerprint_as(kind: str, t: torch.Tensor) -> int:
+    """``t``'s fingerprint under ``kind`` (a recorded row's), to check a live or rebuilt tensor
+    against that row: xxh3 via :func:`fingerprint`, dmix64 via
+    ``core.device_lean.device_fingerprint`` (on ``t``'s device, then read back).
+
+    Raises:
+        FormatVersionError: ``kind`` is not one this stepdump knows (a newer store's): update stepdump.
+    """
+    if kind == XXH3:
+        return fingerprint(t)
+    if kind == DMIX64:
+        from stepdump.core.device_lean import device_fingerprint  # torch ops; only for dmix64 rows
+
+        return int(device_fingerprint(t))
+    raise FormatVersionError(f"fingerprint kind {kind!r} is not one this stepdump knows ({XXH3}, {DMIX64}): the store was "
+                      "written by a newer stepdump; read it with that version (pip install -U stepdump)")
