@@ -63,6 +63,7 @@ class LeanRow(NamedTuple):
     shape: str
     stats: StatsTuple
     fp: int
+    fp_kind: str | None = None  # None: xxh3 (core.hashing); "dmix64": computed on the device (capture/device_pack.py)
 
 
 def packable(t: torch.Tensor) -> bool:
@@ -226,7 +227,8 @@ class _Batch:
             buf = buf.clone()  # one tensor: _flatten gives a view of it, not a copy
         stats, fps = self.segs.rows(buf)
         return list(map(tuple.__new__, repeat(LeanRow), zip(self.kinds, self.names, self.params, self.keys,
-                                                               self.dtypes, self.shapes, stats, fps)))
+                                                               self.dtypes, self.shapes, stats, fps,
+                                                               repeat(None))))  # fp_kind: xxh3
 
 
 class Plan:

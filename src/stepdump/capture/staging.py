@@ -37,10 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stepdump.capture.device_pack import DevicePack, heads, pack_on_device
+from stepdump.core.device_lean import DEVICE_FP_KIND
 from stepdump.core.dtensor import local_part
 from stepdump.core.hashing import raw_bytes
 from stepdump.core.sparse import as_recorded, exact_copy
-from stepdump.core.stats import device_stats
+from stepdump.core.stats import STATS_LEN, device_stats
 from stepdump.errors import WriterError
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,10 @@ class Item:
     # The live tensor, not a copy: the training thread waits in the pre-hook until the
     # writer has appended it (Slot.live_done), as the optimizer would change it next.
     live: bool = False
+    # A CUDA tensor fingerprinted on the device (capture/device_pack.py): its dmix64, a 0-dim
+    # view of the pinned host pack, read by the writer once the slot's event has fired.
+    device_fp: torch.Tensor | None = None
+    fp_kind: str | None = None  # None: xxh3 of the bytes; "dmix64": ``device_fp``
 
 
 @dataclass
@@ -73,6 +79,7 @@ class Slot:
     buffers: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     views: dict[tuple[str, str], memoryview] = field(default_factory=dict)
     event: object | None = None  # torch.cuda.Event when a device copy is pending
+    device_pack: object | None = None  # a lean CUDA step's rows (capture/device_pack.DevicePack), after ``event``
     # Set by the writer when it has processed a message whose slot is held (ring mode).
     written: threading.Event = field(default_factory=threading.Event)
     # Live items of the step staged here (set by the Stager), and the writer's word that
@@ -205,6 +212,9 @@ class Stager:
 
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None
+        # CUDA tensors fingerprinted on the device (dmix64; Recorder(fingerprint="auto"|"dmix64")),
+        # their stats-only steps described there without a copy. False: "xxh3", bytes hashed on the host.
+        self.device_fp = True
         self._lock = threading.Lock()
         self._warned: set[tuple[str, str]] = set()  # tensors left out, warned about once
         self._waiting: Slot | None = None  # a slot whose deferred live tensors the writer may still read
@@ -259,6 +269,7 @@ class Stager:
         srcs: list[torch.Tensor] = []
         slot.live_done.clear()
         slot.deferred = []
+        slot.device_pack = None
         with torch.no_grad():
             for kind, name, tensor, full, param, key in items:
                 t = storable(kind, name, local_part(tensor.detach()), self._warned)  # a DTensor: this rank's shard
@@ -316,21 +327,42 @@ class Stager:
         main = torch.cuda.current_stream(device)
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
+            if self.device_fp:
+                # Stats-only entries: described on the device, a few numbers copied back
+                # (capture/device_pack.py); no byte of them crosses to the host.
+                lean = [e for e in entries if not e[3]]
+                if lean:
+                    _, host = pack_on_device(lean)
+                    slot.device_pack = DevicePack(heads(lean), host)
+                entries = [e for e in entries if e[3]]
+            staged = []
             for kind, name, t, full, param, key in entries:
                 buf = slot.buffer_for(kind, name, t, pin=True)
                 if buf is None:
                     # Over the budget: the writer copies it to the host itself, one tensor at a
                     # time, after this slot's event (recorded below, after the training stream's
                     # work) fired, while the training thread waits for it.
-                    live.append(Item(kind, name, t, full, param, key, live=True))
+                    live.append(Item(kind, name, t, full, param, key, live=True,
+                                     fp_kind=DEVICE_FP_KIND if self.device_fp else None))
                     continue
-                stats = device_stats(t)
-                host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-                host_stats.copy_(stats, non_blocking=True)
-                # Stats-only steps copy the bytes too: the fingerprint is a host-side hash.
                 buf.copy_(t, non_blocking=True)
-                copied.append(Item(kind, name, buf, full, param, key, device_stats=host_stats))
                 t.record_stream(stream)
+                staged.append((kind, name, t, full, param, key, buf))
+            if self.device_fp and staged:
+                # Stats and dmix64 of the copied tensors from one device pass: the fingerprint
+                # kind of a series is the same at its full and its stats-only steps.
+                _, host = pack_on_device(staged)
+                for i, (kind, name, t, full, param, key, buf) in enumerate(staged):
+                    copied.append(Item(kind, name, buf, full, param, key,
+                                       device_stats=host[i, :STATS_LEN].view(torch.float64),
+                                       device_fp=host[i, STATS_LEN], fp_kind=DEVICE_FP_KIND))
+            else:
+                for kind, name, t, full, param, key, buf in staged:
+                    stats = device_stats(t)
+                    host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+                    host_stats.copy_(stats, non_blocking=True)
+                    # fingerprint="xxh3": the writer hashes the bytes on the host.
+                    copied.append(Item(kind, name, buf, full, param, key, device_stats=host_stats))
             event = torch.cuda.Event()
             event.record(stream)
         # The optimizer must not overwrite a tensor the side stream is still reading.

@@ -41,7 +41,9 @@ import torch
 from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
 from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
+from stepdump.capture.device_pack import rows as device_rows
 from stepdump.capture.lean import LeanRow
+from stepdump.core.device_lean import DEVICE_FP_KIND, device_fingerprint
 from stepdump.capture.staging import Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import fingerprint_bytes, raw_bytes
@@ -271,6 +273,9 @@ class Writer(threading.Thread):
             raise WriterError("the catalog is not open")
         if msg.slot is not None and msg.slot.event is not None:  # pragma: no cover - CUDA only
             msg.slot.event.synchronize()  # type: ignore[attr-defined]
+            if msg.slot.device_pack is not None:  # a lean step described on the device: its rows have landed
+                msg.lean.extend(device_rows(msg.slot.device_pack))  # type: ignore[arg-type]
+                msg.slot.device_pack = None
         rows = []
         self._blob_rows = []
         live = sum(item.live for item in msg.items)  # they come first (Stager.stage)
@@ -339,7 +344,12 @@ class Writer(threading.Thread):
             # slot's event (synchronized in _write) fired after the training stream's work.
             t = t.cpu()
         data = item.raw if item.raw is not None else raw_bytes(t)
-        fp = fingerprint_bytes(data) if known is None else known[1]
+        if item.device_fp is not None:  # pragma: no cover - CUDA only: dmix64, from the device pass
+            fp = int(item.device_fp)
+        elif item.fp_kind == DEVICE_FP_KIND:  # pragma: no cover - CUDA only: over the staging budget, copied here
+            fp = int(device_fingerprint(t))
+        else:
+            fp = fingerprint_bytes(data) if known is None else known[1]
         if item.kind in _NO_STATS:
             stats: tuple[Any, ...] = (t.numel(),) + (None,) * 9
         elif known is not None:
@@ -360,18 +370,19 @@ class Writer(threading.Thread):
                 # Bytes the writer made (a contiguous copy, a codec's output) count against the
                 # appender's cap; a staging buffer or a live tensor's own bytes do not.
                 borrowed = item.raw is not None or (item.live and t.is_contiguous())
-                blob = self._append_blob(cat, data, t.element_size(), fp,
+                blob = self._append_blob(cat, data, t.element_size(), fp if item.fp_kind is None else None,
                                          sid if item.kind in _DELTA_KINDS else None, borrowed)
                 if item.kind in _SHARED_KINDS:
                     self._last_blob[sid] = (blob, *same)
         return (sid, step, dtype, shape, blob, *stats, fp)
 
-    def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int,
+    def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int | None,
                      series: int | None = None, borrowed: bool = True) -> int:
         blob_id = cat.new_blob_id()
         encoded, base, codec_name = self._encoder.encode(series, blob_id, data, itemsize)
-        # For the raw codec the stored bytes are the raw bytes: reuse the fingerprint.
-        checksum = fp if encoded is data else fingerprint_bytes(encoded)
+        # For the raw codec the stored bytes are the raw bytes: reuse the fingerprint (when it is
+        # xxh3: ``fp`` None for another kind, as the checksum is always xxh3 of the stored bytes).
+        checksum = fp if encoded is data and fp is not None else fingerprint_bytes(encoded)
         length = len(memoryview(encoded).cast("B"))
         key = self._segment_for(length)
         offset = self._segment_size
