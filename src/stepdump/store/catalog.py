@@ -27,11 +27,20 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from stepdump.errors import NotARunError
+from stepdump.errors import CorruptDataError, NotARunError
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
-from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION, META_REEXECUTIONS, SEGMENT_DIR
+from stepdump.store.format import (
+    CATALOG_FILE,
+    FIRST_FORMAT_VERSION,
+    FP_KINDS_FORMAT_VERSION,
+    META_REEXECUTIONS,
+    SEGMENT_DIR,
+)
 from stepdump.store.plainfile import check_plain, describe, refusal
 from stepdump.store.schema import (
+    DEFAULT_FP_KIND,
+    FP_KINDS_SCHEMA,
+    FP_KINDS_TABLE,
     PARTIAL_SUFFIX,
     SCHEMA,
     STAT_COLUMNS,
@@ -90,7 +99,7 @@ def create(run_dir: Path, meta: dict[str, Any]) -> None:
         with con:
             con.executemany(
                 "INSERT INTO meta(key, value) VALUES (?, ?)",
-                [(k, json.dumps(v)) for k, v in {"format_version": FORMAT_VERSION, **meta}.items()],
+                [(k, json.dumps(v)) for k, v in {"format_version": FIRST_FORMAT_VERSION, **meta}.items()],
             )
         con.execute("PRAGMA journal_mode=WAL")  # persistent: stored in the file's header
     finally:
@@ -158,6 +167,7 @@ def _drop_steps(con: sqlite3.Connection, first: int) -> None:
             (min(dropped),))}
         con.executemany("DELETE FROM blobs WHERE id = ?", [(b,) for b in sorted(dropped - kept)])
     con.execute("DELETE FROM series WHERE NOT EXISTS (SELECT 1 FROM tensors t WHERE t.series = series.id)")
+    _drop_orphan_fp_kinds(con)
     row = con.execute("SELECT value FROM meta WHERE key = 'final_step'").fetchone()
     try:
         final = json.loads(row[0]) if row is not None else None
@@ -166,6 +176,18 @@ def _drop_steps(con: sqlite3.Connection, first: int) -> None:
     if row is not None and not (isinstance(final, int) and final < first):
         con.execute("DELETE FROM meta WHERE key = 'final_step'")
     _drop_reexecutions(con, first)
+
+
+def _has_fp_kinds(con: sqlite3.Connection) -> bool:
+    return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                       (FP_KINDS_TABLE,)).fetchone() is not None
+
+
+def _drop_orphan_fp_kinds(con: sqlite3.Connection) -> None:
+    """The kinds of series that are gone go with them: a series id SQLite hands out again must
+    not inherit a dropped series' kind. The table and format 2 stay (the format never goes down)."""
+    if _has_fp_kinds(con):
+        con.execute(f"DELETE FROM {FP_KINDS_TABLE} WHERE series NOT IN (SELECT id FROM series)")  # noqa: S608
 
 
 def _drop_reexecutions(con: sqlite3.Connection, first: int) -> None:
@@ -204,12 +226,20 @@ class CatalogWriter:
         self.con = sqlite3.connect(catalog_path(run_dir), check_same_thread=False, isolation_level=None)
         self.con.execute("PRAGMA journal_mode=WAL")
         self.con.execute(f"PRAGMA synchronous={synchronous}")
+        self._load_ids()
+        self._next_blob = (self.con.execute("SELECT max(id) FROM blobs").fetchone()[0] or 0) + 1
+        self.con.execute("BEGIN")
+
+    def _load_ids(self) -> None:
+        """The committed series, segments and fingerprint kinds (again after a rollback, which
+        drops those the rolled-back transaction added)."""
         self._series: dict[tuple[str, str], int] = {
             (k, n): i for i, k, n in self.con.execute("SELECT id, kind, name FROM series")
         }
         self._segments: dict[str, int] = {k: i for i, k in self.con.execute("SELECT id, key FROM segments")}
-        self._next_blob = (self.con.execute("SELECT max(id) FROM blobs").fetchone()[0] or 0) + 1
-        self.con.execute("BEGIN")
+        self._has_fp_kinds = _has_fp_kinds(self.con)
+        self._fp_kinds: dict[int, str] = dict(
+            self.con.execute(f"SELECT series, kind FROM {FP_KINDS_TABLE}")) if self._has_fp_kinds else {}  # noqa: S608
 
     def new_blob_id(self) -> int:
         """Blob ids are assigned here so a step's blob rows can be inserted in one batch."""
@@ -236,6 +266,30 @@ class CatalogWriter:
             sid = int(cur.lastrowid)  # type: ignore[arg-type]
             self._series[(kind, name)] = sid
         return sid
+
+    def fp_kind(self, series: int) -> str:
+        """The fingerprint kind of ``series`` (xxh3 unless :meth:`set_fp_kind` gave it another)."""
+        return self._fp_kinds.get(series, DEFAULT_FP_KIND)
+
+    def set_fp_kind(self, series: int, kind: str) -> None:
+        """Give ``series`` fingerprint kind ``kind``, in this transaction.
+
+        A series keeps one kind at all its steps: setting another kind than the one it has is an
+        error (the caller keeps the first). xxh3 is the kind of every series the table does not
+        name, so it writes nothing. The first other kind creates the ``fp_kinds`` table and makes
+        the store format 2, in the same transaction as its row (FORMAT.md, "Fingerprint kinds")."""
+        have = self.fp_kind(series)
+        if kind == have:
+            return
+        if have != DEFAULT_FP_KIND or series in self._fp_kinds:
+            raise CorruptDataError(f"series {series} has fingerprint kind {have!r}; it cannot take {kind!r} "
+                                   "(a series keeps one kind at all its steps)")
+        if not self._has_fp_kinds:
+            self.con.execute(FP_KINDS_SCHEMA.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
+            self._has_fp_kinds = True
+        self.con.execute(f"INSERT INTO {FP_KINDS_TABLE}(series, kind) VALUES (?, ?)", (series, kind))  # noqa: S608
+        self.set_meta("format_version", FP_KINDS_FORMAT_VERSION)
+        self._fp_kinds[series] = kind
 
     def segment_id(self, key: str) -> int:
         sid = self._segments.get(key)
@@ -307,6 +361,8 @@ class CatalogWriter:
                          "(SELECT 1 FROM tensors t WHERE t.series = series.id)", tuple(kinds))
         kept = {i for (i,) in self.con.execute("SELECT id FROM series")}
         self._series = {k: i for k, i in self._series.items() if i in kept}
+        _drop_orphan_fp_kinds(self.con)
+        self._fp_kinds = {s: k for s, k in self._fp_kinds.items() if s in kept}
 
     def abort(self) -> None:
         """Drop everything since the last commit and close (a write that failed half-way)."""
@@ -323,6 +379,7 @@ class CatalogWriter:
     def rollback(self) -> None:
         """Drop everything since the last commit (the rows of a step that failed half-way)."""
         self.con.execute("ROLLBACK")
+        self._load_ids()
         self.con.execute("BEGIN")
 
     def close(self) -> None:

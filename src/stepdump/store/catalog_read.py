@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from stepdump.errors import CorruptDataError, FormatVersionError, InterruptedWriteError, NotARunError
-from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION
+from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION, FP_KINDS_FORMAT_VERSION, READABLE_FORMAT_VERSIONS
 from stepdump.store.lock import is_locked
 from stepdump.store.schema import (
+    FP_KINDS_TABLE,
     TABLES,
     catalog_path,
     check_side_files,
@@ -110,9 +111,13 @@ def connect_reader(run_dir: str | Path) -> ReadConnection:
     try:
         reader.execute("PRAGMA query_only=ON")
         reader.execute("PRAGMA trusted_schema=OFF")  # nothing in a store's schema runs with side effects
-        _check_schema(reader, path)
+        # The version first, from the meta table alone (its schema checked, so reading it evaluates
+        # nothing else): a newer store, whose schema this stepdump cannot know, gets the "newer
+        # format" error rather than "not a stepdump catalog".
+        _check_schema(reader, path, only="meta")
         rows = dict(reader.execute("SELECT key, value FROM meta"))
-        _check_version(rows, path)
+        version = _check_version(rows, path)
+        _check_schema(reader, path, version=version)
     except BaseException:
         con.close()
         raise
@@ -235,8 +240,11 @@ def _unreadable(path: Path, e: BaseException) -> CorruptDataError:
     )
 
 
-def _check_schema(con: ReadConnection, path: Path) -> None:
+def _check_schema(con: ReadConnection, path: Path, *, only: str | None = None, version: int = 1) -> None:
     """The schema must be exactly the writer's, object by object and to the letter.
+
+    ``only``: check the objects of that table alone (the meta table, read before the version is
+    known). ``version``: a format-2 catalog has the ``fp_kinds`` table, a format-1 one must not.
 
     SQLite evaluates schema expressions while reading: a generated column (``level``
     computed as ``hex(zeroblob(200000000))``) on every row a query touches, a view
@@ -246,9 +254,20 @@ def _check_schema(con: ReadConnection, path: Path) -> None:
     them, before any of it is evaluated: reading sqlite_master evaluates nothing.
     """
     expected = expected_schema()[0]
+    if version < FP_KINDS_FORMAT_VERSION:
+        expected = frozenset(r for r in expected if r[2] != FP_KINDS_TABLE)
     found = {tuple(r) for r in con.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")}
+    if only is not None:
+        expected = frozenset(r for r in expected if r[2] == only)
+        found = {r for r in found if r[1] == only or r[2] == only}
     odd = sorted(found - expected, key=repr)
     missing = sorted({r[1] for r in expected if r[0] == "table"} - {r[1] for r in found if r[0] == "table"})
+    if odd and odd[0][1] == FP_KINDS_TABLE and odd[0][0] == "table" and version < FP_KINDS_FORMAT_VERSION:
+        raise CorruptDataError(
+            f"{path} is not a stepdump catalog: it has a {FP_KINDS_TABLE!r} table but says store format {version}, "
+            f"and that table exists only from format {FP_KINDS_FORMAT_VERSION} on (its fingerprints could be read "
+            "under the wrong kind). stepdump is refusing to open it: treat the run as hostile, or record it again"
+        )
     if not odd and not missing:
         return
     what = _describe_object(con, odd[0]) if odd else f"it has no {missing[0]!r} table"
@@ -282,11 +301,12 @@ def _check_version(meta_rows: dict[str, str], path: Path) -> int:
         version = int(json.loads(meta_rows["format_version"]))
     except (KeyError, ValueError, TypeError, OverflowError, RecursionError):
         raise CorruptDataError(f"{path} has no valid format_version; it is not a stepdump catalog") from None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         newer = "a newer" if version > FORMAT_VERSION else "an older"
+        readable = " and ".join(str(v) for v in READABLE_FORMAT_VERSIONS)
         raise FormatVersionError(
             f"{path.parent} uses store format {version}, written by {newer} stepdump; this stepdump "
-            f"reads format {FORMAT_VERSION}. Install a stepdump release that reads format {version}."
+            f"reads formats {readable} (up to {FORMAT_VERSION}). Install a stepdump release that reads format {version}."
         )
     return version
 

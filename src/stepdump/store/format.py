@@ -10,7 +10,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-FORMAT_VERSION = 1
+# The newest format this stepdump reads and writes. A new store is format 1 (xxh3 fingerprints
+# only, the format every earlier stepdump reads); it becomes format 2 in the transaction that
+# gives its first series a fingerprint kind other than xxh3 (the fp_kinds table, FORMAT.md).
+FORMAT_VERSION = 2
+FIRST_FORMAT_VERSION = 1  # what a new catalog is created as
+READABLE_FORMAT_VERSIONS = (1, 2)
+FP_KINDS_FORMAT_VERSION = 2  # the first format with the fp_kinds table
+# Fingerprint kinds (FORMAT.md, "Fingerprint kinds"): xxh3-64 of the raw bytes (every series of
+# a format-1 store) and dmix64, the order-free sum a device computes (core/device_lean.py).
+FP_KIND_XXH3 = "xxh3"
+FP_KIND_DMIX64 = "dmix64"
+KNOWN_FP_KINDS = (FP_KIND_XXH3, FP_KIND_DMIX64)
 CATALOG_FILE = "catalog.sqlite"
 SEGMENT_DIR = "segments"
 LOCK_FILE = "LOCK"

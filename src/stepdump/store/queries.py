@@ -20,9 +20,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from stepdump.errors import ConfigError
+from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
-from stepdump.store.schema import STAT_COLUMNS
+from stepdump.store.format import FP_KIND_XXH3, KNOWN_FP_KINDS
+from stepdump.store.schema import FP_KINDS_TABLE, STAT_COLUMNS
 
 #: What a ``steps=`` argument takes: a step, a range, a slice, an iterable of steps, or None (all).
 StepRange = int | range | slice | Iterable[int] | None
@@ -183,6 +184,28 @@ class CatalogReader:
     def series_id(self, kind: str, name: str) -> int | None:
         rows = self._q("SELECT id FROM series WHERE kind = ? AND name = ?", (kind, name))
         return int(rows[0][0]) if rows else None
+
+    def fp_kinds(self) -> dict[int, str]:
+        """Series id -> fingerprint kind, for the series whose kind is not xxh3 ({} for a format-1
+        store: every series there is xxh3). A kind this stepdump does not know is damage."""
+        if not self._ints("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (FP_KINDS_TABLE,)):
+            return {}
+        out: dict[int, str] = {}
+        for series, kind in self._q(f"SELECT series, kind FROM {FP_KINDS_TABLE}"):  # noqa: S608 - a fixed name
+            if kind not in KNOWN_FP_KINDS or isinstance(series, bool) or not isinstance(series, int):
+                raise CorruptDataError(f"{self.path}: the catalog's fp_kinds table has the row ({series!r}, {kind!r}); "
+                                       f"fingerprint kinds are {', '.join(KNOWN_FP_KINDS)}, by integer series id. "
+                                       "The catalog is damaged: `stepdump verify` checks the run")
+            if kind != FP_KIND_XXH3:
+                out[series] = kind
+        return out
+
+    def fp_kinds_by_name(self) -> dict[tuple[str, str], str]:
+        """(kind, name) -> fingerprint kind of the series whose kind is not xxh3 (see :meth:`fp_kinds`)."""
+        kinds = self.fp_kinds()
+        if not kinds:
+            return {}
+        return {(k, n): kinds[i] for i, k, n in self._q("SELECT id, kind, name FROM series") if i in kinds}
 
     def has_dtype_prefix(self, kind: str, prefix: str) -> bool:
         """Whether any tensor row of ``kind`` has a dtype starting with ``prefix`` (a sparse layout)."""

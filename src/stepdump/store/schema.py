@@ -12,7 +12,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from stepdump.store.format import CATALOG_FILE
+from stepdump.store.format import CATALOG_FILE, FP_KIND_XXH3
 from stepdump.store.plainfile import check_plain
 
 SCHEMA = """
@@ -59,6 +59,16 @@ CREATE TABLE scalars(
   PRIMARY KEY(name, step)) WITHOUT ROWID;
 """
 
+# The fingerprint kind of each series whose fingerprints are not xxh3 (FORMAT.md, "Fingerprint
+# kinds"). Only a store with such a series has the table, and it is format 2: older stores and
+# their schema stay as they were, and a reader that predates the table refuses the store by its
+# version instead of reading a dmix64 value as an xxh3 one. A series absent from it is xxh3.
+FP_KINDS_TABLE = "fp_kinds"
+FP_KINDS_SCHEMA = (f"CREATE TABLE {FP_KINDS_TABLE}(series INTEGER PRIMARY KEY REFERENCES series(id), "
+                   "kind TEXT NOT NULL)")
+# The kind of a series absent from fp_kinds (and of every series of a store without the table).
+DEFAULT_FP_KIND = FP_KIND_XXH3
+
 STAT_COLUMNS = ("numel", "nan", "posinf", "neginf", "min", "max", "mean", "std", "norm", "zero_frac")
 
 
@@ -91,15 +101,19 @@ def check_side_files(cat: Path, *, single_link: bool) -> None:
         check_plain(cat.with_name(cat.name + suffix), "SQLite's files beside the catalog", single_link=single_link)
 
 
-TABLES = ("meta", "series", "segments", "blobs", "steps", "tensors", "scalars")
+TABLES = ("meta", "series", "segments", "blobs", "steps", "tensors", "scalars", FP_KINDS_TABLE)
 
 
 @functools.lru_cache(maxsize=1)
 def expected_schema() -> tuple[frozenset[tuple[str, str, str, str | None]], dict[str, set[str]]]:
-    """sqlite_master of a catalog the writer creates: (type, name, table, SQL text); and each table's columns."""
+    """sqlite_master of a catalog the writer creates: (type, name, table, SQL text); and each table's columns.
+
+    ``fp_kinds`` is in it: a format-2 catalog has it, a format-1 one must not (the reader checks
+    that against the version, ``catalog_read._check_schema``)."""
     con = sqlite3.connect(":memory:")
     try:
         con.executescript(SCHEMA)
+        con.execute(FP_KINDS_SCHEMA)
         columns = {t: {c for (c,) in con.execute("SELECT name FROM pragma_table_xinfo(?)", (t,))} for t in TABLES}
         return frozenset(con.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")), columns
     finally:
