@@ -14,6 +14,11 @@ the same block of the full tensor. A plain tensor is one replica on every
 rank; a sharded one (``meta.distributed.sharding``) groups ranks by their
 shard's offset and shape, so FSDP2 shards are compared only with their
 replicas (there are none without HSDP).
+
+Ranks may fingerprint a tensor in two kinds (xxh3 on one, dmix64 on another: docs/cuda.md).
+Two kinds are never taken as equal or different: where a dmix64 rank stored the bytes they
+are hashed with xxh3 and compared so; where it did not, that tensor at that step is not
+compared, and a WARNING says so (never a silent "replicas agree").
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules.base import Rule, check_int, check_kinds, register_rule
+from stepdump.core.hashing import XXH3, fingerprint
+from stepdump.read.rows import fp_kind_map
 
 _KINDS = ("params", "grads", "optimizer", "buffers")
 _HINT = {
@@ -100,17 +107,22 @@ class CrossRank(Rule):
         findings = self._step_sets(steps)
         common = sorted(set.intersection(*steps.values()))
         keys = ["step", "kind", "name", "group"]
+        mixed = _mixed_kinds(run)
         acc: pd.DataFrame | None = None  # keys + version -> n (ranks holding that version)
         for r, rr in run.stores():
             if r is None:
                 continue
-            df = self._rank_rows(run, r, rr, common)
+            df = self._rank_rows(run, r, rr, common, mixed)
             part = df[[*keys, "version"]].assign(n=1)
             acc = part if acc is None else (pd.concat([acc, part], ignore_index=True)
                                             .groupby([*keys, "version"], sort=False, as_index=False)["n"].sum())
         if acc is None or acc.empty:
             return findings, -1, [], _EMPTY.copy(), ranks
         per = acc.groupby(keys, sort=False).agg(versions=("version", "nunique"), members=("n", "sum"))
+        if mixed:  # one version per fingerprint kind: nothing says whether they are the same bytes
+            per = per.join(_unresolved(acc, keys))
+            findings += _not_compared(self, per[per["unresolved"]], mixed)
+            per = per[~per["unresolved"]]
         # A plain (replicated) tensor must be on every rank that stats-recorded the step.
         want = len(ranks)
         bad = per[(per["versions"] > 1) | ((per.index.get_level_values("group") == "replica") & (per["members"] != want))]
@@ -129,21 +141,28 @@ class CrossRank(Rule):
         for r, rr in run.stores():
             if r is None:
                 continue
-            df = self._rank_rows(run, r, rr, [first])
+            df = self._rank_rows(run, r, rr, [first], mixed)
             rows.append(df[[(k, n) in wanted for k, n in zip(df["kind"], df["name"], strict=True)]])
         return findings, first, items, pd.concat(rows, ignore_index=True), ranks
 
-    def _rank_rows(self, run: Any, r: int, rr: Any, steps: list[int]) -> pd.DataFrame:
-        """Rank ``r``'s rows (store ``rr``) of the compared kinds at ``steps``, with group and version."""
+    def _rank_rows(self, run: Any, r: int, rr: Any, steps: list[int],
+                   mixed: dict[tuple[str, str], dict[int, str]] | None = None) -> pd.DataFrame:
+        """Rank ``r``'s rows (store ``rr``) of the compared kinds at ``steps``, with group and version.
+        ``mixed``: the tensors whose fingerprint kind differs across ranks (:func:`_mixed_kinds`):
+        their version names the kind, and a dmix64 row with bytes is hashed with xxh3 from them."""
         # One step: asked of SQLite; many: filtered here (a long IN list would pass SQLite's limit).
         df = rr.stats(steps=steps[0]) if len(steps) == 1 else rr.stats()
         df = df[df["kind"].isin(list(self.kinds)) & df["step"].isin(steps)]
         params: dict[str, str | None] = {}  # optimizer-state name -> its parameter, on this rank
         df = df.assign(rank=r, group=[_group(run, rr, r, k, n, s, params) for k, n, s in
                                       zip(df["kind"], df["name"], df["shape"], strict=True)])
+        fps = df["fingerprint"].astype(str)
+        if mixed:
+            fps = pd.Series([_comparable_fp(rr, r, s, k, n, fp, stored, mixed) for s, k, n, fp, stored in
+                             zip(df["step"], df["kind"], df["name"], df["fingerprint"], df["stored"], strict=True)],
+                            index=df.index, dtype=object)
         df = df[["step", "rank", "kind", "name", "group", "dtype", "shape", "fingerprint", "norm"]]
-        return df.assign(version=df["dtype"].astype(str) + "|" + df["shape"].astype(str) + "|"
-                         + df["fingerprint"].astype(str))
+        return df.assign(version=df["dtype"].astype(str) + "|" + df["shape"].astype(str) + "|" + fps)
 
     def _finding(self, step: int, kind: str, name: str, rows: pd.DataFrame, ranks: Sequence[int],
                  total: int) -> Finding:
@@ -185,6 +204,60 @@ def _versions(rows: pd.DataFrame) -> dict[str, list[int]]:
     for r, v in zip(rows["rank"], rows["version"], strict=True):
         versions.setdefault(v, []).append(int(r))
     return versions
+
+
+def _mixed_kinds(run: Any) -> dict[tuple[str, str], dict[int, str]]:
+    """(kind, name) -> {rank: fingerprint kind} of the tensors whose kind is not the same on every
+    rank ({} in a run of one kind: the comparison is then exactly by fingerprint)."""
+    per_rank = {r: fp_kind_map(rr.catalog) for r, rr in run.stores() if r is not None}
+    if not any(per_rank.values()):
+        return {}
+    keys = {k for m in per_rank.values() for k in m}
+    out = {key: {r: m.get(key, XXH3) for r, m in per_rank.items()} for key in keys}
+    return {key: by_rank for key, by_rank in out.items() if len(set(by_rank.values())) > 1}
+
+
+def _comparable_fp(store: Any, rank: int, step: int, kind: str, name: str, fp: Any, stored: Any,
+                   mixed: dict[tuple[str, str], dict[int, str]]) -> str:
+    """``kind:fingerprint`` of one row of a tensor whose kind differs across ranks: xxh3 where
+    this rank's is xxh3 or where its bytes are stored (read, checked, hashed), else its own kind."""
+    fk = mixed.get((kind, name), {}).get(rank, XXH3) if (kind, name) in mixed else None
+    if fk is None:
+        return str(fp)
+    if fk != XXH3 and stored:
+        return f"{XXH3}:{fingerprint(store.tensor(name, step, kind))}"
+    return f"{fk}:{fp}"
+
+
+def _unresolved(acc: pd.DataFrame, keys: list[str]) -> pd.Series:
+    """Per (step, kind, name, group): True where the versions are of two fingerprint kinds and
+    each kind has one (nothing says whether the bytes are the same); several versions of one
+    kind differ whatever the others are."""
+    fk = acc["version"].str.rsplit("|", n=1).str[-1].str.split(":", n=1).str[0]
+    tagged = acc.assign(fk=fk.where(acc["version"].str.rsplit("|", n=1).str[-1].str.contains(":"), ""))
+    g = tagged.groupby(keys, sort=False)
+    kinds = g["fk"].nunique()
+    most = tagged.groupby([*keys, "fk"], sort=False)["version"].nunique().groupby(level=keys, sort=False).max()
+    return ((kinds > 1) & (most == 1)).rename("unresolved")
+
+
+def _not_compared(rule: Rule, rows: pd.DataFrame, mixed: dict[tuple[str, str], dict[int, str]]) -> list[Finding]:
+    """One WARNING naming the tensors left uncompared across ranks for their fingerprint kinds."""
+    if rows.empty:
+        return []
+    first = min(rows.index, key=lambda i: (i[0], i[1], i[2]))
+    step, kind, name, _ = first
+    by_kind: dict[str, list[int]] = {}
+    for r, fk in sorted(mixed.get((kind, name), {}).items()):
+        by_kind.setdefault(fk, []).append(r)
+    sides = ", ".join(f"{fk} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                      for fk, rs in sorted(by_kind.items()))
+    return [rule.finding(
+        Severity.WARNING, step,
+        f"{len(rows)} tensor-step(s) not compared across ranks (first: {kind} {name!r} at step {step}): fingerprint "
+        f"kinds differ ({sides}) and no bytes are stored at this step; a difference there would go unseen. "
+        "Record every rank with one fingerprint kind (Recorder(fingerprint=...)) or store those steps in full.",
+        kind=kind, tensor=name)]
 
 
 def _group(run: Any, store: Any, rank: int, kind: str, name: str, shape: str,

@@ -32,7 +32,7 @@ part.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stepdump.analysis.diff_ignore import RNG_STREAMS, Ignore, parse_ignore
@@ -43,9 +43,11 @@ from stepdump.analysis.diff_result import Coverage, DiffResult, Key
 from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, RngDiff, config_differences, parse_state,
                                           scalar_differences, scalar_table, scalars_equal, state_differences)
 from stepdump.analysis.diff_values import TensorDiff, compare_tensors
+from stepdump.core.hashing import XXH3, fingerprint_as, same_fingerprint
 from stepdump.errors import ConfigError, StepNotFoundError
 from stepdump.read.joint import is_joint
 from stepdump.read.reader import RunReader
+from stepdump.read.rows import fp_kind_map
 
 __all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "RngDiff", "TensorDiff", "compare_tensors", "diff"]
 
@@ -137,6 +139,10 @@ def _merge(per_rank: dict[int, DiffResult]) -> DiffResult:
 
     scalar_diffs = [(res.first_scalar_diff, r) for r, res in per_rank.items() if res.first_scalar_diff]
     coverage = per_rank[min(blind)].coverage if blind else first.coverage
+    unmade = [(r, res.coverage) for r, res in sorted(per_rank.items()) if res.coverage.fp_kinds_differ]
+    if unmade:  # a check left out on any rank keeps the whole from being identical
+        coverage = replace(coverage, fp_kinds_differ=sum(c.fp_kinds_differ for _, c in unmade),
+                           fp_kinds_differ_first=unmade[0][1].fp_kinds_differ_first)
     return DiffResult(
         first_step=first.first_step, tensors=first.tensors,
         steps_compared=max(res.steps_compared for res in per_rank.values()),
@@ -164,6 +170,11 @@ class _Scan:
     checks: int = 0
     rng: dict[str, list[int]] = field(default_factory=dict)  # stream -> [first step, last step, steps]
     rng_steps: int = 0  # steps whose RNG was compared
+    # (kind, name) -> fingerprint kind of the series that are not xxh3, in A and in B (read once)
+    fp_a: dict[Key, str] = field(default_factory=dict)
+    fp_b: dict[Key, str] = field(default_factory=dict)
+    kinds_differ: int = 0  # step-tensor checks not made: two fingerprint kinds and no bytes to decide
+    kinds_differ_first: tuple[int, str, str, str, str] | None = None  # (step, kind, name, kind in A, kind in B)
 
     def rng_differs(self, step: int, stream: str) -> None:
         seen = self.rng.setdefault(stream, [step, step, 0])
@@ -200,7 +211,8 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
     scalar_step = min(by_step) if by_step else None
     result.first_scalar_diff = _first_scalar(ta, tb, atol, rtol)
 
-    scan = _scan(run_a, run_b, atol, rtol, wanted, common, scalar_step, left_out)
+    scan = _scan(run_a, run_b, atol, rtol, wanted, common, scalar_step, left_out,
+                 fp_kind_map(run_a.catalog), fp_kind_map(run_b.catalog))
     firsts = [s for s in (scalar_step, scan.state_step, scan.tensor_step) if s is not None]
     result.first_step = min(firsts) if firsts else None
     result.first_tensor_step, result.tensors = scan.tensor_step, scan.tensor_diffs
@@ -217,6 +229,7 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
     cov.state_parts = sorted({p for parts in scan.state_seen.values() for p in parts})
     cov.state_missing = scan.state_missing
     cov.rng_steps = scan.rng_steps
+    cov.fp_kinds_differ, cov.fp_kinds_differ_first = scan.kinds_differ, scan.kinds_differ_first
     result.rng = [RngDiff(s, *scan.rng[s]) for s in sorted(scan.rng, key=_stream_rank)]
     result.notes = rng_notes(result.rng, cov.rng_steps, result.first_step)
     cov.scalars = sorted(ta.keys() & tb.keys())
@@ -231,11 +244,12 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
 
 
 def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...], common: list[int],
-          bound: int | None, left_out: Ignore) -> _Scan:
+          bound: int | None, left_out: Ignore, fp_a: dict[Key, str], fp_b: dict[Key, str]) -> _Scan:
     """Walk the common steps a block at a time: the state of each step until the first step
     where it (or a scalar, ``bound``) differs, the tensors until the first step where they do.
-    An RNG difference is noted along the way and stops nothing."""
-    scan = _Scan()
+    An RNG difference is noted along the way and stops nothing. ``fp_a`` / ``fp_b``: the
+    fingerprint kinds of the runs' series that are not xxh3 (:func:`~stepdump.read.rows.fp_kind_map`)."""
+    scan = _Scan(fp_a=fp_a, fp_b=fp_b)
     stats = set(common)
     steps = sorted(set(run_a.all_steps) & set(run_b.all_steps))
     for i in range(0, len(steps), _BLOCK):
@@ -264,6 +278,8 @@ def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, .
         return
     state_a = {n: v[:3] for (k, n), v in fa.items() if k == "state"}
     state_b = {n: v[:3] for (k, n), v in fb.items() if k == "state"}
+    if scan.fp_a or scan.fp_b:
+        _state_across_kinds(run_a, run_b, step, fa, fb, state_a, state_b, scan)
     found, parts = state_differences(step, left_out.state(sa), left_out.state(sb), state_a, state_b)
     scan.state_seen[step] = parts
     scan.rng_steps += "rng" in parts
@@ -283,6 +299,19 @@ def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, tuple[A
     found = []
     for key in sorted(ra.keys() & rb.keys(), key=_order):
         if key[0] not in wanted:
+            continue
+        kind_a, kind_b = scan.fp_a.get(key, XXH3), scan.fp_b.get(key, XXH3)
+        if kind_a != kind_b:  # an xxh3 and a dmix64 number say nothing of each other: the bytes decide
+            d, compared = _across_kinds(run_a, run_b, step, key, ra[key], rb[key], kind_a, kind_b, atol, rtol)
+            if not compared:
+                scan.kinds_differ += 1
+                if scan.kinds_differ_first is None:
+                    scan.kinds_differ_first = (step, key[0], key[1], kind_a, kind_b)
+                continue
+            scan.keys.add(key)
+            scan.checks += 1
+            if d is not None:
+                found.append(d)
             continue
         scan.keys.add(key)
         scan.checks += 1
@@ -363,3 +392,48 @@ def _tensor_diff(run_a: Any, run_b: Any, step: int, key: Key, a: tuple[Any, ...]
             return TensorDiff(kind, name, "fingerprint")
         raise
     return compare_tensors(kind, name, ta, tb, atol, rtol)
+
+
+def _across_kinds(run_a: Any, run_b: Any, step: int, key: Key, a: tuple[Any, ...], b: tuple[Any, ...],
+                  kind_a: str, kind_b: str, atol: float, rtol: float) -> tuple[TensorDiff | None, bool]:
+    """(difference or None, whether compared) of one tensor whose fingerprints are of two kinds
+    (docs/cuda.md, "Comparisons"): dtype and shape as usual; then the bytes where both runs
+    stored them; where one did, its tensor fingerprinted under the other's kind; where neither
+    did, not compared (never taken as equal, nor as different)."""
+    kind, name = key
+    if a[0] != b[0]:
+        return TensorDiff(kind, name, "dtype"), True
+    if a[1] != b[1]:
+        return TensorDiff(kind, name, "shape"), True
+    if a[3] is not None and b[3] is not None:  # both stored: read (each checked under its own kind), compare
+        return compare_tensors(kind, name, run_a.tensor(name, step, kind), run_b.tensor(name, step, kind),
+                               atol, rtol), True
+    if a[3] is None and b[3] is None:
+        return None, False
+    if a[3] is not None:  # A's bytes under B's kind, against B's fingerprint
+        same = same_fingerprint(kind_b, fingerprint_as(kind_b, run_a.tensor(name, step, kind)), kind_b, b[2])
+    else:
+        same = same_fingerprint(kind_a, a[2], kind_a, fingerprint_as(kind_a, run_b.tensor(name, step, kind)))
+    # Bytes differ and one side's values are unknown: the same answer as one kind's (_tensor_diff).
+    return (None if same else TensorDiff(kind, name, "fingerprint")), True
+
+
+def _state_across_kinds(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, ...]],
+                        fb: dict[Key, tuple[Any, ...]], state_a: dict[str, tuple[Any, ...]],
+                        state_b: dict[str, tuple[Any, ...]], scan: _Scan) -> None:
+    """Make the state's tensor refs of two fingerprint kinds comparable in place: where the
+    bytes decide (:func:`_across_kinds`) B's entry becomes A's (equal) or stays (different);
+    where they cannot, both become one placeholder and the check is counted as not made."""
+    for ref in state_a.keys() & state_b.keys():
+        key = ("state", ref)
+        kind_a, kind_b = scan.fp_a.get(key, XXH3), scan.fp_b.get(key, XXH3)
+        if kind_a == kind_b:
+            continue
+        d, compared = _across_kinds(run_a, run_b, step, key, fa[key], fb[key], kind_a, kind_b, 0.0, 0.0)
+        if compared:  # equal: B's entry made A's; different: made unequal to any (dtype, shape, int)
+            state_b[ref] = state_a[ref] if d is None else (*state_b[ref][:2], f"{kind_b} {state_b[ref][2]}")
+            continue
+        state_b[ref] = state_a[ref]
+        scan.kinds_differ += 1
+        if scan.kinds_differ_first is None:
+            scan.kinds_differ_first = (step, "state", ref, kind_a, kind_b)

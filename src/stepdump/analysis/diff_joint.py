@@ -54,6 +54,9 @@ def _prefixed(pair: str, res: DiffResult, run: JointRun, logged: set[str]) -> Di
     coverage = replace(cov, scalars=[name(s) for s in cov.scalars],
                        scalars_only_in_a=[name(s) for s in cov.scalars_only_in_a],
                        scalars_only_in_b=[name(s) for s in cov.scalars_only_in_b])
+    if cov.fp_kinds_differ_first is not None:
+        step, kind, tname, ka, kb = cov.fp_kinds_differ_first
+        coverage.fp_kinds_differ_first = (step, kind, f"{pair}/{tname}", ka, kb)
     return replace(
         res, tensors=[replace(t, name=f"{pair}/{t.name}") for t in res.tensors],
         names_only_in_a=[(k, f"{pair}/{n}") for k, n in res.names_only_in_a],
@@ -108,6 +111,8 @@ def _coverage(parts: list[Coverage]) -> Coverage:
         values = [getattr(c, f.name) for c in parts]
         if f.name == "steps":
             setattr(out, f.name, min(values))
+        elif f.name == "fp_kinds_differ_first":  # the first pair's that has one
+            setattr(out, f.name, next((v for v in values if v is not None), None))
         elif isinstance(values[0], int):
             setattr(out, f.name, sum(values))
         else:

@@ -30,7 +30,9 @@ from typing import Any
 
 from stepdump.analysis.diff_result import DiffResult
 from stepdump.analysis.diff_state import KIND_STAGE, STAGES, Difference, scalar_label, scalar_stage, scalar_table
+from stepdump.core.hashing import XXH3
 from stepdump.errors import ConfigError
+from stepdump.read.rows import fp_kind_map
 
 #: How many times the spread a difference must exceed to count.
 FACTOR = 3.0
@@ -85,8 +87,10 @@ class NoiseDiff:
 
 
 def _values(run: Any, kinds: Sequence[str], scalar_left_out: Any) -> dict[int, dict[tuple[str, str], tuple]]:
-    """step -> (kind, name) -> (value or norm, fingerprint or None, non-finite count)."""
+    """step -> (kind, name) -> (value or norm, fingerprint or None, non-finite count). A
+    fingerprint of a kind other than xxh3 is ``(kind, value)``: never equal to another kind's."""
     out: dict[int, dict[tuple[str, str], tuple]] = {}
+    fp_kinds = fp_kind_map(run.catalog)
     for name, by_step in scalar_table(run.scalar_rows()).items():
         if scalar_left_out(name):
             continue
@@ -94,7 +98,9 @@ def _values(run: Any, kinds: Sequence[str], scalar_left_out: Any) -> dict[int, d
             out.setdefault(step, {})[("scalar", name)] = (v, None, 0)
     for r in run.catalog.stat_rows():
         if r[1] in kinds:
-            out.setdefault(r[0], {})[(r[1], r[2])] = (r[_NORM], r[_FP], sum(r[i] or 0 for i in _NONFINITE))
+            fk = fp_kinds.get((r[1], r[2]), XXH3)
+            fp = r[_FP] if fk == XXH3 else (fk, r[_FP])
+            out.setdefault(r[0], {})[(r[1], r[2])] = (r[_NORM], fp, sum(r[i] or 0 for i in _NONFINITE))
     return out
 
 
@@ -106,7 +112,9 @@ def _row(step: int, key: tuple[str, str], a: tuple, b: tuple, reps: list[tuple],
     kind, name = key
     xs = [a, *reps]
     va, vb = _num(a[0]), _num(b[0])
-    if kind != "scalar" and all(x[1] == a[1] for x in xs):  # A and the repeats bit-identical: exact
+    # A and the repeats bit-identical, B's fingerprint of their kind: exact. B of another kind
+    # says nothing of its bytes: judged by its norm, as a tensor whose repeats differ.
+    if kind != "scalar" and all(x[1] == a[1] for x in xs) and fp_kind(b) == fp_kind(a):
         if b[1] == a[1]:
             return None
         d = abs(vb - va) if not (math.isnan(va) or math.isnan(vb)) else math.inf
@@ -128,6 +136,11 @@ def _row(step: int, key: tuple[str, str], a: tuple, b: tuple, reps: list[tuple],
         return None
     exceeded = nonfinite_new or d > factor * spread
     return NoiseRow(step, kind, name, "value" if kind == "scalar" else "norm", a[0], b[0], d, spread, exceeded)
+
+
+def fp_kind(x: tuple) -> str:
+    """The fingerprint kind of a :func:`_values` entry."""
+    return str(x[1][0]) if isinstance(x[1], tuple) else XXH3
 
 
 def noise_diff(run_a: Any, run_b: Any, noise: Sequence[Any], kinds: Sequence[str], left_out: Any,
@@ -172,6 +185,11 @@ def noise_diff(run_a: Any, run_b: Any, noise: Sequence[Any], kinds: Sequence[str
         for key in sorted(keys):
             keys_seen.add(key)
             result.coverage.tensor_checks += key[0] != "scalar"
+            if key[0] != "scalar" and fp_kind(at_b[key]) != fp_kind(at_a[key]):
+                cov = result.coverage  # bytes not compared: never "identical" (diff_result.Coverage)
+                cov.fp_kinds_differ += 1
+                if cov.fp_kinds_differ_first is None:
+                    cov.fp_kinds_differ_first = (step, *key, fp_kind(at_a[key]), fp_kind(at_b[key]))
             if nd.first_noisy_step is None and any(r[key][:2] != at_a[key][:2] for r in at_r):
                 nd.first_noisy_step = step
             row = _row(step, key, at_a[key], at_b[key], [r[key] for r in at_r], factor)

@@ -29,6 +29,9 @@ def headline(res: DiffResult) -> str:
     if res.first_step is None and res.noise is not None:
         return (f"no difference beyond the noise over {res.steps_compared} common steps: every one is within "
                 f"{res.noise.factor:g}x the spread among A and its {res.noise.repeats} repeat(s)")
+    if res.first_step is None and res.coverage.fp_kinds_differ:
+        return (f"no difference in what was compared over {res.steps_compared} common steps{ranks}; not identical: "
+                f"{fp_kinds_text(res)}")
     if res.first_step is None:
         return f"identical over {res.steps_compared} common steps{ranks}"
     cause = res.differences[0] if res.differences else None
@@ -205,12 +208,28 @@ def not_compared_text(res: DiffResult) -> str:
         none = " (no step has one in both runs)" if not c.state_steps else ""
         parts.append(f"hyperparameters other than lr, scheduler, scaler and RNG state at {c.state_missing} steps "
                      f"without a recorded state in both runs{none}")
+    if c.fp_kinds_differ:
+        parts.append(fp_kinds_text(res))
     if res.comparable and not any(s == "lr" or s.endswith("/lr") for s in c.scalars):  # a joint run's: G/lr
         parts.append("lr (not logged by both runs)")
     return "; ".join(parts)
 
 
+def fp_kinds_text(res: DiffResult) -> str:
+    """The step-tensor checks a diff could not make for two fingerprint kinds, with the first."""
+    c = res.coverage
+    first = c.fp_kinds_differ_first
+    if first is None:
+        return ""
+    step, kind, name, ka, kb = first
+    checks = "1 step-tensor check" if c.fp_kinds_differ == 1 else f"{c.fp_kinds_differ} step-tensor checks"
+    return (f"{checks} (first: step {step}, {kind} {name}): fingerprint kinds differ ({ka} in A, {kb} in B) and no "
+            "bytes are stored at this step")
+
+
 def _why_incomparable(res: DiffResult) -> str:
+    if res.coverage.fp_kinds_differ and not res.coverage.tensor_checks:
+        return fp_kinds_text(res)
     if res.steps_compared == 0:
         return (f"no step has fingerprints in both runs (A: {_steps(res.steps_only_in_a)}; "
                 f"B: {_steps(res.steps_only_in_b)})")

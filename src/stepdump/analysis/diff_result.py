@@ -53,6 +53,12 @@ class Coverage:
     lr_steps: int = 0
     scalars_only_in_a: list[str] = field(default_factory=list)
     scalars_only_in_b: list[str] = field(default_factory=list)
+    #: Step-tensor checks not made because the runs fingerprint that tensor in two kinds (xxh3 in
+    #: one, dmix64 in the other: docs/cuda.md) and neither stored its bytes at that step, and the
+    #: first of them as (step, kind, name, fingerprint kind in A, in B). A diff with any is never
+    #: ``identical`` nor ``complete``.
+    fp_kinds_differ: int = 0
+    fp_kinds_differ_first: tuple[int, str, str, str, str] | None = None
 
 
 @dataclass
@@ -62,8 +68,10 @@ class DiffResult:
     ``identical`` means something was compared (``comparable``) and nothing compared differs:
     no tensor at a common step, no hyperparameter, scheduler, scaler state or batch, no logged
     scalar. An RNG state that differs while none of these does is a note (``notes``), not a
-    difference. What was not compared (names, steps, scalars in one run only) is listed, and
-    ``complete`` says whether there was any.
+    difference. What was not compared (names, steps, scalars in one run only, tensors whose
+    fingerprints are of two kinds with no bytes stored) is listed, and ``complete`` says whether
+    there was any. A tensor left uncompared for its fingerprint kinds makes a result not
+    ``identical``: nothing says it is equal.
     """
 
     #: The first step where anything compared differs (None: none does).
@@ -113,15 +121,16 @@ class DiffResult:
 
     @property
     def identical(self) -> bool:
-        """Something was compared and nothing compared differs (see the class docstring)."""
-        return self.comparable and self.first_step is None
+        """Something was compared, nothing compared differs, and no tensor was left uncompared
+        for its fingerprint kinds (see the class docstring)."""
+        return self.comparable and self.first_step is None and not self.coverage.fp_kinds_differ
 
     @property
     def complete(self) -> bool:
         """Whether everything either run recorded had a counterpart in the other."""
         c = self.coverage
         return not (self.steps_only_in_a or self.steps_only_in_b or self.names_only_in_a or self.names_only_in_b
-                    or c.scalars_only_in_a or c.scalars_only_in_b)
+                    or c.scalars_only_in_a or c.scalars_only_in_b or c.fp_kinds_differ)
 
     @property
     def first_tensor(self) -> TensorDiff | None:

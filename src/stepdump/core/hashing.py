@@ -98,6 +98,20 @@ def same_fingerprint(kind_a: str, fp_a: int, kind_b: str, fp_b: int) -> bool | N
     return fp_a == fp_b
 
 
+def fingerprint_bytes_as(kind: str, data: bytes | bytearray | memoryview) -> int:
+    """The fingerprint under ``kind`` of a tensor whose raw bytes (:func:`raw_bytes`) are ``data``:
+    how a reader checks a stored blob against its row (dmix64 is defined on the bytes alone)."""
+    if kind == XXH3:
+        return fingerprint_bytes(memoryview(data))
+    buf = memoryview(data)
+    if buf.format != "B" or buf.ndim != 1:
+        buf = buf.cast("B")
+    if buf.readonly:  # torch.frombuffer wants memory it may write (it never does here)
+        buf = memoryview(bytearray(buf))
+    t = torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
+    return fingerprint_as(kind, t)
+
+
 def fingerprint_as(kind: str, t: torch.Tensor) -> int:
     """``t``'s fingerprint under ``kind`` (a recorded row's), to check a live or rebuilt tensor
     against that row: xxh3 via :func:`fingerprint`, dmix64 via
@@ -112,5 +126,5 @@ def fingerprint_as(kind: str, t: torch.Tensor) -> int:
         from stepdump.core.device_lean import device_fingerprint  # torch ops; only for dmix64 rows
 
         return int(device_fingerprint(t))
-    raise FormatVersionError(f"fingerprint kind {kind!r} is not one this stepdump knows ({XXH3}, {DMIX64}): the store was "
-                      "written by a newer stepdump; read it with that version (pip install -U stepdump)")
+    raise FormatVersionError(f"fingerprint kind {kind!r} is not one this stepdump knows ({XXH3}, {DMIX64}): the "
+                             "store was written by a newer stepdump; read it with that version (pip install -U stepdump)")

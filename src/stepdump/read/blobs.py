@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from stepdump.core.dtypes import DTYPES
-from stepdump.core.hashing import fingerprint_bytes
+from stepdump.core.hashing import XXH3, fingerprint_bytes, fingerprint_bytes_as
 from stepdump.core.sparse import from_raw_bytes
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.codecs import get_codec
@@ -134,7 +134,7 @@ class ReadScope:
         self.decoded = 0
         self.returned = 0
         self.shared: dict[tuple[object, ...], bytearray | bytes] = {}
-        self.verified: set[tuple[tuple[object, ...], int]] = set()
+        self.verified: set[tuple[tuple[object, ...], int, str]] = set()
 
     def check(self, blob_id: int, links: int, decode: int, returns: int) -> None:
         """Refuse, before any of it is done, decoding ``decode`` more bytes (``links`` blobs)
@@ -318,11 +318,13 @@ class BlobReader:
             raise CorruptDataError(f"blob {blob_id} decodes to {len(out)} bytes, expected {b.raw_length}")
         return out
 
-    def tensor(self, blob_id: int, dtype: str, shape: str, fingerprint: int | None = None) -> torch.Tensor:
-        """The tensor a ``tensors`` row describes; with ``fingerprint`` (the row's), the decoded
-        bytes are checked against it too, so a decoder or catalog mix-up cannot go unnoticed."""
+    def tensor(self, blob_id: int, dtype: str, shape: str, fingerprint: int | None = None,
+               fp_kind: str = XXH3) -> torch.Tensor:
+        """The tensor a ``tensors`` row describes; with ``fingerprint`` (the row's, of kind
+        ``fp_kind``: its series'), the decoded bytes are checked against it too, so a decoder or
+        catalog mix-up cannot go unnoticed."""
         if isinstance(dtype, str) and sparse_values_dtype(dtype) is not None:
-            return self.sparse_tensor(blob_id, dtype, shape, fingerprint)
+            return self.sparse_tensor(blob_id, dtype, shape, fingerprint, fp_kind)
         tdtype, dims, want = check_layout(dtype, shape)
         b = self.blob_row(blob_id)
         if b.raw_length != want:
@@ -336,7 +338,7 @@ class BlobReader:
             buf = scope.shared.get(key)
             if buf is None:
                 raw = self._raw(b, scope)
-                self._check_fingerprint(b, raw, fingerprint)
+                self._check_fingerprint(b, raw, fingerprint, fp_kind)
                 try:
                     buf = bytearray(raw) if not isinstance(raw, bytearray) else raw
                 except MemoryError:
@@ -344,15 +346,16 @@ class BlobReader:
                         f"blob {blob_id} ({want} bytes) is more than this machine can allocate"
                     ) from None
                 scope.shared[key] = buf
-            elif fingerprint is not None and (key, fingerprint) not in scope.verified:
-                self._check_fingerprint(b, buf, fingerprint)
+            elif fingerprint is not None and (key, fingerprint, fp_kind) not in scope.verified:
+                self._check_fingerprint(b, buf, fingerprint, fp_kind)
             if fingerprint is not None:
-                scope.verified.add((key, fingerprint))
+                scope.verified.add((key, fingerprint, fp_kind))
         if want == 0:
             return torch.empty(dims, dtype=tdtype)
         return torch.frombuffer(buf, dtype=torch.uint8).view(tdtype).reshape(dims)
 
-    def sparse_tensor(self, blob_id: int, dtype: str, shape: str, fingerprint: int | None = None) -> torch.Tensor:
+    def sparse_tensor(self, blob_id: int, dtype: str, shape: str, fingerprint: int | None = None,
+                      fp_kind: str = XXH3) -> torch.Tensor:
         """The sparse COO tensor a ``tensors`` row of dtype ``sparse_coo:<dtype>`` describes
         (FORMAT.md, "Sparse tensors"), in memory of its own: checked as :meth:`tensor` checks a
         dense one (the dense size as well), then its header against its bytes and its indices
@@ -364,14 +367,14 @@ class BlobReader:
             raise CorruptDataError(f"blob {blob_id} holds {b.raw_length} bytes, too few for a sparse tensor")
         with self.call() as scope:
             raw = self._raw(b, scope)
-            self._check_fingerprint(b, raw, fingerprint)
+            self._check_fingerprint(b, raw, fingerprint, fp_kind)
         try:
             return from_raw_bytes(raw, tdtype, dims)
         except CorruptDataError as e:
             raise CorruptDataError(f"blob {blob_id}: {e}") from None
 
     def read_into(self, out: torch.Tensor, blob_id: int, dtype: str, shape: str,
-                  fingerprint: int | None = None) -> torch.Tensor:
+                  fingerprint: int | None = None, fp_kind: str = XXH3) -> torch.Tensor:
         """Read the tensor a ``tensors`` row describes into ``out`` (a contiguous CPU tensor of the
         row's dtype and shape), checked as :meth:`tensor` checks it; returns ``out``.
 
@@ -402,15 +405,15 @@ class BlobReader:
                 direct(b.segment_key, b.offset, view)
                 if fingerprint_bytes(view) == b.checksum:
                     scope.returned += want
-                    self._check_fingerprint(b, view, fingerprint)
+                    self._check_fingerprint(b, view, fingerprint, fp_kind)
                     return out
                 # Damaged, or read while a URL's cache was wrong: the usual path says which.
             raw = self._raw(b, scope)
-            self._check_fingerprint(b, raw, fingerprint)
+            self._check_fingerprint(b, raw, fingerprint, fp_kind)
         dst[:] = np.frombuffer(raw, dtype=np.uint8)
         return out
 
-    def read_ahead(self, out: torch.Tensor, b: BlobRow, fingerprint: int | None) -> bool:
+    def read_ahead(self, out: torch.Tensor, b: BlobRow, fingerprint: int | None, fp_kind: str = XXH3) -> bool:
         """Fill ``out`` with blob ``b`` (its row already read) and verify it: the checksum, then the
         tensor's ``fingerprint``. Safe on another thread than the reading one, while it goes on:
         only the segment file and ``out`` are touched (no catalog, cache or read-call scope), and
@@ -437,19 +440,27 @@ class BlobReader:
             else:
                 raw = self._decode(b, None)  # a base-less codec: no catalog (zstd, ... let go of the GIL too)
                 view[:] = raw
-            self._check_fingerprint(b, raw, fingerprint)
+            self._check_fingerprint(b, raw, fingerprint, fp_kind)
         except Exception:  # noqa: BLE001 - read_into on the reading thread reports it
             return False
         return True
 
     @staticmethod
-    def _check_fingerprint(b: BlobRow, raw: bytes | bytearray | memoryview, fingerprint: int | None) -> None:
-        # For the raw codec the checksum just verified *is* the fingerprint.
-        if fingerprint is not None and not (b.codec == "raw" and b.checksum == fingerprint):
-            if fingerprint_bytes(memoryview(raw)) != fingerprint:
+    def _check_fingerprint(b: BlobRow, raw: bytes | bytearray | memoryview, fingerprint: int | None,
+                           fp_kind: str = XXH3) -> None:
+        if fingerprint is None:
+            return
+        if fp_kind == XXH3:
+            # For the raw codec the checksum just verified *is* the xxh3 fingerprint.
+            shortcut = b.codec == "raw" and b.checksum == fingerprint
+            if not shortcut and fingerprint_bytes(memoryview(raw)) != fingerprint:
                 raise CorruptDataError(
                     f"blob {b.id} decodes to bytes that do not match the tensor's recorded fingerprint"
                 )
+        elif fingerprint_bytes_as(fp_kind, raw) != fingerprint:  # the checksum is xxh3: no shortcut
+            raise CorruptDataError(
+                f"blob {b.id} decodes to bytes that do not match the tensor's recorded fingerprint ({fp_kind})"
+            )
 
     def close(self) -> None:
         self.storage.close()

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stepdump.core.hashing import XXH3
 from stepdump.errors import RebuildError, StepNotFoundError, nearest_steps
-from stepdump.read.rows import differs_from_row
+from stepdump.read.rows import differs_from_row, fp_kind_map
 from stepdump.read.state import layout_entries
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ def rebuild(run: Run, step: int, name: str,
     k = keys[-1]
     averaged, standin = _start(run, k, name, rule, read_full(run, k, name))
     before = _rows(run, k, name)
+    fp_kinds = fp_kind_map(run.catalog)  # each rebuilt tensor is checked under its series' fingerprint kind
     for s in range(k + 1, step + 1):
         rows = _rows(run, s, name)
         if not rows:
@@ -66,7 +68,7 @@ def rebuild(run: Run, step: int, name: str,
             continue  # not updated in iteration s - 1
         standin.load_state_dict(run.state_dict(s), strict=True)
         averaged.update_parameters(standin)
-        _verify(run, step, s, name, averaged, rows)
+        _verify(run, step, s, name, averaged, rows, fp_kinds)
         before = rows
     return {key: v.detach().clone() for key, v in averaged.state_dict().items()}
 
@@ -139,14 +141,14 @@ def _rows(run: Run, step: int, name: str) -> dict[str, tuple[Any, Any, Any]]:
 
 
 def _verify(run: Run, target: int, s: int, name: str, averaged: torch.nn.Module,
-            rows: dict[str, tuple[Any, Any, Any]]) -> None:
+            rows: dict[str, tuple[Any, Any, Any]], fp_kinds: dict[tuple[str, str], str]) -> None:
     rebuilt = averaged.state_dict()
     for key in sorted(set(rows) | set(rebuilt)):
         t, row = rebuilt.get(key), rows.get(key)
         if t is None or row is None:
             why: str | None = "is not in the rebuild" if t is None else "is not in the record"
         else:
-            why = differs_from_row(t, row)
+            why = differs_from_row(t, row, fp_kind=fp_kinds.get(("extra", f"{name}/{key}"), XXH3))
         if why is None:
             continue
         raise _error(run, target, name, f"re-applying AveragedModel.update_parameters to the model of step {s} gives "

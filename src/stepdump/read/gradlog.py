@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stepdump.core.hashing import XXH3
 from stepdump.errors import (
     ReadBudgetError,
     RebuildError,
@@ -197,7 +198,7 @@ class GradientLog:
                     f"(BatchNorm running stats) cannot be rebuilt from gradients; "
                     f"{nearest_steps(step, self.keyframes())} have them"
                 )
-            return self._blobs.tensor(row[3], row[0], row[1], row[2])
+            return self._blobs.tensor(row[3], row[0], row[1], row[2], row[4])
 
         return assemble_model_state(self._run, step, load)
 
@@ -301,9 +302,10 @@ class GradientLog:
         while chain.step < step:
             self._advance(chain, target=step, check=True)
 
-    def _read(self, blob: Any, dtype: Any, shape: Any, fp: int, trusted: Trusted | None = None) -> torch.Tensor:
+    def _read(self, blob: Any, dtype: Any, shape: Any, fp: int, trusted: Trusted | None = None,
+              fp_kind: str = XXH3) -> torch.Tensor:
         """A stored tensor in memory of its own (gradlog_keyframe.read_tensor)."""
-        return read_tensor(self._blobs, blob, dtype, shape, fp, trusted)
+        return read_tensor(self._blobs, blob, dtype, shape, fp, trusted, fp_kind)
 
     def _start(self, k: int) -> Chain:
         """Stand-in params and a fresh optimizer loaded with keyframe ``k`` (gradlog_keyframe.py)."""
@@ -378,8 +380,8 @@ class GradientLog:
         if isinstance(level, int) and level >= LEVEL_FULL:
             named = self._run.step_state(step).get(STATE_OUTSIDE_OPTIMIZER)
             stored = {n: row for n, row in stored.items() if isinstance(named, list) and n in named}
-        for n, (dtype, shape, fp, blob) in stored.items():
-            p, value = chain.params[n], self._read(blob, dtype, shape, fp)
+        for n, (dtype, shape, fp, blob, fk) in stored.items():
+            p, value = chain.params[n], self._read(blob, dtype, shape, fp, fp_kind=fk)
             if value.dtype != p.dtype or value.shape != p.shape:
                 raise self._error(target, step, "params", n, f"param {n!r} is stored at step {step} as {value.dtype} "
                                   f"{tuple(value.shape)} but is {p.dtype} {tuple(p.shape)} at keyframe {chain.keyframe}")
@@ -390,14 +392,14 @@ class GradientLog:
               row: tuple[Any, ...], ready: bool) -> torch.Tensor:
         """The recorded gradient of ``n`` at step ``t``, in the chain's buffer for ``n`` and ``t``:
         read here unless ``ready`` (the worker read and verified it there, from this ``row``)."""
-        dtype, shape, fp, blob = row
+        dtype, shape, fp, blob, fk = row
         if blob is None:
             raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} has stats only, its "
                               f"values were not stored, so update {t} cannot be re-applied")
         if isinstance(dtype, str) and sparse_values_dtype(dtype) is not None:
             # A sparse grad: the very tensor the update was handed (indices in their order,
             # duplicates, coalesced flag), in memory of its own; nnz changes from step to step.
-            g = self._blobs.sparse_tensor(blob, dtype, shape, fp)
+            g = self._blobs.sparse_tensor(blob, dtype, shape, fp, fk)
             if g.dtype != p.dtype or tuple(g.shape) != tuple(p.shape):
                 raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} is a sparse {g.dtype} "
                                   f"{tuple(g.shape)} but the param is {p.dtype} {tuple(p.shape)}")
@@ -411,7 +413,7 @@ class GradientLog:
             with self._blobs.call() as scope:
                 scope.returned += want  # what read_into counts: the call's decode budget stays the same
         else:
-            self._blobs.read_into(buf, blob, dtype, shape, fp)
+            self._blobs.read_into(buf, blob, dtype, shape, fp, fk)
         if p.device.type == "cpu":
             return buf
         # Another device: one buffer there too, filled from the host buffer (synchronously: then free).
@@ -435,8 +437,9 @@ class GradientLog:
         # state out (the lean capture reads it every few steps), a step without stats has none.
         compared = {kind for kind in REBUILT_KINDS if kind in captured and any(k == kind for k, _ in recorded)
                     and (kinds is None or kind in kinds)}
-        fps = fingerprints(self._pool, {key: t for key, t in rebuilt.items() if key[0] in compared and key in recorded},
-                           trusted or {})
+        # xxh3 hashed here, two threads (the fast path); a series of another kind by differs_from_row.
+        fps = fingerprints(self._pool, {key: t for key, t in rebuilt.items() if key[0] in compared and key in recorded
+                                        and recorded[key][4] == XXH3}, trusted or {})
         for key in sorted(set(recorded) | set(rebuilt), key=lambda k: (k[0] != "params", k[1])):
             if key[0] not in compared:
                 continue
@@ -446,7 +449,7 @@ class GradientLog:
             elif t is None:
                 why = "is in the record but the rebuild has none"
             else:
-                why = differs_from_row(t, row, fps.get(key))
+                why = differs_from_row(t, row, fps.get(key), fp_kind=row[4])
             if why is None:
                 continue
             raise self._error(step if target is None else target, step, key[0], key[1],
@@ -467,7 +470,7 @@ class GradientLog:
 
     # -- what the run says -------------------------------------------------------------
     def _rows(self, step: int) -> dict[Key, tuple[Any, ...]]:
-        """(kind, name) -> (dtype, shape, fingerprint, blob) of every tensor row at ``step``."""
+        """(kind, name) -> (dtype, shape, fingerprint, blob, fingerprint kind) of every tensor row at ``step``."""
         return self._window.rows(step)
 
     def _skipped(self, step: int) -> bool:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stepdump.core.hashing import XXH3
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
 from stepdump.read.gradlog_parts import Chain, Key, Trusted, read_ahead, read_grads, trust, warm_allocator
@@ -33,12 +34,12 @@ log = logging.getLogger(__name__)
 
 
 def read_tensor(blobs: BlobReader, blob: Any, dtype: Any, shape: Any, fp: int,
-                trusted: Trusted | None = None) -> torch.Tensor:
+                trusted: Trusted | None = None, fp_kind: str = XXH3) -> torch.Tensor:
     """A stored tensor in memory of its own: the chain updates it in place for many steps
     (``BlobReader.tensor`` hands out a buffer the read call keeps until it ends). With
     ``trusted``: noted there as verified against ``fp`` (see :func:`trust`)."""
     tdtype, dims, _ = check_layout(dtype, shape)
-    t = blobs.read_into(torch.empty(dims, dtype=tdtype), blob, dtype, shape, fp)
+    t = blobs.read_into(torch.empty(dims, dtype=tdtype), blob, dtype, shape, fp, fp_kind)
     if trusted is not None:
         trust(trusted, t, fp)
     return t
@@ -53,7 +54,7 @@ def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, tuple[A
     bufs: dict[str, torch.Tensor] = {}
     jobs = []
     for n in names:
-        dtype, shape, fp, blob = rows[("params", n)]
+        dtype, shape, fp, blob, fk = rows[("params", n)]
         try:
             tdtype, dims, _ = check_layout(dtype, shape)
             b = blobs.blob_row(blob) if engine._pool is not None else None
@@ -61,20 +62,20 @@ def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, tuple[A
             continue  # left to ``finish``, which raises it
         bufs[n] = torch.empty(dims, dtype=tdtype)
         if b is not None:
-            jobs.append((n, bufs[n], b, fp))
+            jobs.append((n, bufs[n], b, fp, fk))
     done = engine._pool.submit(read_grads, blobs, jobs) if engine._pool is not None and jobs else None
 
     def finish() -> None:
         ok = done.result() if done is not None else set()  # read_grads never raises
         for n in names:
-            dtype, shape, fp, blob = rows[("params", n)]
+            dtype, shape, fp, blob, fk = rows[("params", n)]
             if n in ok:
                 with blobs.call() as scope:
                     scope.returned += check_layout(dtype, shape)[2]  # what read_into counts
                 if fp is not None:
                     trust(trusted, bufs[n], fp)
             else:
-                bufs[n] = engine._read(blob, dtype, shape, fp, trusted)
+                bufs[n] = engine._read(blob, dtype, shape, fp, trusted, fk)
 
     return bufs, finish
 

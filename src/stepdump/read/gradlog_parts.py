@@ -64,7 +64,7 @@ class Chain:
     optimized: set[str]  # the params of ``params`` the optimizer steps
     optimizer: torch.optim.Optimizer
     checked: frozenset[str] = frozenset()  # kinds whose state at ``step`` matched that step's record
-    rows: dict[Key, tuple[Any, ...]] = field(default_factory=dict)  # step's rows: (dtype, shape, fp, blob)
+    rows: dict[Key, tuple[Any, ...]] = field(default_factory=dict)  # step's rows: (dtype, shape, fp, blob, fp kind)
     # Two host buffers per param, reused every update: update t reads its grads from set t % 2,
     # so those of t + 1 can be read into the other set while update t runs (see Ahead).
     grads: Buffers = field(default_factory=lambda: ({}, {}))
@@ -84,14 +84,14 @@ class Ahead:
     done: Future[set[str]]
 
 
-def read_grads(blobs: BlobReader, jobs: list[tuple[str, torch.Tensor, BlobRow, int | None]]) -> set[str]:
+def read_grads(blobs: BlobReader, jobs: list[tuple[str, torch.Tensor, BlobRow, int | None, str]]) -> set[str]:
     """On the worker thread: fill each job's buffer with its blob and verify it (checksum and
     fingerprint, :meth:`BlobReader.read_ahead`); the names of those that are in and verified.
     Never raises: a grad that is not in is read again by the reading thread, whose read raises
     the error that says what is wrong (so an error is reported there, as without a worker)."""
     done: set[str] = set()
-    for name, buf, row, fp in jobs:
-        if blobs.read_ahead(buf, row, fp):
+    for name, buf, row, fp, fp_kind in jobs:  # fp_kind: the series' fingerprint kind (xxh3, dmix64)
+        if blobs.read_ahead(buf, row, fp, fp_kind):
             done.add(name)
     return done
 
@@ -116,7 +116,7 @@ def read_ahead(pool: ThreadPoolExecutor, blobs: BlobReader, params: dict[str, to
         except StepdumpError:
             continue
         if tdtype == p.dtype and dims == tuple(p.shape):
-            jobs.append((n, grad_buffer(grads, s, n, tdtype, dims), b, row[2]))
+            jobs.append((n, grad_buffer(grads, s, n, tdtype, dims), b, row[2], row[4]))
     return Ahead(s, rows, pool.submit(read_grads, blobs, jobs))
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from stepdump.core import tjson
+from stepdump.core.hashing import XXH3
 from stepdump.errors import CorruptDataError, StepdumpError
+from stepdump.read.rows import fp_kind_map
 from stepdump.read.state import recorded_groups
 
 if TYPE_CHECKING:
@@ -43,6 +45,13 @@ class Window:
         self._rows: dict[int, dict[Key, tuple[Any, ...]]] = {}
         self._blob_rows: dict[int, BlobRow] = {}
         self._groups: dict[int, list[dict[str, Any]]] = {}
+        self._fp_kinds: dict[Key, str] | None = None  # series not fingerprinted with xxh3, read once
+
+    def fp_kind(self, key: Key) -> str:
+        """The fingerprint kind of series ``key`` (FORMAT.md "Fingerprint kinds"; one query per reader)."""
+        if self._fp_kinds is None:
+            self._fp_kinds = fp_kind_map(self._run.catalog)
+        return self._fp_kinds.get(key, XXH3)
 
     def clear(self) -> None:
         self._steps, self._rows, self._blob_rows, self._groups = {}, {}, {}, {}
@@ -57,7 +66,7 @@ class Window:
         rows: dict[int, dict[Key, tuple[Any, ...]]] = {s: {} for s in steps}
         for s, kind, name, dtype, shape, fp, blob in cat.fingerprint_block(first, last):
             if s in rows:
-                rows[s][(kind, name)] = (dtype, shape, fp, blob)
+                rows[s][(kind, name)] = (dtype, shape, fp, blob, self.fp_kind((kind, name)))
         # The two steps before ``first`` stay: an update asks for its own step's facts after the
         # next step's (the grads read ahead), and the windows must not take turns.
         kept = [s for s in self._steps if step - 2 <= s < step]
@@ -70,11 +79,11 @@ class Window:
         self._groups = {s: g for s, g in self._groups.items() if s in kept}
 
     def rows(self, step: int) -> dict[Key, tuple[Any, ...]]:
-        """(kind, name) -> (dtype, shape, fingerprint, blob) of every tensor row at ``step``."""
+        """(kind, name) -> (dtype, shape, fingerprint, blob, fingerprint kind) of every tensor row at ``step``."""
         self._load(step)
         rows = self._rows.get(step)
         if rows is None:  # not recorded (yet): asked directly
-            return {(kind, name): (dtype, shape, fp, blob)
+            return {(kind, name): (dtype, shape, fp, blob, self.fp_kind((kind, name)))
                     for _, kind, name, dtype, shape, fp, blob in self._run.catalog.fingerprint_block(step, step)}
         return rows
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stepdump.core import tjson
-from stepdump.core.hashing import fingerprint
+from stepdump.core.hashing import XXH3, fingerprint, fingerprint_as
 from stepdump.core.layout import build_layout
 from stepdump.core.rng import set_rng_state
 from stepdump.core.sparse import as_recorded
@@ -35,6 +35,7 @@ from stepdump.errors import (
     StepNotFoundError,
     nearest_steps,
 )
+from stepdump.read.rows import fp_kind_map
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
@@ -96,6 +97,7 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
     layout = build_layout(model, optimizer)
     result = ReplayResult(step=step, keyframe=k)
     state: dict[str, Any] = {"t": k, "fired": False}
+    fp_kinds = fp_kind_map(run.catalog)  # the series not fingerprinted with xxh3 (one query)
 
     def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         t = state["t"]
@@ -103,7 +105,7 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         live = _live_tensors(layout, opt)
         if verify:
             _verify_lr(run, t, opt)
-            _verify(run, t, live, step_grads=t < step or verify_step_grads)
+            _verify(run, t, live, step_grads=t < step or verify_step_grads, fp_kinds=fp_kinds)
         if t == step:
             result.tensors = {key: v.detach().clone() for key, v in live.items()}
             raise _Stop
@@ -197,11 +199,20 @@ def _verify_lr(run: Run, t: int, opt: torch.optim.Optimizer) -> None:
             raise err
 
 
-def _verify(run: Run, t: int, live: dict[Key, torch.Tensor], step_grads: bool = True) -> None:
+def _verify(run: Run, t: int, live: dict[Key, torch.Tensor], step_grads: bool = True,
+            fp_kinds: dict[Key, str] | None = None) -> None:
+    """Raise ReplayDiverged unless every live tensor has the fingerprint recorded at ``t``, each
+    computed under its series' kind (``fp_kinds``: those not xxh3, :func:`fp_kind_map`)."""
     recorded = run.fingerprints(t, kinds=("params", "grads", "optimizer") if step_grads else ("params", "optimizer"))
     order = {"grads": 0, "optimizer": 1, "params": 2}
+    kinds = fp_kind_map(run.catalog) if fp_kinds is None else fp_kinds
+
+    def fp(key: Key) -> int:
+        kind = kinds.get(key, XXH3)
+        return fingerprint(live[key]) if kind == XXH3 else fingerprint_as(kind, live[key])
+
     bad = [key for key in sorted(recorded, key=lambda k: (order.get(k[0], 9), k[1]))
-           if key in live and fingerprint(live[key]) != recorded[key]]
+           if key in live and fp(key) != recorded[key]]
     missing = [key for key in recorded if key not in live]
     if bad or missing:
         kind, name = (bad or missing)[0]

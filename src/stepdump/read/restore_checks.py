@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepdump.core.hashing import fingerprint
+from stepdump.core.hashing import XXH3, fingerprint_as
 from stepdump.errors import RestoreMismatchError
+from stepdump.read.rows import fp_kind_map
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
@@ -117,6 +118,7 @@ def fingerprint_model_state(run: Run, step: int, model: torch.nn.Module) -> Orde
     from stepdump.read.state import assemble_model_state, layout_entries
 
     rows = {(k, n): (d, sh, fp, b) for _, k, n, d, sh, fp, b in run.catalog.fingerprint_block(step, step)}
+    fp_kinds = fp_kind_map(run.catalog)  # a frozen tensor is checked under its series' fingerprint kind
     live = model.state_dict()
     key_of = {(kind, name): key for key, kind, name in layout_entries(run)}
 
@@ -136,7 +138,8 @@ def fingerprint_model_state(run: Run, step: int, model: torch.nn.Module) -> Orde
         from stepdump.core.dtypes import DTYPE_NAMES
         from stepdump.store.format import format_shape
 
-        if DTYPE_NAMES.get(t.dtype) != dtype or format_shape(t.shape) != shape or fingerprint(t) != fp:
+        if DTYPE_NAMES.get(t.dtype) != dtype or format_shape(t.shape) != shape \
+                or fingerprint_as(fp_kinds.get((kind, name), XXH3), t) != fp:
             raise RestoreMismatchError(
                 f"the model's frozen {name!r} differs from the one recorded at step {step}, which the run holds "
                 f"by fingerprint only (frozen='fingerprint'; the run: {dtype} [{shape}], the model: "

@@ -17,11 +17,12 @@ from stepdump.errors import (
     nearest_steps,
 )
 from stepdump.core.dtypes import DTYPE_NAMES
-from stepdump.core.hashing import fingerprint
+from stepdump.core.hashing import XXH3, fingerprint, fingerprint_as
 from stepdump.store.format import ALL_KINDS, LEVEL_FULL, format_shape
 from stepdump.store.queries import CatalogReader, as_step
 
-__all__ = ["as_step", "check_fingerprint", "check_kind", "check_level", "check_scalar", "require_full"]
+__all__ = ["as_step", "check_fingerprint", "check_kind", "check_level", "check_scalar", "fp_kind_map",
+           "require_full"]
 
 
 def check_level(level: Any, step: int) -> None:
@@ -68,12 +69,23 @@ def check_kind(kind: str) -> None:
         raise TensorNotFoundError(f"unknown kind {kind!r}; kinds are {', '.join(ALL_KINDS)}")
 
 
-def differs_from_row(t: Any, row: tuple[Any, ...], fp: int | None = None) -> str | None:
+def fp_kind_map(catalog: CatalogReader) -> dict[tuple[str, str], str]:
+    """(kind, name) -> fingerprint kind of every series whose fingerprints are not xxh3 (FORMAT.md,
+    "Fingerprint kinds"); a series absent from it is xxh3. One query for a store of xxh3 series
+    only (every format-1 store), so the xxh3 paths cost what they did; callers keep the answer
+    for the operation they run (a diff, a replay, a gradient-log reader)."""
+    return catalog.fp_kinds_by_name()
+
+
+def differs_from_row(t: Any, row: tuple[Any, ...], fp: int | None = None, fp_kind: str = XXH3) -> str | None:
     """How a rebuilt tensor differs from its recorded ``(dtype, shape, fingerprint)`` row, or None
     when it is the recorded tensor (a rebuild returns only what this says is exact). ``fp``: the
-    tensor's fingerprint, when the caller has it already (hashed on another thread)."""
+    tensor's fingerprint under ``fp_kind`` (the row's), when the caller has it already (hashed on
+    another thread)."""
     if DTYPE_NAMES.get(t.dtype) != row[0] or format_shape(t.shape) != row[1]:
         return f"is {t.dtype} {tuple(t.shape)} in the rebuild, {row[0]} {row[1]} in the record"
-    if (fingerprint(t) if fp is None else fp) != row[2]:
-        return "differs from its recorded fingerprint"
+    if fp is None:
+        fp = fingerprint(t) if fp_kind == XXH3 else fingerprint_as(fp_kind, t)
+    if fp != row[2]:
+        return "differs from its recorded fingerprint" + ("" if fp_kind == XXH3 else f" ({fp_kind})")
     return None

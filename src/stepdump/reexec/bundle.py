@@ -32,10 +32,11 @@ from stepdump.capture.session import prepare_dir
 from stepdump.capture.staging import Item, StagingPool
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.core import tjson
-from stepdump.core.hashing import fingerprint
+from stepdump.core.hashing import XXH3, fingerprint_as
 from stepdump.core.layout import build_layout
 from stepdump.errors import ConfigError, CorruptDataError, StepNotFoundError, nearest_steps
 from stepdump.read.opener import open as open_run
+from stepdump.read.rows import fp_kind_map
 from stepdump.reexec.engine import TrainStep, prepare
 from stepdump.store import catalog
 from stepdump.store.codecs import get_codec
@@ -104,8 +105,9 @@ def bundle(run: Any, step: int, path: str | Path, *, model: torch.nn.Module | No
                                 f"({nearest_steps(step, run.stats_steps)})")
     live, how = _state_source(run, step, model, optimizer, train_step, scheduler, scaler)
     out = BundleResult(Path(path), step, how)
-    items, lean, state_json = _step_k(run, step, live, out)
-    nxt = [_lean_row(r) for r in run.catalog.step_rows(step + 1) if r[0] != "state"] \
+    fp_kinds = fp_kind_map(run.catalog)  # the bundle keeps each series' fingerprint kind
+    items, lean, state_json = _step_k(run, step, live, out, fp_kinds)
+    nxt = [_lean_row(r, fp_kinds) for r in run.catalog.step_rows(step + 1) if r[0] != "state"] \
         if step + 1 in run.stats_steps else []
     if not nxt:
         out.notes.append(f"step {step + 1} has no record: a re-execution cannot compare the update's result")
@@ -164,14 +166,15 @@ def _state_source(run: Any, step: int, model: Any, optimizer: Any, train_step: A
     return live, prep.how
 
 
-def _lean_row(r: tuple[Any, ...]) -> LeanRow:
-    return LeanRow(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[_ROW_STATS]), r[16])  # type: ignore[arg-type]
+def _lean_row(r: tuple[Any, ...], fp_kinds: dict[tuple[str, str], str]) -> LeanRow:
+    fk = fp_kinds.get((r[0], r[1]))  # None: xxh3 (LeanRow's convention)
+    return LeanRow(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[_ROW_STATS]), r[16], fp_kind=fk)  # type: ignore[arg-type]
 
 
-def _step_k(run: Any, step: int, live: dict[Any, Any] | None,
-            out: BundleResult) -> tuple[list[Item], list[LeanRow], str]:
-    """Step k's stored tensors (as writer items, each checked against its recorded fingerprint),
-    its fingerprint-only rows and its state JSON."""
+def _step_k(run: Any, step: int, live: dict[Any, Any] | None, out: BundleResult,
+            fp_kinds: dict[tuple[str, str], str]) -> tuple[list[Item], list[LeanRow], str]:
+    """Step k's stored tensors (as writer items, each checked against its recorded fingerprint
+    under its series' kind, ``fp_kinds``), its fingerprint-only rows and its state JSON."""
     rows = run.catalog.step_rows(step)
     tree = tjson.loads(run.catalog.step_state(step))
     live = dict(live) if live is not None else None
@@ -194,13 +197,15 @@ def _step_k(run: Any, step: int, live: dict[Any, Any] | None,
             if t is None:
                 out.notes.append(f"{kind} {name!r} of step {step} is in the source as its fingerprint only")
         if t is None:
-            lean.append(_lean_row(r))
+            lean.append(_lean_row(r, fp_kinds))
             continue
         t = t.detach().cpu().contiguous()
-        if fingerprint(t) != fp:
+        fk = fp_kinds.get((kind, name), XXH3)
+        if fingerprint_as(fk, t) != fp:
             raise CorruptDataError(f"the {kind} tensor {name!r} of step {step} ({out.how}) does not match the "
-                                   f"fingerprint {run.path} recorded for it: nothing was bundled")
-        items.append(Item(kind, name, t, True, param, key))
+                                   f"fingerprint ({fk}) {run.path} recorded for it: nothing was bundled")
+        # A dmix64 series stays dmix64 in the bundle (the writer computes it again from these bytes).
+        items.append(Item(kind, name, t, True, param, key, fp_kind=None if fk == XXH3 else fk))
         nbytes = t.numel() * t.element_size()
         if kind in ("params", "optimizer"):
             out.state_bytes += nbytes
@@ -210,14 +215,15 @@ def _step_k(run: Any, step: int, live: dict[Any, Any] | None,
         seen = {(r[0], r[1]) for r in rows}
         for (kind, name), (t, param, key) in live.items():
             if (kind, name) not in seen:  # no recorded fingerprint: from the verified replay
-                items.append(Item(kind, name, t.detach().cpu().contiguous(), True, param, key))
+                items.append(Item(kind, name, t.detach().cpu().contiguous(), True, param, key,
+                                  fp_kind=fp_kinds.get((kind, name))))
                 out.state_bytes += t.numel() * t.element_size() if kind in ("params", "optimizer") else 0
     if state is not None and isinstance(tree, dict) and "groups" not in tree:
         # A keyframe run's step between keyframes holds only its RNG and batch: the param groups,
         # optimizer extras, scheduler and scaler come from the objects replay put in that step.
 
         def put(ref: str, t: torch.Tensor) -> None:
-            items.append(Item("state", ref, t.detach().cpu().contiguous(), True))
+            items.append(Item("state", ref, t.detach().cpu().contiguous(), True, fp_kind=fp_kinds.get(("state", ref))))
 
         tree.update(tjson.encode(state, put))
     return items, lean, tjson.dumps(tree)

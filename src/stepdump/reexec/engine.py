@@ -21,12 +21,13 @@ import torch
 
 from stepdump.capture.activations import input_name
 from stepdump.core import tjson
-from stepdump.core.hashing import fingerprint
+from stepdump.core.hashing import XXH3, fingerprint, fingerprint_as
 from stepdump.core.layout import build_layout
 from stepdump.core.optrace import OpRecord, OpTracer
 from stepdump.core.rng import get_rng_state, set_rng_state
 from stepdump.errors import BatchMismatchError, ConfigError, ReplayDiverged, StepNotFoundError
 from stepdump.read.replay import _live_tensors, batch_calls, recorded_batch, replay
+from stepdump.read.rows import fp_kind_map
 from stepdump.reexec.capture import Captured, capturing
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
@@ -63,6 +64,14 @@ class Prepared:
     scaler_state: Any
     rng: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    #: (kind, name) -> fingerprint kind of the run's series that are not xxh3: every execution
+    #: fingerprints a tensor under its series' kind, so it compares with the record like for like.
+    fp_kinds: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def fingerprint(self, kind: str, name: str, t: torch.Tensor) -> int:
+        """``t``'s fingerprint under the kind of the run's series (``kind``, ``name``)."""
+        fk = self.fp_kinds.get((kind, name), XXH3)
+        return fingerprint(t) if fk == XXH3 else fingerprint_as(fk, t)
 
 
 def recorded_inputs(run: Any, step: int) -> dict[str, int]:
@@ -70,9 +79,11 @@ def recorded_inputs(run: Any, step: int) -> dict[str, int]:
     return {n: fp for (k, n), fp in run.fingerprints(step, kinds=("inputs",)).items() if n.startswith("batch")}
 
 
-def batch_fingerprints(batch: Any, calls: int) -> dict[str, int]:
+def batch_fingerprints(batch: Any, calls: int, fp_kinds: dict[tuple[str, str], str] | None = None) -> dict[str, int]:
     """``inputs`` names -> fingerprints of a batch as ``log_batch`` would have named it: one batch,
-    or (``calls`` > 1) a list with what each log_batch call of the iteration got."""
+    or (``calls`` > 1) a list with what each log_batch call of the iteration got. ``fp_kinds``:
+    the run's series that are not xxh3 (each input is fingerprinted under its series' kind)."""
+    kinds = fp_kinds or {}
     out: dict[str, int] = {}
     items = batch if calls > 1 else [batch]
     if calls > 1 and (not isinstance(items, (list, tuple)) or len(items) != calls):
@@ -82,7 +93,8 @@ def batch_fingerprints(batch: Any, calls: int) -> dict[str, int]:
         suffix = "" if i == 0 else f"#{i}"
 
         def put(ref: str, t: torch.Tensor, suffix: str = suffix) -> None:
-            out[input_name(ref) + suffix] = fingerprint(t)
+            name = input_name(ref) + suffix
+            out[name] = fingerprint_as(kinds.get(("inputs", name), XXH3), t)
 
         tjson.encode(b, put)
     return out
@@ -94,7 +106,7 @@ def check_batch(run: Any, step: int, batch: Any) -> None:
     if not recorded:
         raise BatchMismatchError(f"step {step} of {run.path} has no batch fingerprint (the loop did not call "
                                  "rec.log_batch), so the batch given cannot be checked; re-execute without it")
-    given = batch_fingerprints(batch, len(batch_calls(recorded)))
+    given = batch_fingerprints(batch, len(batch_calls(recorded)), fp_kind_map(run.catalog))
     for name in sorted(set(recorded) | set(given)):
         if recorded.get(name) != given.get(name):
             what = "is missing from" if name not in given else \
@@ -126,7 +138,8 @@ def _live_matches(run: Any, step: int, model: torch.nn.Module, optimizer: torch.
     recorded = run.fingerprints(step, kinds=("params", "optimizer"))
     live = _live_tensors(build_layout(model, optimizer), optimizer)
     keys = [k for k in recorded if k in live]
-    return bool(keys) and all(fingerprint(live[k]) == recorded[k] for k in keys) and \
+    kinds = fp_kind_map(run.catalog)  # each live tensor under its series' fingerprint kind
+    return bool(keys) and all(fingerprint_as(kinds.get(k, XXH3), live[k]) == recorded[k] for k in keys) and \
         not [k for k in recorded if k not in live]
 
 
@@ -160,7 +173,7 @@ def prepare(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.
         optimizer_state=copy.deepcopy(optimizer.state_dict()),
         scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
         scaler_state=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
-        rng=rng, notes=notes)
+        rng=rng, notes=notes, fp_kinds=fp_kind_map(run.catalog))
 
 
 class _NoStep(Exception):
@@ -190,7 +203,7 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
             return  # a second step() in one iteration: the first is the recorded update
         for (kind, name), t in _live_tensors(layout, opt).items():
             if kind == "grads":
-                ex.fps[(GRADS, name)] = fingerprint(t)
+                ex.fps[(GRADS, name)] = prep.fingerprint(kind, name, t)
 
     handle = optimizer.register_step_pre_hook(pre_hook)
     try:
@@ -211,9 +224,9 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
         ex.fps[(LOSS, "loss")] = float_bits(out)
     for (kind, name), t in _live_tensors(layout, optimizer).items():
         if kind == "params":
-            ex.fps[(PARAMS_AFTER, name)] = fingerprint(t)
+            ex.fps[(PARAMS_AFTER, name)] = prep.fingerprint(kind, name, t)
         elif kind == "optimizer":
-            ex.fps[(OPT_AFTER, name)] = fingerprint(t)
+            ex.fps[(OPT_AFTER, name)] = prep.fingerprint(kind, name, t)
     return ex
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepdump.core.hashing import XXH3
 from stepdump.errors import ConfigError
+from stepdump.read.rows import fp_kind_map
 from stepdump.reexec.engine import GRADS, Key, differing
 
 
@@ -53,10 +55,14 @@ def select(run: Any) -> tuple[Any, int]:
     return store, rank
 
 
-def compare(run: Any, step: int, fps: dict[Key, int]) -> tuple[list[int], dict[int, Key], list[str]]:
-    """Every recorded rank's grads of ``step`` against the re-execution's (``fps``): the ranks that
-    agree, the first differing grad of each other rank, and notes (a rank without grads there)."""
+def compare(run: Any, step: int, fps: dict[Key, int], fp_kinds: dict[tuple[str, str], str] | None = None,
+            ) -> tuple[list[int], dict[int, Key], list[str]]:
+    """Every recorded rank's grads of ``step`` against the re-execution's (``fps``, fingerprinted
+    under ``fp_kinds``: this rank's series that are not xxh3): the ranks that agree, the first
+    differing grad of each other rank, and notes (a rank without grads there, grads whose
+    fingerprint kinds differ: not compared)."""
     mine = {k: v for k, v in fps.items() if k[0] == GRADS}
+    kinds = fp_kinds or {}
     agree: list[int] = []
     differ: dict[int, Key] = {}
     notes: list[str] = []
@@ -64,6 +70,18 @@ def compare(run: Any, step: int, fps: dict[Key, int]) -> tuple[list[int], dict[i
         theirs = {(GRADS, n): fp for (_, n), fp in store.fingerprints(step, kinds=("grads",)).items()}
         if not theirs:
             notes.append(f"rank {rank} holds no grads at step {step}: not compared across ranks")
+            continue
+        other = fp_kind_map(store.catalog)
+        apart = sorted(n for _, n in theirs if other.get(("grads", n), XXH3) != kinds.get(("grads", n), XXH3))
+        if apart:  # two fingerprint kinds: neither equal nor different, so not compared (docs/cuda.md)
+            notes.append(f"rank {rank}: {len(apart)} grad(s) not compared across ranks (first {apart[0]!r}): "
+                         f"fingerprint kinds differ ({other.get(('grads', apart[0]), XXH3)} on rank {rank}, "
+                         f"{kinds.get(('grads', apart[0]), XXH3)} here)")
+            theirs = {k: v for k, v in theirs.items() if k[1] not in apart}
+            mine_here = {k: v for k, v in mine.items() if k[1] not in apart}
+            bad = differing(mine_here, theirs, both=False)
+            if bad:
+                differ[rank] = bad[0]
             continue
         bad = differing(mine, theirs, both=False)
         if bad:

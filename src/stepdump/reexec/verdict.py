@@ -225,7 +225,7 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
     result.activation_grads = dict(captured.get("activation_grads", {}))
     if rank is not None:
         result.rank = rank
-        result.ranks_agree, result.ranks_differ, notes = ranks.compare(whole, step, runs[0].fps)
+        result.ranks_agree, result.ranks_differ, notes = ranks.compare(whole, step, runs[0].fps, prep.fp_kinds)
         result.notes += notes
     if write_back:
         write_back_into(run, result, captured)
