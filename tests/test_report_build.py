@@ -131,7 +131,7 @@ def test_build_reads_each_kind_once(run_dir: Path, monkeypatch: pytest.MonkeyPat
 
 def test_bands_and_heatmaps_from_one_pass_equal_per_column(run_dir: Path) -> None:
     """What the page gets is unchanged: heatmap values and bands equal those built from a query per column."""
-    from stepdump.analysis.report import heatmap_data
+    from stepdump.analysis.report_heatmaps import heatmap_data
     from stepdump.analysis.report_dist import stat_bands
 
     with stepdump.open(run_dir) as run:

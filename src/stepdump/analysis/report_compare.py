@@ -159,7 +159,7 @@ _NORM_NOTE = ("|‖A‖ − ‖B‖| / max(‖A‖, ‖B‖) per tensor and step
 
 
 def _norm_diff_sql(a: Any, b: Any, kind: str, max_points: int, label: str, *, force: bool) -> object:
-    from stepdump.analysis.report import heatmap_data
+    from stepdump.analysis.report_heatmaps import heatmap_data
     from stepdump.analysis.scalar_charts import edge_moves
     from stepdump.store import queries_scale as q
 
@@ -190,7 +190,7 @@ def _norm_diff_sql(a: Any, b: Any, kind: str, max_points: int, label: str, *, fo
 
 
 def _norm_diff(a: StatMatrix, b: StatMatrix, max_points: int, label: str) -> dict[str, Any] | None:
-    from stepdump.analysis.report import heatmap_data
+    from stepdump.analysis.report_heatmaps import heatmap_data
 
     names = [n for n in a.names if n in set(b.names)]
     steps = np.intersect1d(a.steps, b.steps)
