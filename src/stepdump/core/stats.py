@@ -172,10 +172,11 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
         x = x.abs()
     x = x.to(torch.float64) if not x.dtype.is_floating_point or x.dtype == torch.float64 else x.to(torch.float32)
     n = x.numel()
+    # No tensor is made from a Python value here (torch.tensor(..., device=cuda) is a host-to-device
+    # copy, which syncs: torch.cuda.set_sync_debug_mode flags it); torch.full is a fill kernel.
     if n == 0:
-        return torch.full((STATS_LEN,), float("nan"), dtype=torch.float64, device=t.device).index_fill_(
-            0, torch.tensor([0, 1, 2, 3], device=t.device), 0.0
-        )
+        return torch.cat([torch.zeros(4, dtype=torch.float64, device=t.device),
+                          torch.full((STATS_LEN - 4,), float("nan"), dtype=torch.float64, device=t.device)])
     finite = torch.isfinite(x)
     nfin = finite.sum()
     nan = torch.isnan(x).sum()
@@ -193,7 +194,7 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
     none = nfin == 0
     nanv = torch.full((), float("nan"), dtype=torch.float64, device=x.device)
     vals = [
-        torch.tensor(float(n), dtype=torch.float64, device=x.device),
+        torch.full((), float(n), dtype=torch.float64, device=x.device),
         nan.to(torch.float64),
         posinf.to(torch.float64),
         neginf.to(torch.float64),
