@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from stepdump.core.hashing import XXH3
 from stepdump.errors import CorruptDataError, StepNotFoundError
-from stepdump.read.rows import check_fingerprint, require_full
+from stepdump.read.rows import check_fingerprint, fp_kind_map, require_full
 
 K = TypeVar("K")
 
@@ -68,10 +69,12 @@ def model_state_dict(run: Run, blobs: BlobReader, step: int) -> OrderedDict[str,
     require_full(run.catalog, step, run.path)
     stored = {(k, n): (b, d, sh, fp)
               for k, n, _, _, b, d, sh, fp in run.catalog.stored_tensors(step, ("params", "buffers"))}
+    fp_kinds = fp_kind_map(run.catalog)  # each row's fingerprint is of its series' kind
 
     def load(kind: str, name: str) -> torch.Tensor | None:
         row = stored.get((kind, name))
-        return None if row is None else blobs.tensor(*row[:3], check_fingerprint(row[3], run.path))
+        return None if row is None else blobs.tensor(*row[:3], check_fingerprint(row[3], run.path),
+                                                     fp_kinds.get((kind, name), XXH3))
 
     return assemble_model_state(run, step, load)
 
@@ -111,20 +114,22 @@ def param_indices(groups: Iterable[Iterable[K]]) -> dict[K, int]:
 
 
 def optimizer_state_dict(run: Run, blobs: BlobReader, step: int,
-                         read: Callable[[Any, Any, Any, int], torch.Tensor] | None = None) -> dict[str, Any]:
+                         read: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
     """The optimizer's state_dict before update ``step``, with torch's index numbering.
 
     ``blobs``: the Run's blob reader (the caller's read scope is in it). ``read(blob, dtype, shape,
-    fingerprint)``: how each tensor is read (default ``blobs.tensor``; a gradient log reads its
+    fingerprint, fp_kind=)``: how each tensor is read (default ``blobs.tensor``; a gradient log reads its
     keyframe into tensors of its own, see read/gradlog.py)."""
     require_full(run.catalog, step, run.path)
     state = run.step_state(step)
     read = read or blobs.tensor
     per_param: dict[str, dict[str, Any]] = {}
-    for _, _, param, key, blob, dtype, shape, fp in run.catalog.stored_tensors(step, ("optimizer",)):
+    fp_kinds = fp_kind_map(run.catalog)  # each row's fingerprint is of its series' kind
+    for _, name, param, key, blob, dtype, shape, fp in run.catalog.stored_tensors(step, ("optimizer",)):
         if not isinstance(param, str) or not isinstance(key, str):
             raise CorruptDataError(f"an optimizer series of {run.path} has param {param!r} and key {key!r}")
-        per_param.setdefault(param, {})[key] = read(blob, dtype, shape, check_fingerprint(fp, run.path))
+        per_param.setdefault(param, {})[key] = read(blob, dtype, shape, check_fingerprint(fp, run.path),
+                                                    fp_kind=fp_kinds.get(("optimizer", name), XXH3))
     return assemble_optimizer_state(run, step, state, per_param)
 
 
