@@ -33,7 +33,8 @@ def test_gpu_suite_collects_without_cuda() -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ids = [line for line in res.stdout.splitlines() if "::" in line]
     files = {i.split("::")[0] for i in ids}
-    assert files == {"tests_gpu/test_cuda_paths.py", "tests_gpu/test_device_lean_contract.py"}, files
+    assert files == {"tests_gpu/test_cuda_paths.py", "tests_gpu/test_device_lean_contract.py",
+                     "tests_gpu/test_device_lean_triton.py"}, files
     for name in ("test_cuda_fidelity[adamw-fused]", "test_cuda_fidelity[amp]", "test_device_fingerprint_is_dmix64",
                  "test_stats_step_copies_a_few_numbers", "test_diff_across_kinds_is_never_identical",
                  "test_lean_overhead_on_gpt2_small"):

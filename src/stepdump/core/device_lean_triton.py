@@ -1,0 +1,377 @@
+"""The fused device kernel of the lean path: a step's stats and dmix64 fingerprints in one read.
+
+:func:`fused_pack` computes, for a list of tensors on one GPU, what
+:func:`stepdump.core.device_lean.reference_pack` computes with plain torch ops (the ten
+:func:`stepdump.core.stats.device_stats` and the dmix64 fingerprint of each tensor, packed as
+``(n, STATS_LEN + 1)`` int64), in ``g + 1`` kernel launches for ``g`` dtypes in the list,
+whatever the number of tensors (docs/cuda.md, "The fused kernel"):
+
+1. per dtype, one launch over a table of tiles (tensor index, element start, element count) of
+   at most ``_BLOCK`` elements each: a tile reads its elements once, as unsigned integers of
+   the dtype's width, and writes its partials: the finite, NaN, +Inf, -Inf and zero counts,
+   min and max over its finite elements, their sum, sum of squares and M2 about the tile's own
+   mean (float64, two passes over the tile in registers), and the fingerprint's partial sum
+   ``sum fmix(w_i + (i + 1) * K1)`` over the tile's 8-byte words (words built from the
+   elements, so a tensor's bytes are never read past its end and a view at any element offset
+   is read right: the last partial word is zero-padded by the masked load);
+2. one launch, one program per tensor, that combines the tensor's tile partials in tile order
+   (Chan's formula for M2) and writes the packed row.
+
+No atomics and a fixed tile order: the same input gives the same bits at every call. Counts,
+min, max, the zero fraction and the fingerprint equal the reference bit for bit; mean, std
+and norm are sums in another order (within 1e-12 relative).
+
+Tables (data pointers, tiles) are cached per layout, so a steady step launches the same
+kernels on the same tables; the cache key is one small tuple per tensor (data pointer, dtype,
+numel, contiguity, device), the only per-tensor Python of a call.
+
+Returns None, for the whole list, where it does not apply (the caller then uses the torch-ops
+reference): Triton not importable, tensors not all on one CUDA device, a tensor that is
+sparse, not contiguous, or of a dtype outside :data:`SUPPORTED_DTYPES`. Under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``, set before this module is imported) the private
+``_allow_cpu=True`` lets the kernels run on CPU tensors: that is how the CPU-only development
+machine and ``tests_gpu/test_device_lean_triton.py`` run them without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, no_type_check
+
+import numpy as np
+import torch
+
+from stepdump.core.stats import STATS_LEN
+
+try:  # optional: never a dependency of stepdump (pyproject.toml); found at run time
+    import triton  # type: ignore[import-not-found,unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None  # type: ignore[assignment,unused-ignore]
+    tl = None  # type: ignore[assignment,unused-ignore]
+
+log = logging.getLogger(__name__)
+
+# dtype -> (bytes per element, value kind, value type name); each is loaded as the unsigned
+# integer of its width (its exact bits: the fingerprint's input).
+# Value kinds: 0 float (bitcast to the value type), 1 signed int (bitcast), 2 unsigned, 3 bool,
+# 4 bfloat16 (shifted into a float32: exact, without relying on a bfloat16 type).
+_DTYPES: dict[torch.dtype, tuple[int, int, str]] = {
+    torch.float32: (4, 0, "float32"),
+    torch.float16: (2, 0, "float16"),
+    torch.bfloat16: (2, 4, "uint16"),
+    torch.float64: (8, 0, "float64"),
+    torch.int64: (8, 1, "int64"),
+    torch.int32: (4, 1, "int32"),
+    torch.int16: (2, 1, "int16"),
+    torch.int8: (1, 1, "int8"),
+    torch.uint8: (1, 2, "uint8"),
+    torch.bool: (1, 3, "uint8"),
+}
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_DTYPES)
+
+_BLOCK = 4096  # elements per tile: a power of two, a multiple of 8 (whole words per tile)
+_NUM_WARPS = 8
+_COMBINE_BLOCK = 256  # tile partials a combining program reads at a time
+_CACHE_SIZE = 16  # layouts kept (a run has one or two: lean steps, full steps)
+
+_INF_BITS = 0x7FF0000000000000
+_NAN_BITS = 0x7FF8000000000000  # the NaN torch writes (device_stats' "no value")
+
+if triton is not None:
+
+    @triton.jit
+    @no_type_check  # a kernel: Triton's language, not Python's types
+    def _fmix(x):
+        """murmur3's 64-bit finalizer on uint64 (wrapping multiply, logical shifts)."""
+        x = x ^ (x >> 33)
+        x = x * 0xFF51AFD7ED558CCD
+        x = x ^ (x >> 33)
+        x = x * 0xC4CEB9FE1A85EC53
+        return x ^ (x >> 33)
+
+    @triton.jit
+    @no_type_check  # a kernel: Triton's language, not Python's types
+    def _tile_kernel(ptrs, tile_tensor, tile_start, tile_count, first_tile, fpart, ipart,
+                     BLOCK: tl.constexpr, R: tl.constexpr, KIND: tl.constexpr,
+                     VT: tl.constexpr):
+        """One tile of one tensor: its partials (fpart: sum, M2, sumsq, min, max; ipart: finite,
+        NaN, +Inf, -Inf, zero counts, fingerprint partial). R elements make one 8-byte word."""
+        row = first_tile + tl.program_id(0)
+        tid = tl.load(tile_tensor + row)
+        start = tl.load(tile_start + row)  # int64; a multiple of BLOCK, so of R
+        count = tl.load(tile_count + row)
+        addr = tl.load(ptrs + tid)
+        if R == 1:  # the element's width (8 // R bytes), as an unsigned integer: its exact bits
+            base = addr.to(tl.pointer_type(tl.uint64))
+        elif R == 2:
+            base = addr.to(tl.pointer_type(tl.uint32))
+        elif R == 4:
+            base = addr.to(tl.pointer_type(tl.uint16))
+        else:
+            base = addr.to(tl.pointer_type(tl.uint8))
+        offs = tl.arange(0, BLOCK)
+        valid = offs < count
+        raw = tl.load(base + start + offs, mask=valid, other=0)  # the only read of the bytes
+        # The fingerprint's words: R elements side by side, little-endian (element j of a word
+        # in bits 64/R*j and up); masked lanes load as 0, which is the definition's zero padding.
+        if R == 1:
+            words = raw.to(tl.uint64, bitcast=True)
+            wvalid = valid
+            widx = start + offs
+        else:
+            wide = tl.reshape(raw.to(tl.uint64), (BLOCK // R, R))
+            shifts = (tl.arange(0, R) * (64 // R)).to(tl.uint64)
+            words = tl.sum(wide << shifts[None, :], axis=1)  # disjoint bit fields: sum == or
+            woffs = tl.arange(0, BLOCK // R)
+            wvalid = woffs * R < count
+            widx = start // R + woffs
+        key = (widx + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        mixed = tl.where(wvalid, _fmix(words + key), 0)
+        fp_partial = tl.sum(mixed, axis=0)
+        # The values, as float64 (device_stats: floats through float32 or float64, ints as float64).
+        if KIND == 0:
+            if R == 1:
+                x = raw.to(tl.float64, bitcast=True)
+            else:
+                x = raw.to(VT, bitcast=True).to(tl.float32).to(tl.float64)
+        elif KIND == 4:  # bfloat16: the top half of a float32, exactly (subnormals included)
+            x = (raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
+        elif KIND == 1:
+            x = raw.to(VT, bitcast=True).to(tl.float64)
+        elif KIND == 2:
+            x = raw.to(tl.float64)
+        else:
+            x = (raw != 0).to(tl.float64)
+        inf = tl.full([BLOCK], 0x7FF0000000000000, tl.int64).to(tl.float64, bitcast=True)
+        finite = valid & (tl.abs(x) < inf)
+        n_fin = tl.sum(finite.to(tl.int64), axis=0)
+        n_nan = tl.sum((valid & (x != x)).to(tl.int64), axis=0)
+        n_pinf = tl.sum((valid & (x == inf)).to(tl.int64), axis=0)
+        n_ninf = tl.sum((valid & (x == -inf)).to(tl.int64), axis=0)
+        n_zero = tl.sum((valid & (x == 0)).to(tl.int64), axis=0)
+        xf = tl.where(finite, x, 0.0)
+        total = tl.sum(xf, axis=0)
+        sumsq = tl.sum(xf * xf, axis=0)
+        mean = total / tl.maximum(n_fin, 1).to(tl.float64)
+        dev = tl.where(finite, x - mean, 0.0)
+        m2 = tl.sum(dev * dev, axis=0)
+        lo = tl.min(tl.where(finite, x, inf), axis=0)
+        hi = tl.max(tl.where(finite, x, -inf), axis=0)
+        tl.store(fpart + row * 5 + 0, total)
+        tl.store(fpart + row * 5 + 1, m2)
+        tl.store(fpart + row * 5 + 2, sumsq)
+        tl.store(fpart + row * 5 + 3, lo)
+        tl.store(fpart + row * 5 + 4, hi)
+        tl.store(ipart + row * 6 + 0, n_fin)
+        tl.store(ipart + row * 6 + 1, n_nan)
+        tl.store(ipart + row * 6 + 2, n_pinf)
+        tl.store(ipart + row * 6 + 3, n_ninf)
+        tl.store(ipart + row * 6 + 4, n_zero)
+        tl.store(ipart + row * 6 + 5, fp_partial.to(tl.int64, bitcast=True))
+
+    @triton.jit
+    @no_type_check  # a kernel: Triton's language, not Python's types
+    def _combine_kernel(tensor_first, tensor_tiles, tensor_numel, tensor_nbytes, fpart, ipart, out,
+                        CB: tl.constexpr, OUT_LEN: tl.constexpr):
+        """One tensor: its tiles' partials combined in tile order, then its packed row."""
+        i = tl.program_id(0)
+        first = tl.load(tensor_first + i)
+        ntiles = tl.load(tensor_tiles + i)
+        numel = tl.load(tensor_numel + i)
+        nbytes = tl.load(tensor_nbytes + i)
+        lanes = tl.arange(0, CB)
+        inf = tl.full([CB], 0x7FF0000000000000, tl.int64).to(tl.float64, bitcast=True)
+        a_fin = tl.zeros([CB], tl.int64)
+        a_nan = tl.zeros([CB], tl.int64)
+        a_pinf = tl.zeros([CB], tl.int64)
+        a_ninf = tl.zeros([CB], tl.int64)
+        a_zero = tl.zeros([CB], tl.int64)
+        a_fp = tl.zeros([CB], tl.uint64)
+        a_sum = tl.zeros([CB], tl.float64)
+        a_sq = tl.zeros([CB], tl.float64)
+        a_lo = inf
+        a_hi = -inf
+        for c in range(0, ntiles, CB):
+            m = c + lanes < ntiles
+            r = first + c + lanes
+            a_fin += tl.load(ipart + r * 6 + 0, mask=m, other=0)
+            a_nan += tl.load(ipart + r * 6 + 1, mask=m, other=0)
+            a_pinf += tl.load(ipart + r * 6 + 2, mask=m, other=0)
+            a_ninf += tl.load(ipart + r * 6 + 3, mask=m, other=0)
+            a_zero += tl.load(ipart + r * 6 + 4, mask=m, other=0)
+            a_fp += tl.load(ipart + r * 6 + 5, mask=m, other=0).to(tl.uint64, bitcast=True)
+            a_sum += tl.load(fpart + r * 5 + 0, mask=m, other=0.0)
+            a_sq += tl.load(fpart + r * 5 + 2, mask=m, other=0.0)
+            a_lo = tl.minimum(a_lo, tl.where(m, tl.load(fpart + r * 5 + 3, mask=m, other=0.0), inf))
+            a_hi = tl.maximum(a_hi, tl.where(m, tl.load(fpart + r * 5 + 4, mask=m, other=0.0), -inf))
+        n_fin = tl.sum(a_fin, axis=0)
+        cnt = tl.maximum(n_fin, 1).to(tl.float64)
+        mean = tl.sum(a_sum, axis=0) / cnt
+        # Chan et al.: M2 = sum_b (M2_b + n_b * (mean_b - mean)^2), in tile order.
+        a_m2 = tl.zeros([CB], tl.float64)
+        for c in range(0, ntiles, CB):
+            m = c + lanes < ntiles
+            r = first + c + lanes
+            nb = tl.load(ipart + r * 6 + 0, mask=m, other=0)
+            sb = tl.load(fpart + r * 5 + 0, mask=m, other=0.0)
+            m2b = tl.load(fpart + r * 5 + 1, mask=m, other=0.0)
+            d = sb / tl.maximum(nb, 1).to(tl.float64) - mean
+            a_m2 += tl.where(nb > 0, m2b + nb.to(tl.float64) * d * d, 0.0)
+        std = tl.sqrt(tl.sum(a_m2, axis=0) / cnt)
+        norm = tl.sqrt(tl.sum(a_sq, axis=0))
+        lo = tl.min(a_lo, axis=0)
+        hi = tl.max(a_hi, axis=0)
+        s = tl.sum(a_fp, axis=0)
+        fp = _fmix(s + nbytes.to(tl.uint64) * 0xC2B2AE3D27D4EB4F)
+        nan_bits = tl.full([], 0x7FF8000000000000, tl.int64)
+        none = n_fin == 0
+        row = out + i * OUT_LEN
+        tl.store(row + 0, numel.to(tl.float64).to(tl.int64, bitcast=True))
+        tl.store(row + 1, tl.sum(a_nan, axis=0).to(tl.float64).to(tl.int64, bitcast=True))
+        tl.store(row + 2, tl.sum(a_pinf, axis=0).to(tl.float64).to(tl.int64, bitcast=True))
+        tl.store(row + 3, tl.sum(a_ninf, axis=0).to(tl.float64).to(tl.int64, bitcast=True))
+        tl.store(row + 4, tl.where(none, nan_bits, lo.to(tl.int64, bitcast=True)))
+        tl.store(row + 5, tl.where(none, nan_bits, hi.to(tl.int64, bitcast=True)))
+        tl.store(row + 6, tl.where(none, nan_bits, mean.to(tl.int64, bitcast=True)))
+        tl.store(row + 7, tl.where(none, nan_bits, std.to(tl.int64, bitcast=True)))
+        tl.store(row + 8, tl.where(none, nan_bits, norm.to(tl.int64, bitcast=True)))
+        zero_frac = tl.sum(a_zero, axis=0).to(tl.float64) / tl.maximum(numel, 1).to(tl.float64)
+        tl.store(row + 9, tl.where(numel == 0, nan_bits, zero_frac.to(tl.int64, bitcast=True)))
+        tl.store(row + 10, fp.to(tl.int64, bitcast=True))
+
+
+@dataclass
+class _Plan:
+    """The device tables of one layout (a list's data pointers, dtypes, sizes)."""
+
+    device: torch.device
+    n_tensors: int
+    n_tiles: int
+    ptrs: torch.Tensor  # int64 data pointers, one per tensor
+    tile_tensor: torch.Tensor  # int64, one per tile, tiles grouped by dtype
+    tile_start: torch.Tensor  # int64 element start within the tensor
+    tile_count: torch.Tensor  # int64 elements in the tile (1 .. _BLOCK)
+    tensor_first: torch.Tensor  # int64 first tile row of each tensor
+    tensor_tiles: torch.Tensor  # int64 tiles of each tensor (0 for an empty tensor)
+    tensor_numel: torch.Tensor
+    tensor_nbytes: torch.Tensor
+    groups: list[tuple[torch.dtype, int, int]]  # (dtype, first tile row, tiles) per launch
+
+
+_cache: OrderedDict[tuple[Any, ...], _Plan | str] = OrderedDict()
+
+
+def fused_pack(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> torch.Tensor | None:
+    """``(n, STATS_LEN + 1)`` int64 on the tensors' device: row i is ``device_stats(tensors[i])``
+    as float64 bits, then the dmix64 fingerprint of ``tensors[i]``; queued on the current stream,
+    never waited for. None where the kernel does not take the list (module docstring): the
+    caller then uses :func:`stepdump.core.device_lean.reference_pack`. ``_allow_cpu`` is for
+    tests under Triton's CPU interpreter only."""
+    if triton is None:
+        return None
+    if not tensors:
+        return torch.empty((0, STATS_LEN + 1), dtype=torch.int64)
+    try:
+        key = tuple((t.data_ptr(), t.dtype, t.numel(), t.is_contiguous(), t.get_device()) for t in tensors)
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return None
+    plan = _cache.get(key)
+    if plan is None:
+        plan = _plan(tensors)
+        if isinstance(plan, str):
+            log.debug("fused_pack: not taken, the torch-ops reference is used: %s", plan)
+        _cache[key] = plan
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    if isinstance(plan, str):
+        return None
+    if plan.device.type != "cuda" and not _allow_cpu:
+        log.debug("fused_pack: not taken, the tensors are on %s, not a CUDA device", plan.device)
+        return None
+    return _launch(plan)
+
+
+def _refusal(tensors: Sequence[torch.Tensor]) -> str | None:
+    """Why the kernel does not take the list, or None when it does."""
+    dev = tensors[0].device
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            return f"tensor {i} is {t.layout}"
+        if t.device != dev:
+            return f"tensor {i} is on {t.device}, tensor 0 on {dev}"
+        if t.dtype not in _DTYPES:
+            return f"tensor {i} is {t.dtype}"
+        if not t.is_contiguous():
+            return f"tensor {i} is not contiguous"
+    if dev.type not in ("cuda", "cpu"):  # cpu: under the interpreter only (fused_pack checks)
+        return f"the tensors are on {dev}, not a CUDA device"
+    return None
+
+
+def _plan(tensors: Sequence[torch.Tensor]) -> _Plan | str:
+    """The tile tables of a layout, built with numpy (no per-tile Python) and moved to the device once."""
+    why = _refusal(tensors)
+    if why is not None:
+        return why
+    dev = tensors[0].device
+    n = len(tensors)
+    numel = np.array([t.numel() for t in tensors], dtype=np.int64)
+    itemsize = np.array([t.element_size() for t in tensors], dtype=np.int64)
+    ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.uint64).view(np.int64)
+    tiles = (numel + _BLOCK - 1) // _BLOCK
+    order: list[int] = []
+    groups: list[tuple[torch.dtype, int, int]] = []
+    row = 0
+    for dtype in dict.fromkeys(t.dtype for t in tensors):  # dtypes in order of first appearance
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        count = int(tiles[members].sum())
+        if count:
+            groups.append((dtype, row, count))
+        order.extend(members)
+        row += count
+    order_a = np.array(order, dtype=np.int64)
+    tiles_in_order = tiles[order_a]
+    first = np.zeros(n, dtype=np.int64)
+    first[order_a] = np.cumsum(tiles_in_order) - tiles_in_order
+    tile_tensor = np.repeat(order_a, tiles_in_order)
+    # Tile k of a tensor starts at element k * _BLOCK: k = row - the tensor's first row.
+    tile_k = np.arange(row, dtype=np.int64) - first[tile_tensor]
+    tile_start = tile_k * _BLOCK
+    tile_count = np.minimum(numel[tile_tensor] - tile_start, _BLOCK)
+
+    def on_dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+
+    return _Plan(dev, n, row, on_dev(ptrs), on_dev(tile_tensor), on_dev(tile_start), on_dev(tile_count),
+                 on_dev(first), on_dev(tiles), on_dev(numel), on_dev(numel * itemsize), groups)
+
+
+def _launch(plan: _Plan) -> torch.Tensor:
+    """g + 1 launches on the current stream; fresh partial and output buffers each call (the
+    caching allocator makes them cheap, and a result the caller still holds is never rewritten)."""
+    if plan.device.type == "cuda":
+        with torch.cuda.device(plan.device):  # Triton launches on the current device
+            return _launch_here(plan)
+    return _launch_here(plan)
+
+
+def _launch_here(plan: _Plan) -> torch.Tensor:
+    fpart = torch.empty((max(plan.n_tiles, 1), 5), dtype=torch.float64, device=plan.device)
+    ipart = torch.empty((max(plan.n_tiles, 1), 6), dtype=torch.int64, device=plan.device)
+    out = torch.empty((plan.n_tensors, STATS_LEN + 1), dtype=torch.int64, device=plan.device)
+    tile_kernel: Any = _tile_kernel  # Triton's launch syntax, untyped for mypy wherever Triton is installed
+    combine_kernel: Any = _combine_kernel
+    for dtype, first_row, count in plan.groups:
+        size, kind, value_type = _DTYPES[dtype]
+        tile_kernel[(count,)](plan.ptrs, plan.tile_tensor, plan.tile_start, plan.tile_count, first_row,
+                              fpart, ipart, BLOCK=_BLOCK, R=8 // size, KIND=kind,
+                              VT=getattr(tl, value_type), num_warps=_NUM_WARPS)
+    combine_kernel[(plan.n_tensors,)](plan.tensor_first, plan.tensor_tiles, plan.tensor_numel, plan.tensor_nbytes,
+                                      fpart, ipart, out, CB=_COMBINE_BLOCK, OUT_LEN=STATS_LEN + 1, num_warps=4)
+    return out
