@@ -1,5 +1,9 @@
 """Re-read every blob of a run and check it: checksum, decoding, fingerprint, size; in a
-gradient log, also re-apply every segment's updates against the recorded fingerprints."""
+gradient log, also re-apply every segment's updates against the recorded fingerprints.
+
+A row's fingerprint is checked under its series' kind (FORMAT.md, "Fingerprint kinds"): xxh3
+of the decoded bytes, or dmix64 of them, computed on the CPU by the same torch ops a device
+uses (dmix64 is defined on the bytes alone, so where it was computed does not matter)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stepdump.core.hashing import fingerprint_bytes
+import torch
+
+from stepdump.core.hashing import XXH3, fingerprint_as, fingerprint_bytes
 from stepdump.core.sparse import from_raw_bytes
 from stepdump.errors import CorruptDataError, StepdumpError
 from stepdump.read.blobs import check_layout
@@ -70,6 +76,7 @@ def _verify_store(run: Any, progress: Callable[[int, int], None] | None) -> Veri
     try:
         tensor_rows = cat.blob_users()
         ids = cat.blob_ids()
+        fp_kinds = cat.fp_kinds_by_name()  # {} in a format-1 store: every row is xxh3
     except CorruptDataError as e:
         report.problems.append(Problem("catalog", f"its tensors and blobs cannot be listed: {e}"))
         return report
@@ -87,7 +94,7 @@ def _verify_store(run: Any, progress: Callable[[int, int], None] | None) -> Veri
             raw = run.read_blob(blob_id)
             report.bytes_checked += len(raw)
             for kind, name, step, dtype, shape, fp in refs:
-                _check_tensor(raw, dtype, shape, fp)
+                _check_tensor(raw, dtype, shape, fp, fp_kinds.get((kind, name), XXH3))  # type: ignore[call-overload]
         except CorruptDataError as e:
             try:
                 row = cat.blob_location(blob_id)
@@ -119,7 +126,8 @@ def _verify_gradient_log(run: Any, report: VerifyReport) -> None:
     report.problems.extend(Problem(f"gradient log, step {step}", why) for step, why in seg.problems)
 
 
-def _check_tensor(raw: bytes | bytearray | memoryview, dtype: object, shape: object, fp: object) -> None:
+def _check_tensor(raw: bytes | bytearray | memoryview, dtype: object, shape: object, fp: object,
+                  fp_kind: str = XXH3) -> None:
     values = sparse_values_dtype(dtype) if isinstance(dtype, str) else None
     if values is not None:  # a sparse tensor: its header, sizes and indices must hold together
         tdtype, dims, _ = check_layout(values, shape)
@@ -128,5 +136,14 @@ def _check_tensor(raw: bytes | bytearray | memoryview, dtype: object, shape: obj
         _, _, want = check_layout(dtype, shape)
         if len(raw) != want:
             raise CorruptDataError(f"holds {len(raw)} bytes, the tensor needs {want}")
-    if fingerprint_bytes(memoryview(raw)) != fp:
-        raise CorruptDataError("decoded bytes do not match the recorded fingerprint")
+    if _fingerprint(fp_kind, raw) != fp:
+        kind = "" if fp_kind == XXH3 else f" ({fp_kind})"
+        raise CorruptDataError(f"decoded bytes do not match the recorded fingerprint{kind}")
+
+
+def _fingerprint(kind: str, raw: bytes | bytearray | memoryview) -> int:
+    """The fingerprint under ``kind`` of a tensor whose raw bytes are ``raw``."""
+    if kind == XXH3:
+        return fingerprint_bytes(memoryview(raw))
+    data = bytearray(raw)  # torch.frombuffer wants writable memory (it writes none)
+    return fingerprint_as(kind, torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))

@@ -175,7 +175,9 @@ class Assembler:
     def _as_now(self, msg: StepMessage, fps: dict[str, int], entries: list[tuple]) -> None:
         """Lean param rows read at the iteration's first forward that describe other bytes than the
         params entering the update (``fps``: theirs now) are computed again, from the params now."""
-        stale = {r.name for r in msg.lean if r.kind == "params" and r.name in fps and r.fp != fps[r.name]}
+        # (xxh3 rows only: ``fps`` are xxh3; a dmix64 row was read at the pre-hook, from the params now.)
+        stale = {r.name for r in msg.lean
+                 if r.kind == "params" and r.fp_kind is None and r.name in fps and r.fp != fps[r.name]}
         if stale:
             msg.lean[:] = [r for r in msg.lean if not (r.kind == "params" and r.name in stale)]
             msg.lean.extend(lean_rows([e for e in entries if e[0] == "params" and e[1] in stale], set()))

@@ -52,6 +52,7 @@ import xxhash
 from stepdump.capture.packed import CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, packable, packed_rows
 from stepdump.capture.staging import storable
 from stepdump.core.dtensor import local_part
+from stepdump.core.device_lean import DEVICE_FP_KIND, device_fingerprint
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import LiveHasher, fingerprint, signed64
 from stepdump.core.stats import StatsTuple, compute_stats
@@ -104,6 +105,22 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: b
             if got is not None:
                 rows.append(LeanRow(kind, name, param, key, stored_dtype(t), format_shape(t.shape), *got))
     return rows
+
+
+def as_dmix64(rows: Sequence[LeanRow], entries: Sequence[Entry], warned: set[tuple[str, str]]) -> list[LeanRow]:
+    """``rows`` with their fingerprints taken again as dmix64 (``Recorder(fingerprint="dmix64")``),
+    of ``entries``' tensors as they are now: the caller computed ``rows`` from these same tensors
+    on this thread, just before, so both describe one set of bytes. One tensor at a time, by
+    torch ops (core/device_lean.py): an opt-in for comparing CPU runs with GPU runs, not the
+    fast path."""
+    tensors = {(e[0], e[1]): e[2] for e in entries}
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            t = storable(r.kind, r.name, local_part(tensors[(r.kind, r.name)].detach()), warned)
+            if t is not None:  # lean_rows made a row of it, so it is storable
+                out.append(r._replace(fp=int(device_fingerprint(t)), fp_kind=DEVICE_FP_KIND))
+    return out
 
 
 Head = tuple[str, str, "str | None", "str | None", str, str]  # a LeanRow's fields before stats and fp
@@ -325,10 +342,13 @@ class LeanCapture:
     until the step's grads are read (the post-hook sends it). Not ``enabled`` (the ring,
     CUDA): every method is a no-op and stats-only steps are copied like full ones."""
 
-    def __init__(self, enabled: bool = True, grads_at_capture: bool = False) -> None:
+    def __init__(self, enabled: bool = True, grads_at_capture: bool = False, dmix64: bool = False) -> None:
         """``grads_at_capture``: the grads change between the record and the update by design
-        (a framework that clips after the record: Lightning), so read them at the record."""
+        (a framework that clips after the record: Lightning), so read them at the record.
+        ``dmix64``: the rows' fingerprints are dmix64 (``Recorder(fingerprint="dmix64")``): every
+        lean step is read whole at the pre-hook, on the training thread (:func:`as_dmix64`)."""
         self.enabled = enabled
+        self.dmix64 = dmix64
         # Steps between reads of the optimizer state (None: OPTIMIZER_EVERY); a gradient log
         # reads it every step, so that a rebuild is verified at the step it is read at.
         self.optimizer_every: int | None = None
@@ -364,7 +384,7 @@ class LeanCapture:
         with grad enabled, perhaps with other weights swapped in (an EMA), and the training
         forward's params are the likelier ones. Which ones were read only costs time: the
         pre-hook uses a row only if it describes the params then (:meth:`take`)."""
-        if self._inline or (self._before is not None and not again):
+        if self._inline or self.dmix64 or (self._before is not None and not again):
             return
         if self._before is not None and self._params:
             # A later forward: a backward since it was submitted (gradient accumulation) is seen in the
@@ -396,6 +416,9 @@ class LeanCapture:
         todo = [*before, *grads]
         plan = self.plans.get(todo)
         self._inline = plan.nbytes <= INLINE_BYTES
+        if self.dmix64:  # read here, whole, then fingerprinted again as dmix64: the same bytes
+            msg.lean.extend(as_dmix64(lean_rows(todo, self._worker.warned, plan=plan), todo, self._worker.warned))
+            return False
         if self._inline:
             msg.lean.extend(lean_rows(todo, self._worker.warned, plan=plan))
             return False

@@ -61,6 +61,7 @@ __all__ = [
 
 ACTIVATION_KINDS = ("activations", "activation_grads")
 FROZEN = ("once", "fingerprint")
+FINGERPRINTS = ("auto", "xxh3", "dmix64")  # StoreOptions.fingerprint
 
 
 def _positive_int(value: Any, what: str, hint: str) -> None:
@@ -281,6 +282,12 @@ class StoreOptions:
             :class:`~stepdump.store.storage.Storage` (None: files,
             :class:`~stepdump.store.storage.LocalStorage`). A wrapper can
             throttle or count appends; tests pass one that fails like a full disk.
+        fingerprint: The fingerprint kind of each recorded tensor (FORMAT.md, "Fingerprint
+            kinds"): ``"auto"`` (default) dmix64 for CUDA tensors (computed on the device, no host
+            copy at stats steps), xxh3 for CPU tensors, so a CPU run is exactly as before;
+            ``"xxh3"`` xxh3 everywhere (CUDA bytes hashed on the host); ``"dmix64"`` dmix64
+            everywhere (a CPU run meant to be compared with GPU runs by fingerprint). A tensor
+            keeps its first kind at every step.
     """
 
     codec: str = "raw"
@@ -291,6 +298,7 @@ class StoreOptions:
     segment_bytes: int = 1 << 30
     remote: Remote | Mapping[str, Any] | None = None
     storage: StorageFactory | None = None
+    fingerprint: str = "auto"
 
     def __post_init__(self) -> None:
         # The store layer, loaded when a Recorder is configured (not at import).
@@ -316,6 +324,9 @@ class StoreOptions:
         if self.storage is not None and not callable(self.storage):
             raise ConfigError(f"storage={self.storage!r}: give a callable that takes the run's directory and "
                               "returns a Storage (stepdump.store.storage), e.g. LocalStorage")
+        if not isinstance(self.fingerprint, str) or self.fingerprint not in FINGERPRINTS:
+            raise ConfigError(f"fingerprint={self.fingerprint!r}: choose 'auto' (dmix64 on CUDA, xxh3 on the CPU), "
+                              "'xxh3' (every tensor hashed on the host) or 'dmix64' (every tensor, CPU too)")
 
 
 class FlatOptions(TypedDict, total=False):
@@ -343,11 +354,13 @@ class FlatOptions(TypedDict, total=False):
     segment_bytes: int
     remote: Any
     storage: StorageFactory | None
+    fingerprint: str
 
 
 _RECORD = ("capture", "include", "exclude", "modules", "profile", "extra_state", "frozen")
 _SCHEDULE = ("every", "stats_every", "keyframe_every", "gradient_log", "ring", "trigger", "after")
-_STORE = ("codec", "delta_chain", "queue_depth", "staging_bytes", "durability", "segment_bytes", "remote", "storage")
+_STORE = ("codec", "delta_chain", "queue_depth", "staging_bytes", "durability", "segment_bytes", "remote", "storage",
+          "fingerprint")
 _GROUP_OF = {**dict.fromkeys(_RECORD, "record"), **dict.fromkeys(_SCHEDULE, "schedule"),
              **dict.fromkeys(_STORE, "store")}
 _GROUP_CLASS = {"record": "RecordOptions", "schedule": "a StepSchedule, KeyframeSchedule, RingSchedule or GradientLogSchedule",

@@ -206,7 +206,8 @@ class Recorder(_iteration.IterationStart):
         # the grads before the update: the lean path reads them at the record, as a full step copies them.
         clip = (opts.metadata or {}).get("grad_clip")
         self._lean = LeanCapture(enabled=ring is None and self._device.type == "cpu",
-                                 grads_at_capture=isinstance(clip, dict) and clip.get("grads") == "unclipped")
+                                 grads_at_capture=isinstance(clip, dict) and clip.get("grads") == "unclipped",
+                                 dmix64=store.fingerprint == "dmix64")
         self._pending: dict[int, dict[str, Any]] = {}
         self._prev_open, self._forward_seen = False, False  # forward_seen: a training forward ran since the update
         self._begin: dict[str, Any] | None = None
@@ -231,10 +232,12 @@ class Recorder(_iteration.IterationStart):
                                   self._lean, keyframes=self._keyframes,
                                   gradlog=isinstance(sched, _options.GradientLogSchedule),
                                   extra=rec.extra_state, frozen=rec.frozen)
+            self._asm.stager.device_fp = store.fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
             self._link = WriterLink(self.path, self._pool, self._guard, lambda: self._step, codec=store.codec,
                                     durability=store.durability, max_queue=store.queue_depth + 64,
                                     segment_bytes=self._target.segment_bytes(store.segment_bytes),
-                                    delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path))
+                                    delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path),
+                                    fingerprint=store.fingerprint)
             self._writer = self._link.writer
             self._target.start(lambda: self._writer.steps_written)
         except BaseException:

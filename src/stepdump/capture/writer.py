@@ -43,7 +43,7 @@ from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.device_pack import rows as device_rows
 from stepdump.capture.lean import LeanRow
-from stepdump.core.device_lean import DEVICE_FP_KIND, device_fingerprint
+from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
 from stepdump.capture.staging import Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import fingerprint_bytes, raw_bytes
@@ -111,8 +111,13 @@ class Writer(threading.Thread):
         delta_chain: int = 8,
         *,
         storage: Storage,
+        fingerprint: str = "auto",
     ) -> None:
         super().__init__(name="stepdump-writer", daemon=True)
+        # Recorder(fingerprint=): "dmix64" gives every new series dmix64; otherwise a row's kind is
+        # its own (a CUDA tensor's dmix64 from the device, else xxh3). A series keeps its first kind.
+        self._fp_kind = DEVICE_FP_KIND if fingerprint == DEVICE_FP_KIND else None
+        self._kind_warned: set[tuple[str, str]] = set()  # lean rows of another kind than their series'
         self.run_dir = run_dir
         self.pool = pool
         self.codec = get_codec(codec)
@@ -287,9 +292,16 @@ class Writer(threading.Thread):
                 # once the training thread goes on, so the appends are done first.
                 self._appender.wait()
                 msg.slot.live_done.set()
+        # Whether a row's kind must be checked against its series' (a store of xxh3 series only and
+        # an xxh3 row: never; no call per row on that path). One row per series a step: a series a
+        # row of this loop makes dmix64 gets no other row in it.
+        check = cat.any_fp_kind
         for r in msg.lean:  # stats and fingerprint only, computed before the message was sent
-            rows.append((cat.series_id(r.kind, r.name, r.param, r.key), msg.step, r.dtype, r.shape, None,
-                         *r.stats, r.fp))
+            sid = cat.series_id(r.kind, r.name, r.param, r.key, r.fp_kind)
+            if (check or r.fp_kind is not None) and cat.fp_kind(sid) != (r.fp_kind or HOST_FP_KIND):
+                self._other_kind(cat.fp_kind(sid), r)
+                continue
+            rows.append((sid, msg.step, r.dtype, r.shape, None, *r.stats, r.fp))
         wrote = bool(self._blob_rows)
         stepped = msg.level is not None and msg.step is not None
         if stepped:
@@ -344,10 +356,17 @@ class Writer(threading.Thread):
             # slot's event (synchronized in _write) fired after the training stream's work.
             t = t.cpu()
         data = item.raw if item.raw is not None else raw_bytes(t)
-        if item.device_fp is not None:  # pragma: no cover - CUDA only: dmix64, from the device pass
-            fp = int(item.device_fp)
-        elif item.fp_kind == DEVICE_FP_KIND:  # pragma: no cover - CUDA only: over the staging budget, copied here
-            fp = int(device_fingerprint(t))
+        # The row's fingerprint is of its series' kind: the first row's (the item's own, or the
+        # Recorder's fingerprint="dmix64"), kept at every later step even if the tensor moved to
+        # another device: the host copy is fingerprinted again under the series' kind.
+        want = item.fp_kind or self._fp_kind
+        sid = cat.series_id(item.kind, item.name, item.param, item.key, want)
+        fp_kind = cat.fp_kind(sid) if want is not None or cat.any_fp_kind else HOST_FP_KIND
+        if fp_kind != HOST_FP_KIND:
+            if item.device_fp is not None and item.fp_kind == fp_kind:  # pragma: no cover - CUDA: the device pass's
+                fp = int(item.device_fp)
+            else:  # dmix64 of the host copy (a CPU tensor, or a CUDA one over the staging budget)
+                fp = int(device_fingerprint(t))
         else:
             fp = fingerprint_bytes(data) if known is None else known[1]
         if item.kind in _NO_STATS:
@@ -358,7 +377,6 @@ class Writer(threading.Thread):
             stats = _from_device_stats(item.device_stats)
         else:
             stats = compute_stats(t)
-        sid = cat.series_id(item.kind, item.name, item.param, item.key)
         blob = None
         dtype, shape = stored_dtype(t), format_shape(t.shape)
         if item.full:
@@ -370,11 +388,22 @@ class Writer(threading.Thread):
                 # Bytes the writer made (a contiguous copy, a codec's output) count against the
                 # appender's cap; a staging buffer or a live tensor's own bytes do not.
                 borrowed = item.raw is not None or (item.live and t.is_contiguous())
-                blob = self._append_blob(cat, data, t.element_size(), fp if item.fp_kind is None else None,
+                blob = self._append_blob(cat, data, t.element_size(), fp if fp_kind == HOST_FP_KIND else None,
                                          sid if item.kind in _DELTA_KINDS else None, borrowed)
                 if item.kind in _SHARED_KINDS:
                     self._last_blob[sid] = (blob, *same)
         return (sid, step, dtype, shape, blob, *stats, fp)
+
+    def _other_kind(self, have: str, r: LeanRow) -> None:
+        """A lean row whose fingerprint is not of its series' kind (a tensor that moved between the
+        CPU and a GPU under fingerprint="auto"): no bytes to fingerprint again, so the row is left
+        out (a row of the wrong kind would be a wrong answer); said once per tensor."""
+        if (r.kind, r.name) not in self._kind_warned:
+            self._kind_warned.add((r.kind, r.name))
+            log.warning("stepdump: %s %r has %s fingerprints in this run, and a stats-only step gave it a %s one "
+                        "(it moved between the CPU and a GPU?); its stats-only rows are left out from here. Record "
+                        "with fingerprint='xxh3' or fingerprint='dmix64' to give every tensor one kind",
+                        r.kind, r.name, have, r.fp_kind or HOST_FP_KIND)
 
     def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int | None,
                      series: int | None = None, borrowed: bool = True) -> int:

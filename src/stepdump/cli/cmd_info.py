@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join(m.get('capture', []))}; full {m.get('every')}, stats {m.get('stats_every')}",
             {"kinds": m.get("capture", []), "every": m.get("every"), "stats_every": m.get("stats_every")})
         add("codec", "codec", str(m.get("codec")), m.get("codec"))
+        kinds = _fingerprint_kinds(r)
+        if set(kinds) - {"xxh3"}:  # only a run with device fingerprints says (FORMAT.md "Fingerprint kinds")
+            add("fingerprint_kinds", "fingerprints",
+                ", ".join(f"{k} for {n} tensor{'s' if n != 1 else ''}" for k, n in sorted(kinds.items())), kinds)
         size = run_bytes(r.path)
         add("size_on_disk", "size on disk", human_bytes(size), human_bytes(size))
         data["size_on_disk_bytes"] = size
@@ -108,6 +112,20 @@ def _gradient_log_steps(r: Any, steps: list[int], add: Any) -> None:
     add("steps_rebuilt", "steps rebuilt (gradient log)", _span(rebuilt), _ends(rebuilt))
     add("params_between_keyframes", "params stored between keyframes",
         f"at {_span(between)} steps (changed outside the optimizer)" if between else "none", _ends(between))
+
+
+def _fingerprint_kinds(r: Any) -> dict[str, int]:
+    """How many series (tensors) of the primary store (rank 0 of a multi-rank run, as the names
+    above) have each fingerprint kind; {"xxh3": ...} needs no look at the series."""
+    catalog = next(iter(r.stores()))[1].catalog
+    other = catalog.fp_kinds_by_name()
+    if not other:
+        return {"xxh3": 0}
+    counts: dict[str, int] = {}
+    for key in catalog.series_keys():
+        kind = other.get(tuple(key), "xxh3")
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def _ends(steps: list[int]) -> dict[str, int | None]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.queries import STAT_ROW_COLUMNS, StepRange
-from stepdump.store.schema import STAT_COLUMNS
+from stepdump.store.schema import DEFAULT_FP_KIND, STAT_COLUMNS
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -45,6 +45,14 @@ def pyarrow() -> ModuleType:
     return pa
 
 
+def fp_kind_column(other: dict[tuple[str, str], str], kinds: Iterable[Any], names: Iterable[Any]) -> list[str]:
+    """The ``fp_kind`` column of stat rows: each row's fingerprint kind, from ``other`` (the
+    series that are not xxh3, ``CatalogReader.fp_kinds_by_name``; empty in a format-1 store)."""
+    if not other:
+        return [DEFAULT_FP_KIND] * sum(1 for _ in kinds)
+    return [other.get((k, n), DEFAULT_FP_KIND) for k, n in zip(kinds, names, strict=True)]
+
+
 def schema(ranked: bool) -> Any:
     """The Arrow schema of the stats table (``ranked``: with the ``rank`` column, second)."""
     pa = pyarrow()
@@ -61,6 +69,8 @@ def schema(ranked: bool) -> Any:
         fields.append(pa.field(c, t, nullable=c not in ("step", "kind", "name")))
         if ranked and c == "step":
             fields.append(pa.field("rank", pa.int64(), nullable=False))
+        if c == "fingerprint":  # its kind, right after it (FORMAT.md "Fingerprint kinds")
+            fields.append(pa.field("fp_kind", pa.string(), nullable=False))
     return pa.schema(fields)
 
 
@@ -77,6 +87,7 @@ def store_table(store: Run, kind: str | None = None, name: str | None = None, st
     by_name = dict(zip(STAT_ROW_COLUMNS, columns, strict=True))
     if rank is not None:
         by_name["rank"] = (rank,) * len(rows)
+    by_name["fp_kind"] = tuple(fp_kind_column(store.catalog.fp_kinds_by_name(), by_name["kind"], by_name["name"]))
     try:
         # "stored" comes out of SQLite as 0/1 ("blob IS NOT NULL").
         arrays = [pa.array(by_name[f.name], type=pa.int8()).cast(f.type) if f.name == "stored"

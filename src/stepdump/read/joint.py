@@ -159,6 +159,12 @@ class JointRun:
         wanted = None if kinds is None else list(kinds)
         return {(k, f"{n}/{x}"): fp for n, r in self.pair_stores() for (k, x), fp in r.fingerprints(step, wanted).items()}
 
+    def fingerprint_kinds(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], str]:
+        """Each pair's :meth:`Run.fingerprint_kinds`, names prefixed by the pair (as :meth:`fingerprints`)."""
+        wanted = None if kinds is None else list(kinds)
+        return {(k, f"{n}/{x}"): fk for n, r in self.pair_stores()
+                for (k, x), fk in r.fingerprint_kinds(step, wanted).items()}
+
     def step_state(self, step: int) -> dict[str, Any]:
         """Each pair's recorded state at ``step``, by pair name."""
         return {n: r.step_state(step) for n, r in self.pair_stores()}

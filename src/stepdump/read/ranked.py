@@ -194,6 +194,11 @@ class DistributedRun:
                      rank: int | None = None) -> dict[tuple[str, str], int]:
         return self.rank(self.primary if rank is None else rank).fingerprints(step, kinds)
 
+    def fingerprint_kinds(self, step: int, kinds: Iterable[str] | None = None, *,
+                          rank: int | None = None) -> dict[tuple[str, str], str]:
+        """:meth:`Run.fingerprint_kinds` of ``rank`` (default the primary rank)."""
+        return self.rank(self.primary if rank is None else rank).fingerprint_kinds(step, kinds)
+
     def scalars(self, names: str | Iterable[str] | None = None, steps: StepRange = None, *,
                 rank: int | None = None) -> pd.DataFrame:
         """Scalars logged on ``rank`` (default the primary rank)."""

@@ -22,6 +22,7 @@ from stepdump.errors import (
     nearest_steps,
 )
 from stepdump.read.blobs import BlobReader
+from stepdump.read.columnar import fp_kind_column
 from stepdump.read.gradlog import GradientLog
 from stepdump.read.rows import (
     as_step,
@@ -35,6 +36,7 @@ from stepdump.read.state import check_meta
 from stepdump.store.format import ALL_KINDS, LEVEL_FULL, STATE_EXTRA
 from stepdump.store.lock import is_locked
 from stepdump.store.queries import STAT_ROW_COLUMNS, CatalogReader, StepRange
+from stepdump.store.schema import DEFAULT_FP_KIND
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -176,7 +178,8 @@ class Run:
                 with self._blobs.call():
                     return self._gradlog.tensor(name, step, kind)
             self._missing(name, step, kind, stats_only=row is not None)
-        return self._blobs.tensor(row[0], row[1], row[2], check_fingerprint(row[3], self.path))
+        fp_kind = self._catalog.fp_kinds().get(sid, DEFAULT_FP_KIND)  # the row's fingerprint is of its series' kind
+        return self._blobs.tensor(row[0], row[1], row[2], check_fingerprint(row[3], self.path), fp_kind)
 
     def tensors(self, step: int, kind: str = "params") -> dict[str, torch.Tensor]:
         """Every stored tensor of ``kind`` at ``step``, by name."""
@@ -188,8 +191,10 @@ class Run:
                 return self._gradlog.tensors(step, kind)
         rows = self._catalog.stored_tensors(step, (kind,))
         self._check_series()
+        fp_kinds = self._catalog.fp_kinds_by_name()  # each row's fingerprint is of its series' kind
         with self._blobs.call():  # one budget, and rows naming one blob share its tensor memory
-            return {n: self._blobs.tensor(b, d, sh, check_fingerprint(fp, self.path))
+            return {n: self._blobs.tensor(b, d, sh, check_fingerprint(fp, self.path),
+                                          fp_kinds.get((kind, n), DEFAULT_FP_KIND))
                     for _, n, _, _, b, d, sh, fp in rows}
 
     def stored_names(self, step: int, kind: str = "params") -> list[str]:
@@ -220,6 +225,13 @@ class Run:
         self._check_series()
         wanted = None if kinds is None else set(kinds)
         return {(k, n): fp for k, n, fp in rows if wanted is None or k in wanted}
+
+    def fingerprint_kinds(self, step: int, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], str]:
+        """(kind, name) -> the fingerprint kind (``"xxh3"`` or ``"dmix64"``) of every tensor with
+        stats at ``step``: the keys of :meth:`fingerprints`, and what their values are (FORMAT.md,
+        "Fingerprint kinds"). Two fingerprints of different kinds never compare."""
+        other = self._catalog.fp_kinds_by_name()
+        return {key: other.get(key, DEFAULT_FP_KIND) for key in self.fingerprints(step, kinds)}
 
     # -- state -----------------------------------------------------------------
     def step_state(self, step: int) -> dict[str, Any]:
@@ -417,6 +429,9 @@ class Run:
                 df[c] = df[c].astype(float)
         except (ValueError, TypeError) as e:
             raise CorruptDataError(f"the catalog of {self.path} holds stats that are not numbers ({e})") from e
+        # The kind of each row's fingerprint (FORMAT.md "Fingerprint kinds"), right after it.
+        df.insert(df.columns.get_loc("fingerprint") + 1, "fp_kind",
+                  fp_kind_column(self._catalog.fp_kinds_by_name(), df["kind"], df["name"]))
         return df
 
     # -- helpers ---------------------------------------------------------------

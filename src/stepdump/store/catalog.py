@@ -257,7 +257,10 @@ class CatalogWriter:
         row = self.con.execute("SELECT max(step) FROM steps").fetchone()
         return row[0]
 
-    def series_id(self, kind: str, name: str, param: str | None = None, key: str | None = None) -> int:
+    def series_id(self, kind: str, name: str, param: str | None = None, key: str | None = None,
+                  fp_kind: str | None = None) -> int:
+        """The id of series (``kind``, ``name``), created if new; a new series takes fingerprint
+        kind ``fp_kind`` (None: xxh3). An existing one keeps its kind (:meth:`fp_kind` says which)."""
         sid = self._series.get((kind, name))
         if sid is None:
             cur = self.con.execute(
@@ -265,7 +268,14 @@ class CatalogWriter:
             )
             sid = int(cur.lastrowid)  # type: ignore[arg-type]
             self._series[(kind, name)] = sid
+            if fp_kind is not None:
+                self.set_fp_kind(sid, fp_kind)
         return sid
+
+    @property
+    def any_fp_kind(self) -> bool:
+        """Whether some series has another fingerprint kind than xxh3 (else every series is xxh3)."""
+        return bool(self._fp_kinds)
 
     def fp_kind(self, series: int) -> str:
         """The fingerprint kind of ``series`` (xxh3 unless :meth:`set_fp_kind` gave it another)."""
