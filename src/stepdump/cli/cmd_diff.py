@@ -20,7 +20,8 @@ EXAMPLES = """examples:
 exit codes: 0 identical (over what was compared: the output says what was not; an RNG that
   differs while nothing computed does is a note, not a difference), 1 the runs differ,
   2 bad arguments (an unknown --ignore part), 6 nothing to compare (no tensor recorded by
-  both at a common step)
+  both at a common step), or nothing differs in what was compared but some tensors were not
+  compared because the runs fingerprint them in two kinds (xxh3, dmix64) and stored no bytes
 """
 
 _SHOWN = 20
@@ -62,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
         res = diff(a, b, atol=args.atol, rtol=args.rtol, kinds=kinds, ignore=ignore, noise=noise or None,
                    noise_factor=args.noise_factor)
     # Decided before printing: under `| head -1` the printing may stop midway, the verdict stands (cli/main.py).
-    args.verdict = (Exit.NOTHING_COMPARED if not res.comparable else Exit.OK if res.identical else Exit.FOUND)
+    # Nothing found but tensors left uncompared for two fingerprint kinds: neither 0 nor "differ".
+    args.verdict = (Exit.NOTHING_COMPARED if not res.comparable else Exit.OK if res.identical
+                    else Exit.FOUND if res.first_step is not None else Exit.NOTHING_COMPARED)
     if args.json:
         from stepdump.cli.output import print_json
 
