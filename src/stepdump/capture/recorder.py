@@ -52,6 +52,7 @@ from stepdump.capture.scalars import (
     scalar_rows,
 )
 from stepdump.capture.selection import Levels, NameFilter
+from stepdump.capture.fingerprints import resumed as resumed_fingerprint
 from stepdump.capture.session import check_objects, init_catalog, prepare_dir, run_meta
 from stepdump.capture.sharding import Ranks, this_rank_records
 from stepdump.capture.staging import StagingPool
@@ -206,8 +207,7 @@ class Recorder(_iteration.IterationStart):
         # the grads before the update: the lean path reads them at the record, as a full step copies them.
         clip = (opts.metadata or {}).get("grad_clip")
         self._lean = LeanCapture(enabled=ring is None and self._device.type == "cpu",
-                                 grads_at_capture=isinstance(clip, dict) and clip.get("grads") == "unclipped",
-                                 dmix64=store.fingerprint == "dmix64")
+                                 grads_at_capture=isinstance(clip, dict) and clip.get("grads") == "unclipped")
         self._pending: dict[int, dict[str, Any]] = {}
         self._prev_open, self._forward_seen = False, False  # forward_seen: a training forward ran since the update
         self._begin: dict[str, Any] | None = None
@@ -223,6 +223,9 @@ class Recorder(_iteration.IterationStart):
         try:
             meta = run_meta(self.model, self.optimizer, self.scheduler, self.scaler, opts, layout,
                             self._target.meta(layout.params))
+            # A resumed run's tensors keep their fingerprint kinds (checked before init_catalog drops steps).
+            fingerprint = resumed_fingerprint(self.path, store.fingerprint) if opts.resume else store.fingerprint
+            self._lean.dmix64 = fingerprint == "dmix64"
             self._final = FinalRecord(*init_catalog(self.path, meta, opts.resume, opts.start_step))  # for close()
             self._step = self._final.first
             log_projection(self.path, layout, self.optimizer, self.kinds, self._filter, sched, self._step)
@@ -232,12 +235,12 @@ class Recorder(_iteration.IterationStart):
                                   self._lean, keyframes=self._keyframes,
                                   gradlog=isinstance(sched, _options.GradientLogSchedule),
                                   extra=rec.extra_state, frozen=rec.frozen)
-            self._asm.stager.device_fp = store.fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
+            self._asm.stager.device_fp = fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
             self._link = WriterLink(self.path, self._pool, self._guard, lambda: self._step, codec=store.codec,
                                     durability=store.durability, max_queue=store.queue_depth + 64,
                                     segment_bytes=self._target.segment_bytes(store.segment_bytes),
                                     delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path),
-                                    fingerprint=store.fingerprint)
+                                    fingerprint=fingerprint)
             self._writer = self._link.writer
             self._target.start(lambda: self._writer.steps_written)
         except BaseException:
