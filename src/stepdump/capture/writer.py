@@ -118,6 +118,7 @@ class Writer(threading.Thread):
         # its own (a CUDA tensor's dmix64 from the device, else xxh3). A series keeps its first kind.
         self._fp_kind = DEVICE_FP_KIND if fingerprint == DEVICE_FP_KIND else None
         self._kind_warned: set[tuple[str, str]] = set()  # lean rows of another kind than their series'
+        self._check_kinds = False  # this step's rows need their kinds checked (_write)
         self.run_dir = run_dir
         self.pool = pool
         self.codec = get_codec(codec)
@@ -283,6 +284,10 @@ class Writer(threading.Thread):
                 msg.slot.device_pack = None
         rows = []
         self._blob_rows = []
+        # Whether a row's kind must be checked against its series' (a store of xxh3 series only and
+        # an xxh3 row: never; no call per row on that path). Read once a step: one row per series
+        # a step, so a series a row of this step makes dmix64 gets no other row in it.
+        self._check_kinds = check = cat.any_fp_kind
         live = sum(item.live for item in msg.items)  # they come first (Stager.stage)
         known = small_rows(msg.items, _NO_STATS)  # the small staged ones, described together
         for i, item in enumerate(msg.items):
@@ -292,10 +297,6 @@ class Writer(threading.Thread):
                 # once the training thread goes on, so the appends are done first.
                 self._appender.wait()
                 msg.slot.live_done.set()
-        # Whether a row's kind must be checked against its series' (a store of xxh3 series only and
-        # an xxh3 row: never; no call per row on that path). One row per series a step: a series a
-        # row of this loop makes dmix64 gets no other row in it.
-        check = cat.any_fp_kind
         for r in msg.lean:  # stats and fingerprint only, computed before the message was sent
             sid = cat.series_id(r.kind, r.name, r.param, r.key, r.fp_kind)
             if (check or r.fp_kind is not None) and cat.fp_kind(sid) != (r.fp_kind or HOST_FP_KIND):
@@ -361,7 +362,7 @@ class Writer(threading.Thread):
         # another device: the host copy is fingerprinted again under the series' kind.
         want = item.fp_kind or self._fp_kind
         sid = cat.series_id(item.kind, item.name, item.param, item.key, want)
-        fp_kind = cat.fp_kind(sid) if want is not None or cat.any_fp_kind else HOST_FP_KIND
+        fp_kind = cat.fp_kind(sid) if want is not None or self._check_kinds else HOST_FP_KIND
         if fp_kind != HOST_FP_KIND:
             if item.device_fp is not None and item.fp_kind == fp_kind:  # pragma: no cover - CUDA: the device pass's
                 fp = int(item.device_fp)
