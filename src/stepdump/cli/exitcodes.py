@@ -12,5 +12,5 @@ class Exit(IntEnum):
     NOT_FOUND = 3  # no such run, step or tensor; a filter (--names, --name) that matches nothing
     CORRUPT = 4  # the store is damaged or of an unknown format
     ERROR = 5  # any other stepdump error
-    NOTHING_COMPARED = 6  # diff: the runs have no tensor recorded by both at a common step
+    NOTHING_COMPARED = 6  # diff: no tensor recorded by both at a common step, or some left uncompared (two fp kinds)
     INTERRUPTED = 130  # Ctrl-C
