@@ -64,9 +64,12 @@ class Window:
         # Steps first: a step listed here has committed, so its tensor rows below are complete.
         steps = {s: (skipped, state) for s, skipped, state in cat.step_block(first, last) if isinstance(s, int)}
         rows: dict[int, dict[Key, tuple[Any, ...]]] = {s: {} for s in steps}
+        self.fp_kind(("", ""))  # the kinds, read once per reader
+        kinds = self._fp_kinds or {}
         for s, kind, name, dtype, shape, fp, blob in cat.fingerprint_block(first, last):
             if s in rows:
-                rows[s][(kind, name)] = (dtype, shape, fp, blob, self.fp_kind((kind, name)))
+                key = (kind, name)
+                rows[s][key] = (dtype, shape, fp, blob, kinds.get(key, XXH3) if kinds else XXH3)
         # The two steps before ``first`` stay: an update asks for its own step's facts after the
         # next step's (the grads read ahead), and the windows must not take turns.
         kept = [s for s in self._steps if step - 2 <= s < step]
