@@ -197,7 +197,7 @@ def test_stats_filters(tmp_path):
         df = run.stats(kind="grads", name="fc1.*", steps=range(2, 5))
         assert list(df.columns) == [
             "step", "kind", "name", "dtype", "shape", "numel", "nan", "posinf", "neginf", "min", "max",
-            "mean", "std", "norm", "zero_frac", "fingerprint", "stored",
+            "mean", "std", "norm", "zero_frac", "fingerprint", "fp_kind", "stored",
         ]
         assert sorted(set(df["step"])) == [2, 3, 4]
         assert set(df["kind"]) == {"grads"}
