@@ -123,7 +123,11 @@ def fidelity(kind: str, root: Path) -> None:
     for (name, p), q in zip(model.named_parameters(), plain[0].parameters()):
         assert_same(p.detach(), q.detach(), f"{kind}: training unchanged, {name}")
     with stepdump.open(root / kind) as run:
-        assert run.steps == list(range(n)), run.steps
+        assert run.steps == list(range(n + 1)), run.steps  # updates 0..n-1 and the final record (close())
+        assert run.meta.get("final_step") == n, run.meta.get("final_step")
+        final = run.tensors(n, "params")
+        for name, p in model.named_parameters():
+            assert_same(final[name], p.detach().cpu(), f"{kind}: final record {name}")
         if kind == "amp":
             assert run.skipped_steps == [3], run.skipped_steps
         for t in range(n):

@@ -300,11 +300,13 @@ def test_diff_across_kinds_is_never_identical(tmp_path: Path, every: int | None)
         assert stepdump.diff(rb, rt).identical  # the control
         res = stepdump.diff(ra, rb)
         assert not res.identical
-        if every is None:
-            assert not res.comparable
-            assert "fingerprint kind" in res.summary(), res.summary()
-        else:  # bytes at steps 0 and 2 compared: equal there, the stats-only steps named as not compared
-            assert res.first_step is None and not res.complete, res.summary()
+        # Bytes where either run stored them (every=2: steps 0 and 2; both: the final record that
+        # close() writes in full): equal there; the stats-only steps named as not compared.
+        assert res.first_step is None and not res.complete, res.summary()
+        assert "fingerprint kind" in res.summary(), res.summary()
+        if every is None:  # grads are never in the final record: nothing of them is comparable
+            grads = stepdump.diff(ra, rb, kinds=("grads",))
+            assert not grads.comparable and not grads.identical, grads.summary()
 
 
 # -- the target ------------------------------------------------------------------------------
