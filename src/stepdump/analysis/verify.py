@@ -11,9 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
-from stepdump.core.hashing import XXH3, fingerprint_as, fingerprint_bytes
+from stepdump.core.hashing import XXH3, fingerprint_bytes_as
 from stepdump.core.sparse import from_raw_bytes
 from stepdump.errors import CorruptDataError, StepdumpError
 from stepdump.read.blobs import check_layout
@@ -136,14 +134,6 @@ def _check_tensor(raw: bytes | bytearray | memoryview, dtype: object, shape: obj
         _, _, want = check_layout(dtype, shape)
         if len(raw) != want:
             raise CorruptDataError(f"holds {len(raw)} bytes, the tensor needs {want}")
-    if _fingerprint(fp_kind, raw) != fp:
+    if fingerprint_bytes_as(fp_kind, raw) != fp:
         kind = "" if fp_kind == XXH3 else f" ({fp_kind})"
         raise CorruptDataError(f"decoded bytes do not match the recorded fingerprint{kind}")
-
-
-def _fingerprint(kind: str, raw: bytes | bytearray | memoryview) -> int:
-    """The fingerprint under ``kind`` of a tensor whose raw bytes are ``raw``."""
-    if kind == XXH3:
-        return fingerprint_bytes(memoryview(raw))
-    data = bytearray(raw)  # torch.frombuffer wants writable memory (it writes none)
-    return fingerprint_as(kind, torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
