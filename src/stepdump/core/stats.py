@@ -203,6 +203,8 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
         torch.where(none, nanv, mean),
         torch.where(none, nanv, std),
         torch.where(none, nanv, norm),
-        zeros.to(torch.float64) / n,
+        # A tensor divided by a tensor: on CUDA, torch divides by a Python scalar as a multiply by
+        # its reciprocal (another rounding than the CPU's and the fused kernel's true division).
+        zeros.to(torch.float64) / torch.full((), float(n), dtype=torch.float64, device=x.device),
     ]
     return torch.stack(vals)
