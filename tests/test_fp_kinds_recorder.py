@@ -286,3 +286,44 @@ def test_resuming_keeps_the_kinds(tmp_path: Path, first: str, then: str, want: s
             assert len(run.fingerprints(step)) == n and set(run.fingerprint_kinds(step).values()) == {want}, step
         assert stepdump.verify(run).ok
     assert _version(path) == (2 if want == "dmix64" else 1)
+
+
+# -- other layouts and dtypes: a sparse grad (its header, indices and values), bf16 ---------------
+def _sparse() -> tuple[torch.nn.Module, torch.optim.Optimizer, object, object]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True))
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda t: torch.tensor([t, t + 1, 3]), \
+        lambda t, mm, x: mm(x).sum()
+
+
+def _bf16() -> tuple[torch.nn.Module, torch.optim.Optimizer, object, object]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2), lambda t: torch.randn(3, 8).to(torch.bfloat16), \
+        lambda t, mm, x: mm(x).float().square().mean()
+
+
+LAYOUTS = {"sparse grads": _sparse, "bf16": _bf16}
+
+
+@pytest.mark.parametrize("mode", ["lean", "full every step"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("option", ["xxh3", "dmix64"])
+def test_other_layouts_under_each_kind(tmp_path: Path, option: str, layout: str, mode: str) -> None:
+    model, opt, batch, loss = LAYOUTS[layout]()
+    snaps: list[dict[str, dict[str, torch.Tensor]]] = []
+    record_run(tmp_path / "run", steps=3, model=model, opt=opt, batch=batch, loss_fn=loss,
+               before_step=lambda t, m, o: snaps.append(snapshot(m, o)), fingerprint=option, on_error="raise",
+               **MODES[mode])
+    with stepdump.open(tmp_path / "run") as run:
+        checked = 0
+        for step in range(3):
+            fps = run.fingerprints(step, ["params", "grads", "optimizer"])
+            assert set(run.fingerprint_kinds(step).values()) == {option}
+            for (kind, name), fp in fps.items():
+                assert fp == _as(option, snaps[step][kind][name]), (step, kind, name)
+                checked += 1
+        assert checked >= 6
+        if layout == "sparse grads":  # the control: the grad is recorded sparse
+            assert run.stats(kind="grads")["dtype"].iloc[0].startswith("sparse_coo:")
+        assert stepdump.verify(run).ok
