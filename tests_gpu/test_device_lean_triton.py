@@ -286,3 +286,41 @@ def test_launches_per_dtype_and_tables_per_layout(monkeypatch: pytest.MonkeyPatc
     assert (tile.launches, combine.launches, len(plans)) == (6, 2, 1), "the second call rebuilt the tables"
     taken(ts[:-1])  # another layout: its own tables
     assert len(plans) == 2
+
+
+class _NoLaunch:
+    """A kernel stand-in that launches nothing (the host side of a call, measured alone)."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _python_calls(fn: Callable[[], object]) -> int:
+    """Python-level calls (functions, and C functions called from Python code) made by ``fn()``."""
+    calls = 0
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_steady_call_does_no_per_tensor_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call on a cached layout makes as many Python-level calls for 600 tensors as for 6 (the
+    key is mapped over the list in C); the kernels are stubbed so the count is the host's own.
+    The control: a first call (tables to build) does scale with the list."""
+    monkeypatch.setattr(dlt, "_tile_kernel", _NoLaunch())
+    monkeypatch.setattr(dlt, "_combine_kernel", _NoLaunch())
+    small = [_tensor(torch.float32, (10 + i,), seed=i).to(DEV) for i in range(6)]
+    big = [_tensor(torch.float32, (10 + i,), seed=i).to(DEV) for i in range(600)]
+    first_small, first_big = _python_calls(lambda: pack(small)), _python_calls(lambda: pack(big))
+    steady_small, steady_big = _python_calls(lambda: pack(small)), _python_calls(lambda: pack(big))
+    assert first_big > first_small + 600, (first_small, first_big)  # the control
+    assert steady_big == steady_small, (steady_small, steady_big)
+    assert steady_small < 100, steady_small  # 19 under the interpreter (no CUDA device context)

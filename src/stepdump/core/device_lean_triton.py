@@ -22,8 +22,9 @@ min, max, the zero fraction and the fingerprint equal the reference bit for bit;
 and norm are sums in another order (within 1e-12 relative).
 
 Tables (data pointers, tiles) are cached per layout, so a steady step launches the same
-kernels on the same tables; the cache key is one small tuple per tensor (data pointer, dtype,
-numel, contiguity, device), the only per-tensor Python of a call.
+kernels on the same tables; the cache key (each tensor's data pointer, dtype, numel,
+contiguity and device: five C-level reads per tensor mapped over the list, no Python loop body)
+is the only per-tensor work of a steady call on the host.
 
 Returns None, for the whole list, where it does not apply (the caller then uses the torch-ops
 reference): Triton not importable, tensors not all on one CUDA device, a tensor that is
@@ -36,6 +37,7 @@ machine and ``tests_gpu/test_device_lean_triton.py`` run them without a GPU.
 from __future__ import annotations
 
 import logging
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -263,6 +265,8 @@ class _Plan:
 
 
 _cache: OrderedDict[tuple[Any, ...], _Plan | str] = OrderedDict()
+_T = torch.Tensor
+_dtype_of = operator.attrgetter("dtype")
 
 
 def fused_pack(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> torch.Tensor | None:
@@ -276,7 +280,9 @@ def fused_pack(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> 
     if not tensors:
         return torch.empty((0, STATS_LEN + 1), dtype=torch.int64)
     try:
-        key = tuple((t.data_ptr(), t.dtype, t.numel(), t.is_contiguous(), t.get_device()) for t in tensors)
+        # Five C-level reads per tensor, mapped over the list (no Python loop body): the layout.
+        key = (*map(_T.data_ptr, tensors), *map(_dtype_of, tensors), *map(_T.numel, tensors),
+               *map(_T.is_contiguous, tensors), *map(_T.get_device, tensors))
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
         return None
     plan = _cache.get(key)
