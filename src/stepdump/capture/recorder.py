@@ -45,12 +45,7 @@ from stepdump.capture.step_state import StateBefore
 from stepdump.capture.profiling import BackgroundClock, span, timed
 from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.ring import Ring
-from stepdump.capture.scalars import (
-    auto_scalars,
-    checked_scalar,
-    profile_scalars,
-    scalar_rows,
-)
+from stepdump.capture.scalars import auto_scalars, profile_scalars, scalar_rows
 from stepdump.capture.selection import Levels, NameFilter
 from stepdump.capture.fingerprints import resumed as resumed_fingerprint
 from stepdump.capture.session import check_objects, init_catalog, prepare_dir, run_meta
@@ -58,6 +53,7 @@ from stepdump.capture.sharding import Ranks, this_rank_records
 from stepdump.capture.staging import StagingPool
 from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
+from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
 from stepdump.core.layout import build_layout
 from stepdump.errors import ConfigError, WriterError
@@ -71,7 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Recorder(_iteration.IterationStart):
+class Recorder(UserLog, _iteration.IterationStart):
     """Record every optimizer step of a training run into a run directory.
 
     Args:
@@ -272,59 +268,6 @@ class Recorder(_iteration.IterationStart):
     def step(self) -> int:
         """The number of the iteration in progress (the next optimizer step)."""
         return self._step
-
-    def log(self, **scalars: Any) -> None:
-        """Record scalars (loss, accuracy, ...) for the current iteration.
-
-        Once the model has run forward (with grad) in this iteration, scalars go to
-        it. Before that, a name logged right after ``optimizer.step()`` that the
-        just-finished step has not got yet is given to that step, so
-        ``rec.log(loss=loss)`` after the step lands on the step that computed it.
-        A value that is not one real number raises :class:`stepdump.ConfigError`.
-        """
-        if self._closed:
-            raise ConfigError("this Recorder is closed; create a new one to record more")
-        if not self.recording:
-            return
-        started = time.perf_counter()  # this call's time is the recorder's (sys/recorder_ms)
-        try:
-            values = {name: checked_scalar(name, value) for name, value in scalars.items()}  # all, before any is kept
-            if self._guard.stopped or self._link.failed():
-                return
-            self._watch.event()
-            for name, value in values.items():
-                step = self._step
-                if self._prev_open and not self._forward_seen and name not in self._pending.get(step - 1, {}):
-                    step -= 1
-                self._pending.setdefault(step, {})[name] = value
-        finally:
-            self._overhead += time.perf_counter() - started
-
-    def log_batch(self, batch: Any) -> None:
-        """Record the batch of the current iteration (any nest of tensors) as kind ``inputs``.
-
-        Stored under ``batch/<path>`` (``batch/0``, ``batch/1`` for ``(x, y)``) so a
-        step can be replayed; call it once per iteration (again for micro-batches:
-        later calls get ``#1``, ``#2``...).
-        """
-        if self._closed:
-            raise ConfigError("this Recorder is closed; create a new one to record more")
-        if not self.recording or self._guard.stopped or self._link.failed():
-            return
-        if self._level(self._step) == LEVEL_NONE:
-            return
-        started = time.perf_counter()  # this call's time is the recorder's (sys/recorder_ms)
-        try:
-            skeleton = self._modules.log_batch(batch)
-        except ConfigError:  # the caller's mistake (no tensors in it): say so
-            raise
-        except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-            self._fail(e, "log_batch()")
-            return
-        finally:
-            self._overhead += time.perf_counter() - started
-        if skeleton is not None:  # what replay hands back to train_step
-            self._batch = skeleton
 
     def close(self) -> None:
         """Write the final record (the state after the last update), flush, detach, release the run."""
