@@ -165,7 +165,7 @@ def test_special_values(case: str, dtype: torch.dtype) -> None:
     check_row(taken([t])[0], t, f"{case} {dtype}", value_zero_sign=case == "zeros of both signs")
 
 
-# Around a tile (4096 elements) and a word (8 bytes): words built across the tile's last elements.
+# Around a tile (dlt._BLOCK elements) and a word (8 bytes): words built across the tile's last elements.
 EDGES = [dlt._BLOCK - 1, dlt._BLOCK, dlt._BLOCK + 1, 2 * dlt._BLOCK + 3, 3 * dlt._BLOCK - 5]
 
 
