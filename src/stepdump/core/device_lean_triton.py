@@ -97,7 +97,8 @@ if triton is not None:
         x = x * 0xC4CEB9FE1A85EC53
         return x ^ (x >> 33)
 
-    @triton.jit
+    # first_tile takes any value (a dtype group's first row): not specialised, so one compile per dtype.
+    @triton.jit(do_not_specialize=["first_tile"])
     @no_type_check  # a kernel: Triton's language, not Python's types
     def _tile_kernel(ptrs, tile_tensor, tile_start, tile_count, first_tile, fpart, ipart,
                      BLOCK: tl.constexpr, R: tl.constexpr, KIND: tl.constexpr,
@@ -281,6 +282,8 @@ def fused_pack(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> 
         return None
     if not tensors:
         return torch.empty((0, STATS_LEN + 1), dtype=torch.int64)
+    if not (_allow_cpu or tensors[0].is_cuda):  # a CPU list (a dmix64 CPU run): no key, no tables
+        return None
     try:
         # Five C-level reads per tensor, mapped over the list (no Python loop body): the layout.
         key = (*map(_T.data_ptr, tensors), *map(_dtype_of, tensors), *map(_T.numel, tensors),
@@ -297,12 +300,7 @@ def fused_pack(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> 
             _cache.popitem(last=False)
     else:
         _cache.move_to_end(key)
-    if isinstance(plan, str):
-        return None
-    if plan.device.type != "cuda" and not _allow_cpu:
-        log.debug("fused_pack: not taken, the tensors are on %s, not a CUDA device", plan.device)
-        return None
-    return _launch(plan)
+    return None if isinstance(plan, str) else _launch(plan)
 
 
 def _refusal(tensors: Sequence[torch.Tensor]) -> str | None:
