@@ -278,10 +278,10 @@ def fused_pack(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> 
     never waited for. None where the kernel does not take the list (module docstring): the
     caller then uses :func:`stepdump.core.device_lean.reference_pack`. ``_allow_cpu`` is for
     tests under Triton's CPU interpreter only."""
+    if not tensors:  # nothing to launch, with or without Triton
+        return torch.empty((0, STATS_LEN + 1), dtype=torch.int64)
     if triton is None:
         return None
-    if not tensors:
-        return torch.empty((0, STATS_LEN + 1), dtype=torch.int64)
     if not (_allow_cpu or tensors[0].is_cuda):  # a CPU list (a dmix64 CPU run): no key, no tables
         return None
     try:
