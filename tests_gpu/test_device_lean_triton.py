@@ -267,12 +267,18 @@ class _Counting:
         return counted
 
 
+def _fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No layout or structure of an earlier test (the allocator may give their addresses again)."""
+    monkeypatch.setattr(dlt, "_cache", type(dlt._cache)())
+    monkeypatch.setattr(dlt, "_structures", type(dlt._structures)())
+
+
 def test_launches_per_dtype_and_tables_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPT-2-like step (params, grads, two moments fp32; an int64 step; bf16 copies): g + 1
     launches for g dtypes, whatever the number of tensors; the tables built once per layout."""
     tile, combine = _Counting(dlt._tile_kernel), _Counting(dlt._combine_kernel)
     plans: list[int] = []
-    monkeypatch.setattr(dlt, "_cache", type(dlt._cache)())  # no layout of an earlier test
+    _fresh_caches(monkeypatch)
     real_plan = dlt._plan
     monkeypatch.setattr(dlt, "_tile_kernel", tile)
     monkeypatch.setattr(dlt, "_combine_kernel", combine)
@@ -324,3 +330,24 @@ def test_steady_call_does_no_per_tensor_python(monkeypatch: pytest.MonkeyPatch) 
     assert first_big > first_small + 600, (first_small, first_big)  # the control
     assert steady_big == steady_small, (steady_small, steady_big)
     assert steady_small < 100, steady_small  # 19 under the interpreter (no CUDA device context)
+
+
+def test_new_memory_same_structure_reuses_the_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors given new memory (grads set to None and allocated again) keep their structure's
+    tile tables; only the pointer table is new, and the rows are of the new memory's bytes."""
+    _fresh_caches(monkeypatch)
+    plans: list[int] = []
+    real_plan = dlt._plan
+    monkeypatch.setattr(dlt, "_plan", lambda *a: plans.append(1) or real_plan(*a))
+    ts = [_tensor(d, (2 * dlt._BLOCK + 5 * i,), seed=i).to(DEV) for i, d in enumerate(DTYPES)]
+    first = taken(ts)
+    moved = [t.clone() for t in ts]
+    assert all(m.data_ptr() != t.data_ptr() for m, t in zip(moved, ts))  # the control: new memory
+    moved[0].view(-1)[7] += 1  # float32: one element of the new memory differs from the old
+    got = taken(moved)
+    assert len(plans) == 1, "the tables were built again for the same structure"
+    assert int(got[0, STATS_LEN]) != int(first[0, STATS_LEN])
+    check_row(got[0], moved[0], "the changed tensor, read from its new memory")
+    assert_same(got[1:], first[1:], "the same bytes in new memory")
+    del ts, first  # the old memory goes back to the allocator: the rows stay those of `moved`
+    assert_same(taken(moved), got, "again, after the old memory was freed")

@@ -251,12 +251,12 @@ if triton is not None:
 
 @dataclass
 class _Plan:
-    """The device tables of one layout (a list's data pointers, dtypes, sizes)."""
+    """The device tables of one structure (a list's dtypes and sizes, on one device): all but the
+    data pointers, so tensors given new memory (grads set to None and allocated again) reuse them."""
 
     device: torch.device
     n_tensors: int
     n_tiles: int
-    ptrs: torch.Tensor  # int64 data pointers, one per tensor
     tile_tensor: torch.Tensor  # int64, one per tile, tiles grouped by dtype
     tile_start: torch.Tensor  # int64 element start within the tensor
     tile_count: torch.Tensor  # int64 elements in the tile (1 .. _BLOCK)
@@ -267,7 +267,10 @@ class _Plan:
     groups: list[tuple[torch.dtype, int, int]]  # (dtype, first tile row, tiles) per launch
 
 
-_cache: OrderedDict[tuple[Any, ...], _Plan | str] = OrderedDict()
+# Two levels: the structure (dtypes, numels, contiguity, devices) -> its tables or why not; the
+# whole layout (those and the data pointers) -> (tables, the pointer table on the device).
+_structures: OrderedDict[tuple[Any, ...], _Plan | str] = OrderedDict()
+_cache: OrderedDict[tuple[Any, ...], tuple[_Plan, torch.Tensor] | str] = OrderedDict()
 _T = torch.Tensor
 _dtype_of = operator.attrgetter("dtype")
 
@@ -290,17 +293,46 @@ def fused_pack(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> 
                *map(_T.is_contiguous, tensors), *map(_T.get_device, tensors))
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
         return None
-    plan = _cache.get(key)
+    hit = _cache.get(key)
+    if hit is None:
+        hit = _bind(tensors, key)
+        _remember(_cache, key, hit)
+    else:
+        _cache.move_to_end(key)
+    return None if isinstance(hit, str) else _launch(*hit)
+
+
+def _remember(cache: OrderedDict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> None:
+    cache[key] = value
+    while len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+def _bind(tensors: Sequence[torch.Tensor], key: tuple[Any, ...]) -> tuple[_Plan, torch.Tensor] | str:
+    """A new layout: its structure's tables (built once per structure) and its pointer table."""
+    n = len(tensors)
+    skey = key[n:]  # the key's data pointers come first
+    plan = _structures.get(skey)
     if plan is None:
         plan = _plan(tensors)
         if isinstance(plan, str):
             log.debug("fused_pack: not taken, the torch-ops reference is used: %s", plan)
-        _cache[key] = plan
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
+        _remember(_structures, skey, plan)
     else:
-        _cache.move_to_end(key)
-    return None if isinstance(plan, str) else _launch(plan)
+        _structures.move_to_end(skey)
+    if isinstance(plan, str):
+        return plan
+    ptrs = np.array(key[:n], dtype=np.uint64).view(np.int64)
+    return plan, _to_device(ptrs, plan.device)
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 table on the device, queued on the current stream without a host wait: through
+    pinned memory from torch's caching host allocator, which keeps the block until the copy ran."""
+    host = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if device.type != "cuda":  # the interpreter's CPU tensors: the table itself
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _refusal(tensors: Sequence[torch.Tensor]) -> str | None:
@@ -329,7 +361,6 @@ def _plan(tensors: Sequence[torch.Tensor]) -> _Plan | str:
     n = len(tensors)
     numel = np.array([t.numel() for t in tensors], dtype=np.int64)
     itemsize = np.array([t.element_size() for t in tensors], dtype=np.int64)
-    ptrs = np.array([t.data_ptr() for t in tensors], dtype=np.uint64).view(np.int64)
     tiles = (numel + _BLOCK - 1) // _BLOCK
     order: list[int] = []
     groups: list[tuple[torch.dtype, int, int]] = []
@@ -351,23 +382,24 @@ def _plan(tensors: Sequence[torch.Tensor]) -> _Plan | str:
     tile_start = tile_k * _BLOCK
     tile_count = np.minimum(numel[tile_tensor] - tile_start, _BLOCK)
 
-    def on_dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)
+    # One copy to the device, then views of it: the tables, in _Plan's order.
+    parts = [tile_tensor, tile_start, tile_count, first, tiles, numel, numel * itemsize]
+    table = _to_device(np.concatenate(parts), dev)
+    tile_tensor_d, tile_start_d, tile_count_d, first_d, tiles_d, numel_d, nbytes_d = torch.split(
+        table, [len(x) for x in parts])
+    return _Plan(dev, n, row, tile_tensor_d, tile_start_d, tile_count_d, first_d, tiles_d, numel_d, nbytes_d, groups)
 
-    return _Plan(dev, n, row, on_dev(ptrs), on_dev(tile_tensor), on_dev(tile_start), on_dev(tile_count),
-                 on_dev(first), on_dev(tiles), on_dev(numel), on_dev(numel * itemsize), groups)
 
-
-def _launch(plan: _Plan) -> torch.Tensor:
+def _launch(plan: _Plan, ptrs: torch.Tensor) -> torch.Tensor:
     """g + 1 launches on the current stream; fresh partial and output buffers each call (the
     caching allocator makes them cheap, and a result the caller still holds is never rewritten)."""
     if plan.device.type == "cuda":
         with torch.cuda.device(plan.device):  # Triton launches on the current device
-            return _launch_here(plan)
-    return _launch_here(plan)
+            return _launch_here(plan, ptrs)
+    return _launch_here(plan, ptrs)
 
 
-def _launch_here(plan: _Plan) -> torch.Tensor:
+def _launch_here(plan: _Plan, ptrs: torch.Tensor) -> torch.Tensor:
     fpart = torch.empty((max(plan.n_tiles, 1), 5), dtype=torch.float64, device=plan.device)
     ipart = torch.empty((max(plan.n_tiles, 1), 6), dtype=torch.int64, device=plan.device)
     out = torch.empty((plan.n_tensors, STATS_LEN + 1), dtype=torch.int64, device=plan.device)
@@ -375,7 +407,7 @@ def _launch_here(plan: _Plan) -> torch.Tensor:
     combine_kernel: Any = _combine_kernel
     for dtype, first_row, count in plan.groups:
         size, kind, value_type = _DTYPES[dtype]
-        tile_kernel[(count,)](plan.ptrs, plan.tile_tensor, plan.tile_start, plan.tile_count, first_row,
+        tile_kernel[(count,)](ptrs, plan.tile_tensor, plan.tile_start, plan.tile_count, first_row,
                               fpart, ipart, BLOCK=_BLOCK, R=8 // size, KIND=kind,
                               VT=getattr(tl, value_type), num_warps=_NUM_WARPS)
     combine_kernel[(plan.n_tensors,)](plan.tensor_first, plan.tensor_tiles, plan.tensor_numel, plan.tensor_nbytes,
