@@ -80,10 +80,7 @@ _BLOCK = 2048  # elements per tile: a power of two, a multiple of 8 (whole words
 # 512-thread tiles fit an SM at once; 8 a thread took 64 / 81, and 16 took 136.
 _NUM_WARPS = 16
 _COMBINE_BLOCK = 256  # tile partials a combining program reads at a time
-_CACHE_SIZE = 16  # layouts kept (a run has one or two: lean steps, full steps)
-
-_INF_BITS = 0x7FF0000000000000
-_NAN_BITS = 0x7FF8000000000000  # the NaN torch writes (device_stats' "no value")
+_CACHE_SIZE = 16  # structures, and layouts, kept (a run has a few: lean steps, full steps)
 
 if triton is not None:
 
@@ -232,7 +229,7 @@ if triton is not None:
         hi = tl.max(a_hi, axis=0)
         s = tl.sum(a_fp, axis=0)
         fp = _fmix(s + nbytes.to(tl.uint64) * 0xC2B2AE3D27D4EB4F)
-        nan_bits = tl.full([], 0x7FF8000000000000, tl.int64)
+        nan_bits = tl.full([], 0x7FF8000000000000, tl.int64)  # the NaN torch writes for "no value"
         none = n_fin == 0
         row = out + i * OUT_LEN
         tl.store(row + 0, numel.to(tl.float64).to(tl.int64, bitcast=True))
