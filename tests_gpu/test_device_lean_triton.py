@@ -165,8 +165,10 @@ def test_special_values(case: str, dtype: torch.dtype) -> None:
     check_row(taken([t])[0], t, f"{case} {dtype}", value_zero_sign=case == "zeros of both signs")
 
 
-# Around a tile (dlt._BLOCK elements) and a word (8 bytes): words built across the tile's last elements.
-EDGES = [dlt._BLOCK - 1, dlt._BLOCK, dlt._BLOCK + 1, 2 * dlt._BLOCK + 3, 3 * dlt._BLOCK - 5]
+# Around a block (dlt._BLOCK elements), a chunk (dlt._CHUNK: one program) and a word (8 bytes):
+# words built across a block's last elements, partials combined across chunks.
+EDGES = [dlt._BLOCK - 1, dlt._BLOCK, dlt._BLOCK + 1, 2 * dlt._BLOCK + 3, 3 * dlt._BLOCK - 5,
+         dlt._CHUNK - 1, dlt._CHUNK + 1, 2 * dlt._CHUNK + 3]
 
 
 @pytest.mark.parametrize("numel", EDGES)
@@ -206,7 +208,7 @@ def test_same_bits_every_call_and_never_stale() -> None:
     first = taken(ts)
     assert_same(taken(ts), first, "second call")
     assert_same(taken(ts), first, "third call")
-    ts[0].view(-1)[5000] += 1
+    ts[0].view(-1)[3 * dlt._BLOCK + 7] += 1
     third = taken(ts)
     assert int(third[0, STATS_LEN]) != int(first[0, STATS_LEN])
     check_row(third[0], ts[0], "after an in-place change")
@@ -276,11 +278,11 @@ def _fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_launches_per_dtype_and_tables_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPT-2-like step (params, grads, two moments fp32; an int64 step; bf16 copies): g + 1
     launches for g dtypes, whatever the number of tensors; the tables built once per layout."""
-    tile, combine = _Counting(dlt._tile_kernel), _Counting(dlt._combine_kernel)
+    tile, combine = _Counting(dlt._chunk_kernel), _Counting(dlt._combine_kernel)
     plans: list[int] = []
     _fresh_caches(monkeypatch)
     real_plan = dlt._plan
-    monkeypatch.setattr(dlt, "_tile_kernel", tile)
+    monkeypatch.setattr(dlt, "_chunk_kernel", tile)
     monkeypatch.setattr(dlt, "_combine_kernel", combine)
     monkeypatch.setattr(dlt, "_plan", lambda *a: plans.append(1) or real_plan(*a))
     ts = [_tensor(torch.float32, (1 + 997 * i,), seed=i).to(DEV) for i in range(4 * 12)]
@@ -321,7 +323,7 @@ def test_steady_call_does_no_per_tensor_python(monkeypatch: pytest.MonkeyPatch) 
     """A call on a cached layout makes as many Python-level calls for 600 tensors as for 6 (the
     key is mapped over the list in C); the kernels are stubbed so the count is the host's own.
     The control: a first call (tables to build) does scale with the list."""
-    monkeypatch.setattr(dlt, "_tile_kernel", _NoLaunch())
+    monkeypatch.setattr(dlt, "_chunk_kernel", _NoLaunch())
     monkeypatch.setattr(dlt, "_combine_kernel", _NoLaunch())
     small = [_tensor(torch.float32, (10 + i,), seed=i).to(DEV) for i in range(6)]
     big = [_tensor(torch.float32, (10 + i,), seed=i).to(DEV) for i in range(600)]

@@ -16,6 +16,7 @@ series carry it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ import torch
 
 from stepdump.capture.packed import LeanRow
 from stepdump.core.device_lean import DEVICE_FP_KIND, lean_pack
-from stepdump.core.dtypes import stored_dtype
+from stepdump.core.dtypes import dtype_name
 from stepdump.core.stats import STATS_LEN
 from stepdump.store.format import format_shape
 
@@ -52,8 +53,20 @@ def pack_on_device(entries: list[tuple], pin: bool = True) -> tuple[torch.Tensor
 
 
 def heads(entries: list[tuple]) -> list[Head]:
-    """The rows' heads: series names, and dtype and shape as the catalog writes them."""
-    return [(e[0], e[1], e[4], e[5], stored_dtype(e[2]), format_shape(e[2].shape)) for e in entries]
+    """The rows' heads: series names, and dtype and shape as the catalog writes them (the entries
+    are dense: the sparse ones were staged apart). On the training thread, once a step: the
+    texts are made once per dtype and shape, not per tensor."""
+    return [(e[0], e[1], e[4], e[5], _dtype_text(e[2].dtype), _shape_text(e[2].shape)) for e in entries]
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_text(dtype: torch.dtype) -> str:
+    return dtype_name(dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_text(shape: torch.Size) -> str:
+    return format_shape(shape)
 
 
 def stats_of(values: list[float]) -> tuple[object, ...]:

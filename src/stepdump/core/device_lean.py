@@ -85,6 +85,13 @@ def fused_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     definitions of :func:`stepdump.core.stats.device_stats`), with no host synchronisation."""
     if not tensors:
         return torch.empty((0, STATS_LEN), dtype=torch.float64)
+    fused = _fused_pack(list(tensors))
+    if fused is not None:  # the same numbers a lean step records (its sums may differ from device_stats' in the last bits)
+        return fused[:, :STATS_LEN].view(torch.float64)
+    return _reference_stats(tensors)
+
+
+def _reference_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([device_stats(t) for t in tensors])
 
 
@@ -112,6 +119,6 @@ def reference_pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`lean_pack` by plain torch ops (any device)."""
     if not tensors:
         return torch.empty((0, STATS_LEN + 1), dtype=torch.int64)
-    stats = fused_stats(tensors)
+    stats = _reference_stats(tensors)
     fps = torch.stack([device_fingerprint(t) for t in tensors]).to(stats.device)
     return torch.cat([stats.view(torch.int64), fps.unsqueeze(1)], dim=1)
