@@ -17,9 +17,10 @@ series carry it.
 from __future__ import annotations
 
 import functools
-import math
+import operator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from stepdump.capture.packed import LeanRow
@@ -54,9 +55,15 @@ def pack_on_device(entries: list[tuple], pin: bool = True) -> tuple[torch.Tensor
 
 def heads(entries: list[tuple]) -> list[Head]:
     """The rows' heads: series names, and dtype and shape as the catalog writes them (the entries
-    are dense: the sparse ones were staged apart). On the training thread, once a step: the
-    texts are made once per dtype and shape, not per tensor."""
-    return [(e[0], e[1], e[4], e[5], _dtype_text(e[2].dtype), _shape_text(e[2].shape)) for e in entries]
+    are dense: the sparse ones were staged apart). On the training thread, once a step: C-level
+    maps over the list, the texts made once per dtype and shape, not per tensor."""
+    ts = list(map(_TENSOR, entries))
+    return list(zip(map(_KIND, entries), map(_NAME, entries), map(_PARAM, entries), map(_KEY, entries),
+                    map(_dtype_text, map(_DTYPE, ts)), map(_shape_text, map(_SHAPE, ts))))
+
+
+_KIND, _NAME, _TENSOR, _PARAM, _KEY = (operator.itemgetter(i) for i in (0, 1, 2, 4, 5))
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,18 +76,14 @@ def _shape_text(shape: torch.Size) -> str:
     return format_shape(shape)
 
 
-def stats_of(values: list[float]) -> tuple[object, ...]:
-    """A pack row's ten stats as the catalog stores them: counts as integers, NaN (no finite
-    element, an empty tensor) as NULL, as :func:`stepdump.core.stats.compute_stats` gives None."""
-    counts = tuple(int(v) for v in values[:4])
-    return counts + tuple(None if math.isnan(v) else float(v) for v in values[4:])
-
-
 def rows(pack: DevicePack) -> list[LeanRow]:
     """The catalog rows of a device pack, once its copy has landed (the writer waited on the
     slot's event): the stats' float64 bits and the dmix64 fingerprint of each tensor."""
-    host = pack.host
-    stats = host[:, :STATS_LEN].contiguous().view(torch.float64).tolist()
+    host = pack.host.numpy()
+    values = host[:, :STATS_LEN].copy().view(np.float64)
+    counts = values[:, :4].astype(np.int64).tolist()
+    rest = values[:, 4:].astype(object)  # NaN (no value) -> None, in C rather than per element
+    rest[np.isnan(values[:, 4:])] = None
     fps = host[:, STATS_LEN].tolist()
-    return [LeanRow(kind, name, param, key, dtype, shape, stats_of(s), fp, DEVICE_FP_KIND)  # type: ignore[arg-type]
-            for (kind, name, param, key, dtype, shape), s, fp in zip(pack.heads, stats, fps)]
+    return [LeanRow(kind, name, param, key, dtype, shape, (*c, *r), fp, DEVICE_FP_KIND)  # type: ignore[arg-type]
+            for (kind, name, param, key, dtype, shape), c, r, fp in zip(pack.heads, counts, rest.tolist(), fps)]
