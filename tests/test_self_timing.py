@@ -21,6 +21,7 @@ import stepdump
 from stepdump.capture import activations, iteration, profiling
 from stepdump.capture import hooks as hooks_module
 from stepdump.capture import recorder as recorder_module
+from stepdump.capture import user_log as user_log_module
 from stepdump.capture.profiling import BackgroundClock, timed
 
 MODES = {"lean": {"every": None, "stats_every": 1}, "full": {"every": 1}, "tiered": {"every": 2, "stats_every": 1},
@@ -56,6 +57,7 @@ def test_recorder_ms_counts_the_forward_hooks(tmp_path, monkeypatch, mode, entry
     # The recorder's own clock stands still; the forward hooks' clock moves 1 s per reading, so
     # each hook call costs exactly 1 s: recorder_ms is 1000 x (timed hook calls per iteration).
     monkeypatch.setattr(recorder_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    monkeypatch.setattr(user_log_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     monkeypatch.setattr(profiling, "_wall", _Ticks())
     torch.manual_seed(0)
     model = _Net()
@@ -129,7 +131,7 @@ class _Clock:
 # made to take exactly 1 s of the injected clock; recorder_ms must count it in its iteration.
 TRAINING_THREAD_WORK = {
     "pre-hook, before the record is taken": (iteration, "update_starting", 1),
-    "log()": (recorder_module, "checked_scalar", 1),
+    "log()": (user_log_module, "checked_scalar", 1),
     "log_batch()": (activations.ModuleCapture, "log_batch", 1),
     # the frame walk telling the step's own hook call from an inner super().step(): pre and post
     "the optimizer hooks' frame walk": (hooks_module, "nested_step", 2),
@@ -141,6 +143,7 @@ TRAINING_THREAD_WORK = {
 def test_recorder_ms_counts_all_recorder_work_on_the_training_thread(tmp_path, monkeypatch, mode, work) -> None:
     clock = _Clock()
     monkeypatch.setattr(recorder_module, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(user_log_module, "time", types.SimpleNamespace(perf_counter=clock))  # log(), log_batch()
     monkeypatch.setattr(profiling, "_wall", clock)
     owner, name, calls = TRAINING_THREAD_WORK[work]
     real = getattr(owner, name)
