@@ -93,6 +93,7 @@ def test_packed_rows_equal_the_per_tensor_rows_bitwise(monkeypatch, content: str
                                                        vector_min: int) -> None:
     # Zero counts and two-pass variances: over the whole buffer, or tensor by tensor (both the same bits).
     monkeypatch.setattr(packed, "VECTOR_MIN", vector_min)
+    monkeypatch.setattr(packed, "VECTOR_SPAN", 10**9 if vector_min == 0 else 0)
     g = torch.Generator().manual_seed(len(content))
     # Each size with this content, between normal neighbours (a tensor's row depends on its elements only).
     tensors, kinds = [], []
@@ -252,3 +253,23 @@ def test_a_layout_change_mid_run_is_a_new_plan_and_every_row_stays_right(tmp_pat
         got = {(r[0], r[1]): repr(tuple(r[4:-1])) for r in run.catalog.step_rows(t)
                if r[0] in ("params", "grads", "optimizer")}
         assert got == want, f"{change}: step {t}"
+
+
+def test_a_few_two_pass_tensors_in_a_large_buffer_are_done_one_by_one(monkeypatch) -> None:
+    """nanoGPT tiny's layout: 5 LayerNorm weights (|mean| > 10 std: two-pass variance) among
+    ~200k elements. They are done one by one (no float64 copy of the whole buffer, no np.repeat
+    of the means over it), with the bits of the per-tensor path."""
+    g = torch.Generator().manual_seed(7)
+    tensors = [_tensor("normal", 40_000, torch.float32, g) for _ in range(5)]
+    for i in range(5):
+        tensors.insert(2 * i + 1, _tensor("layernorm", 64, torch.float32, g))
+    kinds = ["params"] * len(tensors)
+    buf = torch.cat(tensors)
+    want = [compute_stats(t) for t in tensors]
+
+    def no_repeat(*args, **kwargs):
+        raise AssertionError("a whole-buffer pass for 5 small tensors")
+
+    monkeypatch.setattr(packed.np, "repeat", no_repeat)
+    stats, _ = packed.packed_rows(kinds, buf, [t.numel() for t in tensors])
+    assert _exact(stats[1::2]) == _exact(want[1::2])  # the LayerNorm weights: every stat, compute_stats' bits
