@@ -313,7 +313,8 @@ def test_diff_across_kinds_is_never_identical(tmp_path: Path, every: int | None)
 # -- the target ------------------------------------------------------------------------------
 def test_lean_overhead_on_gpt2_small(tmp_path: Path) -> None:
     """Lean recording (stats + fingerprints every step) ≤ 1.02x an unrecorded GPT-2-small step,
-    medians of 6 interleaved rounds in one process (arm order rotated); the floor (one fused read) and sys/recorder_ms printed beside."""
+    medians of 6 interleaved rounds in one process (arm order rotated); the floor (one fused read)
+    and sys/recorder_ms printed beside."""
     times = gpt2_step_times(tmp_path)
     plain, lean, floor = (statistics.median(times[k]) for k in ("plain", "lean", "floor"))
     own = statistics.median(times["recorder_ms"])
