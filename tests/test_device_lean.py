@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dmix_reference import reference_dmix64
+from dmix_reference import CHANGES, changed_pair, reference_dmix64
 from helpers import assert_same
 
 from stepdump.core.device_lean import device_fingerprint, fused_stats, lean_pack, reference_pack
@@ -63,30 +63,9 @@ def test_fingerprint_of_a_sparse_tensor_covers_its_structure() -> None:
     assert int(device_fingerprint(a)) != int(device_fingerprint(b))
 
 
-CHANGES = ["first bit", "middle bit", "last bit", "swap two words", "one zero byte more", "-0.0 for 0.0",
-           "another NaN payload"]
-
-
 @pytest.mark.parametrize("change", CHANGES)
 def test_every_change_changes_it(change: str) -> None:
-    a = bytearray(bytes(raw_bytes(_tensor(torch.float32, (1001,)))))
-    b = bytearray(a)
-    if change == "first bit":
-        b[0] ^= 1
-    elif change == "middle bit":
-        b[len(b) // 2] ^= 0x10
-    elif change == "last bit":
-        b[-1] ^= 0x80
-    elif change == "swap two words":
-        b[0:8], b[8:16] = a[8:16], a[0:8]
-    elif change == "one zero byte more":
-        b += b"\0"
-    elif change == "-0.0 for 0.0":
-        a[0:4] = bytes(4)
-        b[0:4] = bytes([0, 0, 0, 0x80])
-    else:
-        a[0:4] = bytes([0, 0, 0xC0, 0x7F])
-        b[0:4] = bytes([1, 0, 0xC0, 0x7F])
+    a, b = changed_pair(bytes(raw_bytes(_tensor(torch.float32, (1001,)))), change)
     assert a != b  # the control
     fa, fb = (int(device_fingerprint(torch.frombuffer(bytearray(x), dtype=torch.uint8))) for x in (a, b))
     assert fa == reference_dmix64(bytes(a)) and fb == reference_dmix64(bytes(b))

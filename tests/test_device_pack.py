@@ -39,7 +39,7 @@ def _entries(nonfinite: bool) -> list[tuple]:
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_rows_are_the_stats_and_dmix64_of_each_tensor(nonfinite: bool) -> None:
     entries = _entries(nonfinite)
-    _, host = pack_on_device(entries, pin=False)
+    host = pack_on_device(entries, pin=False)
     got = rows(DevicePack(heads(entries), host))
     assert [(r.kind, r.name, r.param, r.key) for r in got] == [e[0:2] + e[4:6] for e in entries]
     for r, e in zip(got, entries, strict=True):
@@ -56,7 +56,7 @@ def test_rows_are_the_stats_and_dmix64_of_each_tensor(nonfinite: bool) -> None:
 def test_a_finite_tensor_row_agrees_with_the_host_stats_where_they_are_exact() -> None:
     """Counts, min, max and the zero fraction are the same numbers the CPU path stores."""
     entries = [e for e in _entries(False) if e[2].numel()]
-    _, host = pack_on_device(entries, pin=False)
+    host = pack_on_device(entries, pin=False)
     for r, e in zip(rows(DevicePack(heads(entries), host)), entries, strict=True):
         want = compute_stats(e[2])
         assert r.stats[:6] == want[:6] and r.stats[9] == want[9], (e[1], r.stats, want)
@@ -64,7 +64,7 @@ def test_a_finite_tensor_row_agrees_with_the_host_stats_where_they_are_exact() -
 
 def test_empty_tensor_has_no_values() -> None:
     entries = [("grads", "e", torch.empty(0, 3), False, None, None)]
-    _, host = pack_on_device(entries, pin=False)
+    host = pack_on_device(entries, pin=False)
     (r,) = rows(DevicePack(heads(entries), host))
     assert r.stats == (0, 0, 0, 0, None, None, None, None, None, None)
     assert r.shape == format_shape((0, 3))

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 from cuda_workloads import DEV, gpt2_step_times
-from dmix_reference import reference_dmix64
+from dmix_reference import CHANGES, COMPARE_ROWS, changed_pair, reference_dmix64, sprinkle_nonfinite
 from helpers import assert_same
 from torch import nn
 
@@ -86,37 +86,11 @@ def test_device_fingerprint_of_a_view_is_that_of_its_contiguous_bytes(layout: st
     assert int(lean.device_fingerprint(view)) == reference_dmix64(bytes(raw_bytes(view.cpu())))
 
 
-CHANGES = ["first bit", "middle bit", "last bit", "sign of last element", "swap two words", "one zero byte more",
-           "one zero byte less", "-0.0 for 0.0", "another NaN payload"]
-
-
 @pytest.mark.parametrize("change", CHANGES)
 def test_device_fingerprint_sees_every_change(change: str) -> None:
     """Every change of the bytes or their length changes the fingerprint (each row once, bitwise)."""
     lean = _lean()
-    a = bytearray(bytes(raw_bytes(_tensor(torch.float32, (1001,)))))
-    b = bytearray(a)
-    if change == "first bit":
-        b[0] ^= 1
-    elif change == "middle bit":
-        b[len(b) // 2] ^= 0x10
-    elif change == "last bit":
-        b[-1] ^= 0x80
-    elif change == "sign of last element":
-        a[-1] &= 0x7F  # float32 little-endian: the sign is the top bit of the last byte
-        b[-1] = a[-1] | 0x80
-    elif change == "swap two words":
-        b[0:8], b[8:16] = a[8:16], a[0:8]
-    elif change == "one zero byte more":
-        b += b"\0"
-    elif change == "one zero byte less":
-        a += b"\0"
-    elif change == "-0.0 for 0.0":
-        a[0:4] = bytes(4)
-        b[0:4] = bytes([0, 0, 0, 0x80])
-    else:
-        a[0:4] = bytes([0, 0, 0xC0, 0x7F])
-        b[0:4] = bytes([1, 0, 0xC0, 0x7F])
+    a, b = changed_pair(bytes(raw_bytes(_tensor(torch.float32, (1001,)))), change)
     assert a != b  # the control: the change is one
     fa, fb = (int(lean.device_fingerprint(torch.frombuffer(bytearray(x), dtype=torch.uint8).to(DEV)))
               for x in (a, b))
@@ -145,11 +119,7 @@ def test_fused_stats_agree_with_device_stats(mix: str, nonfinite: bool) -> None:
     ts = [_tensor(d, (1 + 977 * i, 3), seed=i).to(DEV) for i, d in enumerate(MIXES[mix])]
     ts.append(torch.empty(0, device=DEV))  # an empty tensor: NaN for what has no value
     if nonfinite:
-        for t in ts:
-            if t.dtype.is_floating_point and t.numel() > 20:
-                t.view(-1)[::7] = float("nan")
-                t.view(-1)[1::13] = float("inf")
-                t.view(-1)[2::17] = float("-inf")
+        sprinkle_nonfinite(ts)
     got = lean.fused_stats(ts)
     assert got.shape == (len(ts), STATS_LEN) and got.dtype == torch.float64 and got.device.type == "cuda"
     for i, t in enumerate(ts):
@@ -172,15 +142,6 @@ def test_lean_pack_is_stats_bits_then_fingerprint() -> None:
 
 
 # -- comparisons across fingerprint kinds: equal only when same kind and same value --------------
-COMPARE_ROWS = [
-    ("xxh3", 7, "xxh3", 7, True),
-    ("xxh3", 7, "xxh3", 8, False),
-    ("dmix64", -3, "dmix64", -3, True),
-    ("dmix64", -3, "dmix64", 3, False),
-    ("xxh3", 7, "dmix64", 7, None),  # same number, other kind: not "identical", not comparable
-    ("dmix64", 7, "xxh3", 7, None),
-    ("xxh3", 7, "dmix64", 8, None),  # nor "different": the bytes may still be equal
-]
 
 
 @pytest.mark.parametrize(("ka", "fa", "kb", "fb", "want"), COMPARE_ROWS)

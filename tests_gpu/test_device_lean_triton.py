@@ -33,6 +33,7 @@ for _p in (_HERE.parent / "tests", _HERE):  # what tests_gpu/conftest.py adds, f
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from dmix_reference import sprinkle_nonfinite  # noqa: E402
 from helpers import assert_same  # noqa: E402
 from test_device_lean_contract import DTYPES, MIXES, SHAPES, _same_or_both_nan, _tensor, reference_dmix64  # noqa: E402
 
@@ -104,11 +105,7 @@ def test_mixes_with_and_without_nonfinite(mix: str, nonfinite: bool) -> None:
     ts = [_tensor(d, (1 + 1777 * (i + 1), 3), seed=i).to(DEV) for i, d in enumerate(MIXES[mix])]  # 2+ tiles
     ts.append(torch.empty(0, device=DEV))
     if nonfinite:
-        for t in ts:
-            if t.dtype.is_floating_point and t.numel() > 20:
-                t.view(-1)[::7] = float("nan")
-                t.view(-1)[1::13] = float("inf")
-                t.view(-1)[2::17] = float("-inf")
+        sprinkle_nonfinite(ts)
     got = taken(ts)
     for i, t in enumerate(ts):
         check_row(got[i], t, f"{mix} tensor {i}")

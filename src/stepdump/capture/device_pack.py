@@ -42,15 +42,15 @@ class DevicePack:
     host: torch.Tensor  # (n, STATS_LEN + 1) int64, pinned
 
 
-def pack_on_device(entries: list[tuple], pin: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_on_device(entries: list[tuple], pin: bool = True) -> torch.Tensor:
     """``lean_pack`` of the entries' tensors (``(kind, name, tensor, ...)``, all on one device),
-    queued on the current stream, and its pinned host copy (``non_blocking``: filled when the
-    stream gets there). Returns (device pack, host pack); the device one must live until then,
-    which the caching allocator sees to (the copy is recorded on the stream that made it)."""
+    queued on the current stream, copied into (pinned) host memory by one ``non_blocking`` copy:
+    the host pack, filled when the stream gets there. The device pack is let go here; the caching
+    allocator keeps its memory until the copy recorded on its stream has run."""
     pack = lean_pack([e[2] for e in entries])
     host = torch.empty(pack.shape, dtype=torch.int64, pin_memory=pin and pack.device.type == "cuda")
     host.copy_(pack, non_blocking=True)
-    return pack, host
+    return host
 
 
 def heads(entries: list[tuple]) -> list[Head]:

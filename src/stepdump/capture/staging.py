@@ -353,7 +353,7 @@ class Stager:
         main = torch.cuda.current_stream(device)
         stream.wait_stream(main)
         with torch.no_grad(), torch.cuda.stream(stream):
-            _, host = pack_on_device(items)
+            host = pack_on_device(items)
             slot.device_pack = DevicePack(heads(items), host)
             event = torch.cuda.Event()
             event.record(stream)
@@ -372,7 +372,7 @@ class Stager:
                 # (capture/device_pack.py); no byte of them crosses to the host.
                 lean = [e for e in entries if not e[3]]
                 if lean:
-                    _, host = pack_on_device(lean)
+                    host = pack_on_device(lean)
                     slot.device_pack = DevicePack(heads(lean), host)
                 entries = [e for e in entries if e[3]]
             staged = []
@@ -391,7 +391,7 @@ class Stager:
             if self.device_fp and staged:
                 # Stats and dmix64 of the copied tensors from one device pass: the fingerprint
                 # kind of a series is the same at its full and its stats-only steps.
-                _, host = pack_on_device(staged)
+                host = pack_on_device(staged)
                 for i, (kind, name, t, full, param, key, buf) in enumerate(staged):
                     copied.append(Item(kind, name, buf, full, param, key,
                                        device_stats=host[i, :STATS_LEN].view(torch.float64),
