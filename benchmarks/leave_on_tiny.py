@@ -99,7 +99,7 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(5):
         w.step(None)
     res: dict[str, Any] = {"title": w.title, "arms": {}}
-    for arm in ARMS:
+    for arm in args.arms:
         ratios, none_ms, arm_ms, rep, bg, close = [], [], [], [], [], []
         for r in range(args.pairs):
             order = (None, arm) if r % 2 == 0 else (arm, None)
@@ -190,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(TINY))
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--arms", default=",".join(SLUG.values()), help="which arms, by their JSON keys: "
+                    + ", ".join(SLUG.values()))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--work", type=Path, default=HERE / "_work" / "leave_on_tiny")
     ap.add_argument("--results", type=Path, default=None, help="default: benchmarks/RESULTS.md unless --quick")
     args = ap.parse_args(argv)
+    by_slug = {v: k for k, v in SLUG.items()}
+    args.arms = [by_slug[a] for a in args.arms.split(",")]
     if args.quick:
         args.pairs, args.steps = 3, 15
     torch.set_num_threads(1)

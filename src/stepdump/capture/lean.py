@@ -74,7 +74,7 @@ Entry = tuple  # (kind, name, tensor, full, param, key), as capture.step_state.t
 
 
 def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: bool = False,
-              plan: Plan | None = None) -> list[LeanRow]:
+              plan: Plan | None = None, rest_only: bool = False) -> list[LeanRow]:
     """Stats and fingerprint rows of ``entries`` (live tensors), computed now, on this thread.
 
     ``private``: read each tensor through a private copy (a chunk at a time for the large
@@ -90,8 +90,12 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: b
 
     ``plan``: ``entries``' :class:`~stepdump.capture.packed.Plan` (their layout's, cached by the
     caller): the same rows, without the per-tensor work of naming and packing them.
+    ``rest_only``: ``entries`` are ``(kind, name, tensor, param, key)`` that a plan did not pack
+    (:meth:`~stepdump.capture.packed.Plan.others`): each is described by itself.
     """
-    if plan is not None and plan.plain and not private:
+    if rest_only:
+        rows, rest = [], list(entries)
+    elif plan is not None and plan.plain and not private:
         rows, rest = plan.rows(entries)
     else:
         rest, packed = snapshot(entries, warned)
@@ -409,10 +413,11 @@ class LeanCapture:
         before = _before_update(msg.step, entries, self.optimizer_every)
         grads = [e for e in entries if e[0] == "grads"]
         job, self._before = self._before, None
-        # A small record is read here, whole, on this thread: for a small model the worker's
-        # hand-offs (a thread wake-up per submit, the GIL going to and fro while the forward
-        # and backward run) cost more than the reading, and rows read here describe the bytes
-        # the update reads by construction (no fingerprint check needed).
+        # A small record is copied here, whole, on this thread (one copy per dtype): for a small
+        # model the worker's hand-offs (a thread wake-up per submit, the GIL going to and fro
+        # while the forward and backward run) cost more than the reading, and rows of a copy made
+        # here describe the bytes the update reads by construction (no fingerprint check needed).
+        # The copy is described by the writer thread, with the step's other rows.
         todo = [*before, *grads]
         plan = self.plans.get(todo)
         self._inline = plan.nbytes <= INLINE_BYTES
@@ -420,7 +425,13 @@ class LeanCapture:
             msg.lean.extend(as_dmix64(lean_rows(todo, self._worker.warned, plan=plan), todo, self._worker.warned))
             return False
         if self._inline:
-            msg.lean.extend(lean_rows(todo, self._worker.warned, plan=plan))
+            if plan.plain:
+                # Copied now (the bytes the update reads), described by the writer (StepMessage.packed):
+                # the numpy passes leave this thread and mostly run without the GIL, on another core.
+                msg.packed = plan.snapshot(todo)
+                msg.lean.extend(lean_rows(plan.others(todo), self._worker.warned, rest_only=True))
+            else:
+                msg.lean.extend(lean_rows(todo, self._worker.warned, plan=plan))
             return False
         now: list[Entry] = []  # read here, at the pre-hook
         if job is not None:  # used only where it describes the bytes the update reads

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from stepdump.core.dtypes import stored_dtype
-from stepdump.core.stats import StatsTuple, compute_stats
+from stepdump.core.stats import StatsTuple, compute_stats, segment_sums_array
 from stepdump.store.format import format_shape
 
 # Tensors up to this many elements get every stat (as compute_stats's numpy path gives them);
@@ -110,10 +110,9 @@ class Segments:
         with np.errstate(all="ignore"):  # inf and NaN: compute_stats below
             lo = np.minimum.reduceat(x, starts)
             hi = np.maximum.reduceat(x, starts)
-            # The sum and the sum of squares in float64, in element order (core.stats.segment_sums: the
-            # same bits); cast on the fly, not through a float64 copy of the buffer (half the memory traffic).
-            sums = np.add.reduceat(x, starts, dtype=np.float64)
-            sqs = np.add.reduceat(np.square(x, dtype=np.float64), starts)
+            # The sum and the sum of squares in float64, in element order: core.stats' own definition.
+            # (Casting inside reduceat instead is a buffered reduction: slower in a training loop.)
+            sums, sqs = segment_sums_array(x, starts)
             finite3 = np.isfinite(lo) & np.isfinite(hi) & np.isfinite(sqs)  # what a large tensor's row needs
             finite = finite3 & np.isfinite(sums)
             signed = (lo > 0) | (hi < 0)  # of one sign: no zeros (-0.0 > 0 is False, as in the count)
@@ -170,8 +169,11 @@ class Segments:
         they are many, else one count per tensor."""
         idx = need.nonzero()[0]
         if len(idx) > VECTOR_MIN:
-            zc = np.add.reduceat(x == 0, self.starts, dtype=np.intp)  # exact counts: zc / n is (n - nonzero) / n
-            frac = zc / self.n
+            # Exact counts from where the zeros are (few, in trained weights and grads), each placed in
+            # its tensor by the starts: zc / n is (n - nonzero) / n. One compare over the buffer; a
+            # reduceat of the compare casting bools to ints cost 4-10x that in a training loop.
+            at = np.searchsorted(self.starts, np.flatnonzero(x == 0), side="right") - 1
+            frac = np.bincount(at, minlength=self.k) / self.n
             frac[~need] = 0.0
             return frac
         out = np.zeros(self.k)
@@ -225,11 +227,14 @@ class _Batch:
         self.shapes = [format_shape(t.shape) for t in ts]
         self.segs = Segments(self.kinds, [t.numel() for t in ts], ts[0].element_size())
 
-    def rows(self, entries: Sequence[tuple]) -> list[LeanRow]:
+    def copy(self, entries: Sequence[tuple]) -> torch.Tensor:
+        """The batch's tensors in ``entries``, copied end to end into a new buffer."""
         ts = list(map(_TENSOR, self.take(entries)))
         buf = _flatten(ts)
-        if len(ts) == 1:
-            buf = buf.clone()  # one tensor: _flatten gives a view of it, not a copy
+        return buf.clone() if len(ts) == 1 else buf  # one tensor: _flatten gives a view of it, not a copy
+
+    def rows(self, buf: torch.Tensor) -> list[LeanRow]:
+        """The rows of the batch's tensors copied into ``buf`` (:meth:`copy`)."""
         stats, fps = self.segs.rows(buf)
         return list(map(tuple.__new__, repeat(LeanRow), zip(self.kinds, self.names, self.params, self.keys,
                                                                self.dtypes, self.shapes, stats, fps,
@@ -269,16 +274,37 @@ class Plan:
     def rows(self, entries: Sequence[tuple]) -> tuple[list[LeanRow], list[tuple]]:
         """The packed entries' rows now, and the other entries as ``(kind, name, tensor, param, key)``
         (for the per-tensor path). ``entries`` must have this plan's key."""
-        out: list[LeanRow] = []
+        return self.snapshot(entries).rows(), self.others(entries)
+
+    def snapshot(self, entries: Sequence[tuple]) -> Snapshot:
+        """The packed entries copied now (one copy per batch, the bytes as they are now); their rows
+        are described later, on any thread (:meth:`Snapshot.rows`). ``entries``: this plan's key."""
         grad = torch.is_grad_enabled()
         _set_grad_enabled(False)  # torch.no_grad() without its Python context manager (a few calls a step)
         try:
-            for b in self.batches:
-                out.extend(b.rows(entries))
+            return Snapshot(self.batches, [b.copy(entries) for b in self.batches])
         finally:
             _set_grad_enabled(grad)
-        rest = [(e[0], e[1], e[2].detach(), e[4], e[5]) for e in (entries[i] for i in self.rest)] if self.rest else []
-        return out, rest
+
+    def others(self, entries: Sequence[tuple]) -> list[tuple]:
+        """The entries not packed, as ``(kind, name, tensor, param, key)`` (the per-tensor path's)."""
+        return [(e[0], e[1], e[2].detach(), e[4], e[5]) for e in (entries[i] for i in self.rest)] if self.rest else []
+
+
+class Snapshot:
+    """A plan's packed tensors, copied: what their rows describe, whatever the tensors become after."""
+
+    __slots__ = ("_batches", "_bufs")
+
+    def __init__(self, batches: list[_Batch], bufs: list[torch.Tensor]) -> None:
+        self._batches, self._bufs = batches, bufs
+
+    def rows(self) -> list[LeanRow]:
+        """The rows of the copied tensors, in the plan's order (numpy passes: on any thread)."""
+        out: list[LeanRow] = []
+        for b, buf in zip(self._batches, self._bufs, strict=True):
+            out.extend(b.rows(buf))
+        return out
 
 
 class Plans:

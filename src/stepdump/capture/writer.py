@@ -43,6 +43,7 @@ from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.device_pack import rows as device_rows
 from stepdump.capture.lean import LeanRow
+from stepdump.capture.packed import Snapshot
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
 from stepdump.capture.staging import Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
@@ -90,6 +91,8 @@ class StepMessage:
     hold_slot: bool = False  # ring mode: the recorder keeps the slot after this message
     meta: dict[str, Any] | None = None  # catalog meta to set in the same transaction (a new layout)
     lean: list[LeanRow] = field(default_factory=list)  # rows computed from live tensors (capture/lean.py)
+    # Small tensors copied at the step, their rows described here, before ``lean``'s (capture/packed.py).
+    packed: Snapshot | None = None
 
 
 class Writer(threading.Thread):
@@ -282,6 +285,9 @@ class Writer(threading.Thread):
             if msg.slot.device_pack is not None:  # a lean step described on the device: its rows have landed
                 msg.lean.extend(device_rows(msg.slot.device_pack))  # type: ignore[arg-type]
                 msg.slot.device_pack = None
+        if msg.packed is not None:  # the rows of the copies a stats-only step made (LeanCapture.take)
+            msg.lean[:0] = msg.packed.rows()
+            msg.packed = None
         rows = []
         self._blob_rows = []
         # Whether a row's kind must be checked against its series' (a store of xxh3 series only and

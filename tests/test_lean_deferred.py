@@ -1,0 +1,122 @@
+"""A small stats-only step: copied at the step on the training thread, described by the writer (issue 25).
+
+What must hold (capture/lean.py ``LeanCapture.take``, capture/packed.py ``Snapshot``): the numpy
+passes that describe a small record run on the writer thread, not on the training thread; the
+rows describe the bytes as they were at the step (the optimizer pre-hook), even when the writer
+reads them after the update has changed the live tensors; and they are the rows the training
+thread computed before this change (the same function on the same bytes: compared bitwise).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from helpers import snapshot
+from torch import nn
+
+import stepdump
+from stepdump.capture import lean, packed
+from stepdump.core.hashing import fingerprint
+from stepdump.core.stats import compute_stats
+
+LEAN = {"every": None, "stats_every": 1}
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, t: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    model(torch.randn(8, 6, generator=g)).pow(2).mean().backward()
+
+
+def test_the_packed_passes_run_on_the_writer_thread_not_the_training_thread(tmp_path, monkeypatch) -> None:
+    threads: list[str] = []
+    real = packed.Segments.rows
+
+    def spy(self, buf):
+        threads.append(threading.current_thread().name)
+        return real(self, buf)
+
+    monkeypatch.setattr(packed.Segments, "rows", spy)
+    model, opt = _model()
+    with stepdump.Recorder(tmp_path / "r", model, opt, on_error="raise", **LEAN):
+        for t in range(4):
+            _step(model, opt, t)
+            opt.step()
+            opt.zero_grad()
+    # The first step is read by the stats worker (from the forward on: its size is not known yet);
+    # every later one is copied at the pre-hook and described by the writer.
+    assert threads.count("stepdump-writer") >= 3, threads
+    assert threading.main_thread().name not in threads, threads
+
+
+def test_rows_describe_the_bytes_at_the_step_though_the_writer_reads_after_the_update(tmp_path,
+                                                                                      monkeypatch) -> None:
+    # The writer is held until the optimizer has changed every param and its state: a row computed
+    # from the live tensors then would describe the next step's bytes, not the recorded step's.
+    release = threading.Event()
+    real = packed.Snapshot.rows
+
+    def late(self):
+        release.wait(timeout=30)
+        return real(self)
+
+    monkeypatch.setattr(packed.Snapshot, "rows", late)
+    model, opt = _model()
+    caps = []
+    with stepdump.Recorder(tmp_path / "r", model, opt, on_error="raise", **LEAN):
+        for t in range(2):  # the writer's queue holds both steps' messages while it waits
+            _step(model, opt, t)
+            caps.append(snapshot(model, opt))
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # and after the update, once more
+                for p in model.parameters():
+                    p.mul_(0.5)
+        release.set()
+    run = stepdump.open(tmp_path / "r")
+    frame = run.stats()
+    assert lean.INLINE_BYTES >= sum(p.numel() * 4 for p in model.parameters()) * 4  # the inline path
+    for t, cap in enumerate(caps):
+        fps = run.fingerprints(t)
+        for kind in ("params", "grads"):
+            for name, live in cap[kind].items():
+                assert fps[(kind, name)] == fingerprint(live), (t, kind, name)
+                row = frame[(frame.step == t) & (frame.kind == kind) & (frame.name == name)].iloc[0]
+                want = compute_stats(live)
+                assert (row["min"], row["max"], row["mean"], row["std"], row["norm"]) == want[4:9], (t, kind, name)
+
+
+def test_the_rows_equal_those_computed_on_the_training_thread_bitwise(tmp_path, monkeypatch) -> None:
+    # The same recording twice: rows described by the writer (now), and by the training thread at
+    # the step (the path before: Plan.rows at the pre-hook, no snapshot handed on).
+    def record(path, defer: bool) -> stepdump.Run:
+        if not defer:  # a plan that declines to pack: the rows are computed at the pre-hook (lean_rows)
+            real = packed.Plan.__init__
+
+            def declining(self, *args, **kwargs):
+                real(self, *args, **kwargs)
+                self.plain = False
+
+            monkeypatch.setattr(packed.Plan, "__init__", declining)
+        model, opt = _model()
+        with stepdump.Recorder(path, model, opt, on_error="raise", **LEAN):
+            for t in range(4):
+                _step(model, opt, t)
+                opt.step()
+                opt.zero_grad()
+        monkeypatch.undo()
+        return stepdump.open(path)
+
+    a, b = record(tmp_path / "writer", True), record(tmp_path / "training", False)
+    cols = ["step", "kind", "name", "numel", "min", "max", "mean", "std", "norm", "zero_frac"]
+    fa = a.stats()[cols].sort_values(["step", "kind", "name"]).reset_index(drop=True)
+    fb = b.stats()[cols].sort_values(["step", "kind", "name"]).reset_index(drop=True)
+    assert len(fa) > 0 and fa.equals(fb)
+    for t in range(4):
+        assert a.fingerprints(t) == b.fingerprints(t)
