@@ -136,3 +136,57 @@ def test_a_failed_group_names_its_first_step(tmp_path: Path, monkeypatch: pytest
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "stopped at step 1" in said and "No space left on device" in said, said
     assert catalog_sql(path, "SELECT step FROM steps") == [(0,)]
+
+
+def test_held_gradient_log_steps_write_their_bytes_before_the_commit_that_names_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gradient log's steps (grads stored: bytes below full level) are held like stats-only ones;
+    at each COMMIT every blob row it makes visible points inside what its segment file holds."""
+    import re
+    import sqlite3
+
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", 3600.0)  # held until a keyframe or close()
+    path = tmp_path / "run"
+    seg_dir = path / "segments"
+    log: list[tuple[str, Any]] = []  # ("blobs", [(id, segment, offset, length)]) / ("commit", {file: size})
+    real = sqlite3.connect
+
+    def trace(sql: str) -> None:
+        if sql.startswith("INSERT INTO blobs("):
+            rows = re.findall(r"\((\d+), (\d+), (\d+), (\d+), '", sql)
+            log.append(("blobs", [tuple(int(v) for v in r) for r in rows]))
+        elif sql == "COMMIT":  # before SQLite commits: what the files hold at that moment
+            log.append(("commit", {f.name: f.stat().st_size for f in seg_dir.glob("*.seg")} if seg_dir.exists() else {}))
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        con = real(*args, **kwargs)
+        con.set_trace_callback(trace)
+        return con
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(path, model, opt, gradient_log=8, codec="zstd") as rec:
+        _train(rec, model, opt, 12)
+    monkeypatch.setattr(sqlite3, "connect", real)
+    names = dict(catalog_sql(path, "SELECT id, key FROM segments"))
+    pending: list[tuple[int, int, int, int]] = []
+    held_commits = 0
+    for what, value in log:
+        if what == "blobs":
+            pending.extend(value)
+            continue
+        steps_in_it = len(pending)
+        for _bid, seg, offset, length in pending:
+            name = names[seg].rsplit("/", 1)[-1]
+            assert offset + length <= value.get(name, 0), (names[seg], offset, length, value)
+        held_commits += steps_in_it > 0
+        pending = []
+    assert pending == [] and held_commits >= 2
+    # Steps 2..7 and 9..11 were held (a commit a moment before); every step is in the run, read back.
+    assert [s for (s,) in catalog_sql(path, "SELECT step FROM steps WHERE level < 2 ORDER BY step")] == \
+        [s for s in range(12) if s % 8]
+    transactions = sum(1 for what, _ in log if what == "commit")
+    assert transactions < 12, transactions
+    with stepdump.open(path) as run:
+        assert stepdump.verify(run).ok  # every stored grad's bytes against its fingerprint
