@@ -317,6 +317,9 @@ OPTIMIZER_EVERY = 10
 # A lean step whose params, grads (and optimizer state, when read) hold at most this many
 # bytes is read whole at the optimizer pre-hook on the training thread (LeanCapture.take).
 INLINE_BYTES = 2 << 20
+# Such a record's copies are described by the writer thread (StepMessage.packed), not at the
+# pre-hook (False: on the training thread, as before issue 25's deferral; benchmarks compare both).
+DEFER_PACKED = True
 
 
 def _grad_marks(entries: list[Entry]) -> dict[str, tuple[int, int]]:
@@ -425,7 +428,7 @@ class LeanCapture:
             msg.lean.extend(as_dmix64(lean_rows(todo, self._worker.warned, plan=plan), todo, self._worker.warned))
             return False
         if self._inline:
-            if plan.plain:
+            if plan.plain and DEFER_PACKED:
                 # Copied now (the bytes the update reads), described by the writer (StepMessage.packed):
                 # the numpy passes leave this thread and mostly run without the GIL, on another core.
                 msg.packed = plan.snapshot(todo)
