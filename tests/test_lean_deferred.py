@@ -94,16 +94,9 @@ def test_rows_describe_the_bytes_at_the_step_though_the_writer_reads_after_the_u
 
 def test_the_rows_equal_those_computed_on_the_training_thread_bitwise(tmp_path, monkeypatch) -> None:
     # The same recording twice: rows described by the writer (now), and by the training thread at
-    # the step (the path before: Plan.rows at the pre-hook, no snapshot handed on).
+    # the step (lean.DEFER_PACKED = False: Plan.rows at the pre-hook, no snapshot handed on).
     def record(path, defer: bool) -> stepdump.Run:
-        if not defer:  # a plan that declines to pack: the rows are computed at the pre-hook (lean_rows)
-            real = packed.Plan.__init__
-
-            def declining(self, *args, **kwargs):
-                real(self, *args, **kwargs)
-                self.plain = False
-
-            monkeypatch.setattr(packed.Plan, "__init__", declining)
+        monkeypatch.setattr(lean, "DEFER_PACKED", defer)  # False: the rows are computed at the pre-hook
         model, opt = _model()
         with stepdump.Recorder(path, model, opt, on_error="raise", **LEAN):
             for t in range(4):

@@ -93,6 +93,7 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: b
     ``rest_only``: ``entries`` are ``(kind, name, tensor, param, key)`` that a plan did not pack
     (:meth:`~stepdump.capture.packed.Plan.others`): each is described by itself.
     """
+    rows: list[LeanRow]
     if rest_only:
         rows, rest = [], list(entries)
     elif plan is not None and plan.plain and not private:
