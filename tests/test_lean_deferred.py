@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 import torch
 from helpers import snapshot
 from torch import nn
@@ -113,3 +115,60 @@ def test_the_rows_equal_those_computed_on_the_training_thread_bitwise(tmp_path, 
     assert len(fa) > 0 and fa.equals(fb)
     for t in range(4):
         assert a.fingerprints(t) == b.fingerprints(t)
+
+
+def _plan_and_entries(sizes: list[int], seed: int, content: str = "normal"):
+    from test_lean_packed import CONTENTS, _tensor  # the packed tests' contents: zeros, NaN, LayerNorm-like...
+
+    assert content in CONTENTS
+    g = torch.Generator().manual_seed(seed)
+    ts = [_tensor(content if i % 2 else "normal", n, torch.float32, g) for i, n in enumerate(sizes)]
+    entries = [(("params", "grads", "optimizer")[i % 3], f"t{i}", t, False, None, None) for i, t in enumerate(ts)]
+    return packed.Plan(entries, packed.layout_key(entries)), entries
+
+
+@pytest.mark.parametrize("content", ["normal", "zeros", "layernorm", "sparse-ish", "nan", "posinf", "huge"])
+def test_copies_described_together_give_each_copy_its_own_rows_bitwise(content: str) -> None:
+    # Held steps of one layout (and of another, interleaved), small and large copies: describe_all
+    # gives each snapshot the rows its own rows() gives, value for value and type for type.
+    small, _ = _plan_and_entries([7, 64, 300, 4096, 1], 0)
+    large, _ = _plan_and_entries([70_000, 5], 0)  # over TOGETHER_BYTES: described alone
+    snaps = []
+    for step in range(7):
+        plan, entries = _plan_and_entries([7, 64, 300, 4096, 1], step, content) if step % 3 else \
+            _plan_and_entries([70_000, 5], step, content)
+        plan = small if step % 3 else large
+        snaps.append(plan.snapshot(entries))
+    together = packed.describe_all(snaps)
+    assert [repr(r) for r in together] == [repr(s.rows()) for s in snaps]
+    assert len(small.batches[0]._many) == 1  # the small ones went together, in one pass
+
+
+def test_held_steps_of_a_small_model_are_described_at_the_commit_in_one_pass(tmp_path, monkeypatch) -> None:
+    from stepdump.capture import writer
+
+    monkeypatch.setattr(writer, "COMMIT_WINDOW", 3600.0)  # every step after the first held until close()
+    passes: list[int] = []
+    real = packed.Segments.rows
+
+    def spy(self, buf):
+        passes.append(self.k)
+        return real(self, buf)
+
+    monkeypatch.setattr(packed.Segments, "rows", spy)
+    model, opt = _model()
+    caps = []
+    with stepdump.Recorder(tmp_path / "r", model, opt, on_error="raise", **LEAN):
+        for t in range(8):
+            _step(model, opt, t)
+            caps.append(snapshot(model, opt))
+            opt.step()
+            opt.zero_grad()
+    k = 2 * len(list(model.parameters()))  # params + grads a step (the optimizer state: some steps)
+    assert max(passes) >= 5 * k, passes  # most held steps in one pass
+    run = stepdump.open(tmp_path / "r")
+    for t, cap in enumerate(caps):
+        fps = run.fingerprints(t)
+        for kind in ("params", "grads"):
+            for name, live in cap[kind].items():
+                assert fps[(kind, name)] == fingerprint(live), (t, kind, name)

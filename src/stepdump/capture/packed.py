@@ -87,6 +87,7 @@ class Segments:
 
     def __init__(self, kinds: Sequence[str], sizes: Sequence[int], itemsize: int) -> None:
         self.k = k = len(sizes)
+        self.itemsize = itemsize
         self.sizes = list(sizes)
         self.starts_list = list(accumulate(self.sizes[:-1], initial=0))
         self.starts = np.asarray(self.starts_list, dtype=np.intp)
@@ -226,6 +227,7 @@ class _Batch:
         self.dtypes = [stored_dtype(t) for t in ts]
         self.shapes = [format_shape(t.shape) for t in ts]
         self.segs = Segments(self.kinds, [t.numel() for t in ts], ts[0].element_size())
+        self._many: dict[int, Segments] = {}  # m -> the layout repeated m times (rows_many)
 
     def copy(self, entries: Sequence[tuple]) -> torch.Tensor:
         """The batch's tensors in ``entries``, copied end to end into a new buffer."""
@@ -233,9 +235,23 @@ class _Batch:
         buf = _flatten(ts)
         return buf.clone() if len(ts) == 1 else buf  # one tensor: _flatten gives a view of it, not a copy
 
+    def rows_many(self, buf: torch.Tensor, m: int) -> list[list[LeanRow]]:
+        """The rows of ``m`` copies (:meth:`copy`) put end to end in ``buf``, one list per copy: one
+        pass over them all (a tensor's row depends on its own elements only: the same rows)."""
+        segs = self._many.get(m)
+        if segs is None:
+            if len(self._many) >= 8:
+                self._many.clear()
+            segs = self._many[m] = Segments(self.kinds * m, self.segs.sizes * m, self.segs.itemsize)
+        stats, fps = segs.rows(buf)
+        k = self.segs.k
+        return [self._rows(stats[j * k:(j + 1) * k], fps[j * k:(j + 1) * k]) for j in range(m)]
+
     def rows(self, buf: torch.Tensor) -> list[LeanRow]:
         """The rows of the batch's tensors copied into ``buf`` (:meth:`copy`)."""
-        stats, fps = self.segs.rows(buf)
+        return self._rows(*self.segs.rows(buf))
+
+    def _rows(self, stats: list[StatsTuple], fps: list[int]) -> list[LeanRow]:
         return list(map(tuple.__new__, repeat(LeanRow), zip(self.kinds, self.names, self.params, self.keys,
                                                                self.dtypes, self.shapes, stats, fps,
                                                                repeat(None))))  # fp_kind: xxh3
@@ -305,6 +321,34 @@ class Snapshot:
         for b, buf in zip(self._batches, self._bufs, strict=True):
             out.extend(b.rows(buf))
         return out
+
+
+# Copies of at most this many bytes are described together (describe_all): for larger ones the
+# numpy calls' fixed cost is small beside the pass, and putting them end to end is one more copy.
+TOGETHER_BYTES = 256 << 10
+
+
+def describe_all(snaps: Sequence[Snapshot]) -> list[list[LeanRow]]:
+    """Each snapshot's :meth:`Snapshot.rows` (the same rows), the small copies of one batch layout
+    described together: put end to end, one pass over them all. A small model's steps held for a
+    group commit (capture/writer.py) pay the passes' numpy calls once per commit, not per step."""
+    out: list[list[LeanRow]] = [[] for _ in snaps]
+    groups: dict[int, tuple[_Batch, list[tuple[int, torch.Tensor]]]] = {}  # in order of first sight
+    for i, snap in enumerate(snaps):
+        for b, buf in zip(snap._batches, snap._bufs, strict=True):
+            groups.setdefault(id(b), (b, []))[1].append((i, buf))
+    for b, items in groups.values():
+        small = [it for it in items if it[1].numel() * it[1].element_size() <= TOGETHER_BYTES]
+        if len(small) < 2:
+            small = []
+        for i, buf in items:
+            if not small or buf.numel() * buf.element_size() > TOGETHER_BYTES:
+                out[i].extend(b.rows(buf))
+        if small:
+            for (i, _), rows in zip(small, b.rows_many(torch.cat([buf for _, buf in small]), len(small)),
+                                    strict=True):
+                out[i].extend(rows)
+    return out
 
 
 class Plans:

@@ -46,7 +46,7 @@ from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.device_pack import rows as device_rows
 from stepdump.capture.lean import LeanRow
-from stepdump.capture.packed import Snapshot
+from stepdump.capture.packed import Snapshot, describe_all
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
 from stepdump.capture.staging import Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
@@ -159,6 +159,7 @@ class Writer(threading.Thread):
         self._held_steps: list[tuple[int, int, int, float, str | None]] = []
         self._held_scalars: list[tuple[int, str, float | None]] = []
         self._held_blobs: list[tuple[Any, ...]] = []  # the blob rows of held steps (a gradient log's)
+        self._held_packed: list[tuple[int, Snapshot]] = []  # held steps' copies, described at the commit
         self._last_commit = -math.inf  # monotonic time of the last commit
         self._due: float | None = None  # when the held rows must commit (None: none held)
 
@@ -289,8 +290,10 @@ class Writer(threading.Thread):
             if msg.slot.device_pack is not None:  # a lean step described on the device: its rows have landed
                 msg.lean.extend(device_rows(msg.slot.device_pack))  # type: ignore[arg-type]
                 msg.slot.device_pack = None
-        if msg.packed is not None:  # the rows of the copies a stats-only step made (LeanCapture.take)
-            msg.lean[:0] = msg.packed.rows()
+        if msg.packed is not None and msg.step is not None:
+            # The copies a stats-only step made (LeanCapture.take): described when the held steps
+            # commit, those of one layout together (packed.describe_all).
+            self._held_packed.append((msg.step, msg.packed))
             msg.packed = None
         rows = []
         self._blob_rows = []
@@ -307,12 +310,7 @@ class Writer(threading.Thread):
                 # once the training thread goes on, so the appends are done first.
                 self._appender.wait()
                 msg.slot.live_done.set()
-        for r in msg.lean:  # stats and fingerprint only, computed before the message was sent
-            sid = cat.series_id(r.kind, r.name, r.param, r.key, r.fp_kind)
-            if (check or r.fp_kind is not None) and cat.fp_kind(sid) != (r.fp_kind or HOST_FP_KIND):
-                self._other_kind(cat.fp_kind(sid), r)
-                continue
-            rows.append((sid, msg.step, r.dtype, r.shape, None, *r.stats, r.fp))
+        self._lean_rows(cat, msg.step, msg.lean, check, rows)  # computed before the message was sent
         self._held_blobs.extend(self._blob_rows)
         stepped = msg.level is not None and msg.step is not None
         if stepped:
@@ -335,6 +333,11 @@ class Writer(threading.Thread):
         cat = self._catalog
         if cat is None:
             raise WriterError("the catalog is not open")
+        if self._held_packed:
+            held, self._held_packed = self._held_packed, []
+            check = cat.any_fp_kind
+            for (step, _), lean in zip(held, describe_all([snap for _, snap in held]), strict=True):
+                self._lean_rows(cat, step, lean, check, self._held_tensors)
         if self._held_blobs:
             self._flush_buffer(inline=True)  # nothing left to overlap with: the commit waits for it
             if self._segment is not None:  # bytes first, then the commit that points at them
@@ -356,6 +359,7 @@ class Writer(threading.Thread):
 
     def _forget_held(self) -> None:
         self._held_tensors, self._held_steps, self._held_scalars, self._held_blobs = [], [], [], []
+        self._held_packed = []
         self._due = None
 
     def _item_row(self, cat: CatalogWriter, step: int | None, item: Item,
@@ -405,6 +409,18 @@ class Writer(threading.Thread):
                 if item.kind in _SHARED_KINDS:
                     self._last_blob[sid] = (blob, *same)
         return (sid, step, dtype, shape, blob, *stats, fp)
+
+    def _lean_rows(self, cat: CatalogWriter, step: int | None, lean: list[LeanRow], check: bool,
+                   out: list[tuple[Any, ...]]) -> None:
+        """The catalog rows of ``lean`` (stats and fingerprint only) at ``step``, appended to ``out``;
+        ``check``: whether the store has series of a kind other than xxh3 (then each row's kind is
+        checked against its series')."""
+        for r in lean:
+            sid = cat.series_id(r.kind, r.name, r.param, r.key, r.fp_kind)
+            if (check or r.fp_kind is not None) and cat.fp_kind(sid) != (r.fp_kind or HOST_FP_KIND):
+                self._other_kind(cat.fp_kind(sid), r)
+                continue
+            out.append((sid, step, r.dtype, r.shape, None, *r.stats, r.fp))
 
     def _other_kind(self, have: str, r: LeanRow) -> None:
         """A lean row whose fingerprint is not of its series' kind (a tensor that moved between the
