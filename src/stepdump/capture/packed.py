@@ -17,8 +17,14 @@ the bytes. Here (issue 25):
   a grad that became None, a param given other memory of another shape or dtype is another key
   and so another plan. A step whose key matches does no per-tensor Python but building the key.
 
+* :meth:`Plan.snapshot` copies a step's packed tensors (one copy per batch, at the optimizer
+  pre-hook) into a :class:`Snapshot` that any thread describes later: the writer does, when the
+  step commits, and :func:`describe_all` describes the held steps' small copies of one layout
+  together, in one pass (a group commit's numpy calls are paid once, not once a step).
+
 The rows are those :func:`stepdump.capture.lean.lean_rows` gives by its per-tensor path, in
-the same order (tests/test_lean_packed.py compares them bitwise).
+the same order (tests/test_lean_packed.py compares them bitwise; tests/test_lean_deferred.py the
+snapshots' rows, alone and together).
 """
 
 from __future__ import annotations
