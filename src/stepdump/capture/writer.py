@@ -18,7 +18,8 @@ commit is ``COMMIT_WINDOW`` seconds old; otherwise the rows wait in Python until
 running dry or not), or until a full step, a meta change or the end comes, and then go in
 together, in one transaction, after the held steps' bytes are written (and with
 ``durability="fsync"`` fsynced). A loop slower than that commits every step as before; a fast
-one at most 1/``COMMIT_WINDOW`` times a second. Each commit of a small model's step rewrote a
+one at most 1/``COMMIT_WINDOW`` times a second. A small stats-only step's copies
+(``StepMessage.packed``) are described then too, those of one layout in one pass. Each commit of a small model's step rewrote a
 page of the tensors table per series (rows are keyed by series, then step) in the WAL: ~4 ms a
 commit for nanoGPT tiny's gradient log, paid by every step.
 Each SQLite call lets go of the GIL and takes it back, and on a millisecond step each of
