@@ -172,3 +172,40 @@ def test_held_steps_of_a_small_model_are_described_at_the_commit_in_one_pass(tmp
         for kind in ("params", "grads"):
             for name, live in cap[kind].items():
                 assert fps[(kind, name)] == fingerprint(live), (t, kind, name)
+
+
+@pytest.mark.parametrize("bound", [1, 1 << 40], ids=["past-the-bound", "under-it"])
+def test_held_copies_past_their_memory_bound_are_described_before_the_commit(tmp_path, monkeypatch,
+                                                                            bound: int) -> None:
+    # A fast loop with a record near lean.INLINE_BYTES would hold a window's worth of copies: past
+    # HELD_PACKED_BYTES they are described at once (their memory let go), and committed later.
+    from stepdump.capture import writer
+
+    monkeypatch.setattr(writer, "COMMIT_WINDOW", 3600.0)
+    monkeypatch.setattr(writer, "HELD_PACKED_BYTES", bound)
+    passes: list[int] = []
+    real = packed.Segments.rows
+
+    def spy(self, buf):
+        passes.append(self.k)
+        return real(self, buf)
+
+    monkeypatch.setattr(packed.Segments, "rows", spy)
+    model, opt = _model()
+    caps = []
+    with stepdump.Recorder(tmp_path / "r", model, opt, on_error="raise", **LEAN):
+        for t in range(6):
+            _step(model, opt, t)
+            caps.append(snapshot(model, opt))
+            opt.step()
+            opt.zero_grad()
+    if bound == 1:  # each step's copies described as they came: a pass per step
+        assert len(passes) >= 6, passes
+    else:  # held until close(): a pass per layout (with and without the optimizer state), and step 0's
+        assert len(passes) <= 4, passes
+    run = stepdump.open(tmp_path / "r")
+    assert run.stats_steps[:6] == list(range(6))  # (then the final record)
+    for t, cap in enumerate(caps):
+        fps = run.fingerprints(t)
+        for name, live in cap["params"].items():
+            assert fps[("params", name)] == fingerprint(live), (t, name)

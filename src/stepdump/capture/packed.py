@@ -321,6 +321,11 @@ class Snapshot:
     def __init__(self, batches: list[_Batch], bufs: list[torch.Tensor]) -> None:
         self._batches, self._bufs = batches, bufs
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the copies (what holding this snapshot keeps in memory)."""
+        return sum(buf.numel() * buf.element_size() for buf in self._bufs)
+
     def rows(self) -> list[LeanRow]:
         """The rows of the copied tensors, in the plan's order (numpy passes: on any thread)."""
         out: list[LeanRow] = []

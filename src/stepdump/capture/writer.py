@@ -47,7 +47,8 @@ from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.device_pack import rows as device_rows
 from stepdump.capture.lean import LeanRow
-from stepdump.capture.packed import Snapshot, describe_all
+from stepdump.capture.packed import Snapshot
+from stepdump.capture.writer_lean import LeanRowsMixin
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
 from stepdump.capture.staging import Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
@@ -78,6 +79,9 @@ _DIRECT_WRITE = 1 << 20
 _MIN_PENDING = 4 * _DIRECT_WRITE
 # Seconds stats-only steps may wait in the writer before their commit (module docstring).
 COMMIT_WINDOW = 0.1
+# Held steps' copies kept at most this many bytes: past it they are described before the commit
+# (a fast loop with a record near lean.INLINE_BYTES would otherwise hold a window's worth).
+HELD_PACKED_BYTES = 8 << 20
 _DUE = object()  # what the writer's loop takes when held steps are due (no message came)
 
 
@@ -99,7 +103,7 @@ class StepMessage:
     packed: Snapshot | None = None
 
 
-class Writer(threading.Thread):
+class Writer(LeanRowsMixin, threading.Thread):
     """Consumes StepMessages from a bounded queue until it gets ``None``.
 
     ``run_dir`` holds the catalog; segment bytes go through ``storage`` (the
@@ -161,6 +165,7 @@ class Writer(threading.Thread):
         self._held_scalars: list[tuple[int, str, float | None]] = []
         self._held_blobs: list[tuple[Any, ...]] = []  # the blob rows of held steps (a gradient log's)
         self._held_packed: list[tuple[int, Snapshot]] = []  # held steps' copies, described at the commit
+        self._held_packed_bytes = 0
         self._last_commit = -math.inf  # monotonic time of the last commit
         self._due: float | None = None  # when the held rows must commit (None: none held)
 
@@ -295,7 +300,10 @@ class Writer(threading.Thread):
             # The copies a stats-only step made (LeanCapture.take): described when the held steps
             # commit, those of one layout together (packed.describe_all).
             self._held_packed.append((msg.step, msg.packed))
+            self._held_packed_bytes += msg.packed.nbytes
             msg.packed = None
+            if self._held_packed_bytes > HELD_PACKED_BYTES:  # bounded memory: described now, committed later
+                self._describe_held(cat)
         rows = []
         self._blob_rows = []
         # Whether a row's kind must be checked against its series' (a store of xxh3 series only and
@@ -334,11 +342,7 @@ class Writer(threading.Thread):
         cat = self._catalog
         if cat is None:
             raise WriterError("the catalog is not open")
-        if self._held_packed:
-            held, self._held_packed = self._held_packed, []
-            check = cat.any_fp_kind
-            for (step, _), lean in zip(held, describe_all([snap for _, snap in held]), strict=True):
-                self._lean_rows(cat, step, lean, check, self._held_tensors)
+        self._describe_held(cat)
         if self._held_blobs:
             self._flush_buffer(inline=True)  # nothing left to overlap with: the commit waits for it
             if self._segment is not None:  # bytes first, then the commit that points at them
@@ -360,7 +364,7 @@ class Writer(threading.Thread):
 
     def _forget_held(self) -> None:
         self._held_tensors, self._held_steps, self._held_scalars, self._held_blobs = [], [], [], []
-        self._held_packed = []
+        self._held_packed, self._held_packed_bytes = [], 0
         self._due = None
 
     def _item_row(self, cat: CatalogWriter, step: int | None, item: Item,
@@ -410,29 +414,6 @@ class Writer(threading.Thread):
                 if item.kind in _SHARED_KINDS:
                     self._last_blob[sid] = (blob, *same)
         return (sid, step, dtype, shape, blob, *stats, fp)
-
-    def _lean_rows(self, cat: CatalogWriter, step: int | None, lean: list[LeanRow], check: bool,
-                   out: list[tuple[Any, ...]]) -> None:
-        """The catalog rows of ``lean`` (stats and fingerprint only) at ``step``, appended to ``out``;
-        ``check``: whether the store has series of a kind other than xxh3 (then each row's kind is
-        checked against its series')."""
-        for r in lean:
-            sid = cat.series_id(r.kind, r.name, r.param, r.key, r.fp_kind)
-            if (check or r.fp_kind is not None) and cat.fp_kind(sid) != (r.fp_kind or HOST_FP_KIND):
-                self._other_kind(cat.fp_kind(sid), r)
-                continue
-            out.append((sid, step, r.dtype, r.shape, None, *r.stats, r.fp))
-
-    def _other_kind(self, have: str, r: LeanRow) -> None:
-        """A lean row whose fingerprint is not of its series' kind (a tensor that moved between the
-        CPU and a GPU under fingerprint="auto"): no bytes to fingerprint again, so the row is left
-        out (a row of the wrong kind would be a wrong answer); said once per tensor."""
-        if (r.kind, r.name) not in self._kind_warned:
-            self._kind_warned.add((r.kind, r.name))
-            log.warning("stepdump: %s %r has %s fingerprints in this run, and a stats-only step gave it a %s one "
-                        "(it moved between the CPU and a GPU?); its stats-only rows are left out from here. Record "
-                        "with fingerprint='xxh3' or fingerprint='dmix64' to give every tensor one kind",
-                        r.kind, r.name, have, r.fp_kind or HOST_FP_KIND)
 
     def _append_blob(self, cat: CatalogWriter, data: memoryview, itemsize: int, fp: int | None,
                      series: int | None = None, borrowed: bool = True) -> int:
