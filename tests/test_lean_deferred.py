@@ -144,10 +144,15 @@ def test_copies_described_together_give_each_copy_its_own_rows_bitwise(content: 
     assert len(small.batches[0]._many) == 1  # the small ones went together, in one pass
 
 
-def test_held_steps_of_a_small_model_are_described_at_the_commit_in_one_pass(tmp_path, monkeypatch) -> None:
+def _held_run(path, monkeypatch, steps: int, bound: int | None = None):
+    """A lean run with every step after the first held until close() (and, with ``bound``, held
+    copies kept at most that many bytes): the sizes of the packed passes made, and each step's
+    tensors as the update read them."""
     from stepdump.capture import writer
 
-    monkeypatch.setattr(writer, "COMMIT_WINDOW", 3600.0)  # every step after the first held until close()
+    monkeypatch.setattr(writer, "COMMIT_WINDOW", 3600.0)
+    if bound is not None:
+        monkeypatch.setattr(writer, "HELD_PACKED_BYTES", bound)
     passes: list[int] = []
     real = packed.Segments.rows
 
@@ -158,20 +163,28 @@ def test_held_steps_of_a_small_model_are_described_at_the_commit_in_one_pass(tmp
     monkeypatch.setattr(packed.Segments, "rows", spy)
     model, opt = _model()
     caps = []
-    with stepdump.Recorder(tmp_path / "r", model, opt, on_error="raise", **LEAN):
-        for t in range(8):
+    with stepdump.Recorder(path, model, opt, on_error="raise", **LEAN):
+        for t in range(steps):
             _step(model, opt, t)
             caps.append(snapshot(model, opt))
             opt.step()
             opt.zero_grad()
-    k = 2 * len(list(model.parameters()))  # params + grads a step (the optimizer state: some steps)
-    assert max(passes) >= 5 * k, passes  # most held steps in one pass
-    run = stepdump.open(tmp_path / "r")
+    return passes, caps, 2 * len(list(model.parameters()))
+
+
+def _assert_fingerprints(path, caps, kinds=("params", "grads")) -> None:
+    run = stepdump.open(path)
     for t, cap in enumerate(caps):
         fps = run.fingerprints(t)
-        for kind in ("params", "grads"):
+        for kind in kinds:
             for name, live in cap[kind].items():
                 assert fps[(kind, name)] == fingerprint(live), (t, kind, name)
+
+
+def test_held_steps_of_a_small_model_are_described_at_the_commit_in_one_pass(tmp_path, monkeypatch) -> None:
+    passes, caps, k = _held_run(tmp_path / "r", monkeypatch, 8)
+    assert max(passes) >= 5 * k, passes  # most held steps in one pass (k: params + grads a step)
+    _assert_fingerprints(tmp_path / "r", caps)
 
 
 @pytest.mark.parametrize("bound", [1, 1 << 40], ids=["past-the-bound", "under-it"])
@@ -179,33 +192,10 @@ def test_held_copies_past_their_memory_bound_are_described_before_the_commit(tmp
                                                                             bound: int) -> None:
     # A fast loop with a record near lean.INLINE_BYTES would hold a window's worth of copies: past
     # HELD_PACKED_BYTES they are described at once (their memory let go), and committed later.
-    from stepdump.capture import writer
-
-    monkeypatch.setattr(writer, "COMMIT_WINDOW", 3600.0)
-    monkeypatch.setattr(writer, "HELD_PACKED_BYTES", bound)
-    passes: list[int] = []
-    real = packed.Segments.rows
-
-    def spy(self, buf):
-        passes.append(self.k)
-        return real(self, buf)
-
-    monkeypatch.setattr(packed.Segments, "rows", spy)
-    model, opt = _model()
-    caps = []
-    with stepdump.Recorder(tmp_path / "r", model, opt, on_error="raise", **LEAN):
-        for t in range(6):
-            _step(model, opt, t)
-            caps.append(snapshot(model, opt))
-            opt.step()
-            opt.zero_grad()
+    passes, caps, _ = _held_run(tmp_path / "r", monkeypatch, 6, bound)
     if bound == 1:  # each step's copies described as they came: a pass per step
         assert len(passes) >= 6, passes
     else:  # held until close(): a pass per layout (with and without the optimizer state), and step 0's
         assert len(passes) <= 4, passes
-    run = stepdump.open(tmp_path / "r")
-    assert run.stats_steps[:6] == list(range(6))  # (then the final record)
-    for t, cap in enumerate(caps):
-        fps = run.fingerprints(t)
-        for name, live in cap["params"].items():
-            assert fps[("params", name)] == fingerprint(live), (t, name)
+    assert stepdump.open(tmp_path / "r").stats_steps[:6] == list(range(6))  # (then the final record)
+    _assert_fingerprints(tmp_path / "r", caps, ("params",))
