@@ -19,6 +19,7 @@ on every codec, durability and optimizer of the row below:
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -334,3 +335,27 @@ def test_a_staging_plan_stages_what_the_per_tensor_path_stages(monkeypatch: pyte
                 assert bytes(item.raw) == src[item.name].contiguous().numpy().tobytes(), (case, step, item.name)
     # The plans were used (a budget that sends a tensor live gives it up: its buffer was let go).
     assert hits >= (0 if case == "budget" else 5 if case in ("same", "empty") else 1), hits
+
+
+def test_a_held_step_s_large_blob_is_written_before_its_staging_memory_is_reused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grad of 2 MiB goes to the appender as a view of the staging slot (no copy). A step held
+    for a group commit must still have it written before the slot goes back to the training
+    thread, which copies the next step's grads into it: a slow disk (each append 30 ms late here)
+    shows a write that came after as a later step's bytes under this step's row."""
+    monkeypatch.setattr(writer, "COMMIT_WINDOW", 3600.0)  # held until a keyframe or close()
+    real = LocalStorage.append
+
+    def slow(self: LocalStorage, key: str, data: Any) -> int:
+        time.sleep(0.03)
+        return real(self, key, data)
+
+    monkeypatch.setattr(LocalStorage, "append", slow)
+    model = _big_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    grads, _ = _record(tmp_path / "run", model, opt, codec="raw")
+    with stepdump.open(tmp_path / "run") as run:
+        assert stepdump.verify(run).ok  # every blob's bytes against its checksum
+        for step in range(STEPS):
+            for name, g in grads[step].items():
+                assert_same(run.tensor(name, step, "grads"), g, f"grad {name} at step {step}")

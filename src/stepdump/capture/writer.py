@@ -166,6 +166,7 @@ class Writer(LeanRowsMixin, threading.Thread):
         self._held_blobs: list[tuple[Any, ...]] = []  # the blob rows of held steps (a gradient log's)
         self._held_packed: list[tuple[int, Snapshot]] = []  # held steps' copies, described at the commit
         self._held_packed_bytes = 0
+        self._borrowed = False  # an append since the last wait reads a staging slot's memory
         self._last_commit = -math.inf  # monotonic time of the last commit
         self._due: float | None = None  # when the held rows must commit (None: none held)
 
@@ -332,6 +333,9 @@ class Writer(LeanRowsMixin, threading.Thread):
                 and time.monotonic() - self._last_commit < COMMIT_WINDOW:
             if self._due is None:  # a commit a moment ago: commits with the next ones (group commit)
                 self._due = self._last_commit + COMMIT_WINDOW
+            if self._borrowed:  # appends reading the slot's memory: done before it is handed back
+                self._appender.wait()
+                self._borrowed = False
             return
         for key, value in (msg.meta or {}).items():
             cat.set_meta(key, value)
@@ -347,6 +351,7 @@ class Writer(LeanRowsMixin, threading.Thread):
             self._flush_buffer(inline=True)  # nothing left to overlap with: the commit waits for it
             if self._segment is not None:  # bytes first, then the commit that points at them
                 self._appender.wait()
+                self._borrowed = False
                 self.storage.sync(self._segment, durable=self.durable)
             cat.add_blobs(self._held_blobs)
         if self._held_tensors:
@@ -429,7 +434,9 @@ class Writer(LeanRowsMixin, threading.Thread):
             self._flush_buffer()
             # On the appender thread; ``encoded`` (often a view of the staging slot)
             # stays untouched until the wait() before this step's commit.
-            self._appender.append(key, encoded, offset, owned=encoded is not data or not borrowed)
+            owned = encoded is not data or not borrowed
+            self._borrowed = self._borrowed or not owned
+            self._appender.append(key, encoded, offset, owned=owned)
         else:
             # Small blobs are gathered and written with one syscall per step.
             if not self._buffer:
