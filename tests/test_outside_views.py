@@ -1,4 +1,4 @@
-"""The outside-edit check's fingerprints by kept byte views (capture/outside.py ``_Views``, issue 25).
+"""The outside-edit check's fingerprints by kept byte views (core/hashing.py ``LiveHasher.fingerprint_all``, issue 25).
 
 What must hold: ``ParamWatch`` gives the numbers :func:`stepdump.capture.outside.fingerprints`
 gives, for the params as they are at each call, whatever happened to them since the views were

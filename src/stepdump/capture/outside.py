@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from operator import attrgetter
-from typing import Any
 
-import numpy as np
 import torch
-import xxhash
 
 from stepdump.core.dtensor import local_part
-from stepdump.core.hashing import LiveHasher, fingerprint, raw_bytes
+from stepdump.core.hashing import LiveHasher, fingerprint
 from stepdump.store.format import STATE_OUTSIDE_OPTIMIZER as STATE_KEY
 
 log = logging.getLogger(__name__)
@@ -51,38 +47,6 @@ def fingerprints(params: Mapping[str, torch.Tensor], hasher: LiveHasher | None =
     return out
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_ptr = torch.Tensor.data_ptr
-_stride = torch.Tensor.stride
-_META = attrgetter("dtype", "shape")
-
-
-class _Views:
-    """Byte views of a set of plain, contiguous CPU params, made once, and the key that proves they
-    still cover each param's bytes: its data pointer, dtype, shape and strides now (a view holds the
-    memory it was made from, so no other tensor gets that address while it is kept; LiveHasher's
-    reasoning, for the whole set in a few C-level calls instead of several Python calls a param)."""
-
-    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
-        ts = list(params.values())
-        self.names = list(params)
-        self.key = self.key_of(ts)
-        self.views = [raw_bytes(t.detach()) for t in ts]
-
-    @staticmethod
-    def key_of(ts: list[torch.Tensor]) -> tuple[list[int], list[Any], list[Any]]:
-        return list(map(_ptr, ts)), list(map(_META, ts)), list(map(_stride, ts))
-
-    @staticmethod
-    def fits(params: Mapping[str, torch.Tensor]) -> bool:
-        return all(type(t) in _PLAIN and t.layout == torch.strided and t.is_cpu and not t.is_quantized
-                   and t.is_contiguous() and t.numel() > 0 for t in params.values())
-
-    def fingerprints(self) -> dict[str, int]:
-        fps = np.fromiter(map(xxhash.xxh3_64_intdigest, self.views), dtype=np.uint64, count=len(self.views))
-        return dict(zip(self.names, fps.view(np.int64).tolist(), strict=True))
-
-
 class ParamWatch:
     """Fingerprints of the recorded params after each update, compared at the next pre-hook."""
 
@@ -90,19 +54,12 @@ class ParamWatch:
         self._after: dict[str, int] | None = None  # right after the latest update; None: none seen yet
         self._warned = False
         self._hasher = LiveHasher()  # both moments hash the same params: their byte views are made once
-        self._views: _Views | None = None  # the same, for a whole set of plain params
 
     def _fingerprints(self, params: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """:func:`fingerprints` of ``params`` (the same numbers), by the kept views where they still
-        cover the params (the same names, memory, dtypes, shapes and strides as when made)."""
-        v = self._views
-        if v is not None and v.names == list(params) and v.key == v.key_of(list(params.values())):
-            return v.fingerprints()
-        if not _Views.fits(params):
-            self._views = None
-            return fingerprints(params, self._hasher)
-        self._views = _Views(params)
-        return self._views.fingerprints()
+        """:func:`fingerprints` of ``params`` (the same numbers): by the views kept for the whole
+        set where the params are plain CPU tensors, else param by param."""
+        fps = self._hasher.fingerprint_all(params)
+        return fps if fps is not None else fingerprints(params, self._hasher)
 
     def after_update(self, params: Mapping[str, torch.Tensor]) -> None:
         """The optimizer's post-hook (or a skipped step's end): what the update left."""

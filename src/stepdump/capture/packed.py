@@ -39,6 +39,7 @@ import torch
 import xxhash
 
 from stepdump.core.dtypes import stored_dtype
+from stepdump.core.hashing import PLAIN_TENSORS
 from stepdump.core.stats import StatsTuple, compute_stats, segment_sums_array
 from stepdump.store.format import format_shape
 
@@ -51,7 +52,7 @@ CHUNK = 1 << 17
 # Elements per packed batch (4 MiB of fp32): bounds the private copy a batch needs.
 PACK = 1 << 20
 # Tensor types a plan packs; any other (a DTensor, a subclass) makes the step take the per-tensor path.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = PLAIN_TENSORS
 _set_grad_enabled = torch._C._set_grad_enabled
 _flatten = torch._C._nn.flatten_dense_tensors  # one C call: each tensor contiguous, viewed flat, concatenated
 # np.count_nonzero without its Python wrapper (two Python calls per small tensor), where numpy has it.
@@ -324,7 +325,7 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         """The bytes of the copies (what holding this snapshot keeps in memory)."""
-        return sum(buf.numel() * buf.element_size() for buf in self._bufs)
+        return sum(map(_nbytes, self._bufs))
 
     def rows(self) -> list[LeanRow]:
         """The rows of the copied tensors, in the plan's order (numpy passes: on any thread)."""
@@ -349,17 +350,21 @@ def describe_all(snaps: Sequence[Snapshot]) -> list[list[LeanRow]]:
         for b, buf in zip(snap._batches, snap._bufs, strict=True):
             groups.setdefault(id(b), (b, []))[1].append((i, buf))
     for b, items in groups.values():
-        small = [it for it in items if it[1].numel() * it[1].element_size() <= TOGETHER_BYTES]
-        if len(small) < 2:
+        small = [(i, buf) for i, buf in items if _nbytes(buf) <= TOGETHER_BYTES]
+        if len(small) < 2:  # nothing to put together
             small = []
-        for i, buf in items:
-            if not small or buf.numel() * buf.element_size() > TOGETHER_BYTES:
-                out[i].extend(b.rows(buf))
+        alone = [(i, buf) for i, buf in items if not small or _nbytes(buf) > TOGETHER_BYTES]
+        for i, buf in alone:
+            out[i].extend(b.rows(buf))
         if small:
             for (i, _), rows in zip(small, b.rows_many(torch.cat([buf for _, buf in small]), len(small)),
                                     strict=True):
                 out[i].extend(rows)
     return out
+
+
+def _nbytes(buf: torch.Tensor) -> int:
+    return buf.numel() * buf.element_size()
 
 
 class Plans:

@@ -8,8 +8,11 @@ order, the coalesced flag): FORMAT.md, "Sparse tensors". Used by the writer, eve
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
+from operator import attrgetter
+from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -47,6 +50,17 @@ def fingerprint(t: torch.Tensor) -> int:
     return fingerprint_bytes(raw_bytes(t))
 
 
+# Tensor types whose bytes are the tensor's own (not a DTensor's, not another subclass's).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_META = attrgetter("dtype", "shape")
+
+
+def _set_key(ts: list[torch.Tensor]) -> tuple[list[int], list[Any], list[Any]]:
+    """What proves kept views still cover ``ts``: data pointers, dtypes and shapes, strides (a view
+    holds the memory it was made from, so no other tensor gets that address while it is kept)."""
+    return list(map(torch.Tensor.data_ptr, ts)), list(map(_META, ts)), list(map(torch.Tensor.stride, ts))
+
+
 class LiveHasher:
     """Fingerprints of the same live tensors, again and again, at xxh3's own cost.
 
@@ -65,6 +79,27 @@ class LiveHasher:
     def __init__(self) -> None:
         # key -> (data_ptr, dtype, shape, view): one per key, so a replaced tensor's memory is let go.
         self._views: dict[Hashable, tuple[int, torch.dtype, torch.Size, memoryview]] = {}
+        # The same for a whole set of tensors (fingerprint_all): their names, the key that proves
+        # the views still cover them (data pointers, dtypes and shapes, strides), the views.
+        self._set: tuple[list[str], tuple[list[int], list[Any], list[Any]], list[memoryview]] | None = None
+
+    def fingerprint_all(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int] | None:
+        """name -> ``fingerprint`` of each of ``tensors`` (plain, contiguous, non-empty CPU tensors),
+        by views kept for the whole set and checked by one key made in a few C-level calls, not
+        several Python calls a tensor; None when one of them is of another kind (then call this
+        hasher per tensor)."""
+        ts = list(tensors.values())
+        names = list(tensors)
+        key = _set_key(ts)
+        kept = self._set
+        if kept is None or kept[0] != names or kept[1] != key:
+            if not all(type(t) in PLAIN_TENSORS and t.layout == torch.strided and t.is_cpu and not t.is_quantized
+                       and t.is_contiguous() and t.numel() > 0 for t in ts):
+                self._set = None
+                return None
+            kept = self._set = (names, key, [raw_bytes(t) for t in ts])
+        fps = np.fromiter(map(xxhash.xxh3_64_intdigest, kept[2]), dtype=np.uint64, count=len(ts))
+        return dict(zip(names, fps.view(np.int64).tolist(), strict=True))
 
     def __call__(self, t: torch.Tensor, key: Hashable) -> int:
         """``fingerprint(t)``, with the byte view reused from the last call with ``key`` (the tensor's
