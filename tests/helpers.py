@@ -39,6 +39,31 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
+def python_calls(fn: Callable[[], object]) -> int:
+    """Python-level calls (functions, and C functions called from Python code) made by ``fn()``:
+    a deterministic measure of per-tensor Python where wall time on a loaded machine is noise.
+    The garbage collector is off meanwhile: a collection would run other objects' finalizers
+    inside the count."""
+    import gc
+
+    calls = 0
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    enabled = gc.isenabled()
+    gc.disable()
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        if enabled:
+            gc.enable()
+    return calls
+
+
 def assert_same(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert isinstance(a, torch.Tensor), f"{what}: got {type(a).__name__}, not a tensor"
     assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"

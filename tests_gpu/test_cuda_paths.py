@@ -51,3 +51,19 @@ def test_device_stats_on_cuda_agree_with_cpu(dtype: torch.dtype, case: str) -> N
             assert torch.isnan(got[i]), (i, got[i])
         else:
             assert abs(float(got[i]) - want) <= 1e-5 * max(1.0, abs(want)), (i, float(got[i]), want)
+
+
+def test_peak_memory_is_max_memory_allocated_then_reset() -> None:
+    """sys/peak_memory_mb on CUDA reads the allocator's nested statistics directly: the same number
+    torch.cuda.max_memory_allocated gives, and the peak is reset after it."""
+    from stepdump.capture.profiling import peak_memory_mb
+
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    x = torch.empty(3 * 2**20, device=dev)
+    del x
+    want = torch.cuda.max_memory_allocated(dev)
+    assert want >= 12 * 2**20
+    assert peak_memory_mb(dev) == want / 2**20
+    assert torch.cuda.max_memory_allocated(dev) == torch.cuda.memory_allocated(dev)

@@ -34,7 +34,7 @@ for _p in (_HERE.parent / "tests", _HERE):  # what tests_gpu/conftest.py adds, f
         sys.path.insert(0, str(_p))
 
 from dmix_reference import sprinkle_nonfinite  # noqa: E402
-from helpers import assert_same  # noqa: E402
+from helpers import assert_same, python_calls  # noqa: E402
 from test_device_lean_contract import DTYPES, MIXES, SHAPES, _same_or_both_nan, _tensor, reference_dmix64  # noqa: E402
 
 from stepdump.core import device_lean_triton as dlt  # noqa: E402
@@ -267,8 +267,7 @@ class _Counting:
 
 
 def _fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No layout or structure of an earlier test (the allocator may give their addresses again)."""
-    monkeypatch.setattr(dlt, "_cache", type(dlt._cache)())
+    """No structure of an earlier test."""
     monkeypatch.setattr(dlt, "_structures", type(dlt._structures)())
 
 
@@ -300,22 +299,6 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def _python_calls(fn: Callable[[], object]) -> int:
-    """Python-level calls (functions, and C functions called from Python code) made by ``fn()``."""
-    calls = 0
-
-    def prof(frame: Any, event: str, arg: Any) -> None:
-        nonlocal calls
-        calls += event in ("call", "c_call")
-
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def test_steady_call_does_no_per_tensor_python(monkeypatch: pytest.MonkeyPatch) -> None:
     """A call on a cached layout makes as many Python-level calls for 600 tensors as for 6 (the
     key is mapped over the list in C); the kernels are stubbed so the count is the host's own.
@@ -324,8 +307,8 @@ def test_steady_call_does_no_per_tensor_python(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(dlt, "_combine_kernel", _NoLaunch())
     small = [_tensor(torch.float32, (10 + i,), seed=i).to(DEV) for i in range(6)]
     big = [_tensor(torch.float32, (10 + i,), seed=i).to(DEV) for i in range(600)]
-    first_small, first_big = _python_calls(lambda: pack(small)), _python_calls(lambda: pack(big))
-    steady_small, steady_big = _python_calls(lambda: pack(small)), _python_calls(lambda: pack(big))
+    first_small, first_big = python_calls(lambda: pack(small)), python_calls(lambda: pack(big))
+    steady_small, steady_big = python_calls(lambda: pack(small)), python_calls(lambda: pack(big))
     assert first_big > first_small + 600, (first_small, first_big)  # the control
     assert steady_big == steady_small, (steady_small, steady_big)
     assert steady_small < 100, steady_small  # 19 under the interpreter (no CUDA device context)
@@ -350,3 +333,36 @@ def test_new_memory_same_structure_reuses_the_tables(monkeypatch: pytest.MonkeyP
     assert_same(got[1:], first[1:], "the same bytes in new memory")
     del ts, first  # the old memory goes back to the allocator: the rows stay those of `moved`
     assert_same(taken(moved), got, "again, after the old memory was freed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_blocks_read_as_words_agree_with_elements(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dtype whose every tensor starts on an 8-byte boundary has its whole blocks read as words
+    (ALIGNED); one misaligned view among them makes the whole dtype read element by element. Both
+    readings give each tensor's rows (checked against the references), so the same exact columns
+    and fingerprints, and the launch took the reading it should (the control that both ran)."""
+    _fresh_caches(monkeypatch)
+    seen: list[bool] = []
+
+    class _Seeing(_Counting):
+        def __getitem__(self, grid: Any) -> Callable[..., Any]:
+            launch = self.kernel[grid]
+            return lambda *a, **kw: seen.append(kw["ALIGNED"]) or launch(*a, **kw)
+
+    monkeypatch.setattr(dlt, "_chunk_kernel", _Seeing(dlt._chunk_kernel))
+    sizes = (3 * dlt._BLOCK, 3 * dlt._BLOCK + 1, 2 * dlt._BLOCK - 1, dlt._BLOCK + 9, 7, 0, dlt._CHUNK + dlt._BLOCK + 3)
+    ts = [_tensor(dtype, (n,), seed=i).to(DEV) for i, n in enumerate(sizes)]
+    ts[1].view(-1)[dlt._BLOCK + 5 : dlt._BLOCK + 9] = torch.tensor([0, 1, 0, 1]).to(dtype)  # zeros in a whole block
+    assert all(t.data_ptr() % 8 == 0 for t in ts)
+    words = taken(ts)
+    assert seen == [True]
+    for i, t in enumerate(ts):
+        check_row(words[i], t, f"{dtype} {t.numel()} as words")
+    base = _tensor(dtype, (3 * dlt._BLOCK + 8,), seed=99).to(DEV)
+    odd = base[1:] if dtype.itemsize < 8 else base  # an 8-byte dtype is on a word boundary at any element
+    elements = taken([*ts, odd])
+    assert seen == [True, dtype.itemsize == 8]
+    for i, t in enumerate([*ts, odd]):
+        check_row(elements[i], t, f"{dtype} {t.numel()} element by element")
+    for col in (0, 1, 2, 3, 9, STATS_LEN):  # counts, zero fraction, fingerprint: the same bits either way
+        assert torch.equal(elements[:-1, col], words[:, col]), col

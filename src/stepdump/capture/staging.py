@@ -30,7 +30,6 @@ steps included: its fingerprint is a hash of its bytes, taken on the host.
 from __future__ import annotations
 
 import logging
-import operator
 import queue
 import threading
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stepdump.capture.device_pack import DevicePack, heads, pack_on_device
+from stepdump.capture.device_pack import DeviceLean, DevicePack, HeadsCache, Prepared, pack_on_device
 from stepdump.core.device_lean import DEVICE_FP_KIND
 from stepdump.core.dtensor import local_part
 from stepdump.core.hashing import raw_bytes
@@ -178,23 +177,6 @@ _PLANS_KEPT = 4
 _Plan = tuple[list[tuple], list["Item"], list[torch.Tensor], int]  # key, items, buffers, slot generation
 
 
-_FULL = operator.itemgetter(3)
-_TENSOR = operator.itemgetter(2)
-_PLAIN_TYPES = frozenset(_PLAIN)
-_IS_CUDA = operator.attrgetter("is_cuda")
-_LAYOUT = operator.attrgetter("layout")
-_QUANTIZED = operator.attrgetter("is_quantized")
-
-
-def _all_device_lean(items: list[tuple]) -> bool:
-    """Whether every entry is stats-only and a plain, dense, single-device CUDA tensor: the
-    entries a device pack takes whole (C-level maps over the list, no Python per entry)."""
-    ts = list(map(_TENSOR, items))
-    return (not any(map(_FULL, items)) and ts[0].is_cuda and frozenset(map(type, ts)) <= _PLAIN_TYPES
-            and all(map(_IS_CUDA, ts)) and len(set(map(torch.Tensor.get_device, ts))) == 1
-            and set(map(_LAYOUT, ts)) == {torch.strided} and not any(map(_QUANTIZED, ts)))
-
-
 def _layout_key(items: list[tuple]) -> list[tuple]:
     """What decides how each ``(kind, name, tensor, full, param, key)`` entry is staged (a plan's key):
     all but the tensor's bytes."""
@@ -241,6 +223,10 @@ class Stager:
         # there with every tensor copied into a buffer: a step of one again is one copy call (_restage),
         # while the slot's buffers are still those (its generation).
         self._plans: dict[int, list[_Plan]] = {}
+        # The all-device lean steps' layout, read once a step (device_pack.DeviceLean), and the
+        # mixed CUDA steps' stats-only entries' heads (one list object per steady layout).
+        self._device_lean = DeviceLean()
+        self._mixed_heads = HeadsCache()
 
     def wait_deferred(self, writer_alive: Callable[[], bool]) -> None:
         """The update is over: wait until the writer has appended the deferred live tensors,
@@ -272,9 +258,11 @@ class Stager:
         Live CPU tensors of the kinds in ``defer`` are waited for at the end of the update
         instead (:meth:`wait_deferred`): the optimizer does not change them. (Copies come
         first all the same: the writer's disk is often slower than the update.)"""
-        if self.device_fp and items and items[0][2].is_cuda and _all_device_lean(items):
-            self._stage_device_lean(slot, items)
-            return []
+        if self.device_fp and items and items[0][2].is_cuda:
+            prepared = self._device_lean.prepare(items)  # (before the side stream waits: it may copy tables)
+            if prepared is not None:
+                self._stage_device_lean(slot, prepared)
+                return []
         layout = _layout_key(items)
         plans = self._plans.setdefault(slot.index, [])
         for plan in plans:
@@ -341,20 +329,19 @@ class Stager:
                 torch._foreach_copy_(plan[2], [e[2] for e in items])
         return list(plan[1])
 
-    def _stage_device_lean(self, slot: Slot, items: list[tuple]) -> None:  # pragma: no cover - needs a GPU
+    def _stage_device_lean(self, slot: Slot, prepared: Prepared) -> None:  # pragma: no cover - needs a GPU
         """A stats-only step whose every entry is a plain dense CUDA tensor (the common GPU lean
         step): the device pack alone, without the per-entry staging loop and layout key (740
         entries of GPT-2 small cost the training thread milliseconds there)."""
         slot.live_done.clear()
         slot.deferred = []
         slot.has_live = False
-        device = items[0][2].device
+        device = prepared.tensors[0].device
         stream = self._side_stream(device)
         main = torch.cuda.current_stream(device)
         stream.wait_stream(main)
         with torch.no_grad(), torch.cuda.stream(stream):
-            host = pack_on_device(items)
-            slot.device_pack = DevicePack(heads(items), host)
+            slot.device_pack = prepared.launch()
             event = torch.cuda.Event()
             event.record(stream)
         main.wait_stream(stream)  # the optimizer must not overwrite what the side stream still reads
@@ -373,7 +360,7 @@ class Stager:
                 lean = [e for e in entries if not e[3]]
                 if lean:
                     host = pack_on_device(lean)
-                    slot.device_pack = DevicePack(heads(lean), host)
+                    slot.device_pack = DevicePack(self._mixed_heads(lean), host)
                 entries = [e for e in entries if e[3]]
             staged = []
             for kind, name, t, full, param, key in entries:

@@ -45,7 +45,6 @@ import torch
 from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
 from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
-from stepdump.capture.device_pack import rows as device_rows
 from stepdump.capture.lean import LeanRow
 from stepdump.capture.packed import Snapshot
 from stepdump.capture.writer_lean import LeanRowsMixin
@@ -292,11 +291,11 @@ class Writer(LeanRowsMixin, threading.Thread):
         cat = self._catalog
         if cat is None:  # run() opens it before taking messages
             raise WriterError("the catalog is not open")
+        device_pack = None
         if msg.slot is not None and msg.slot.event is not None:  # pragma: no cover - CUDA only
             msg.slot.event.synchronize()  # type: ignore[attr-defined]
-            if msg.slot.device_pack is not None:  # a lean step described on the device: its rows have landed
-                msg.lean.extend(device_rows(msg.slot.device_pack))  # type: ignore[arg-type]
-                msg.slot.device_pack = None
+            # a lean step described on the device: its rows have landed (read below, after the lean rows)
+            device_pack, msg.slot.device_pack = msg.slot.device_pack, None
         if msg.packed is not None and msg.step is not None:
             # The copies a stats-only step made (LeanCapture.take): described when the held steps
             # commit, those of one layout together (packed.describe_all).
@@ -321,6 +320,8 @@ class Writer(LeanRowsMixin, threading.Thread):
                 self._appender.wait()
                 msg.slot.live_done.set()
         self._lean_rows(cat, msg.step, msg.lean, check, rows)  # computed before the message was sent
+        if device_pack is not None:  # pragma: no cover - CUDA only
+            self._device_rows(cat, msg.step, device_pack, rows)  # type: ignore[arg-type]
         self._held_blobs.extend(self._blob_rows)
         stepped = msg.level is not None and msg.step is not None
         if stepped:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from stepdump.capture.device_pack import DevicePack, Head, catalog_rows
 from stepdump.capture.packed import LeanRow, Snapshot, describe_all
-from stepdump.core.device_lean import HOST_FP_KIND
+from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND
 from stepdump.store.catalog import CatalogWriter
 
 log = logging.getLogger("stepdump.capture.writer")
@@ -25,6 +26,8 @@ class LeanRowsMixin:
     _held_packed_bytes: int
     _held_tensors: list[tuple[Any, ...]]
     _kind_warned: set[tuple[str, str]]
+    # (heads, catalog, its series generation, series ids, rows kept or None) of the last device pack
+    _device_series: tuple[list[Head], CatalogWriter, int, list[int], list[bool] | None] | None = None
 
     def _describe_held(self, cat: CatalogWriter) -> None:
         """The held steps' copies (``StepMessage.packed``) described, into the held tensor rows."""
@@ -45,6 +48,25 @@ class LeanRowsMixin:
                 self._other_kind(cat.fp_kind(sid), r)
                 continue
             out.append((sid, step, r.dtype, r.shape, None, *r.stats, r.fp))
+
+    def _device_rows(self, cat: CatalogWriter, step: int | None, pack: DevicePack, out: list[tuple[Any, ...]]) -> None:
+        """The catalog rows of a lean CUDA step's device pack, appended to ``out``: the rows
+        :meth:`_lean_rows` makes of ``device_pack.rows(pack)``. The series ids (and whether each
+        series is dmix64) are looked up once per heads list (a steady run sends the same list
+        each step: device_pack.HeadsCache) and catalog, again when its ids may have changed."""
+        c = self._device_series
+        if c is None or c[0] is not pack.heads or c[1] is not cat or c[2] != cat.series_generation:
+            sids: list[int] = []
+            keep: list[bool] = []
+            for head in pack.heads:
+                sid = cat.series_id(head[0], head[1], head[2], head[3], DEVICE_FP_KIND)
+                have = cat.fp_kind(sid)
+                if have != DEVICE_FP_KIND:
+                    self._other_kind(have, LeanRow(*head, (), 0, DEVICE_FP_KIND))  # type: ignore[arg-type]
+                sids.append(sid)
+                keep.append(have == DEVICE_FP_KIND)
+            c = self._device_series = (pack.heads, cat, cat.series_generation, sids, None if all(keep) else keep)
+        out.extend(catalog_rows(pack, step, c[3], c[4]))
 
     def _other_kind(self, have: str, r: LeanRow) -> None:
         """A lean row whose fingerprint is not of its series' kind (a tensor that moved between the

@@ -22,6 +22,7 @@ needs; a logical right shift of a signed int64 is an arithmetic shift with the s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -107,12 +108,18 @@ def lean_pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _fused_pack(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The fused kernel's pack, or None where it does not take the list (no Triton, no GPU)."""
-    try:
-        from stepdump.core import device_lean_triton  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        return None
-    result: torch.Tensor | None = device_lean_triton.fused_pack(tensors)
+    global _triton_module
+    if _triton_module is None:  # imported once (an import statement costs Python calls every step)
+        try:
+            from stepdump.core import device_lean_triton  # type: ignore[attr-defined,unused-ignore]
+        except ImportError:
+            return None
+        _triton_module = device_lean_triton
+    result: torch.Tensor | None = _triton_module.fused_pack(tensors)
     return result
+
+
+_triton_module: Any = None
 
 
 def reference_pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

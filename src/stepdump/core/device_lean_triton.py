@@ -23,10 +23,13 @@ No atomics and a fixed tile order: the same input gives the same bits at every c
 min, max, the zero fraction and the fingerprint equal the reference bit for bit; mean, std
 and norm are sums in another order (within 1e-12 relative).
 
-Tables (data pointers, tiles) are cached per layout, so a steady step launches the same
-kernels on the same tables; the cache key (each tensor's data pointer, dtype, numel,
-contiguity and device: five C-level reads per tensor mapped over the list, no Python loop body)
-is the only per-tensor work of a steady call on the host.
+The tile tables are cached per structure (:func:`bind`: each tensor's dtype, numel, contiguity
+and device, four C-level reads per tensor mapped over the list, no Python loop body), so a
+steady step launches the same kernels on the same tables; the data pointers go to the device
+with each launch (:func:`launch`: one small copy on the launch's stream), whose reading of
+them (whole blocks as words where a dtype's tensors all start on an 8-byte boundary) is
+decided there. A caller that tracks the structure itself (capture/device_pack.DeviceLean)
+binds once per structure and launches with the pointers of the step.
 
 Returns None, for the whole list, where it does not apply (the caller then uses the torch-ops
 reference): Triton not importable, tensors not all on one CUDA device, a tensor that is
@@ -80,10 +83,17 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_DTYPES)
 _BLOCK = 512  # elements a chunk's program reads at a time: a power of two, a multiple of 8 (whole words)
 _CHUNK = 65536  # elements per chunk, one program each: a multiple of _BLOCK
 # Measured on an H200 (torch 2.11, Triton 3.6), GPT-2 small's 592 fp32 tensors (1.99 GB), chunks of
-# 65,536: 512 x 8 warps 2.06 ms (964 GB/s), 1,024 x 16 2.14, 1,024 x 8 3.29, 512 x 4 3.31, 256 x 2
-# 3.45, 2,048 x 16 3.60; chunks of 32,768 at 1,024 x 8: 3.50. The one-tile-a-program kernel before
-# it: 5.91 ms; one _foreach_norm over the same bytes: 1.07 ms.
+# 65,536 (benchmarks/device_lean_bench.py --sweep). Whole blocks read as words: 512 x 8 warps 1.37 ms
+# (1,458 GB/s), 512 x 4 1.43, 1,024 x 8 1.61 (1.32 with 3 pipelining stages), 2,048 x 8 2.18,
+# 2,048 x 16 1.72, 4,096 x 16 1.92; chunks of 131,072 or 32,768 at 1,024 x 8: 1.46 / 1.78; the floor
+# (one _foreach_norm over the same bytes) 1.09. Read element by element as before (~100 instructions
+# an element, issue-bound: pipelining and block sizes moved it by 5% only): 512 x 8 2.04-2.06 ms.
 _NUM_WARPS = 8
+# The word loop's software pipelining (tl.range's num_stages) and unrolling; None leaves Triton's
+# default (no pipelining for this loop). Kept as knobs for the sweep: 3 stages at 1,024 x 8 was within
+# 3% of the default at 512 x 8, which stays (fewer moving parts, every dtype tested under it).
+_STAGES: int | None = None
+_UNROLL: int | None = None
 _COMBINE_BLOCK = 256  # tile partials a combining program reads at a time
 _CACHE_SIZE = 16  # structures, and layouts, kept (a run has a few: lean steps, full steps)
 
@@ -118,15 +128,78 @@ if triton is not None:
             x = (raw != 0).to(tl.float64)
         return x
 
+    @triton.jit
+    @no_type_check  # a kernel: Triton's language, not Python's types
+    def _element(words, j, KIND: tl.constexpr, R: tl.constexpr, VT: tl.constexpr, F32: tl.constexpr):
+        """Element j of each 8-byte word (little-endian: bits 64/R*j and up) as the value the
+        stats are taken of: float32 for float32 and narrower floats (F32), else float64."""
+        if R == 1:
+            raw = words
+        elif R == 2:
+            raw = (words >> (j * 32)).to(tl.uint32)
+        elif R == 4:
+            raw = ((words >> (j * 16)) & 0xFFFF).to(tl.uint16)
+        else:
+            raw = ((words >> (j * 8)) & 0xFF).to(tl.uint8)
+        if F32:
+            if KIND == 4:  # bfloat16: the top half of a float32, exactly (subnormals included)
+                v = (raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                v = raw.to(VT, bitcast=True).to(tl.float32)
+        else:
+            v = _values(raw, KIND, R, VT)
+        return v
+
+    @triton.jit
+    @no_type_check  # a kernel: Triton's language, not Python's types
+    def _accumulate(words, left, c, inf_v, a_fin, a_nan, a_pinf, a_ninf, a_zero, a_lo, a_hi, a_s1, a_s2, a_sq,
+                    MASKED: tl.constexpr, KIND: tl.constexpr, R: tl.constexpr, VT: tl.constexpr,
+                    F32: tl.constexpr):
+        """A block's words into the per-lane accumulators: each word's R elements in turn. MASKED:
+        only elements ``lane * R + j < left`` count (the chunk's last block); else all do (no mask
+        work in the main loop)."""
+        lanes = tl.arange(0, words.shape[0])
+        for j in tl.static_range(R):
+            v = _element(words, j, KIND, R, VT, F32)
+            if MASKED:
+                valid = lanes * R + j < left
+                finite = valid & (tl.abs(v) < inf_v)
+                a_nan += (valid & (v != v)).to(tl.int32)
+                a_pinf += (valid & (v == inf_v)).to(tl.int32)
+                a_ninf += (valid & (v == -inf_v)).to(tl.int32)
+                a_zero += (valid & (v == 0)).to(tl.int32)
+            else:
+                finite = tl.abs(v) < inf_v
+                a_nan += (v != v).to(tl.int32)
+                a_pinf += (v == inf_v).to(tl.int32)
+                a_ninf += (v == -inf_v).to(tl.int32)
+                a_zero += (v == 0).to(tl.int32)
+            a_fin += finite.to(tl.int32)
+            a_lo = tl.minimum(a_lo, tl.where(finite, v, inf_v))
+            a_hi = tl.maximum(a_hi, tl.where(finite, v, -inf_v))
+            x = v.to(tl.float64)
+            d = tl.where(finite, x - c, 0.0)
+            a_s1 += d
+            a_s2 += d * d
+            xf = tl.where(finite, x, 0.0)
+            a_sq += xf * xf
+        return a_fin, a_nan, a_pinf, a_ninf, a_zero, a_lo, a_hi, a_s1, a_s2, a_sq
+
     # first_chunk takes any value (a dtype group's first row): not specialised, so one compile per dtype.
     @triton.jit(do_not_specialize=["first_chunk"])
     @no_type_check  # a kernel: Triton's language, not Python's types
     def _chunk_kernel(ptrs, chunk_tensor, chunk_start, chunk_count, first_chunk, fpart, ipart,
                       BLOCK: tl.constexpr, R: tl.constexpr, KIND: tl.constexpr, VT: tl.constexpr,
-                      F32: tl.constexpr):
+                      F32: tl.constexpr, ALIGNED: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
         """One chunk (up to _CHUNK elements) of one tensor, BLOCK elements at a time into per-lane
         accumulators reduced once at the end: its partials (fpart: sum, M2, sumsq, min, max; ipart:
         finite, NaN, +Inf, -Inf, zero counts, fingerprint partial). R elements make one 8-byte word.
+
+        ALIGNED (every tensor of the launch starts on an 8-byte boundary): the chunk's whole blocks
+        are read as 8-byte words, unmasked, each word's elements taken apart in registers (no
+        cross-lane shuffles to build the fingerprint's words, no mask per element); the last,
+        partial block (and every block of an unaligned launch) is read element by element, masked,
+        and its words built from the elements (never a byte past the tensor's end).
 
         The sums are shifted by the mean ``c`` of the chunk's first block (read twice: 1/16 of the
         chunk at most): M2 = S2 - S1^2 / n, with every term (x - c)^2 exact for float32 and
@@ -147,6 +220,7 @@ if triton is not None:
         else:
             base = addr.to(tl.pointer_type(tl.uint8))
         base = base + start
+        wbase = addr.to(tl.pointer_type(tl.uint64)) + start // R  # start * element bytes is a multiple of 8
         offs = tl.arange(0, BLOCK)
         woffs = tl.arange(0, BLOCK // R)
         shifts = (tl.arange(0, R) * (64 // R)).to(tl.uint64)
@@ -158,25 +232,35 @@ if triton is not None:
         c = tl.sum(tl.where(finite, x, 0.0), axis=0) / tl.maximum(tl.sum(finite.to(tl.int32), axis=0), 1).to(tl.float64)
         # Counts, min and max of float32 and narrower floats in float32 (exact: the same values,
         # half the float64 work); the sums in float64, where (x - c)^2 of a float32 is exact.
-        a_fin = tl.zeros([BLOCK], tl.int32)
-        a_nan = tl.zeros([BLOCK], tl.int32)
-        a_pinf = tl.zeros([BLOCK], tl.int32)
-        a_ninf = tl.zeros([BLOCK], tl.int32)
-        a_zero = tl.zeros([BLOCK], tl.int32)
-        a_s1 = tl.zeros([BLOCK], tl.float64)
-        a_s2 = tl.zeros([BLOCK], tl.float64)
-        a_sq = tl.zeros([BLOCK], tl.float64)
+        a_fin = tl.zeros([BLOCK // R], tl.int32)
+        a_nan = tl.zeros([BLOCK // R], tl.int32)
+        a_pinf = tl.zeros([BLOCK // R], tl.int32)
+        a_ninf = tl.zeros([BLOCK // R], tl.int32)
+        a_zero = tl.zeros([BLOCK // R], tl.int32)
+        a_s1 = tl.zeros([BLOCK // R], tl.float64)
+        a_s2 = tl.zeros([BLOCK // R], tl.float64)
+        a_sq = tl.zeros([BLOCK // R], tl.float64)
         if F32:
-            inf_v = tl.full([BLOCK], 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+            inf_v = tl.full([BLOCK // R], 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
         else:
-            inf_v = inf
+            inf_v = tl.full([BLOCK // R], 0x7FF0000000000000, tl.int64).to(tl.float64, bitcast=True)
         a_lo = inf_v
         a_hi = -inf_v
         a_fp = tl.zeros([BLOCK // R], tl.uint64)
         # (i + 1) * K1 of the block's words, advanced by a scalar each block (one 64-bit add a word)
         key = ((start // R + woffs + 1).to(tl.uint64)) * 0x9E3779B97F4A7C15
         step_key = tl.full([], BLOCK // R, tl.uint64) * 0x9E3779B97F4A7C15
-        for blk in range(0, count, BLOCK):
+        whole = count * 0  # the whole blocks read as words: none unless ALIGNED
+        if ALIGNED:
+            whole = (count // BLOCK) * BLOCK
+        for blk in tl.range(0, whole, BLOCK, num_stages=STAGES, loop_unroll_factor=UNROLL):
+            words = tl.load(wbase + blk // R + woffs)  # the only read of these bytes
+            a_fp += _fmix(words + key)
+            key += step_key
+            a_fin, a_nan, a_pinf, a_ninf, a_zero, a_lo, a_hi, a_s1, a_s2, a_sq = _accumulate(
+                words, BLOCK, c, inf_v, a_fin, a_nan, a_pinf, a_ninf, a_zero, a_lo, a_hi, a_s1, a_s2, a_sq,
+                False, KIND, R, VT, F32)
+        for blk in range(whole, count, BLOCK):
             valid = blk + offs < count
             raw = tl.load(base + blk + offs, mask=valid, other=0)  # the only read of these bytes
             # The fingerprint's words: R elements side by side, little-endian (element j of a word
@@ -187,27 +271,9 @@ if triton is not None:
                 words = tl.sum(tl.reshape(raw.to(tl.uint64), (BLOCK // R, R)) << shifts[None, :], axis=1)
             a_fp += tl.where(blk + woffs * R < count, _fmix(words + key), 0)
             key += step_key
-            if F32:
-                if KIND == 4:
-                    v = (raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-                else:
-                    v = raw.to(VT, bitcast=True).to(tl.float32)
-            else:
-                v = _values(raw, KIND, R, VT)
-            finite = valid & (tl.abs(v) < inf_v)
-            a_fin += finite.to(tl.int32)
-            a_nan += (valid & (v != v)).to(tl.int32)
-            a_pinf += (valid & (v == inf_v)).to(tl.int32)
-            a_ninf += (valid & (v == -inf_v)).to(tl.int32)
-            a_zero += (valid & (v == 0)).to(tl.int32)
-            a_lo = tl.minimum(a_lo, tl.where(finite, v, inf_v))
-            a_hi = tl.maximum(a_hi, tl.where(finite, v, -inf_v))
-            x = v.to(tl.float64)
-            d = tl.where(finite, x - c, 0.0)
-            a_s1 += d
-            a_s2 += d * d
-            xf = tl.where(finite, x, 0.0)
-            a_sq += xf * xf
+            a_fin, a_nan, a_pinf, a_ninf, a_zero, a_lo, a_hi, a_s1, a_s2, a_sq = _accumulate(
+                words, count - blk, c, inf_v, a_fin, a_nan, a_pinf, a_ninf, a_zero, a_lo, a_hi, a_s1, a_s2, a_sq,
+                True, KIND, R, VT, F32)
         n_fin = tl.sum(a_fin.to(tl.int64), axis=0)
         nf = tl.maximum(n_fin, 1).to(tl.float64)
         s1 = tl.sum(a_s1, axis=0)
@@ -311,12 +377,15 @@ class _Plan:
     tensor_numel: torch.Tensor
     tensor_nbytes: torch.Tensor
     groups: list[tuple[torch.dtype, int, int]]  # (dtype, first tile row, tiles) per launch
+    members: list[np.ndarray]  # the tensors of each group (their indices), for the alignment check
 
 
-# Two levels: the structure (dtypes, numels, contiguity, devices) -> its tables or why not; the
-# whole layout (those and the data pointers) -> (tables, the pointer table on the device).
+# The structure (dtypes, numels, contiguity, devices) -> its tables, or why the kernel declines it.
+# Data pointers are not part of it: they go to the device at each launch (a table of n int64 from
+# the caching allocator, on the launch's stream, let go after it). Tables kept per address set
+# held device memory that moved the next step's small grads elsewhere, so no address set came
+# back and each step bound again (the H200: 20 binds in 20 GPT-2-small steps, ~1 ms each).
 _structures: OrderedDict[tuple[Any, ...], _Plan | str] = OrderedDict()
-_cache: OrderedDict[tuple[Any, ...], tuple[_Plan, torch.Tensor] | str] = OrderedDict()
 _T = torch.Tensor
 _dtype_of = operator.attrgetter("dtype")
 
@@ -329,47 +398,42 @@ def fused_pack(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> 
     tests under Triton's CPU interpreter only."""
     if not tensors:  # nothing to launch, with or without Triton
         return torch.empty((0, STATS_LEN + 1), dtype=torch.int64)
+    plan = bind(tensors, _allow_cpu=_allow_cpu)
+    return None if plan is None else launch(plan, list(map(_T.data_ptr, tensors)))
+
+
+def bind(tensors: Sequence[torch.Tensor], *, _allow_cpu: bool = False) -> _Plan | None:
+    """The tables of the list's structure (built once per structure, cached), or None where the
+    kernel does not take the list. :func:`launch` them with the tensors' data pointers at each
+    call: a caller that knows the structure has not changed (the same dtypes, sizes, contiguity
+    and device) launches the same plan again without binding."""
     if triton is None:
         return None
     if not (_allow_cpu or tensors[0].is_cuda):  # a CPU list (a dmix64 CPU run): no key, no tables
         return None
     try:
-        # Five C-level reads per tensor, mapped over the list (no Python loop body): the layout.
-        key = (*map(_T.data_ptr, tensors), *map(_dtype_of, tensors), *map(_T.numel, tensors),
-               *map(_T.is_contiguous, tensors), *map(_T.get_device, tensors))
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        # Four C-level reads per tensor, mapped over the list (no Python loop body): the structure;
+        # and the data pointer, which raises for sparse and other storage-less layouts.
+        key = (*map(_dtype_of, tensors), *map(_T.numel, tensors), *map(_T.is_contiguous, tensors),
+               *map(_T.get_device, tensors))
+        tensors[0].data_ptr()
+    except (RuntimeError, NotImplementedError):
         return None
-    hit = _cache.get(key)
-    if hit is None:
-        hit = _bind(tensors, key)
-        _remember(_cache, key, hit)
+    plan = _structures.get(key)
+    if plan is None:
+        plan = _plan(tensors)
+        if isinstance(plan, str):
+            log.debug("fused_pack: not taken, the torch-ops reference is used: %s", plan)
+        _remember(_structures, key, plan)
     else:
-        _cache.move_to_end(key)
-    return None if isinstance(hit, str) else _launch(*hit)
+        _structures.move_to_end(key)
+    return None if isinstance(plan, str) else plan
 
 
 def _remember(cache: OrderedDict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> None:
     cache[key] = value
     while len(cache) > _CACHE_SIZE:
         cache.popitem(last=False)
-
-
-def _bind(tensors: Sequence[torch.Tensor], key: tuple[Any, ...]) -> tuple[_Plan, torch.Tensor] | str:
-    """A new layout: its structure's tables (built once per structure) and its pointer table."""
-    n = len(tensors)
-    skey = key[n:]  # the key's data pointers come first
-    plan = _structures.get(skey)
-    if plan is None:
-        plan = _plan(tensors)
-        if isinstance(plan, str):
-            log.debug("fused_pack: not taken, the torch-ops reference is used: %s", plan)
-        _remember(_structures, skey, plan)
-    else:
-        _structures.move_to_end(skey)
-    if isinstance(plan, str):
-        return plan
-    ptrs = np.array(key[:n], dtype=np.uint64).view(np.int64)
-    return plan, _to_device(ptrs, plan.device)
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -410,12 +474,14 @@ def _plan(tensors: Sequence[torch.Tensor]) -> _Plan | str:
     tiles = (numel + _CHUNK - 1) // _CHUNK
     order: list[int] = []
     groups: list[tuple[torch.dtype, int, int]] = []
+    group_members: list[np.ndarray] = []
     row = 0
     for dtype in dict.fromkeys(t.dtype for t in tensors):  # dtypes in order of first appearance
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         count = int(tiles[members].sum())
         if count:
             groups.append((dtype, row, count))
+            group_members.append(np.array(members, dtype=np.int64))
         order.extend(members)
         row += count
     order_a = np.array(order, dtype=np.int64)
@@ -433,19 +499,27 @@ def _plan(tensors: Sequence[torch.Tensor]) -> _Plan | str:
     table = _to_device(np.concatenate(parts), dev)
     tile_tensor_d, tile_start_d, tile_count_d, first_d, tiles_d, numel_d, nbytes_d = torch.split(
         table, [len(x) for x in parts])
-    return _Plan(dev, n, row, tile_tensor_d, tile_start_d, tile_count_d, first_d, tiles_d, numel_d, nbytes_d, groups)
+    return _Plan(dev, n, row, tile_tensor_d, tile_start_d, tile_count_d, first_d, tiles_d, numel_d, nbytes_d, groups,
+                 group_members)
 
 
-def _launch(plan: _Plan, ptrs: torch.Tensor) -> torch.Tensor:
-    """g + 1 launches on the current stream; fresh partial and output buffers each call (the
-    caching allocator makes them cheap, and a result the caller still holds is never rewritten)."""
+def launch(plan: _Plan, data_ptrs: Sequence[int]) -> torch.Tensor:
+    """The pack of the tensors at ``data_ptrs`` (in the list's order), of ``plan``'s structure
+    (:func:`bind`): their pointer table copied to the device, then g + 1 launches, all on the
+    current stream; fresh pointer, partial and output buffers each call (the caching allocator
+    makes them cheap and reuses them in stream order, and a result the caller still holds is never
+    rewritten). A dtype with a tensor not on an 8-byte boundary is read element by element."""
+    addr = np.array(data_ptrs, dtype=np.uint64)
+    odd = addr % 8 != 0
+    unaligned = frozenset(g[0] for g, m in zip(plan.groups, plan.members) if odd[m].any()) if odd.any() else frozenset()
+    ptrs = _to_device(addr.view(np.int64), plan.device)
     if plan.device.type == "cuda":
         with torch.cuda.device(plan.device):  # Triton launches on the current device
-            return _launch_here(plan, ptrs)
-    return _launch_here(plan, ptrs)
+            return _launch_here(plan, ptrs, unaligned)
+    return _launch_here(plan, ptrs, unaligned)
 
 
-def _launch_here(plan: _Plan, ptrs: torch.Tensor) -> torch.Tensor:
+def _launch_here(plan: _Plan, ptrs: torch.Tensor, unaligned: frozenset[torch.dtype]) -> torch.Tensor:
     fpart = torch.empty((max(plan.n_tiles, 1), 5), dtype=torch.float64, device=plan.device)
     ipart = torch.empty((max(plan.n_tiles, 1), 6), dtype=torch.int64, device=plan.device)
     out = torch.empty((plan.n_tensors, STATS_LEN + 1), dtype=torch.int64, device=plan.device)
@@ -456,6 +530,7 @@ def _launch_here(plan: _Plan, ptrs: torch.Tensor) -> torch.Tensor:
         tile_kernel[(count,)](ptrs, plan.tile_tensor, plan.tile_start, plan.tile_count, first_row,
                               fpart, ipart, BLOCK=_BLOCK, R=8 // size, KIND=kind,
                               VT=getattr(tl, value_type), F32=kind in (0, 4) and size < 8,
+                              ALIGNED=dtype not in unaligned, STAGES=_STAGES, UNROLL=_UNROLL,
                               num_warps=_NUM_WARPS)
     combine_kernel[(plan.n_tensors,)](plan.tensor_first, plan.tensor_tiles, plan.tensor_numel, plan.tensor_nbytes,
                                       fpart, ipart, out, CB=_COMBINE_BLOCK, OUT_LEN=STATS_LEN + 1, num_warps=4)

@@ -226,6 +226,7 @@ class CatalogWriter:
         self.con = sqlite3.connect(catalog_path(run_dir), check_same_thread=False, isolation_level=None)
         self.con.execute("PRAGMA journal_mode=WAL")
         self.con.execute(f"PRAGMA synchronous={synchronous}")
+        self.series_generation = 0
         self._load_ids()
         self._next_blob = (self.con.execute("SELECT max(id) FROM blobs").fetchone()[0] or 0) + 1
         self.con.execute("BEGIN")
@@ -233,6 +234,8 @@ class CatalogWriter:
     def _load_ids(self) -> None:
         """The committed series, segments and fingerprint kinds (again after a rollback, which
         drops those the rolled-back transaction added)."""
+        # Changes whenever known series ids may have gone: whoever keeps ids of its own checks it.
+        self.series_generation += 1
         self._series: dict[tuple[str, str], int] = {
             (k, n): i for i, k, n in self.con.execute("SELECT id, kind, name FROM series")
         }
@@ -370,6 +373,7 @@ class CatalogWriter:
         self.con.execute(f"DELETE FROM series WHERE kind IN ({marks}) AND NOT EXISTS "
                          "(SELECT 1 FROM tensors t WHERE t.series = series.id)", tuple(kinds))
         kept = {i for (i,) in self.con.execute("SELECT id FROM series")}
+        self.series_generation += 1
         self._series = {k: i for k, i in self._series.items() if i in kept}
         _drop_orphan_fp_kinds(self.con)
         self._fp_kinds = {s: k for s, k in self._fp_kinds.items() if s in kept}
