@@ -103,13 +103,11 @@ def check(fused: torch.Tensor, ref: torch.Tensor) -> list[str]:
     return bad
 
 
-# (block, warps, chunk, stages, unroll): the kernel's tunables; the first is the module's default.
-SWEEP: tuple[tuple[int, int, int, int | None, int | None], ...] = (
-    (dlt._BLOCK, dlt._NUM_WARPS, dlt._CHUNK, dlt._STAGES, dlt._UNROLL),
-    (512, 8, 65536, None, None), (512, 4, 65536, None, None), (1024, 4, 65536, None, None),
-    (1024, 8, 65536, None, None), (2048, 8, 65536, None, None), (2048, 16, 65536, None, None),
-    (4096, 16, 65536, None, None), (1024, 8, 65536, 3, None), (2048, 8, 65536, 3, None),
-    (1024, 8, 131072, None, None), (2048, 8, 131072, None, None), (1024, 8, 32768, None, None),
+# (block, warps, chunk): the kernel's tunables; the first is the module's default.
+SWEEP: tuple[tuple[int, int, int], ...] = (
+    (dlt._BLOCK, dlt._NUM_WARPS, dlt._CHUNK),
+    (512, 8, 65536), (512, 4, 65536), (1024, 4, 65536), (1024, 8, 65536), (2048, 8, 65536),
+    (2048, 16, 65536), (4096, 16, 65536), (1024, 8, 131072), (2048, 8, 131072), (1024, 8, 32768),
 )
 
 
@@ -118,14 +116,13 @@ def sweep(ts: list[torch.Tensor], nbytes: int, device: torch.device, reps: int) 
     ref = reference_pack(ts)
     floor, _ = timed(lambda: torch._foreach_norm(ts), reps, device)
     allow_cpu = device.type == "cpu"
-    saved = (dlt._BLOCK, dlt._NUM_WARPS, dlt._CHUNK, dlt._STAGES, dlt._UNROLL)
+    saved = (dlt._BLOCK, dlt._NUM_WARPS, dlt._CHUNK)
     print(f"floor (_foreach_norm) {floor:.3f} ms")
-    print(f"{'block':>6s} {'warps':>5s} {'chunk':>7s} {'stages':>6s} {'unroll':>6s} {'device ms':>10s} {'GB/s':>7s} "
-          f"{'x floor':>7s}  check")
+    print(f"{'block':>6s} {'warps':>5s} {'chunk':>7s} {'device ms':>10s} {'GB/s':>7s} {'x floor':>7s}  check")
     bad = 0
     try:
         for cfg in dict.fromkeys(SWEEP):
-            dlt._BLOCK, dlt._NUM_WARPS, dlt._CHUNK, dlt._STAGES, dlt._UNROLL = cfg
+            dlt._BLOCK, dlt._NUM_WARPS, dlt._CHUNK = cfg
             dlt._structures.clear()
             try:
                 got = dlt.fused_pack(ts, _allow_cpu=allow_cpu)
@@ -137,10 +134,10 @@ def sweep(ts: list[torch.Tensor], nbytes: int, device: torch.device, reps: int) 
                 bad += 1
                 continue
             bad += bool(problems)
-            print(f"{cfg[0]:6d} {cfg[1]:5d} {cfg[2]:7d} {cfg[3]!s:>6s} {cfg[4]!s:>6s} {ms:10.3f} {nbytes / ms / 1e6:7.0f} "
+            print(f"{cfg[0]:6d} {cfg[1]:5d} {cfg[2]:7d} {ms:10.3f} {nbytes / ms / 1e6:7.0f} "
                   f"{ms / floor:7.2f}  {'ok' if not problems else 'FAIL: ' + '; '.join(problems)}")
     finally:
-        dlt._BLOCK, dlt._NUM_WARPS, dlt._CHUNK, dlt._STAGES, dlt._UNROLL = saved
+        dlt._BLOCK, dlt._NUM_WARPS, dlt._CHUNK = saved
         dlt._structures.clear()
     return 1 if bad else 0
 
@@ -150,8 +147,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="timed calls of fused_pack and _foreach_norm (median)")
     ap.add_argument("--ref-reps", type=int, default=3, help="timed calls of the torch-ops reference (slow)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every tensor's size (a dry run: 0.001)")
-    ap.add_argument("--sweep", action="store_true", help="time the kernel's tunables (block, warps, chunk, "
-                    "pipelining stages, unrolling) instead, each checked against the reference")
+    ap.add_argument("--sweep", action="store_true", help="time the kernel's tunables (block, warps, chunk) "
+                    "instead, each checked against the reference")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     allow_cpu = device.type == "cpu"  # only meaningful under TRITON_INTERPRET=1

@@ -154,7 +154,21 @@ def test_writer_looks_series_up_once_per_heads_list_and_again_after_a_rollback(t
     assert len(out4) == 2 * len(entries)
     assert all(cat.fp_kind(r[0]) == DEVICE_FP_KIND for r in out4)
     assert sum("fingerprints in this run" in r.message for r in caplog.records) == 1
+    # Series ids may also go with drop_empty_series, and another catalog has ids of its own.
+    w._device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
+    n = len(calls)
+    w._device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
+    assert len(calls) == n  # the control: cached
+    cat.drop_empty_series(("grads",))
+    w._device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
+    assert len(calls) == n + len(entries)
     cat.close()
+    cat2 = CatalogWriter(run)  # ids of its own: looked up again, whatever its generation
+    real2 = cat2.series_id
+    cat2.series_id = lambda *a: calls.append(a) or real2(*a)  # type: ignore[method-assign]
+    w._device_rows(cat2, 10, DevicePack(hs, pack_on_device(entries, pin=False)), [])
+    assert len(calls) == n + 2 * len(entries)
+    cat2.close()
 
 
 # -- DeviceLean: the layout read once a step, a steady step without per-tensor Python -------------
@@ -188,8 +202,8 @@ class _Sub(torch.Tensor):
     pass
 
 
-@pytest.mark.parametrize("case", ["full", "sparse", "subclass", "quantized", "two devices", "other device type", "empty"])
-def test_device_lean_declines_what_it_does_not_take(case: str) -> None:
+@pytest.mark.parametrize("case", ["full", "sparse", "subclass", "quantized", "two devices", "meta device", "empty"])
+def test_device_lean_declines_what_it_does_not_take(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step with an entry stored in full, a sparse, subclass or quantized tensor, or tensors on
     two devices (or none) goes to the staging path (None); the next plain step is taken again."""
     lean = DeviceLean("cpu")
@@ -205,9 +219,12 @@ def test_device_lean_declines_what_it_does_not_take(case: str) -> None:
         bad[1] = ("params", "s", t.as_subclass(_Sub), False, None, None)
     elif case == "quantized":
         bad[1] = ("params", "q", torch.quantize_per_tensor(t, 0.1, 0, torch.qint8), False, None, None)
-    elif case == "two devices":
-        bad[1] = ("params", "m", torch.empty(4, device="meta"), False, None, None)
-    elif case == "other device type":
+    elif case == "two devices":  # the same device type, another index (what two GPUs look like)
+        other = torch.ones(4)
+        real = torch.Tensor.get_device
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 1 if t is other else real(t))
+        bad[1] = ("params", "o", other, False, None, None)
+    elif case == "meta device":
         bad = [("params", "m", torch.empty(4, device="meta"), False, None, None)]
     else:
         bad = []

@@ -335,13 +335,8 @@ def test_new_memory_same_structure_reuses_the_tables(monkeypatch: pytest.MonkeyP
     assert_same(taken(moved), got, "again, after the old memory was freed")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_whole_blocks_read_as_words_agree_with_elements(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dtype whose every tensor starts on an 8-byte boundary has its whole blocks read as words
-    (ALIGNED); one misaligned view among them makes the whole dtype read element by element. Both
-    readings give each tensor's rows (checked against the references), so the same exact columns
-    and fingerprints, and the launch took the reading it should (the control that both ran)."""
-    _fresh_caches(monkeypatch)
+def _seeing_alignment(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The chunk kernel wrapped to note each launch's ALIGNED (words or elements), in order."""
     seen: list[bool] = []
 
     class _Seeing(_Counting):
@@ -350,6 +345,17 @@ def test_whole_blocks_read_as_words_agree_with_elements(dtype: torch.dtype, monk
             return lambda *a, **kw: seen.append(kw["ALIGNED"]) or launch(*a, **kw)
 
     monkeypatch.setattr(dlt, "_chunk_kernel", _Seeing(dlt._chunk_kernel))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_blocks_read_as_words_agree_with_elements(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dtype whose every tensor starts on an 8-byte boundary has its whole blocks read as words
+    (ALIGNED); one misaligned view among them makes the whole dtype read element by element. Both
+    readings give each tensor's rows (checked against the references), so the same exact columns
+    and fingerprints, and the launch took the reading it should (the control that both ran)."""
+    _fresh_caches(monkeypatch)
+    seen = _seeing_alignment(monkeypatch)
     sizes = (3 * dlt._BLOCK, 3 * dlt._BLOCK + 1, 2 * dlt._BLOCK - 1, dlt._BLOCK + 9, 7, 0, dlt._CHUNK + dlt._BLOCK + 3)
     ts = [_tensor(dtype, (n,), seed=i).to(DEV) for i, n in enumerate(sizes)]
     ts[1].view(-1)[dlt._BLOCK + 5 : dlt._BLOCK + 9] = torch.tensor([0, 1, 0, 1]).to(dtype)  # zeros in a whole block
@@ -366,3 +372,22 @@ def test_whole_blocks_read_as_words_agree_with_elements(dtype: torch.dtype, monk
         check_row(elements[i], t, f"{dtype} {t.numel()} element by element")
     for col in (0, 1, 2, 3, 9, STATS_LEN):  # counts, zero fraction, fingerprint: the same bits either way
         assert torch.equal(elements[:-1, col], words[:, col]), col
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+def test_one_plan_launched_at_aligned_then_misaligned_memory(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reading (words or elements) is decided at each launch from that launch's pointers, never
+    kept with the structure's tables: the same plan launched on a view on an 8-byte boundary, then
+    on one 1 element further (same dtype and numel), reads words then elements, right both times
+    (8-byte loads at a misaligned address would be a fatal error on a GPU)."""
+    _fresh_caches(monkeypatch)
+    seen = _seeing_alignment(monkeypatch)
+    n = 3 * dlt._BLOCK + 5
+    base = _tensor(dtype, (n + 8,), seed=4).to(DEV)
+    at, off = base[:n], base[1:n + 1]
+    assert at.data_ptr() % 8 == 0 and off.data_ptr() % 8 != 0
+    plan = dlt.bind([at], _allow_cpu=INTERPRET)
+    assert plan is not None and dlt.bind([off], _allow_cpu=INTERPRET) is plan  # one structure
+    for view in (at, off, at):
+        check_row(dlt.launch(plan, [view.data_ptr()])[0], view, f"{dtype} at +{(view.data_ptr() - base.data_ptr())}")
+    assert seen == [True, False, True]

@@ -89,13 +89,10 @@ _CHUNK = 65536  # elements per chunk, one program each: a multiple of _BLOCK
 # (one _foreach_norm over the same bytes) 1.09. Read element by element as before (~100 instructions
 # an element, issue-bound: pipelining and block sizes moved it by 5% only): 512 x 8 2.04-2.06 ms.
 _NUM_WARPS = 8
-# The word loop's software pipelining (tl.range's num_stages) and unrolling; None leaves Triton's
-# default (no pipelining for this loop). Kept as knobs for the sweep: 3 stages at 1,024 x 8 was within
-# 3% of the default at 512 x 8, which stays (fewer moving parts, every dtype tested under it).
-_STAGES: int | None = None
-_UNROLL: int | None = None
+# Software pipelining (tl.range's num_stages=3) was tried by the same sweep: 1.32 ms at 1,024 x 8,
+# within 3% of 512 x 8 without it; not kept (plain range: long-standing Triton, no version floor).
 _COMBINE_BLOCK = 256  # tile partials a combining program reads at a time
-_CACHE_SIZE = 16  # structures, and layouts, kept (a run has a few: lean steps, full steps)
+_CACHE_SIZE = 16  # structures kept (a run has a few: lean steps, full steps)
 
 if triton is not None:
 
@@ -190,7 +187,7 @@ if triton is not None:
     @no_type_check  # a kernel: Triton's language, not Python's types
     def _chunk_kernel(ptrs, chunk_tensor, chunk_start, chunk_count, first_chunk, fpart, ipart,
                       BLOCK: tl.constexpr, R: tl.constexpr, KIND: tl.constexpr, VT: tl.constexpr,
-                      F32: tl.constexpr, ALIGNED: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
+                      F32: tl.constexpr, ALIGNED: tl.constexpr):
         """One chunk (up to _CHUNK elements) of one tensor, BLOCK elements at a time into per-lane
         accumulators reduced once at the end: its partials (fpart: sum, M2, sumsq, min, max; ipart:
         finite, NaN, +Inf, -Inf, zero counts, fingerprint partial). R elements make one 8-byte word.
@@ -253,7 +250,7 @@ if triton is not None:
         whole = count * 0  # the whole blocks read as words: none unless ALIGNED
         if ALIGNED:
             whole = (count // BLOCK) * BLOCK
-        for blk in tl.range(0, whole, BLOCK, num_stages=STAGES, loop_unroll_factor=UNROLL):
+        for blk in range(0, whole, BLOCK):
             words = tl.load(wbase + blk // R + woffs)  # the only read of these bytes
             a_fp += _fmix(words + key)
             key += step_key
@@ -530,8 +527,7 @@ def _launch_here(plan: _Plan, ptrs: torch.Tensor, unaligned: frozenset[torch.dty
         tile_kernel[(count,)](ptrs, plan.tile_tensor, plan.tile_start, plan.tile_count, first_row,
                               fpart, ipart, BLOCK=_BLOCK, R=8 // size, KIND=kind,
                               VT=getattr(tl, value_type), F32=kind in (0, 4) and size < 8,
-                              ALIGNED=dtype not in unaligned, STAGES=_STAGES, UNROLL=_UNROLL,
-                              num_warps=_NUM_WARPS)
+                              ALIGNED=dtype not in unaligned, num_warps=_NUM_WARPS)
     combine_kernel[(plan.n_tensors,)](plan.tensor_first, plan.tensor_tiles, plan.tensor_numel, plan.tensor_nbytes,
                                       fpart, ipart, out, CB=_COMBINE_BLOCK, OUT_LEN=STATS_LEN + 1, num_warps=4)
     return out
