@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from stepdump.capture.packed import LeanRow
-from stepdump.core.device_lean import DEVICE_FP_KIND, lean_pack, reference_pack
+from stepdump.core.device_lean import DEVICE_FP_KIND, fused_module, lean_pack, reference_pack
 from stepdump.core.dtypes import dtype_name
 from stepdump.core.stats import STATS_LEN
 from stepdump.store.format import format_shape
@@ -69,10 +69,8 @@ class Prepared:
 
     def launch(self, pin: bool = True) -> DevicePack:
         """Queue the pack on the current stream and its copy into (pinned) host memory."""
-        if self.plan is not None:
-            from stepdump.core import device_lean_triton  # imported: bind() made ``plan``
-
-            pack = device_lean_triton.launch(self.plan, self.ptrs)
+        if self.plan is not None:  # (bind() made it: the module is there)
+            pack = fused_module().launch(self.plan, self.ptrs)
         else:
             pack = reference_pack(self.tensors)
         return DevicePack(self.heads, _to_host(pack, pin))
@@ -124,11 +122,8 @@ class DeviceLean:
 
 def _bind(ts: list[torch.Tensor], device_type: str) -> Any:
     """The fused kernel's tables for the structure of ``ts``, or None (no Triton, or a list it declines)."""
-    try:
-        from stepdump.core import device_lean_triton
-    except ImportError:
-        return None
-    return device_lean_triton.bind(ts) if device_type == "cuda" else None
+    fused = fused_module() if device_type == "cuda" else None
+    return None if fused is None else fused.bind(ts)
 
 
 def heads(entries: list[tuple]) -> list[Head]:

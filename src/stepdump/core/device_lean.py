@@ -108,15 +108,23 @@ def lean_pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _fused_pack(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The fused kernel's pack, or None where it does not take the list (no Triton, no GPU)."""
+    fused = fused_module()
+    result: torch.Tensor | None = None if fused is None else fused.fused_pack(tensors)
+    return result
+
+
+def fused_module() -> Any:
+    """:mod:`stepdump.core.device_lean_triton`, imported on first use (``import stepdump`` does not
+    pay for Triton's import), then kept (an import statement costs Python calls every step);
+    None where it cannot be imported."""
     global _triton_module
-    if _triton_module is None:  # imported once (an import statement costs Python calls every step)
+    if _triton_module is None:
         try:
             from stepdump.core import device_lean_triton  # type: ignore[attr-defined,unused-ignore]
         except ImportError:
             return None
         _triton_module = device_lean_triton
-    result: torch.Tensor | None = _triton_module.fused_pack(tensors)
-    return result
+    return _triton_module
 
 
 _triton_module: Any = None
