@@ -303,6 +303,19 @@ def train_recorded(path: Any, model: nn.Module, opt: torch.optim.Optimizer, step
     return snaps
 
 
+def train_logging(rec: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: int, pause: float = 0.0) -> None:
+    """``steps`` steps of ``tiny_model`` on ``tiny_batch``, each logging ``loss=t`` to ``rec``
+    (``pause``: seconds slept after each)."""
+    for t in range(steps):
+        x, y = tiny_batch(t)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        rec.log(loss=float(t))
+        if pause:
+            time.sleep(pause)
+
+
 def peak_traced_bytes(fn: Any) -> int:
     """Peak Python-traced allocation while ``fn()`` runs (tracemalloc: numpy and torch CPU buffers too)."""
     import tracemalloc

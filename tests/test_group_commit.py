@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import catalog_sql, tiny_batch, tiny_model
+from helpers import catalog_sql, tiny_model, train_logging
 
 import stepdump
 from stepdump.capture import writer as writer_mod
@@ -24,16 +24,6 @@ from stepdump.store.catalog import CatalogWriter
 
 
 
-def _train(rec: stepdump.Recorder, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
-           pause: float = 0.0) -> None:
-    for t in range(steps):
-        x, y = tiny_batch(t)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        rec.log(loss=float(t))
-        if pause:
-            time.sleep(pause)
 
 
 def _steps_rows(statements: list[str], table: str) -> list[str]:
@@ -47,7 +37,7 @@ def test_stats_only_steps_share_their_statements(tmp_path: Path, statements: lis
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     steps = 40
     with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
-        _train(rec, model, opt, steps)
+        train_logging(rec, model, opt, steps)
     commits = sum(s == "COMMIT" for s in statements)
     step_inserts = _steps_rows(statements, "steps")
     tensor_inserts = _steps_rows(statements, "tensors")
@@ -73,7 +63,7 @@ def test_a_slow_loop_commits_every_step(tmp_path: Path, statements: list[str],
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
-        _train(rec, model, opt, 6)
+        train_logging(rec, model, opt, 6)
     assert len(_steps_rows(statements, "steps")) >= 6 and sum(s == "COMMIT" for s in statements) >= 6
 
 
@@ -81,11 +71,11 @@ def test_each_step_commits_alone_with_fsync_and_for_bytes(tmp_path: Path, statem
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with stepdump.Recorder(tmp_path / "fsync", model, opt, every=None, stats_every=1, durability="fsync") as rec:
-        _train(rec, model, opt, 6)
+        train_logging(rec, model, opt, 6)
     assert sum(s == "COMMIT" for s in statements) >= 6
     statements.clear()
     with stepdump.Recorder(tmp_path / "full", model, opt, every=1) as rec:  # every step has bytes
-        _train(rec, model, opt, 6)
+        train_logging(rec, model, opt, 6)
     assert sum(s == "COMMIT" for s in statements) >= 6
 
 
@@ -95,7 +85,7 @@ def test_an_idle_writer_commits_what_it_holds(tmp_path: Path) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     path = tmp_path / "run"
     with stepdump.Recorder(path, model, opt, every=None, stats_every=1) as rec:
-        _train(rec, model, opt, 3)
+        train_logging(rec, model, opt, 3)
         deadline = time.monotonic() + writer_mod.COMMIT_WINDOW + 10  # slack for a loaded machine
         seen: list[Any] = []
         while time.monotonic() < deadline:
@@ -105,7 +95,7 @@ def test_an_idle_writer_commits_what_it_holds(tmp_path: Path) -> None:
             time.sleep(0.02)
         assert [s for (s,) in seen] == [0, 1, 2]
         # and a step arriving after a pause starts a new window: it commits too
-        _train(rec, model, opt, 1)
+        train_logging(rec, model, opt, 1)
         while time.monotonic() < deadline and len(seen) < 4:
             seen = catalog_sql(path, "SELECT step FROM steps ORDER BY step")
             time.sleep(0.02)
@@ -125,7 +115,7 @@ def test_a_failed_group_names_its_first_step(tmp_path: Path, monkeypatch: pytest
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     path = tmp_path / "run"
     rec = stepdump.Recorder(path, model, opt, every=None, stats_every=1)
-    _train(rec, model, opt, 5)  # step 0 commits at once (no commit before it); steps 1..4 held
+    train_logging(rec, model, opt, 5)  # step 0 commits at once (no commit before it); steps 1..4 held
     deadline = time.monotonic() + 30
     while catalog_sql(path, "SELECT count(*) FROM steps") != [(1,)] and time.monotonic() < deadline:
         time.sleep(0.01)  # the writer may not have taken step 0 yet
@@ -167,7 +157,7 @@ def test_held_gradient_log_steps_write_their_bytes_before_the_commit_that_names_
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with stepdump.Recorder(path, model, opt, gradient_log=8, codec="zstd") as rec:
-        _train(rec, model, opt, 12)
+        train_logging(rec, model, opt, 12)
     monkeypatch.setattr(sqlite3, "connect", real)
     names = dict(catalog_sql(path, "SELECT id, key FROM segments"))
     pending: list[tuple[int, int, int, int]] = []

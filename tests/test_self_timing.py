@@ -167,3 +167,47 @@ def test_recorder_ms_counts_all_recorder_work_on_the_training_thread(tmp_path, m
             opt.zero_grad()
     prof = stepdump.open(tmp_path / "run").profile().loc[0:4]
     assert list(prof["sys/recorder_ms"]) == [1000.0 * calls] * 5, work
+
+
+def test_thread_waits_are_the_gap_outside_the_hooks_capped_by_the_recorder_threads_cpu(monkeypatch) -> None:
+    cpu = _Clock()
+    monkeypatch.setattr(profiling, "_cpu", cpu)
+    waits = profiling.ThreadWaits()  # the iteration begins at CPU 0
+    began = waits.begin()
+    cpu.t = 2.0  # a hook that ran 2 s of CPU
+    waits.end(began)
+    cpu.t = 6.0  # the iteration: 10 s of wall time, 2.5 of them in the hooks; the thread ran 6 s
+    # Outside the hooks: 7.5 s of wall time, 4 s of CPU: off its CPU for 3.5 s.
+    assert waits.waited(10.0, 2.5, 2.0, now=6.0) == 2.0  # no more than the recorder's threads ran
+    cpu.t = 16.0  # the next iteration: 10 s of wall, 10 of CPU, no hooks: it never waited
+    assert waits.waited(10.0, 0.0, 5.0, now=16.0) == 0.0
+    cpu.t = 20.0  # 10 s of wall, 4 of CPU, recorder threads ran 9 s: the whole 6 s gap
+    assert waits.waited(10.0, 0.0, 9.0, now=20.0) == 6.0
+    assert waits.waited(10.0, 0.0, None, now=24.0) == 0.0  # their CPU unknown: nothing is claimed
+    assert waits.waited(1.0, 3.0, 9.0, now=30.0) == 0.0  # more CPU than wall time: no negative wait
+
+
+def test_recorder_ms_adds_the_waits_and_says_them_apart(tmp_path, monkeypatch) -> None:
+    """Injected clocks: each iteration takes 10 s of wall time outside the hooks and 4 s of the
+    training thread's CPU, and the recorder's threads 1.5 s of theirs: 1.5 s waited, in
+    sys/recorder_wait_ms and in sys/recorder_ms, whose hooks took no time."""
+    wall, cpu = _Clock(), _Clock()
+    monkeypatch.setattr(recorder_module, "time", types.SimpleNamespace(perf_counter=wall))
+    monkeypatch.setattr(user_log_module, "time", types.SimpleNamespace(perf_counter=wall))
+    monkeypatch.setattr(profiling, "_wall", wall)
+    monkeypatch.setattr(profiling, "_cpu", cpu)
+    monkeypatch.setattr(profiling.BackgroundClock, "take", lambda self: 1.5)
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", every=None, stats_every=1):
+        for _ in range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            wall.t += 10.0
+            cpu.t += 4.0
+            opt.step()
+            opt.zero_grad()
+    prof = stepdump.open(tmp_path / "run").profile().loc[1:4]  # step 0's iteration began at the Recorder's start
+    assert list(prof["sys/recorder_wait_ms"]) == [1500.0] * 4
+    assert list(prof["sys/recorder_ms"]) == [1500.0] * 4
+    assert list(prof["sys/iter_ms"]) == [10000.0] * 4

@@ -17,15 +17,19 @@ The writer (capture/writer.py) runs on its own thread; the Recorder reaches it o
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from stepdump.capture.guard import Guard, mark_run
+from stepdump.capture.mailbox import MAIL
 from stepdump.capture.staging import StagingPool
+from stepdump.capture import writer as writer_mod
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.errors import WriterError
 
@@ -41,6 +45,7 @@ class WriterLink:
         Recorder's current step (where a failure is reported)."""
         self.path, self._pool, self._guard, self._step = path, pool, guard, step
         self.writer = Writer(path, pool, **writer)
+        self._woken = -math.inf  # when a put last woke the writer (monotonic)
         self.writer.start()
         try:
             self.writer.wait_ready()
@@ -55,10 +60,19 @@ class WriterLink:
         return self.writer, getattr(self.writer, "_appender", None)
 
     def put(self, msg: StepMessage) -> None:
-        """Hand ``msg`` to the writer; return once it no longer needs the live tensors of ``msg.slot``."""
+        """Hand ``msg`` to the writer; return once it no longer needs the live tensors of ``msg.slot``.
+        A stats-only step with nothing left to read waits for the writer's own wake-up, posted
+        without waking it (capture/mailbox.py); anything else wakes it now."""
+        w = self.writer
+        now = time.monotonic()
+        # Woken at least once a COMMIT_WINDOW by the steps themselves (the first at once): a steady
+        # loop's steps are committed as soon as before, the writer's own wake-up is for a loop that stopped.
+        if not w.mailbox.post(msg, wake=not w.can_mail(msg) or now - self._woken >= writer_mod.COMMIT_WINDOW):
+            return
+        self._woken = now
         while True:
             try:
-                self.writer.queue.put(msg, timeout=0.05)
+                w.queue.put(MAIL, timeout=0.05)
                 self._pool.wait_live(msg.slot, self.writer.is_alive)  # the optimizer changes live tensors next
                 return
             except queue.Full:

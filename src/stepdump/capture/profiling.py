@@ -79,6 +79,47 @@ def timed(fn: Callable[..., Any], add: Callable[[float], None]) -> Callable[...,
     return call
 
 
+# The training thread's CPU clock (tests replace it).
+_cpu: Callable[[], float] = time.thread_time
+
+
+class ThreadWaits:
+    """The time the training thread spent *off* its CPU in an iteration outside the recorder's
+    hooks, as far as the recorder's own threads can have caused it: what ``sys/recorder_ms``
+    adds to the hooks' time (``sys/recorder_wait_ms``).
+
+    A recorder thread that holds the GIL (Python work: describing rows, building catalog
+    statements) stops the training thread at its next torch call, which lets the GIL go and must
+    take it back; on a machine without an idle core, any CPU a recorder thread uses is a core the
+    training thread waits for. Neither shows in the hooks' wall time, and both show as the
+    iteration's wall time minus the training thread's CPU time. That gap also holds waits the
+    recorder has no part in (a data loader, I/O, another process on the core), so it is capped
+    by the CPU time the recorder's threads used in the iteration (``sys/recorder_bg_ms``): the
+    figure is ``min(gap outside the hooks, recorder threads' CPU)``. Not counted, because no
+    clock sees it: the training's own kernels running slower on caches the recorder left cold.
+    The forward hooks' CPU time is not read (two syscalls per hook): their time counts as CPU
+    outside the hooks, which makes the gap smaller by that much, never larger."""
+
+    def __init__(self) -> None:
+        self.iteration = _cpu()  # the training thread's CPU clock when the iteration began
+        self.hooks = 0.0  # CPU seconds of the optimizer hooks in the iteration
+
+    def begin(self) -> float:
+        """The CPU clock now (at a hook's start)."""
+        return _cpu()
+
+    def end(self, began: float) -> None:
+        """A hook that began at ``began`` (:meth:`begin`) is over."""
+        self.hooks += _cpu() - began
+
+    def waited(self, iter_s: float, hooks_s: float, background_s: float | None, now: float) -> float:
+        """Seconds the iteration (``iter_s`` of wall time, ``hooks_s`` of them in the recorder's
+        hooks, ended at CPU clock ``now``) waited on the recorder's threads, and start the next."""
+        off_cpu = (iter_s - hooks_s) - ((now - self.iteration) - self.hooks)
+        self.iteration, self.hooks = now, 0.0
+        return min(max(0.0, off_cpu), background_s or 0.0)
+
+
 def _thread_cpu_s(thread: threading.Thread) -> float | None:
     """CPU seconds ``thread`` has used (its POSIX CPU clock), or None where it cannot be read."""
     ident = thread.ident

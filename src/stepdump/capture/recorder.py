@@ -42,7 +42,7 @@ from stepdump.capture.handles import Hook
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
 from stepdump.capture.step_state import StateBefore
-from stepdump.capture.profiling import BackgroundClock, span, timed
+from stepdump.capture.profiling import BackgroundClock, ThreadWaits, span, timed
 from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import auto_scalars, profile_scalars, scalar_rows
@@ -247,6 +247,8 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._overhead, self._iter_start = 0.0, time.perf_counter()
         # sys/recorder_bg_ms: CPU time of the recorder's own threads in each iteration (profiling.py)
         self._bg = BackgroundClock(lambda: (*self._link.threads, *self._lean.threads))
+        # The training thread's waits on those threads outside the hooks (profiling.ThreadWaits)
+        self._waits = ThreadWaits() if self.options.record.profile else None
         self._modules = ModuleCapture(self.model, self.kinds, list(rec.modules or "*"),
                                       active=lambda: self._level(self._step) != LEVEL_NONE,
                                       on_error=lambda e, where: self._fail(e, where))
@@ -336,6 +338,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         record is taken inside it (after a closure's first call; naming.StateBefore).
         """
         started = time.perf_counter()  # from here on the pre-hook's time is the recorder's (sys/recorder_ms)
+        cpu = self._waits.begin() if self._waits is not None else 0.0
         t = self._step
         if (not self.recording or self._closed or self._captured_at == t or self._guard.stopped
                 or self._link.failed()):
@@ -347,6 +350,8 @@ class Recorder(UserLog, _iteration.IterationStart):
                 self._joint.update_starting(self)
             _iteration.update_starting(self)  # the loop's first update: every start state is final
             self._record_step(skipped, started)
+            if self._waits is not None:
+                self._waits.end(cpu)
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "optimizer.step() pre-hook" if self.options.auto_capture else "capture()")
         return t
@@ -431,8 +436,14 @@ class Recorder(UserLog, _iteration.IterationStart):
                     if ring is not None:
                         first = ring.take(msg, t, slot, [p.grad for p in self._asm.layout.params.values()
                                                          if p.grad is not None])
+                    elif not msg.items and slot.event is None:
+                        # Nothing staged (a lean step's rows are computed or copied already): the slot
+                        # goes back now, and the message may wait for the writer (capture/mailbox.py).
+                        self._pool.release(slot)
+                        msg.slot = None
                 except BaseException:
-                    self._pool.release(msg.slot)  # never sent: the writer will not hand it back
+                    if msg.slot is not None:
+                        self._pool.release(msg.slot)  # never sent: the writer will not hand it back
                     raise
             self._batch = None
             for m in (*first, *(() if held else (msg,))):
@@ -445,12 +456,14 @@ class Recorder(UserLog, _iteration.IterationStart):
 
     def _end_update(self) -> None:
         started = time.perf_counter()
+        cpu = self._waits.begin() if self._waits is not None else 0.0
         self._send_held()
         self._asm.after_update()  # what the update left in the params (while the writer finishes its grads)
         self._asm.stager.wait_deferred(self._writer.is_alive)  # a gradient log's grads, written during the update
-        if self.options.record.profile:
+        if self._waits is not None:
+            bg = self._bg.take()
             profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
-                            self._device, self._bg.take())
+                            self._device, bg, self._waits.waited(started - self._iter_start, self._overhead, bg, cpu))
         self._final.rng.take()  # the RNG right after this update: a final record's, if it is the last
         self._step += 1
         self._prev_open = True
@@ -462,6 +475,8 @@ class Recorder(UserLog, _iteration.IterationStart):
         # _begin_iteration took counts both as recorder time and as iteration time.
         self._iter_start = started
         self._overhead = time.perf_counter() - started
+        if self._waits is not None:
+            self._waits.end(cpu)  # the post-hook's CPU time: the next iteration's, as its wall time
 
     def _spent(self, seconds: float) -> None:  # a timed hook's time: the recorder's, in this iteration
         self._overhead += seconds

@@ -59,14 +59,17 @@ def auto_scalars(slot: dict[str, Any], optimizer: torch.optim.Optimizer, scaler:
 
 
 def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, device: torch.device,
-                    background_s: float | None = None) -> None:
+                    background_s: float | None = None, waited_s: float = 0.0) -> None:
     """Iteration wall time, the recorder's share of it on the training thread (every hook it
-    runs there, the optimizer's and the forward's, waits on its threads included), the CPU
-    time of its background threads in the iteration (profiling.BackgroundClock), peak memory."""
+    runs there, the optimizer's and the forward's, waits on its threads included, and
+    ``waited_s``: the time the thread waited on the recorder's threads outside the hooks,
+    profiling.ThreadWaits), that wait alone, the CPU time of its background threads in the
+    iteration (profiling.BackgroundClock), peak memory."""
     from stepdump.capture.profiling import peak_memory_mb
 
     slot["sys/iter_ms"] = iter_s * 1000
-    slot["sys/recorder_ms"] = overhead_s * 1000
+    slot["sys/recorder_ms"] = (overhead_s + waited_s) * 1000
+    slot["sys/recorder_wait_ms"] = waited_s * 1000
     if background_s is not None:
         slot["sys/recorder_bg_ms"] = background_s * 1000
     slot["sys/peak_mem_mb"] = peak_memory_mb(device)

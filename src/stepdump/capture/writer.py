@@ -46,6 +46,7 @@ from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
 from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.lean import LeanRow
+from stepdump.capture.mailbox import MAIL, Mailbox, MailReader
 from stepdump.capture.packed import Snapshot
 from stepdump.capture.writer_lean import LeanRowsMixin
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
@@ -102,7 +103,7 @@ class StepMessage:
     packed: Snapshot | None = None
 
 
-class Writer(LeanRowsMixin, threading.Thread):
+class Writer(LeanRowsMixin, MailReader, threading.Thread):
     """Consumes StepMessages from a bounded queue until it gets ``None``.
 
     ``run_dir`` holds the catalog; segment bytes go through ``storage`` (the
@@ -135,7 +136,9 @@ class Writer(LeanRowsMixin, threading.Thread):
         self._encoder = SeriesEncoder(self.codec, delta_chain)
         self.durable = durability == "fsync"
         self.segment_bytes = segment_bytes
-        self.queue: queue.Queue[StepMessage | None] = queue.Queue(maxsize=max_queue)
+        # Tokens (mailbox.MAIL), the end (None), or a message put straight in (no mailbox).
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self.mailbox = Mailbox()  # the Recorder's messages, in order (capture/mailbox.py)
         self.error: BaseException | None = None
         self.storage = storage
         # Owned bytes waiting for the disk (codec output) are capped like staging itself.
@@ -185,22 +188,30 @@ class Writer(LeanRowsMixin, threading.Thread):
             msg: Any
             try:
                 msg = self._next()
-            except queue.Empty:  # held steps waited long enough
+            except queue.Empty:  # held steps waited long enough, or it is time to look at the mail
                 msg = _DUE
+            ok = self._take_mail()
             if msg is None:  # the end: held steps commit before the catalog closes (a failure sets self.error)
-                self._handle(None)
+                if ok:
+                    self._handle(None)
+                else:
+                    self._discard_mail()
                 break
+            if not ok:
+                if msg is not MAIL and msg is not _DUE:
+                    self._done_with(msg)
+                self._drain()
+                break
+            if msg is MAIL or (msg is _DUE and self._due is None):
+                continue
             if not self._handle(None if msg is _DUE else msg):
                 self._drain()
                 break
         self._shutdown()
 
-    def _next(self) -> StepMessage | None:
-        """The next message; with steps held, :class:`queue.Empty` once they are due."""
-        if self._due is None:
-            return self.queue.get()
-        wait = self._due - time.monotonic()
-        return self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
+    def _window(self) -> float:
+        """Seconds a step below full may wait for its commit (0: none waits)."""
+        return 0.0 if self.durable else COMMIT_WINDOW
 
     def _handle(self, msg: StepMessage | None) -> bool:
         """Write ``msg`` (None: only commit the held steps); False once the writer has failed."""
@@ -230,14 +241,6 @@ class Writer(LeanRowsMixin, threading.Thread):
         if msg is not None:
             self._done_with(msg)
         return True
-
-    def _drain(self) -> None:
-        """After a failure keep taking messages so the training thread never blocks on put."""
-        while True:
-            msg = self.queue.get()
-            if msg is None:
-                return
-            self._done_with(msg)
 
     def _quiesce(self) -> None:
         try:

@@ -380,8 +380,10 @@ class Run:
         return rows
 
     def profile(self, steps: StepRange = None) -> pd.DataFrame:
-        """Per-step ``sys/iter_ms`` (iteration wall time), ``sys/recorder_ms`` (time the
-        recorder spent on the training thread) and ``sys/peak_mem_mb``."""
+        """Per-step ``sys/iter_ms`` (iteration wall time), ``sys/recorder_ms`` (what the recorder
+        cost the training thread: its hooks, and ``sys/recorder_wait_ms``, the thread's waits on the
+        recorder's threads outside them), ``sys/recorder_bg_ms`` (those threads' CPU time) and
+        ``sys/peak_mem_mb`` (docs/performance.md)."""
         return self.scalars(names="sys/*", steps=steps)
 
     def stats(self, kind: str | None = None, name: str | None = None, steps: StepRange = None, *,

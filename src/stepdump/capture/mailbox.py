@@ -1,0 +1,129 @@
+"""The writer's mailbox: every message from the training thread, in order, and when to wake the writer.
+
+Why (issue 25): waking a thread costs the one that wakes it. On a 4 ms step (a PPO update, one
+torch thread, two cores) a single ``queue.put`` per step that wakes the writer, which then takes
+the GIL while the training thread's torch ops let go of it and take it back, cost +0.25 ms of the
+training thread's CPU time and +0.4 ms of wall time a step, measured with a writer that did no
+work at all: more than the recorder's own work on a lean step of that model.
+
+So the Recorder's messages go into a deque (an append is atomic under the GIL and wakes no one),
+and the writer's queue carries only *tokens*. A message the writer must see now (one with bytes to
+write or live tensors it must read before the optimizer goes on, a full step, a new layout, any
+step of a ``durability="fsync"`` run) is posted with a token, so the writer wakes at once, as
+before. A stats-only step whose rows are all computed already (``mailable``) is posted without one,
+unless the last token is ``COMMIT_WINDOW`` seconds old (so a steady loop wakes the writer about once
+a window, the first step at once, and its steps commit as soon as the group commit made them
+before); the writer also wakes on its own once a window, for a loop that stopped between two
+steps, and a full mailbox (``MAILBOX_MAX``) gets a token for every post (then the queue's bound
+is the training thread's backpressure again). What a crash can lose stays ``COMMIT_WINDOW`` of
+stats-only steps, as with the group commit alone (docs/reliability.md).
+One FIFO for everything keeps the steps in the order they were taken; a message put straight
+into the queue (no mailbox: reexec's bundles, tests) is written after the mail posted before it.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from stepdump.store.format import LEVEL_STATS
+
+# The queue token that says: there is mail to take now.
+MAIL = object()
+# Mail that may wait for the writer's own wake-up; past it each post wakes the writer.
+MAILBOX_MAX = 256
+
+
+def mailable(msg: Any, window: float) -> bool:
+    """Whether ``msg`` (a StepMessage) may wait in the mailbox for the writer's next wake: a
+    stats-only step with nothing to write from a staging slot (its rows computed or copied
+    already), no catalog meta, in a run that holds such steps for a group commit at all
+    (``window``: how long, 0 for a ``durability="fsync"`` run)."""
+    return (msg.level == LEVEL_STATS and msg.slot is None and not msg.items and not msg.meta
+            and msg.step is not None and window > 0)
+
+
+class Mailbox:
+    """The messages posted and not taken yet, oldest first."""
+
+    __slots__ = ("_box",)
+
+    def __init__(self) -> None:
+        self._box: deque[Any] = deque()
+
+    def post(self, msg: Any, wake: bool) -> bool:
+        """Add ``msg``; True when the writer must be woken for it (``wake``, or the box is full)."""
+        self._box.append(msg)
+        return wake or len(self._box) >= MAILBOX_MAX
+
+    def take(self) -> Iterator[Any]:
+        """The messages waiting, oldest first, each taken out as it is yielded (those posted
+        meanwhile too): what is not taken yet stays for :meth:`take` or :meth:`discard`."""
+        box = self._box
+        while box:
+            yield box.popleft()
+
+    def __len__(self) -> int:
+        return len(self._box)
+
+
+class MailReader:
+    """The writer's side of the mailbox: a mixin of :class:`stepdump.capture.writer.Writer`, which
+    provides ``queue``, ``mailbox``, ``_due`` (when held steps must commit), ``_window()``,
+    ``_handle()`` and ``_done_with()``."""
+
+    queue: queue.Queue[Any]
+    mailbox: Mailbox
+    _due: float | None
+
+    def _window(self) -> float:
+        raise NotImplementedError
+
+    def _handle(self, msg: Any) -> bool:
+        raise NotImplementedError
+
+    def _done_with(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    def can_mail(self, msg: Any) -> bool:
+        """Whether ``msg`` may wait in the mailbox without waking the writer (:func:`mailable`)."""
+        return mailable(msg, self._window())
+
+    def _take_mail(self) -> bool:
+        """Write the mail posted so far, oldest first; False once the writer has failed."""
+        for msg in self.mailbox.take():
+            if not self._handle(msg):
+                return False
+        return True
+
+    def _next(self) -> Any:
+        """The next queue item; :class:`queue.Empty` once held steps are due, and at least once a
+        window while mail may come (it comes without waking the writer)."""
+        window = self._window()
+        waits = [window] if window > 0 else []
+        if self._due is not None:
+            waits.append(self._due - time.monotonic())
+        if not waits:
+            return self.queue.get()
+        wait = min(waits)
+        return self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
+
+    def _drain(self) -> None:
+        """After a failure keep taking messages (mail too) so the training thread never blocks on
+        a put and no slot stays taken; until the end (None)."""
+        while True:
+            self._discard_mail()
+            msg = self.queue.get()
+            if msg is None:
+                self._discard_mail()
+                return
+            if msg is not MAIL:
+                self._done_with(msg)
+
+    def _discard_mail(self) -> None:
+        """The mail posted so far, taken and not written (after a failure)."""
+        for mail in self.mailbox.take():
+            self._done_with(mail)

@@ -1,0 +1,69 @@
+"""The RNG state taken at every optimizer post-hook for the final record (capture/final.py), read
+cheaply (issue 25: ``random.getstate()`` and numpy's ``get_state`` were most of that hook on a small
+model's step): what it gives back must be what ``getstate`` would have said at that moment, whatever
+was drawn since, on the struct-reading path and on the fallback."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from stepdump.capture import final
+
+
+def _python_now() -> tuple:
+    return random.getstate()
+
+
+@pytest.mark.parametrize("struct", [True, False], ids=["struct", "getstate"])
+def test_python_state_is_the_one_at_take_time(monkeypatch: pytest.MonkeyPatch, struct: bool) -> None:
+    if struct:
+        assert final._PY_MT is not None, "CPython's Random struct was not readable here"
+    else:
+        monkeypatch.setattr(final, "_PY_MT", None)
+    random.seed(11)
+    random.random()
+    random.gauss(0.0, 1.0)  # leaves a cached Gaussian (gauss_next) in the state
+    rng = final.RngAfterUpdate()
+    rng.take()
+    expected = _python_now()
+    random.random()  # drawn after the update: not the final record's state
+    random.gauss(0.0, 1.0)
+    got = rng.state()["python"]
+    assert got["version"] == expected[0]
+    assert tuple(got["state"].tolist()) == expected[1]
+    assert got["gauss"] == expected[2] and got["gauss"] is not None
+    random.setstate((got["version"], tuple(got["state"].tolist()), got["gauss"]))
+    assert random.getstate() == expected
+
+
+def test_numpy_state_follows_a_replaced_bit_generator() -> None:
+    """The address of numpy's state is found once per bit generator: another one set in its place
+    (``np.random.set_bit_generator``) is read at its own address."""
+    old = np.random.get_bit_generator()
+    try:
+        rng = final.RngAfterUpdate()
+        np.random.seed(3)
+        rng.take()  # the address of the first generator's state is kept
+        np.random.set_bit_generator(np.random.MT19937(1234))
+        np.random.rand(7)
+        rng.take()
+        expected = np.random.get_state()
+        np.random.rand(3)
+        got = rng.state()["numpy"]
+        assert np.array_equal(got["keys"].numpy(), expected[1]) and got["pos"] == expected[2]
+    finally:
+        np.random.set_bit_generator(old)
+
+
+def test_torch_state_is_the_one_at_take_time() -> None:
+    torch.manual_seed(5)
+    torch.rand(3)
+    rng = final.RngAfterUpdate()
+    rng.take()
+    expected = torch.get_rng_state()
+    torch.rand(4)
+    assert torch.equal(rng.state()["torch"], expected)
