@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import shutil
 import statistics
 import sys
@@ -110,12 +111,19 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
     w = TINY[name]()
     for _ in range(5):
         w.step(None)
-    res: dict[str, Any] = {"title": w.title, "arms": {}}
+    t0 = time.perf_counter()
+    for _ in range(5):
+        w.step(None)
+    # A segment lasts at least MIN_SEGMENT_S: the writer commits (and takes its mail) about once a
+    # COMMIT_WINDOW, and what a segment's last window leaves is written by close(), timed apart;
+    # 30 steps of a 4 ms loop are one window, whose writer work would all land there.
+    steps = max(args.steps, math.ceil(args.min_segment / ((time.perf_counter() - t0) / 5)))
+    res: dict[str, Any] = {"title": w.title, "arms": {}, "steps": steps}
     for arm in args.arms:
         ratios, none_ms, arm_ms, rep, bg, close, wait = [], [], [], [], [], [], []
         for r in range(args.pairs):
             order = (None, arm) if r % 2 == 0 else (arm, None)
-            got = {a: segment(w, a, args.work / (a or "none").replace(" ", "_"), args.steps) for a in order}
+            got = {a: segment(w, a, args.work / (a or "none").replace(" ", "_"), steps) for a in order}
             n, a = got[None], got[arm]
             ratios.append(a["ms"] / n["ms"])
             none_ms.append(n["ms"])
@@ -137,7 +145,9 @@ def section(results: dict[str, Any], args: argparse.Namespace, date: str) -> str
     med = statistics.median
     L = ["", "## Leave it on, small steps (issue 25)", "",
          (f"`benchmarks/leave_on_tiny.py`, {date}, torch threads 1, {args.pairs} interleaved (no recording, arm) "
-          f"pairs × {args.steps} steps per arm and workload, medians of the per-pair ratios; the shared 2-core "
+          f"pairs per arm and workload, each segment at least {args.steps} steps and {args.min_segment:g} s (steps: "
+          + ", ".join(f"{n} {r['steps']}" for n, r in results.items())
+          + "), medians of the per-pair ratios; the shared 2-core "
           "machine had other jobs running, so single pairs spread widely. *reported* = the run's own mean "
           "`sys/recorder_ms` over the timed steps (training thread: optimizer and forward hooks, and *waits*: its mean "
           "`sys/recorder_wait_ms`, the time the thread was off its CPU outside the hooks, capped by the recorder threads' "
@@ -191,7 +201,7 @@ def summary(results: dict[str, Any], args: argparse.Namespace, date: str) -> dic
                              a["arm_ms"], a["none_ms"])])) if arm in TARGETS else None),
                          "target": limit, "pass": None if limit is None else med(a["ratios"]) <= limit,
                          "raw": a}
-        out["workloads"][name] = {"title": res["title"], "arms": {SLUG[a]: v | {"label": a} for a, v in arms.items()}}
+        out["workloads"][name] = {"title": res["title"], "steps": res["steps"], "arms": {SLUG[a]: v | {"label": a} for a, v in arms.items()}}
     return out
 
 
@@ -206,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(TINY))
     ap.add_argument("--pairs", type=int, default=15)  # single pairs spread +-20% on a shared machine
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--min-segment", type=float, default=1.0, help="seconds a segment lasts at least")
     ap.add_argument("--arms", default=",".join(SLUG.values()), help="which arms, by their JSON keys: "
                     + ", ".join(SLUG.values()))
     ap.add_argument("--quick", action="store_true")
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     by_slug = {v: k for k, v in SLUG.items()}
     args.arms = [by_slug[a] for a in args.arms.split(",")]
     if args.quick:
-        args.pairs, args.steps = 3, 15
+        args.pairs, args.steps, args.min_segment = 3, 15, 0.3
     torch.set_num_threads(1)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = {n: bench(n, args) for n in args.workloads.split(",")}
