@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from stepdump.capture import final
+from stepdump.core import rng as core_rng
 
 
 def _python_now() -> tuple:
@@ -21,9 +22,9 @@ def _python_now() -> tuple:
 @pytest.mark.parametrize("struct", [True, False], ids=["struct", "getstate"])
 def test_python_state_is_the_one_at_take_time(monkeypatch: pytest.MonkeyPatch, struct: bool) -> None:
     if struct:
-        assert final._PY_MT is not None, "CPython's Random struct was not readable here"
+        assert core_rng.PY_MT is not None, "CPython's Random struct was not readable here"
     else:
-        monkeypatch.setattr(final, "_PY_MT", None)
+        monkeypatch.setattr(core_rng, "PY_MT", None)
     random.seed(11)
     random.random()
     random.gauss(0.0, 1.0)  # leaves a cached Gaussian (gauss_next) in the state
@@ -67,3 +68,29 @@ def test_torch_state_is_the_one_at_take_time() -> None:
     expected = torch.get_rng_state()
     torch.rand(4)
     assert torch.equal(rng.state()["torch"], expected)
+
+
+@pytest.mark.parametrize("struct", [True, False], ids=["struct", "getstate"])
+def test_get_rng_state_says_what_the_generators_say(monkeypatch: pytest.MonkeyPatch, struct: bool) -> None:
+    """core.rng.get_rng_state reads Python's state from its struct and numpy's in the dict form
+    (issue 25: a gradient log takes it at every step): the same values, and types, as the generators'
+    own getters give, a cached Gaussian of each included, and set_rng_state puts them back."""
+    if not struct:
+        monkeypatch.setattr(core_rng, "PY_MT", None)
+    random.seed(21)
+    random.gauss(0.0, 1.0)
+    np.random.seed(22)
+    np.random.randn()  # numpy's legacy Gaussian cache: has_gauss 1
+    torch.manual_seed(23)
+    state = core_rng.get_rng_state()
+    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    assert state["python"]["version"] == py[0] and state["python"]["gauss"] == py[2] is not None
+    assert state["python"]["state"].dtype == torch.uint32 and tuple(state["python"]["state"].tolist()) == py[1]
+    n = state["numpy"]
+    assert (n["alg"], n["pos"], n["has_gauss"], n["cached_gaussian"]) == (npy[0], npy[2], npy[3], npy[4])
+    assert npy[3] == 1 and n["keys"].dtype == torch.uint32 and np.array_equal(n["keys"].numpy(), npy[1])
+    assert torch.equal(state["torch"], th)
+    expected = (random.random(), float(np.random.randn()), torch.rand(2))
+    core_rng.set_rng_state(state)
+    again = (random.random(), float(np.random.randn()), torch.rand(2))
+    assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])

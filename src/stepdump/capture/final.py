@@ -12,7 +12,6 @@ A Recorder resumed into the run replaces it (docs/reliability.md).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import random
 from dataclasses import dataclass, field
@@ -27,53 +26,10 @@ from stepdump.capture.step_state import full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY
 from stepdump.capture.staging import StagingPool
 from stepdump.capture.writer import StepMessage, Writer
+from stepdump.core import rng as _rng
 from stepdump.store.format import LEVEL_FULL
 
 log = logging.getLogger(__name__)
-
-_MT_WORDS = 624  # MT19937: 624 uint32 words, then the position (a C int)
-_NP_STATE: tuple[Any, int] | None = None  # numpy's global bit generator and the address of its state
-
-
-def _numpy_mt() -> tuple[bytes, int] | None:
-    """numpy's global MT19937 words and position, read from its C struct (about 1 us;
-    ``np.random.get_state()`` takes about 100 us). None where that struct is not reachable."""
-    global _NP_STATE
-    try:
-        bitgen = np.random.mtrand._rand._bit_generator  # type: ignore[attr-defined]
-        if _NP_STATE is None or _NP_STATE[0] is not bitgen:  # its address, found once (.ctypes makes objects)
-            _NP_STATE = (bitgen, bitgen.ctypes.state_address)
-        raw = ctypes.string_at(_NP_STATE[1], _MT_WORDS * 4 + 4)
-    except Exception:  # noqa: BLE001 - another numpy: fall back to get_state at close
-        return None
-    return raw[: _MT_WORDS * 4], int.from_bytes(raw[_MT_WORDS * 4:], "little", signed=True)
-
-
-_PY_INDEX, _PY_WORDS = 16, 20  # CPython's RandomObject: the object header, int index, uint32_t state[624]
-
-
-def _python_mt_reader() -> Any:
-    """A reader of Python's global MT19937 (index, words) from its C struct, or None where the struct
-    is not laid out as read here (checked once against ``random.getstate()``). ``random.getstate()``
-    builds a 625-int tuple: ~17 us, the largest part of taking the RNG state at every update."""
-    inst = random._inst  # type: ignore[attr-defined]
-    try:
-        raw = ctypes.string_at(id(inst), _PY_WORDS + _MT_WORDS * 4)
-        words = np.frombuffer(raw, dtype="<u4", count=_MT_WORDS, offset=_PY_WORDS)
-        index = int.from_bytes(raw[_PY_INDEX:_PY_INDEX + 4], "little", signed=True)
-        version, internal, _ = random.getstate()
-        if tuple(words.tolist()) + (index,) != internal or version != 3:
-            return None
-    except Exception:  # noqa: BLE001 - another Python: random.getstate() at every update
-        return None
-
-    def read() -> tuple[bytes, Any]:
-        return ctypes.string_at(id(inst), _PY_WORDS + _MT_WORDS * 4), inst.gauss_next  # type: ignore[attr-defined]
-    return read
-
-
-_PY_MT = _python_mt_reader()
-
 
 @dataclass
 class RngAfterUpdate:
@@ -93,9 +49,9 @@ class RngAfterUpdate:
         # Taken at every update, not lazily at close(): nothing tells a draw since then from none but
         # reading the state again (a few us: torch's 5 KB state, numpy's words, Python's tuple).
         self.torch_cpu = torch.default_generator.get_state()  # torch.get_rng_state(), without its wrapper
-        self.numpy = _numpy_mt()
+        self.numpy = _rng.numpy_mt()
         # Python's: the struct's bytes where they can be read (state() makes getstate()'s tuple of them).
-        self.python = _PY_MT() if _PY_MT is not None else random.getstate()
+        self.python = _rng.PY_MT() if _rng.PY_MT is not None else random.getstate()
         # CUDA initialised implies available (and is_available() is three Python calls on a CPU-only run).
         self.cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
 
@@ -107,15 +63,12 @@ class RngAfterUpdate:
         if self.torch_cpu is None:
             return now
         now["torch"] = self.torch_cpu
-        if isinstance(self.python[0], bytes):  # read from the struct (_python_mt_reader)
-            raw, gauss = self.python
-            index = int.from_bytes(raw[_PY_INDEX:_PY_INDEX + 4], "little", signed=True)
-            mt = np.frombuffer(raw, dtype="<u4", count=_MT_WORDS, offset=_PY_WORDS)
-            py_version, py_internal, py_gauss = 3, (*mt.tolist(), index), gauss
+        if isinstance(self.python[0], bytes):  # read from the struct (core.rng.python_mt_reader)
+            now["python"] = _rng.python_state(*self.python)
         else:
             py_version, py_internal, py_gauss = self.python
-        now["python"] = {"version": py_version, "state": torch.tensor(py_internal, dtype=torch.uint32),
-                         "gauss": py_gauss}
+            now["python"] = {"version": py_version, "state": torch.tensor(py_internal, dtype=torch.uint32),
+                             "gauss": py_gauss}
         if self.numpy is not None:
             words, pos = self.numpy
             keys = torch.frombuffer(bytearray(words), dtype=torch.uint32)
