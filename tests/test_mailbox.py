@@ -166,3 +166,25 @@ def test_a_write_that_fails_on_mail_stops_recording_without_a_hang(
     stopped = int(said[0].split("stopped at step ")[1].split()[0])
     steps = [s for (s,) in catalog_sql(tmp_path / "run", "SELECT step FROM steps ORDER BY step")]
     assert 0 < stopped <= 3 and steps == list(range(stopped)), (said, steps)
+
+
+def test_copies_waiting_in_the_mailbox_stay_under_its_byte_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lean step of a small model carries a copy of its tensors (StepMessage.packed): the mailbox
+    wakes the writer once MAILBOX_BYTES of them were posted, so a fast loop cannot pile up copies."""
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", 3600.0)
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
+        train_logging(rec, model, opt, 3)
+        step_bytes = max(mailbox_mod.mail_bytes(m) for m in list(rec._writer.mailbox._box))
+        assert step_bytes > 0  # the copies are what this test is about
+        monkeypatch.setattr(mailbox_mod, "MAILBOX_BYTES", 3 * step_bytes)
+        wakes = _count_wakes(rec, monkeypatch)
+        most = 0
+        for t in range(24):
+            train_logging(rec, model, opt, 1)
+            most = max(most, rec._link._posted)  # copies posted since the writer was last woken
+        assert len(wakes) >= 24 // 4 - 1  # about one wake per 4 steps' copies
+        # Never more than the cap waits unannounced (the writer, once woken, takes all there is;
+        # without the cap the 24 steps' copies would all wait for it).
+        assert most <= 3 * step_bytes, (most, step_bytes)

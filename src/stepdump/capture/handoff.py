@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stepdump.capture.guard import Guard, mark_run
+from stepdump.capture import mailbox
 from stepdump.capture.mailbox import MAIL
 from stepdump.capture.staging import StagingPool
 from stepdump.capture import writer as writer_mod
@@ -46,6 +47,7 @@ class WriterLink:
         self.path, self._pool, self._guard, self._step = path, pool, guard, step
         self.writer = Writer(path, pool, **writer)
         self._woken = -math.inf  # when a put last woke the writer (monotonic)
+        self._posted = 0  # bytes of copies posted since (mailbox.MAILBOX_BYTES)
         self.writer.start()
         try:
             self.writer.wait_ready()
@@ -65,11 +67,13 @@ class WriterLink:
         without waking it (capture/mailbox.py); anything else wakes it now."""
         w = self.writer
         now = time.monotonic()
+        self._posted += mailbox.mail_bytes(msg)
         # Woken at least once a COMMIT_WINDOW by the steps themselves (the first at once): a steady
         # loop's steps are committed as soon as before, the writer's own wake-up is for a loop that stopped.
-        if not w.mailbox.post(msg, wake=not w.can_mail(msg) or now - self._woken >= writer_mod.COMMIT_WINDOW):
+        if not w.mailbox.post(msg, wake=not w.can_mail(msg) or now - self._woken >= writer_mod.COMMIT_WINDOW
+                              or self._posted > mailbox.MAILBOX_BYTES):
             return
-        self._woken = now
+        self._woken, self._posted = now, 0
         while True:
             try:
                 w.queue.put(MAIL, timeout=0.05)

@@ -14,8 +14,9 @@ before. A stats-only step whose rows are all computed already (``mailable``) is 
 unless the last token is ``COMMIT_WINDOW`` seconds old (so a steady loop wakes the writer about once
 a window, the first step at once, and its steps commit as soon as the group commit made them
 before); the writer also wakes on its own once a window, for a loop that stopped between two
-steps, and a full mailbox (``MAILBOX_MAX``) gets a token for every post (then the queue's bound
-is the training thread's backpressure again). What a crash can lose stays ``COMMIT_WINDOW`` of
+steps, and a full mailbox (``MAILBOX_MAX`` messages, or ``MAILBOX_BYTES`` of copies posted since
+the last token) gets a token for every post (then the queue's bound is the training thread's
+backpressure again). What a crash can lose stays ``COMMIT_WINDOW`` of
 stats-only steps, as with the group commit alone (docs/reliability.md).
 One FIFO for everything keeps the steps in the order they were taken; a message put straight
 into the queue (no mailbox: reexec's bundles, tests) is written after the mail posted before it.
@@ -35,6 +36,15 @@ from stepdump.store.format import LEVEL_STATS
 MAIL = object()
 # Mail that may wait for the writer's own wake-up; past it each post wakes the writer.
 MAILBOX_MAX = 256
+# Bytes of copies (a lean step's packed snapshot) posted since the writer was last woken, past
+# which a post wakes it: a fast loop with a record near lean.INLINE_BYTES (2 MiB) would otherwise
+# hold up to MAILBOX_MAX of them (the writer's own cap on held copies is 8 MiB: writer.HELD_PACKED_BYTES).
+MAILBOX_BYTES = 8 << 20
+
+
+def mail_bytes(msg: Any) -> int:
+    """The bytes of copies ``msg`` holds while it waits (its packed snapshot)."""
+    return msg.packed.nbytes if msg.packed is not None else 0
 
 
 def mailable(msg: Any, window: float) -> bool:
