@@ -304,6 +304,21 @@ def _entries(step: int, case: str) -> list[tuple]:
     return out
 
 
+def _count_restages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an entry each time a stager reuses a plan (Stager._restage)."""
+    from stepdump.capture import staging
+
+    seen: list[int] = []
+    real = staging.Stager._restage
+
+    def restage(*args: Any) -> list[staging.Item]:
+        seen.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(staging.Stager, "_restage", staticmethod(restage))
+    return seen
+
+
 @pytest.mark.parametrize("case", ["same", "shape", "dtype", "full_flip", "noncontig", "budget", "new_tensor", "empty"])
 def test_a_staging_plan_stages_what_the_per_tensor_path_stages(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Steps of one layout reuse a plan (one copy call); whatever changes between steps, the items
@@ -311,15 +326,7 @@ def test_a_staging_plan_stages_what_the_per_tensor_path_stages(monkeypatch: pyte
     from stepdump.capture import staging
 
     planned, slot = staging.Stager(), staging.Slot(0, budget=4096)
-    hits = 0
-    real = staging.Stager._restage
-
-    def restage(*args: Any) -> list[staging.Item]:
-        nonlocal hits
-        hits += 1
-        return real(*args)
-
-    monkeypatch.setattr(staging.Stager, "_restage", staticmethod(restage))
+    restaged = _count_restages(monkeypatch)
     for step in [0, 1, 2, 0, 1, 2]:
         entries = _entries(step, case)
         got = planned.stage(slot, entries)
@@ -334,7 +341,31 @@ def test_a_staging_plan_stages_what_the_per_tensor_path_stages(monkeypatch: pyte
             if item.raw is not None:
                 assert bytes(item.raw) == src[item.name].contiguous().numpy().tobytes(), (case, step, item.name)
     # The plans were used (a budget that sends a tensor live gives it up: its buffer was let go).
-    assert hits >= (0 if case == "budget" else 5 if case in ("same", "empty") else 1), hits
+    assert len(restaged) >= (0 if case == "budget" else 5 if case in ("same", "empty") else 1), restaged
+
+
+def test_a_slot_s_plan_survives_another_layout_adding_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gradient log's keyframe stages params beside the grads into a slot whose steps' plan copies
+    the grads only: the buffers it adds leave that plan's buffers as they were, so the next step
+    reuses it (it used to be rebuilt, tensor by tensor, after every keyframe the slot took). A
+    buffer replaced (a shape change) still retires every plan of the slot."""
+    from stepdump.capture import staging
+
+    stager, slot = staging.Stager(), staging.Slot(0)
+    restaged = _count_restages(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    grads = [("grads", n, torch.randn(5, generator=g), True, None, None) for n in "ab"]
+    params = [("params", n, torch.randn(5, generator=g), True, None, None) for n in "ab"]
+    stager.stage(slot, grads)  # the steps' plan
+    stager.stage(slot, grads + params)  # a keyframe: two buffers more
+    got = stager.stage(slot, grads)
+    assert len(restaged) == 1  # the steps' plan, reused
+    assert all(torch.equal(i.tensor, e[2]) for i, e in zip(got, grads, strict=True))
+    stager.stage(slot, [("grads", "a", torch.randn(7, generator=g), True, None, None), grads[1]])  # "a" reshaped
+    stager.stage(slot, grads)
+    assert len(restaged) == 1  # its buffer for "a" was replaced: rebuilt, not reused
+    got = stager.stage(slot, grads)
+    assert len(restaged) == 2 and all(torch.equal(i.tensor, e[2]) for i, e in zip(got, grads, strict=True))
 
 
 def test_a_held_step_s_large_blob_is_written_before_its_staging_memory_is_reused(

@@ -188,3 +188,41 @@ def test_copies_waiting_in_the_mailbox_stay_under_its_byte_cap(tmp_path: Path, m
         # Never more than the cap waits unannounced (the writer, once woken, takes all there is;
         # without the cap the 24 steps' copies would all wait for it).
         assert most <= 3 * step_bytes, (most, step_bytes)
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["copied out, mailed", "kept in its slot"])
+def test_gradient_log_steps_through_the_mailbox_rebuild_bit_for_bit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: bool) -> None:
+    """A small gradient-log step's grads and RNG state are copied out of the staging slot, the slot
+    goes back and the step waits in the mailbox (keyframes, full steps, still wake the writer);
+    a larger one (over lean.INLINE_BYTES) keeps its slot and wakes it as before. Either way every
+    step rebuilds bitwise equal to the live model (the grads stored are the ones the update used)."""
+    from helpers import train_recorded
+
+    from stepdump.capture import assemble
+
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", 3600.0)
+    if not small:
+        monkeypatch.setattr(assemble, "INLINE_BYTES", 0)
+    wakes: list[Any] = []
+    real_put = writer_mod.queue.Queue.put
+
+    def counting(self: Any, item: Any, *args: Any, **kwargs: Any) -> None:
+        wakes.append(item)
+        real_put(self, item, *args, **kwargs)
+
+    monkeypatch.setattr(writer_mod.queue.Queue, "put", counting)  # the writer's queue (the pool's too)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps = 12
+    snaps = train_recorded(tmp_path / "run", model, opt, steps, gradient_log=4)
+    tokens = sum(w is mailbox_mod.MAIL for w in wakes)
+    # Keyframes at 0, 4, 8 (and the final record, the layout's meta) wake it; mailed steps do not.
+    assert (tokens <= 6) if small else (tokens >= steps), tokens
+    with stepdump.open(tmp_path / "run") as run:
+        assert stepdump.verify(run).ok
+        for t in range(steps):
+            got = run.state_dict(t)
+            for name, want in snaps[t]["params"].items():
+                assert torch.equal(got[name], want), (t, name)

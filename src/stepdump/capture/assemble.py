@@ -23,11 +23,11 @@ import torch
 
 from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
-from stepdump.capture.lean import LeanCapture, lean_rows
+from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
 from stepdump.capture.step_state import StateBefore, full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch
 from stepdump.capture.selection import NameFilter
-from stepdump.capture.staging import Item, Slot, Stager
+from stepdump.capture.staging import Item, OwnedCopier, Slot, Stager
 from stepdump.capture.writer import StepMessage
 from stepdump.core.layout import Layout, build_layout
 
@@ -63,6 +63,7 @@ class Assembler:
         self.watch = ParamWatch() if self.gradlog and "params" in self.kinds else None
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
         self._selected_of: tuple[Layout, list[tuple[str, torch.Tensor]], list[tuple]] | None = None
+        self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
 
     def _watched(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.layout.params.items() if self.selected(n)}
@@ -159,6 +160,12 @@ class Assembler:
             self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
         # A gradient log's grads are written from the live tensors while the update runs.
         msg.items = self.stager.stage(slot, entries, defer=("grads",) if self.gradlog and not full else ())
+        if self.gradlog and not full and slot.event is None:
+            # A small gradient-log step: its bytes in memory of its own, so that the slot goes back
+            # and the step waits for the writer's next wake-up (capture/mailbox.py) instead of waking it.
+            msg.copied = self._copier(msg.items, INLINE_BYTES)
+            if msg.copied is not None:
+                msg.items = []
         # Hook values are private copies already; no second staging copy. Keyframe and gradient-log
         # runs store the batch at every step, so any step can be replayed or re-executed.
         msg.items.extend(Item(kind, name, tensor, full or ((self.keyframes or self.gradlog) and kind == "inputs"))

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from stepdump.capture.staging import owned
 from stepdump.store.format import LEVEL_STATS
 
 # The queue token that says: there is mail to take now.
@@ -43,17 +44,19 @@ MAILBOX_BYTES = 8 << 20
 
 
 def mail_bytes(msg: Any) -> int:
-    """The bytes of copies ``msg`` holds while it waits (its packed snapshot)."""
-    return msg.packed.nbytes if msg.packed is not None else 0
+    """The bytes of copies ``msg`` holds while it waits (a lean step's packed snapshot, a gradient-log
+    step's copied items, private copies such as a logged batch)."""
+    return ((msg.packed.nbytes if msg.packed is not None else 0) + (msg.copied.nbytes if msg.copied is not None else 0)
+            + sum(i.tensor.numel() * i.tensor.element_size() for i in msg.items))
 
 
 def mailable(msg: Any, window: float) -> bool:
     """Whether ``msg`` (a StepMessage) may wait in the mailbox for the writer's next wake: a
-    stats-only step with nothing to write from a staging slot (its rows computed or copied
-    already), no catalog meta, in a run that holds such steps for a group commit at all
+    step below full with nothing in a staging slot (a lean step's rows computed or copied already,
+    a small gradient-log step's bytes copied out: staging.owned), no catalog meta, in a run that holds such steps for a group commit at all
     (``window``: how long, 0 for a ``durability="fsync"`` run)."""
-    return (msg.level == LEVEL_STATS and msg.slot is None and not msg.items and not msg.meta
-            and msg.step is not None and window > 0)
+    return (msg.level == LEVEL_STATS and msg.slot is None and not msg.meta and msg.step is not None
+            and window > 0 and owned(msg.items))
 
 
 class Mailbox:

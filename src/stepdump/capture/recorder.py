@@ -50,7 +50,7 @@ from stepdump.capture.selection import Levels, NameFilter
 from stepdump.capture.fingerprints import resumed as resumed_fingerprint
 from stepdump.capture.session import check_objects, init_catalog, prepare_dir, run_meta
 from stepdump.capture.sharding import Ranks, this_rank_records
-from stepdump.capture.staging import StagingPool
+from stepdump.capture.staging import StagingPool, owned
 from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.user_log import UserLog
@@ -436,9 +436,10 @@ class Recorder(UserLog, _iteration.IterationStart):
                     if ring is not None:
                         first = ring.take(msg, t, slot, [p.grad for p in self._asm.layout.params.values()
                                                          if p.grad is not None])
-                    elif not msg.items and slot.event is None:
-                        # Nothing staged (a lean step's rows are computed or copied already): the slot
-                        # goes back now, and the message may wait for the writer (capture/mailbox.py).
+                    elif slot.event is None and owned(msg.items):
+                        # Nothing in the slot (a lean step's rows are computed or copied already, a small
+                        # gradient-log step's bytes copied out): the slot goes back now, and the message
+                        # may wait for the writer (capture/mailbox.py).
                         self._pool.release(slot)
                         msg.slot = None
                 except BaseException:

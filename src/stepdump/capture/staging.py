@@ -34,6 +34,8 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
+from typing import Any
 
 import torch
 
@@ -69,6 +71,86 @@ class Item:
     fp_kind: str | None = None  # None: xxh3 of the bytes; "dmix64": ``device_fp``
 
 
+def owned(items: list[Item]) -> bool:
+    """Whether every item holds memory of its own (no staging slot's buffer, no live tensor, nothing
+    pending on a device): then the step's slot can go back before the writer has the message."""
+    return all(i.raw is None and not i.live and i.device_stats is None and i.device_fp is None for i in items)
+
+
+_ITEM_TENSOR = attrgetter("tensor")
+
+
+class Copied:
+    """A step's staged items with their bytes copied out of the slot, one buffer per dtype; the
+    writer makes the items again from them (:meth:`items`), so the training thread does no Python
+    per tensor for the copy."""
+
+    __slots__ = ("_plan", "_bufs", "nbytes")
+
+    def __init__(self, plan: _CopyPlan, bufs: list[torch.Tensor]) -> None:
+        self._plan, self._bufs = plan, bufs
+        self.nbytes = plan.nbytes
+
+    def items(self) -> list[Item]:
+        """The items, in the order staged, each a view of the copies (on the writer's thread)."""
+        out: list[Item | None] = [None] * len(self._plan.templates)
+        for (idx, _), buf in zip(self._plan.groups, self._bufs, strict=True):
+            views = torch._C._nn.unflatten_dense_tensors(buf, [self._plan.templates[n].tensor for n in idx])
+            for n, view in zip(idx, views, strict=True):
+                i = self._plan.templates[n]
+                out[n] = Item(i.kind, i.name, view, i.full, i.param, i.key)
+        return out  # type: ignore[return-value]  # every index is in one group
+
+
+@dataclass
+class _CopyPlan:
+    templates: list[Item]  # the items staged (kept: their ids, the plan's key, stay theirs)
+    groups: list[tuple[list[int], Any]]  # per dtype: the items' indices, an itemgetter of their tensors
+    nbytes: int
+
+
+class OwnedCopier:
+    """Copies a small staged step out of its slot (:class:`Copied`), so that the slot goes back at
+    once and the step can wait in the writer's mailbox (capture/mailbox.py) instead of waking it.
+    Only plain CPU copies in the slot's buffers, at most ``limit`` bytes (a larger step keeps its
+    slot: copying it would cost more than the writer's wake-up). What the items are is worked out
+    once per layout: the staging plan of a known layout hands out the same items each step."""
+
+    def __init__(self) -> None:
+        # The last few layouts' plans (None: not copied), newest first: each slot has its own items.
+        self._plans: list[tuple[list[int], _CopyPlan | None]] = []
+
+    def __call__(self, items: list[Item], limit: int) -> Copied | None:
+        ids = list(map(id, items))
+        for known, plan in self._plans:
+            if known == ids:
+                break
+        else:
+            plan = self._make(items)
+            self._plans.insert(0, (ids, plan))
+            del self._plans[_PLANS_KEPT:]
+        if plan is None or plan.nbytes > limit:
+            return None
+        bufs = []
+        with torch.no_grad():
+            for idx, get in plan.groups:
+                # (flatten copies the tensors end to end; a single tensor it hands back as a view: cloned)
+                bufs.append(torch._C._nn.flatten_dense_tensors(list(map(_ITEM_TENSOR, get(items)))) if len(idx) > 1
+                            else items[idx[0]].tensor.reshape(-1).clone())
+        return Copied(plan, bufs)
+
+    @staticmethod
+    def _make(items: list[Item]) -> _CopyPlan | None:
+        if not items or any(i.raw is None or i.live or i.device_stats is not None or i.device_fp is not None
+                            or not i.tensor.is_cpu or i.tensor.layout != torch.strided for i in items):
+            return None
+        groups: dict[torch.dtype, list[int]] = {}
+        for n, item in enumerate(items):
+            groups.setdefault(item.tensor.dtype, []).append(n)
+        return _CopyPlan(list(items), [(idx, itemgetter(*idx)) for idx in groups.values()],
+                         sum(i.tensor.numel() * i.tensor.element_size() for i in items))
+
+
 @dataclass
 class Slot:
     """Reusable buffers for one step in flight, at most ``budget`` bytes of them (None: no limit)."""
@@ -91,7 +173,10 @@ class Slot:
     # thread waits for them at the end of the update instead (Stager.wait_deferred),
     # so the writer appends them while the update runs. With their versions at staging.
     deferred: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    generation: int = 0  # bumped whenever ``buffers`` gains, loses or replaces one (Stager's plans check it)
+    # Bumped whenever ``buffers`` loses or replaces one (Stager's plans check it). Not when it gains
+    # one: a plan's buffers are all still there then (a gradient log's keyframe adds the params'
+    # buffers to a slot whose steps' plan copies the grads: that plan stays good).
+    generation: int = 0
 
     def buffer_for(self, kind: str, name: str, src: torch.Tensor, pin: bool) -> torch.Tensor | None:
         """A buffer like ``src`` for ``(kind, name)``: the one kept from an earlier step, or a
@@ -100,8 +185,8 @@ class Slot:
         buf = self.buffers.get(key)
         if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype:
             return buf
-        self.generation += 1
         if buf is not None:  # the shape changed: its bytes go back to the budget first
+            self.generation += 1  # a plan that copies into the old buffer is stale now
             self.held -= _nbytes(buf)
             del self.buffers[key], self.views[key]
         need = src.numel() * src.element_size()

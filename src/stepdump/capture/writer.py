@@ -50,7 +50,7 @@ from stepdump.capture.mailbox import MAIL, Mailbox, MailReader
 from stepdump.capture.packed import Snapshot
 from stepdump.capture.writer_lean import LeanRowsMixin
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
-from stepdump.capture.staging import Item, Slot, StagingPool
+from stepdump.capture.staging import Copied, Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import fingerprint_bytes, raw_bytes
 from stepdump.core.stats import compute_stats
@@ -101,6 +101,8 @@ class StepMessage:
     lean: list[LeanRow] = field(default_factory=list)  # rows computed from live tensors (capture/lean.py)
     # Small tensors copied at the step, their rows described here, before ``lean``'s (capture/packed.py).
     packed: Snapshot | None = None
+    # Staged items copied out of their slot (a small gradient-log step: staging.OwnedCopier), before ``items``.
+    copied: Copied | None = None
 
 
 class Writer(LeanRowsMixin, MailReader, threading.Thread):
@@ -299,6 +301,8 @@ class Writer(LeanRowsMixin, MailReader, threading.Thread):
             msg.slot.event.synchronize()  # type: ignore[attr-defined]
             # a lean step described on the device: its rows have landed (read below, after the lean rows)
             device_pack, msg.slot.device_pack = msg.slot.device_pack, None
+        if msg.copied is not None:
+            msg.items, msg.copied = [*msg.copied.items(), *msg.items], None
         if msg.packed is not None and msg.step is not None:
             # The copies a stats-only step made (LeanCapture.take): described when the held steps
             # commit, those of one layout together (packed.describe_all).
