@@ -226,3 +226,33 @@ def test_gradient_log_steps_through_the_mailbox_rebuild_bit_for_bit(
             got = run.state_dict(t)
             for name, want in snaps[t]["params"].items():
                 assert torch.equal(got[name], want), (t, name)
+
+
+def test_copied_items_are_the_staged_ones_with_their_bytes() -> None:
+    """staging.OwnedCopier: the items the writer makes again hold the staged bytes (tensor and
+    ``raw``, so the writer describes the small ones together), in their order, in memory of their
+    own; a step over the limit, or with a live item, is not copied."""
+    from stepdump.capture import gradlog_rows, staging
+
+    g = torch.Generator().manual_seed(0)
+    entries = [("grads", "a", torch.randn(3, 4, generator=g), True, None, None),
+               ("state", "/rng/t", torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8), True, None, None),
+               ("grads", "b", torch.randn(5, generator=g), True, None, None)]
+    slot = staging.Slot(0)
+    staged = staging.Stager().stage(slot, entries)
+    copier = staging.OwnedCopier()
+    copied = copier(staged, 1 << 20)
+    assert copied is not None and copied.nbytes == 12 * 4 + 9 + 5 * 4
+    before = [e[2].clone() for e in entries]
+    for e in entries:  # the slot's buffers are reused by the next step: the copies must not follow them
+        e[2].add_(1) if e[2].is_floating_point() else e[2].zero_()
+    staging.Stager().stage(slot, entries)
+    items = copied.items()
+    assert [(i.kind, i.name, i.full) for i in items] == [(i.kind, i.name, i.full) for i in staged]
+    for item, old in zip(items, before, strict=True):
+        assert torch.equal(item.tensor, old) and item.tensor.data_ptr() != old.data_ptr()
+        assert bytes(item.raw) == old.numpy().tobytes()
+    assert set(gradlog_rows.small_rows(items, frozenset({"state"}))) == {0, 2}  # described together
+    assert copier(staged, 10) is None  # over the limit: the step keeps its slot
+    live = [staging.Item("grads", "a", entries[0][2], True, live=True)]
+    assert copier(live, 1 << 20) is None

@@ -92,13 +92,17 @@ class Copied:
         self.nbytes = plan.nbytes
 
     def items(self) -> list[Item]:
-        """The items, in the order staged, each a view of the copies (on the writer's thread)."""
+        """The items, in the order staged, each a view of the copies (on the writer's thread),
+        with its bytes (``raw``) as a slot's copy has them: the writer describes the small ones
+        together (gradlog_rows.small_rows) and reads no tensor's bytes through a view of its own."""
         out: list[Item | None] = [None] * len(self._plan.templates)
         for (idx, _), buf in zip(self._plan.groups, self._bufs, strict=True):
             views = torch._C._nn.unflatten_dense_tensors(buf, [self._plan.templates[n].tensor for n in idx])
+            whole, at = raw_bytes(buf), 0
             for n, view in zip(idx, views, strict=True):
-                i = self._plan.templates[n]
-                out[n] = Item(i.kind, i.name, view, i.full, i.param, i.key)
+                i, size = self._plan.templates[n], view.numel() * view.element_size()
+                out[n] = Item(i.kind, i.name, view, i.full, i.param, i.key, raw=whole[at:at + size])
+                at += size
         return out  # type: ignore[return-value]  # every index is in one group
 
 
