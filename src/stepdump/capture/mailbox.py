@@ -10,7 +10,9 @@ So the Recorder's messages go into a deque (an append is atomic under the GIL an
 and the writer's queue carries only *tokens*. A message the writer must see now (one with bytes to
 write or live tensors it must read before the optimizer goes on, a full step, a new layout, any
 step of a ``durability="fsync"`` run) is posted with a token, so the writer wakes at once, as
-before. A stats-only step whose rows are all computed already (``mailable``) is posted without one,
+before. A step below full with nothing left in a staging slot (``mailable``: a lean step whose rows
+are computed or copied already, a small gradient-log step whose bytes were copied out of its slot)
+is posted without one,
 unless the last token is ``COMMIT_WINDOW`` seconds old (so a steady loop wakes the writer about once
 a window, the first step at once, and its steps commit as soon as the group commit made them
 before); the writer also wakes on its own once a window, for a loop that stopped between two
@@ -37,9 +39,10 @@ from stepdump.store.format import LEVEL_STATS
 MAIL = object()
 # Mail that may wait for the writer's own wake-up; past it each post wakes the writer.
 MAILBOX_MAX = 256
-# Bytes of copies (a lean step's packed snapshot) posted since the writer was last woken, past
-# which a post wakes it: a fast loop with a record near lean.INLINE_BYTES (2 MiB) would otherwise
-# hold up to MAILBOX_MAX of them (the writer's own cap on held copies is 8 MiB: writer.HELD_PACKED_BYTES).
+# Bytes of copies (a lean step's packed snapshot, a gradient-log step's grads) posted since the
+# writer was last woken, past which a post wakes it: a fast loop with a record near
+# lean.INLINE_BYTES (2 MiB) would otherwise hold up to MAILBOX_MAX of them (the writer's own cap
+# on held copies is 8 MiB: writer.HELD_PACKED_BYTES).
 MAILBOX_BYTES = 8 << 20
 
 
@@ -52,9 +55,10 @@ def mail_bytes(msg: Any) -> int:
 
 def mailable(msg: Any, window: float) -> bool:
     """Whether ``msg`` (a StepMessage) may wait in the mailbox for the writer's next wake: a
-    step below full with nothing in a staging slot (a lean step's rows computed or copied already,
-    a small gradient-log step's bytes copied out: staging.owned), no catalog meta, in a run that holds such steps for a group commit at all
-    (``window``: how long, 0 for a ``durability="fsync"`` run)."""
+    step below full with nothing in a staging slot (a lean step's rows computed or copied
+    already, a small gradient-log step's bytes copied out: staging.owned), no catalog meta, in
+    a run that holds such steps for a group commit at all (``window``: how long, 0 for a
+    ``durability="fsync"`` run)."""
     return (msg.level == LEVEL_STATS and msg.slot is None and not msg.meta and msg.step is not None
             and window > 0 and owned(msg.items))
 
@@ -74,7 +78,7 @@ class Mailbox:
 
     def take(self) -> Iterator[Any]:
         """The messages waiting, oldest first, each taken out as it is yielded (those posted
-        meanwhile too): what is not taken yet stays for :meth:`take` or :meth:`discard`."""
+        meanwhile too): what is not taken yet stays for the next :meth:`take`."""
         box = self._box
         while box:
             yield box.popleft()
