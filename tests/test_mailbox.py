@@ -119,7 +119,7 @@ def test_a_waiting_step_holds_no_staging_slot(tmp_path: Path, monkeypatch: pytes
         pool = rec._pool
         train_logging(rec, model, opt, 3 * len(pool._slots) + 2)  # more steps than slots, all waiting
         assert len(rec._writer.mailbox) > len(pool._slots)
-        assert all(m.slot is None for m in list(rec._writer.mailbox._box))
+        assert all(m.slot is None for m, _ in list(rec._writer.mailbox._box))
         deadline = time.monotonic() + 20
         while pool._free.qsize() < len(pool._slots) and time.monotonic() < deadline:
             time.sleep(0.01)  # the meta step's slot: the writer hands it back once written
@@ -169,25 +169,71 @@ def test_a_write_that_fails_on_mail_stops_recording_without_a_hang(
 
 
 def test_copies_waiting_in_the_mailbox_stay_under_its_byte_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lean step of a small model carries a copy of its tensors (StepMessage.packed): the mailbox
-    wakes the writer once MAILBOX_BYTES of them were posted, so a fast loop cannot pile up copies."""
+    """A lean step of a small model carries a copy of its tensors (StepMessage.packed): once more
+    than MAILBOX_BYTES of them wait, each post wakes the writer, so a fast loop cannot pile them up."""
     monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", 3600.0)
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
+        box = rec._writer.mailbox
         train_logging(rec, model, opt, 3)
-        step_bytes = max(mailbox_mod.mail_bytes(m) for m in list(rec._writer.mailbox._box))
+        step_bytes = max(mailbox_mod.mail_bytes(m) for m, _ in list(box._box))
         assert step_bytes > 0  # the copies are what this test is about
         monkeypatch.setattr(mailbox_mod, "MAILBOX_BYTES", 3 * step_bytes)
         wakes = _count_wakes(rec, monkeypatch)
-        most = 0
         for t in range(24):
+            before = len(wakes)
             train_logging(rec, model, opt, 1)
-            most = max(most, rec._link._posted)  # copies posted since the writer was last woken
+            if box.waiting_bytes > 3 * step_bytes:  # past the cap: this step's post woke the writer
+                assert len(wakes) == before + 1, (t, box.waiting_bytes, step_bytes)
         assert len(wakes) >= 24 // 4 - 1  # about one wake per 4 steps' copies
-        # Never more than the cap waits unannounced (the writer, once woken, takes all there is;
-        # without the cap the 24 steps' copies would all wait for it).
-        assert most <= 3 * step_bytes, (most, step_bytes)
+
+
+def test_a_writer_that_does_not_keep_up_holds_the_training_thread_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled writer (a slow disk) takes no mail: the training thread waits once MAILBOX_STALL x
+    MAILBOX_BYTES of copies wait, so memory stays bounded; when the writer goes on, so does
+    training, and every step is written."""
+    import threading
+
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", 3600.0)
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rec = stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1)
+    train_logging(rec, model, opt, 3)
+    box = rec._writer.mailbox
+    step_bytes = max(mailbox_mod.mail_bytes(m) for m, _ in list(box._box))
+    monkeypatch.setattr(mailbox_mod, "MAILBOX_BYTES", 2 * step_bytes)
+    gate = threading.Event()
+    real = writer_mod.Writer._take_mail
+
+    def stalled(self: Any) -> bool:
+        gate.wait()
+        return real(self)
+
+    monkeypatch.setattr(writer_mod.Writer, "_take_mail", stalled)
+    done = threading.Event()
+
+    def train() -> None:
+        train_logging(rec, model, opt, 40)
+        done.set()
+
+    th = threading.Thread(target=train)
+    th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while box.waiting_bytes <= mailbox_mod.MAILBOX_STALL * 2 * step_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the training thread had time to run on, if nothing held it
+        assert not done.is_set()
+        assert box.waiting_bytes <= (mailbox_mod.MAILBOX_STALL * 2 + 1) * step_bytes, (box.waiting_bytes, step_bytes)
+    finally:
+        gate.set()
+        th.join(60)
+    assert done.is_set()
+    rec.close()
+    steps = [s for (s,) in catalog_sql(tmp_path / "run", "SELECT step FROM steps ORDER BY step")]
+    assert steps == list(range(44))  # 43 trained steps and the final record
 
 
 @pytest.mark.parametrize("small", [True, False], ids=["copied out, mailed", "kept in its slot"])
@@ -256,3 +302,21 @@ def test_copied_items_are_the_staged_ones_with_their_bytes() -> None:
     assert copier(staged, 10) is None  # over the limit: the step keeps its slot
     live = [staging.Item("grads", "a", entries[0][2], True, live=True)]
     assert copier(live, 1 << 20) is None
+
+
+def test_steps_not_recorded_send_their_scalars_without_waking_the_writer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled schedule: the steps between two recorded ones send only their step row and
+    scalars, and wait in the mailbox like stats-only steps (each woke the writer before)."""
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", 3600.0)
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps = 20
+    with stepdump.Recorder(tmp_path / "run", model, opt, every=5, stats_every=None) as rec:
+        wakes = _count_wakes(rec, monkeypatch)
+        train_logging(rec, model, opt, steps)
+        assert len(wakes) <= steps // 5 + 2, len(wakes)  # the full steps (and the layout's meta)
+    levels = dict(catalog_sql(tmp_path / "run", "SELECT step, level FROM steps"))
+    assert [levels.get(t) for t in range(steps)] == [LEVEL_FULL if t % 5 == 0 else 0 for t in range(steps)]
+    losses = catalog_sql(tmp_path / "run", "SELECT step, value FROM scalars WHERE name='loss' ORDER BY step")
+    assert losses == [(t, float(t)) for t in range(steps)]

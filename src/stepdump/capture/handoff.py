@@ -47,7 +47,6 @@ class WriterLink:
         self.path, self._pool, self._guard, self._step = path, pool, guard, step
         self.writer = Writer(path, pool, **writer)
         self._woken = -math.inf  # when a put last woke the writer (monotonic)
-        self._posted = 0  # bytes of copies posted since (mailbox.MAILBOX_BYTES)
         self.writer.start()
         try:
             self.writer.wait_ready()
@@ -65,23 +64,28 @@ class WriterLink:
         """Hand ``msg`` to the writer; return once it no longer needs the live tensors of ``msg.slot``.
         A stats-only step with nothing left to read waits for the writer's own wake-up, posted
         without waking it (capture/mailbox.py); anything else wakes it now."""
-        w = self.writer
+        w, box = self.writer, self.writer.mailbox
         now = time.monotonic()
-        self._posted += mailbox.mail_bytes(msg)
+        mail = w.can_mail(msg)
         # Woken at least once a COMMIT_WINDOW by the steps themselves (the first at once): a steady
         # loop's steps are committed as soon as before, the writer's own wake-up is for a loop that stopped.
-        if not w.mailbox.post(msg, wake=not w.can_mail(msg) or now - self._woken >= writer_mod.COMMIT_WINDOW
-                              or self._posted > mailbox.MAILBOX_BYTES):
+        if not box.post(msg, not mail or now - self._woken >= writer_mod.COMMIT_WINDOW,
+                        mailbox.mail_bytes(msg) if mail else 0):
             return
-        self._woken, self._posted = now, 0
+        self._woken = now
         while True:
             try:
                 w.queue.put(MAIL, timeout=0.05)
-                self._pool.wait_live(msg.slot, self.writer.is_alive)  # the optimizer changes live tensors next
-                return
+                break
             except queue.Full:
                 if self.failed():
                     return
+        self._pool.wait_live(msg.slot, self.writer.is_alive)  # the optimizer changes live tensors next
+        # A writer that does not keep up (a slow disk): copies past the stall mark wait for it.
+        while box.waiting_bytes > mailbox.MAILBOX_STALL * mailbox.MAILBOX_BYTES and w.is_alive():
+            if self.failed():
+                return
+            time.sleep(0.001)
 
     def failed(self, starting: bool = False) -> bool:
         """Raise WriterError if the writer failed; with on_error="warn" (once recording has

@@ -17,8 +17,8 @@ unless the last token is ``COMMIT_WINDOW`` seconds old (so a steady loop wakes t
 a window, the first step at once, and its steps commit as soon as the group commit made them
 before); the writer also wakes on its own once a window, for a loop that stopped between two
 steps, and a full mailbox (``MAILBOX_MAX`` messages, or ``MAILBOX_BYTES`` of copies posted since
-the last token) gets a token for every post (then the queue's bound is the training thread's
-backpressure again). What a crash can lose stays ``COMMIT_WINDOW`` of
+the last token) gets a token for every post; past ``MAILBOX_STALL`` times the bytes, the training
+thread waits for the writer to take them. What a crash can lose stays ``COMMIT_WINDOW`` of
 stats-only steps, as with the group commit alone (docs/reliability.md).
 One FIFO for everything keeps the steps in the order they were taken; a message put straight
 into the queue (no mailbox: reexec's bundles, tests) is written after the mail posted before it.
@@ -33,17 +33,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from stepdump.capture.staging import owned
-from stepdump.store.format import LEVEL_STATS
+from stepdump.store.format import LEVEL_NONE, LEVEL_STATS
 
 # The queue token that says: there is mail to take now.
 MAIL = object()
 # Mail that may wait for the writer's own wake-up; past it each post wakes the writer.
 MAILBOX_MAX = 256
-# Bytes of copies (a lean step's packed snapshot, a gradient-log step's grads) posted since the
-# writer was last woken, past which a post wakes it: a fast loop with a record near
-# lean.INLINE_BYTES (2 MiB) would otherwise hold up to MAILBOX_MAX of them (the writer's own cap
-# on held copies is 8 MiB: writer.HELD_PACKED_BYTES).
+# Bytes of copies (a lean step's packed snapshot, a gradient-log step's grads) waiting in the
+# mailbox past which a post wakes the writer: a fast loop with a record near lean.INLINE_BYTES
+# (2 MiB) would otherwise hold up to MAILBOX_MAX of them (the writer's own cap on held copies is
+# 8 MiB: writer.HELD_PACKED_BYTES). Past MAILBOX_STALL times that (a writer that does not keep up:
+# a slow disk), the training thread waits for it to take them: memory stays bounded.
 MAILBOX_BYTES = 8 << 20
+MAILBOX_STALL = 4
 
 
 def mail_bytes(msg: Any) -> int:
@@ -55,33 +57,47 @@ def mail_bytes(msg: Any) -> int:
 
 def mailable(msg: Any, window: float) -> bool:
     """Whether ``msg`` (a StepMessage) may wait in the mailbox for the writer's next wake: a
-    step below full with nothing in a staging slot (a lean step's rows computed or copied
+    step below full (a step not recorded sends its scalars) with nothing in a staging slot (a lean step's rows computed or copied
     already, a small gradient-log step's bytes copied out: staging.owned), no catalog meta, in
     a run that holds such steps for a group commit at all (``window``: how long, 0 for a
     ``durability="fsync"`` run)."""
-    return (msg.level == LEVEL_STATS and msg.slot is None and not msg.meta and msg.step is not None
+    return (msg.level in (LEVEL_NONE, LEVEL_STATS) and msg.slot is None and not msg.meta and msg.step is not None
             and window > 0 and owned(msg.items))
 
 
 class Mailbox:
-    """The messages posted and not taken yet, oldest first."""
+    """The messages posted and not taken yet, oldest first, and the bytes of copies they hold.
 
-    __slots__ = ("_box",)
+    One thread posts (the training thread), one takes (the writer): each of the two byte
+    counters is written by one thread only, so their difference needs no lock."""
+
+    __slots__ = ("_box", "_posted", "_taken")
 
     def __init__(self) -> None:
-        self._box: deque[Any] = deque()
+        self._box: deque[tuple[Any, int]] = deque()
+        self._posted = 0  # bytes of copies ever posted (the training thread's)
+        self._taken = 0  # of those, ever taken (the writer's)
 
-    def post(self, msg: Any, wake: bool) -> bool:
-        """Add ``msg``; True when the writer must be woken for it (``wake``, or the box is full)."""
-        self._box.append(msg)
-        return wake or len(self._box) >= MAILBOX_MAX
+    def post(self, msg: Any, wake: bool, nbytes: int = 0) -> bool:
+        """Add ``msg`` (holding ``nbytes`` of copies); True when the writer must be woken for it
+        (``wake``, or the box is full: MAILBOX_MAX messages or MAILBOX_BYTES of copies)."""
+        self._box.append((msg, nbytes))
+        self._posted += nbytes
+        return wake or len(self._box) >= MAILBOX_MAX or self.waiting_bytes > MAILBOX_BYTES
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Bytes of copies posted and not taken yet."""
+        return self._posted - self._taken
 
     def take(self) -> Iterator[Any]:
         """The messages waiting, oldest first, each taken out as it is yielded (those posted
         meanwhile too): what is not taken yet stays for the next :meth:`take`."""
         box = self._box
         while box:
-            yield box.popleft()
+            msg, nbytes = box.popleft()
+            self._taken += nbytes
+            yield msg
 
     def __len__(self) -> int:
         return len(self._box)
