@@ -18,8 +18,9 @@ a window, the first step at once, and its steps commit as soon as the group comm
 before); the writer also wakes on its own once a window, for a loop that stopped between two
 steps, and a full mailbox (``MAILBOX_MAX`` messages, or ``MAILBOX_BYTES`` of copies posted since
 the last token) gets a token for every post; past ``MAILBOX_STALL`` times the bytes, the training
-thread waits for the writer to take them. What a crash can lose stays ``COMMIT_WINDOW`` of
-stats-only steps, as with the group commit alone (docs/reliability.md).
+thread waits for the writer to take them. What a crash can lose grows from one ``COMMIT_WINDOW`` of steps
+below full (the group commit's) to two: the wait for the writer's wake-up, then the group commit's
+(docs/reliability.md).
 One FIFO for everything keeps the steps in the order they were taken; a message put straight
 into the queue (no mailbox: reexec's bundles, tests) is written after the mail posted before it.
 """
