@@ -63,12 +63,9 @@ class RngAfterUpdate:
         if self.torch_cpu is None:
             return now
         now["torch"] = self.torch_cpu
-        if isinstance(self.python[0], bytes):  # read from the struct (core.rng.python_mt_reader)
-            now["python"] = _rng.python_state(*self.python)
-        else:
-            py_version, py_internal, py_gauss = self.python
-            now["python"] = {"version": py_version, "state": torch.tensor(py_internal, dtype=torch.uint32),
-                             "gauss": py_gauss}
+        # Read from the struct (core.rng.python_mt_reader), or random.getstate()'s tuple.
+        now["python"] = (_rng.python_state(*self.python) if isinstance(self.python[0], bytes)
+                         else _rng.python_getstate(self.python))
         if self.numpy is not None:
             words, pos = self.numpy
             keys = torch.frombuffer(bytearray(words), dtype=torch.uint32)

@@ -58,6 +58,14 @@ def python_state(raw: bytes, gauss: Any) -> dict[str, Any]:
     return {"version": 3, "state": torch.from_numpy(words), "gauss": gauss}
 
 
+def python_getstate(state: tuple[Any, ...]) -> dict[str, Any]:
+    """``get_rng_state()["python"]`` of a ``random.getstate()`` tuple (where the struct is not read)."""
+    version, internal, gauss = state
+    # MT19937 words (and the position, <= 624) all fit 32 bits: half the bytes of int64.
+    return {"version": version,
+            "state": torch.from_numpy(np.fromiter(internal, dtype=np.uint32, count=len(internal))), "gauss": gauss}
+
+
 PY_MT = python_mt_reader()
 
 
@@ -66,21 +74,14 @@ def get_rng_state() -> dict[str, Any]:
     # The dict form: ~30 us less than the legacy tuple (no list of 624 ints); the same values.
     np_state: Any = np.random.get_state(legacy=False)
     if np_state.get("bit_generator") == "MT19937":
-        numpy = {"alg": "MT19937", "keys": torch.from_numpy(np.array(np_state["state"]["key"], dtype=np.uint32)),
-                 "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
-                 "cached_gaussian": float(np_state["gauss"])}
+        np_tuple: Any = ("MT19937", np_state["state"]["key"], np_state["state"]["pos"], np_state["has_gauss"],
+                    np_state["gauss"])
     else:  # another bit generator: the legacy form says what it says about it (as it always did)
-        legacy: Any = np.random.get_state()
-        numpy = {"alg": legacy[0], "keys": torch.from_numpy(np.array(legacy[1], dtype=np.uint32)),
-                 "pos": int(legacy[2]), "has_gauss": int(legacy[3]), "cached_gaussian": float(legacy[4])}
-    if PY_MT is not None:
-        python = python_state(*PY_MT())
-    else:
-        py_version, py_internal, py_gauss = random.getstate()
-        # MT19937 words (and the position, <= 624) all fit 32 bits: half the bytes of int64.
-        python = {"version": py_version,
-                  "state": torch.from_numpy(np.fromiter(py_internal, dtype=np.uint32, count=len(py_internal))),
-                  "gauss": py_gauss}
+        np_tuple = np.random.get_state()
+    alg, keys, pos, has_gauss, gauss = np_tuple
+    numpy = {"alg": alg, "keys": torch.from_numpy(np.array(keys, dtype=np.uint32)), "pos": int(pos),
+             "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+    python = python_state(*PY_MT()) if PY_MT is not None else python_getstate(random.getstate())
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy, "python": python}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
