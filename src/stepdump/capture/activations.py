@@ -11,6 +11,11 @@ Names:
 Values are copied inside the hook, so in-place ops after it do not change what
 is recorded. Forward passes with autograd off (``torch.no_grad()``, evaluation)
 are not part of a training step and are ignored.
+
+A forward run under a ``torch.func`` transform (``vmap``, ``grad``: MAML's inner loop) hands
+the hooks functorch's wrapped tensors, which have no storage of their own to copy: such a call
+is skipped (one warning for the run) and takes no ``#k`` index; plain forwards of the same
+step are captured as usual.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class ModuleCapture:
         self._handles: list[Any] = []
         self.unsupported: str | None = None
         self.matched: list[str] = []  # the modules whose outputs are hooked (re-execution refuses none)
+        self._skipped_wrapped = False  # a torch.func-transformed call was skipped (warned once)
         patterns = [modules] if isinstance(modules, str) else list(modules)
         root = unwrap(model)  # torch.compile wraps the module
         if isinstance(root, torch.jit.ScriptModule):
@@ -76,6 +82,8 @@ class ModuleCapture:
                 return
             try:
                 with torch.profiler.record_function("stepdump.activations"):
+                    if self._wrapped(flatten(output, name), f"module {name!r}"):
+                        return
                     base = self._indexed("activations", name)
                     for path, t in flatten(output, base):
                         if "activations" in self.kinds:
@@ -86,6 +94,18 @@ class ModuleCapture:
                 self._failed(e, f"forward hook of module {name!r}")
 
         return hook
+
+    def _wrapped(self, tensors: Any, where: str) -> bool:
+        """True when any of ``tensors`` (``(path, tensor)`` pairs) is a torch.func wrapper: the call is
+        skipped, with one warning for the run (the rest of the record goes on)."""
+        if not any(_is_wrapped(t) for _, t in tensors):
+            return False
+        if not self._skipped_wrapped:
+            self._skipped_wrapped = True
+            log.warning("stepdump: the %s ran under a torch.func transform (vmap / grad / jvp): its tensors are "
+                        "functorch wrappers with no storage to copy, so activations and inputs of such calls are "
+                        "not recorded; plain forwards, params, grads and optimizer state are", where)
+        return True
 
     def _failed(self, err: Exception, where: str) -> None:
         if self._on_error is None:
@@ -113,6 +133,8 @@ class ModuleCapture:
             self._failed(e, "forward pre-hook of the model")
 
     def _root_input(self, args: Any, kwargs: Any) -> None:
+        if self._wrapped([*flatten(args, "args"), *flatten(kwargs, "kwargs")], "model's forward"):
+            return
         call = self._indexed("inputs", "root")
         suffix = "" if call == "root" else call[len("root"):]
         for path, t in flatten(args, "args"):
@@ -161,6 +183,11 @@ class ModuleCapture:
             h.remove()
         self._handles.clear()
         self._entries = []
+
+
+def _is_wrapped(t: torch.Tensor) -> bool:
+    """A functorch wrapper (BatchedTensor, GradTrackingTensor): what a module sees under ``torch.func``."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def input_name(ref: str) -> str:
