@@ -116,10 +116,13 @@ class JointRecorder(Recorder):
         self._done: list[str] = []
         self._closed = False
         self.pairs: dict[str, Recorder] = {}
+        # Each pair's store is a directory of the run, never a link planted there (it would build
+        # or append to a store elsewhere); checked before joint.json is written.
+        dirs = {name: joint_file.pair_dir(self.path, name) for name in self._names}
         self._write_doc()
         try:
             for name, m, opt, sched, scal in pairs:
-                rec = Recorder(self.path / name, m, opt, sched, scal, **options)
+                rec = Recorder(dirs[name], m, opt, sched, scal, **options)
                 rec._joint = self
                 self.pairs[name] = rec
         except BaseException:
@@ -132,7 +135,7 @@ class JointRecorder(Recorder):
     def _check_dir(self, resume: bool, names: list[str]) -> dict[str, Any] | None:
         if (self.path / CATALOG_FILE).exists():
             raise RunExistsError(f"{self.path} holds a single-model run; record the joint run into another directory")
-        if (self.path / joint_file.JOINT_FILE).exists():
+        if os.path.lexists(self.path / joint_file.JOINT_FILE):  # a link there is refused (read_local)
             doc = joint_file.read_local(self.path)
             if not resume:
                 raise RunExistsError(f"{self.path} already holds a joint run; pass resume=True to record on into it, "

@@ -86,10 +86,11 @@ def resolve(path: str | os.PathLike[str], *, ranks: Ranks, remote: Remote | Mapp
             "records into DIR/rank00000, DIR/rank00001, ...)"
         )
     doc = ranks_file.ranks_document(info.world_size, list(info.ranks), info.backend)
-    if (root / ranks_file.RANKS_FILE).exists():
+    if os.path.lexists(root / ranks_file.RANKS_FILE):  # a link there is refused, not replaced
         ranks_file.check_same_job(ranks_file.read_local(root), doc, str(root / ranks_file.RANKS_FILE))
+    local = ranks_file.local_rank_dir(root, info.rank)  # checked before ranks.json is written
     ranks_file.write_local(root, doc)
-    return Target(local=root / ranks_file.rank_dir(info.rank), rank=info)
+    return Target(local=local, rank=info)
 
 
 def _remote_target(url: str, info: RankInfo | None, doc: dict[str, Any] | None, remote: Remote,

@@ -183,5 +183,9 @@ def dumps(tree: Any) -> str:
     return json.dumps(tree, separators=(",", ":"), allow_nan=False)
 
 
-def loads(text: str) -> Any:
-    return json.loads(text)
+def loads(text: str | bytes, where: str = "a recorded state") -> Any:
+    """Parse stored typed JSON with size and depth bounds (store/bounded_json.py): a tree nested
+    too deep for :func:`decode` is a CorruptDataError, never a RecursionError."""
+    from stepdump.store import bounded_json
+
+    return bounded_json.loads(text, where)

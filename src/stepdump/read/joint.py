@@ -69,7 +69,7 @@ class JointRun:
             raise TensorNotFoundError(f"{self.path} has no pair {name!r}; its pairs are {self.pair_names}")
         run = self._runs.get(name)
         if run is None:
-            run = self._runs[name] = Run(self.path / name)
+            run = self._runs[name] = Run(joint_file.pair_dir(self.path, name))
         return run
 
     def pair_stores(self) -> list[tuple[str, Run]]:

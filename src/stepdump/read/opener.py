@@ -40,11 +40,12 @@ def open_run(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any]
         raise ConfigError("storage_options= and cache_dir= apply to URLs (s3://..., gs://...); "
                           f"{os.fspath(path)!r} is a local path")
     p = Path(path)
-    if (p / JOINT_FILE).is_file() and not (p / CATALOG_FILE).exists():
+    # lexists: a layout file planted as a link is refused by its reader (store/inside.py), not skipped.
+    if os.path.lexists(p / JOINT_FILE) and not (p / CATALOG_FILE).exists():
         from stepdump.read.joint import JointRun
 
         return JointRun(p)
-    if (p / RANKS_FILE).is_file() and not (p / CATALOG_FILE).exists():
+    if os.path.lexists(p / RANKS_FILE) and not (p / CATALOG_FILE).exists():
         from stepdump.read.ranked import DistributedRun
 
         return DistributedRun(p)

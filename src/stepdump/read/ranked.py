@@ -111,7 +111,7 @@ class DistributedRun:
                 cache = self._cache / name
                 run = RemoteRun(f"{self._url}/{name}", cache_dir=cache, storage=self._remote.child(name, cache))
             else:
-                run = Run(Path(self.path) / name)
+                run = Run(ranks_file.local_rank_dir(Path(self.path), r))
             self._runs[r] = run
         return run
 

@@ -33,6 +33,7 @@ from stepdump.core.hashing import fingerprint_bytes, raw_bytes
 from stepdump.core.optrace import OpRecord
 from stepdump.core.stats import compute_stats
 from stepdump.errors import ConfigError, CorruptDataError
+from stepdump.store import bounded_json
 from stepdump.store.catalog import CatalogWriter
 from stepdump.store.format import META_REEXECUTIONS, REEXEC_KINDS, SEGMENT_DIR, format_shape
 from stepdump.store.lock import RunLock
@@ -130,8 +131,8 @@ def _read_marks(cat: CatalogWriter) -> dict[str, Any]:
     if text is None:
         return {}
     try:
-        marks = json.loads(text)
-    except (TypeError, ValueError):
+        marks = bounded_json.loads(text, f"meta.{META_REEXECUTIONS}")
+    except (TypeError, ValueError, CorruptDataError):
         marks = None
     if not isinstance(marks, dict):
         raise CorruptDataError(f"meta.{META_REEXECUTIONS} of the run is not a JSON object: the catalog is damaged "

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from stepdump.errors import CorruptDataError, NotARunError
+from stepdump.store import bounded_json
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
 from stepdump.store.format import (
     CATALOG_FILE,
@@ -170,8 +171,8 @@ def _drop_steps(con: sqlite3.Connection, first: int) -> None:
     _drop_orphan_fp_kinds(con)
     row = con.execute("SELECT value FROM meta WHERE key = 'final_step'").fetchone()
     try:
-        final = json.loads(row[0]) if row is not None else None
-    except (TypeError, ValueError):
+        final = bounded_json.loads(row[0], "meta.final_step") if row is not None else None
+    except (TypeError, ValueError, CorruptDataError):
         final = first  # not a step number: nothing to keep
     if row is not None and not (isinstance(final, int) and final < first):
         con.execute("DELETE FROM meta WHERE key = 'final_step'")
@@ -197,8 +198,8 @@ def _drop_reexecutions(con: sqlite3.Connection, first: int) -> None:
     if row is None:
         return
     try:
-        marks = json.loads(row[0])
-    except (TypeError, ValueError):
+        marks = bounded_json.loads(row[0], "meta.reexecutions")
+    except (TypeError, ValueError, CorruptDataError):
         marks = None
     kept: dict[str, Any] = {}
     for key, mark in (marks.items() if isinstance(marks, dict) else ()):

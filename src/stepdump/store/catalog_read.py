@@ -8,7 +8,6 @@ Only :mod:`stepdump.store.queries` runs queries through it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sqlite3
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stepdump.errors import CorruptDataError, FormatVersionError, InterruptedWriteError, NotARunError
+from stepdump.store import bounded_json
 from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION, FP_KINDS_FORMAT_VERSION, READABLE_FORMAT_VERSIONS
 from stepdump.store.lock import is_locked
 from stepdump.store.schema import (
@@ -298,8 +298,8 @@ def _describe_object(con: ReadConnection, row: tuple[Any, ...]) -> str:
 
 def _check_version(meta_rows: dict[str, str], path: Path) -> int:
     try:
-        version = int(json.loads(meta_rows["format_version"]))
-    except (KeyError, ValueError, TypeError, OverflowError, RecursionError):
+        version = int(bounded_json.loads(meta_rows["format_version"], "format_version"))
+    except (KeyError, ValueError, TypeError, OverflowError, CorruptDataError):
         raise CorruptDataError(f"{path} has no valid format_version; it is not a stepdump catalog") from None
     if version not in READABLE_FORMAT_VERSIONS:
         newer = "a newer" if version > FORMAT_VERSION else "an older"
@@ -315,10 +315,9 @@ def read_meta(con: ReadConnection) -> dict[str, Any]:
     """The meta table, JSON-decoded; a value that is not JSON is damage, not a crash."""
     out: dict[str, Any] = {}
     for k, v in con.execute("SELECT key, value FROM meta"):
-        try:
-            out[str(k)] = json.loads(v)
-        except (ValueError, TypeError, RecursionError) as e:
-            raise CorruptDataError(f"meta value {k!r} in the catalog is not valid JSON ({e})") from e
+        if not isinstance(v, (str, bytes)):
+            raise CorruptDataError(f"meta value {k!r} in the catalog is not valid JSON (a {type(v).__name__})")
+        out[str(k)] = bounded_json.loads(v, f"meta value {k!r} in the catalog")
     return out
 
 

@@ -19,17 +19,18 @@ and refuses it; each pair's store is an ordinary run on its own.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from stepdump.errors import ConfigError, CorruptDataError, FormatVersionError
+from stepdump.store import bounded_json, inside
 
 JOINT_FILE = "joint.json"
 JOINT_FORMAT = "stepdump-joint"
 JOINT_FORMAT_VERSION = 1
 _MAX_BYTES = 1 << 20
+_ROLE = "the joint run's joint.json"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
@@ -48,12 +49,7 @@ def joint_document(pairs: list[str], order: list[str] | None, model_of: dict[str
 
 def parse(data: bytes, where: str) -> dict[str, Any]:
     """Parse and check a ``joint.json``; ``where`` names it in error messages."""
-    if len(data) > _MAX_BYTES:
-        raise CorruptDataError(f"{where} is {len(data)} bytes, too large to be a joint.json")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptDataError(f"{where} is not valid JSON: {e}") from None
+    doc = bounded_json.loads(data, where, max_bytes=_MAX_BYTES)
     if not isinstance(doc, dict) or doc.get("format") != JOINT_FORMAT:
         raise CorruptDataError(f"{where} is not a stepdump joint.json (no \"format\": \"{JOINT_FORMAT}\")")
     if doc.get("format_version") != JOINT_FORMAT_VERSION:
@@ -73,15 +69,16 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
 
 
 def read_local(root: Path) -> dict[str, Any]:
-    path = root / JOINT_FILE
-    with open(path, "rb") as f:
-        data = f.read(_MAX_BYTES + 1)
-    return parse(data, str(path))
+    """``root/joint.json``, parsed and checked (a link or a FIFO there is refused: store/inside.py)."""
+    data = inside.read_file(root, JOINT_FILE, _ROLE, _MAX_BYTES)
+    return parse(data, str(root / JOINT_FILE))
+
+
+def pair_dir(root: Path, name: str) -> Path:
+    """Pair ``name``'s store under ``root``: a directory of the run, never a link out of it."""
+    return inside.inside(root, check_pair_name(name), f"pair {name!r}'s store (a joint run's pair directory)")
 
 
 def write_local(root: Path, doc: dict[str, Any]) -> None:
-    """Write ``root/joint.json`` atomically (temporary name, then rename)."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{JOINT_FILE}.{os.getpid()}.tmp"
-    tmp.write_bytes((json.dumps(doc, sort_keys=True, indent=1) + "\n").encode())
-    os.replace(tmp, root / JOINT_FILE)
+    """Write ``root/joint.json`` atomically (a fresh temporary file, then rename: store/inside.py)."""
+    inside.write_atomic(root, JOINT_FILE, (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode(), _ROLE)

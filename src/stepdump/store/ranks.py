@@ -16,17 +16,18 @@ to a temporary name, then rename), so it never needs a collective.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from stepdump.errors import ConfigError, CorruptDataError, FormatVersionError
+from stepdump.store import bounded_json, inside
 
 RANKS_FILE = "ranks.json"
 RANKS_FORMAT = "stepdump-ranks"
 RANKS_FORMAT_VERSION = 1
 # Refuse absurd files before parsing them (a 1,000,000-rank job is ~8 MB of JSON).
 _MAX_RANKS_BYTES = 64 << 20
+_ROLE = "the multi-rank run's ranks.json"
 
 
 def rank_dir(rank: int) -> str:
@@ -51,12 +52,7 @@ def encode(doc: dict[str, Any]) -> bytes:
 
 def parse(data: bytes, where: str) -> dict[str, Any]:
     """Parse and check a ``ranks.json``; ``where`` names it in error messages."""
-    if len(data) > _MAX_RANKS_BYTES:
-        raise CorruptDataError(f"{where} is {len(data)} bytes, too large to be a ranks.json")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptDataError(f"{where} is not valid JSON: {e}") from None
+    doc = bounded_json.loads(data, where, max_bytes=_MAX_RANKS_BYTES)
     if not isinstance(doc, dict) or doc.get("format") != RANKS_FORMAT:
         raise CorruptDataError(f"{where} is not a stepdump ranks.json (no \"format\": \"{RANKS_FORMAT}\")")
     version = doc.get("format_version")
@@ -78,18 +74,20 @@ def parse(data: bytes, where: str) -> dict[str, Any]:
 
 
 def read_local(root: Path) -> dict[str, Any]:
-    path = root / RANKS_FILE
-    with open(path, "rb") as f:
-        data = f.read(_MAX_RANKS_BYTES + 1)
-    return parse(data, str(path))
+    """``root/ranks.json``, parsed and checked (a link or a FIFO there is refused: store/inside.py)."""
+    data = inside.read_file(root, RANKS_FILE, _ROLE, _MAX_RANKS_BYTES)
+    return parse(data, str(root / RANKS_FILE))
+
+
+def local_rank_dir(root: Path, rank: int) -> Path:
+    """``rank``'s store under ``root``: a directory of the run, never a link out of it."""
+    return inside.inside(root, rank_dir(rank), f"rank {rank}'s store (a multi-rank run's rank directory)")
 
 
 def write_local(root: Path, doc: dict[str, Any]) -> None:
-    """Write ``root/ranks.json`` atomically (several ranks may do it at once, with the same bytes)."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{RANKS_FILE}.{os.getpid()}.tmp"
-    tmp.write_bytes(encode(doc))
-    os.replace(tmp, root / RANKS_FILE)
+    """Write ``root/ranks.json`` atomically (several ranks may do it at once, with the same bytes;
+    each through a fresh temporary file, then rename: store/inside.py)."""
+    inside.write_atomic(root, RANKS_FILE, encode(doc), _ROLE)
 
 
 def check_same_job(existing: dict[str, Any], doc: dict[str, Any], where: str) -> None:
