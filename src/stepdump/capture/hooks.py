@@ -27,6 +27,7 @@ import torch
 from stepdump.capture.handles import Hook, ScalerStep
 from stepdump.capture.profiling import timed
 from stepdump.capture.step_state import StateBefore
+from stepdump.errors import ConfigError
 
 
 def _step_wrapper_code() -> Any:
@@ -64,6 +65,7 @@ def attach(rec: Steps, scaler: Any, *, auto_capture: bool,
     ``spent``: takes the seconds the hooks' own frame walk costs (``sys/recorder_ms``).
     """
     opt = rec.optimizer
+    require_step_hooks(opt)
     # The frame walk that tells a step's own hook call from an inner super().step()'s is the
     # recorder's time too (sys/recorder_ms, issue 25 item 2): ``spent`` takes it.
     nested = timed(nested_step, spent) if spent is not None else nested_step
@@ -82,6 +84,16 @@ def attach(rec: Steps, scaler: Any, *, auto_capture: bool,
         if scaler is not None:
             scaler.step = watch_scaler(scaler, rec)  # an instance attribute shadows the method
     return handles
+
+
+def require_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer built without ``torch.optim.Optimizer.__init__`` (a wrapper that sets its
+    own attributes): it has no step hooks, so no step of it could ever be seen."""
+    if not all(hasattr(optimizer, a) for a in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")):
+        raise ConfigError(
+            f"{type(optimizer).__name__} has no step hooks (it was built without torch.optim.Optimizer.__init__), "
+            "so stepdump cannot see its steps; give the Recorder the optimizer it wraps, whose step() does the "
+            "update, or have its __init__ call super().__init__(params, defaults)")
 
 
 def nested_step(optimizer: torch.optim.Optimizer) -> bool:

@@ -39,7 +39,7 @@ from stepdump.capture.final import FinalRecord
 from stepdump.capture.guard import Failure, Guard, close_quietly
 from stepdump.capture.handoff import WriterLink
 from stepdump.capture.handles import Hook
-from stepdump.capture.hooks import attach, detach_scaler, nested_step
+from stepdump.capture.hooks import attach, detach_scaler, nested_step, require_step_hooks
 from stepdump.capture.lean import LeanCapture
 from stepdump.capture.step_state import StateBefore
 from stepdump.capture.profiling import BackgroundClock, ThreadWaits, span, timed
@@ -48,7 +48,7 @@ from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import auto_scalars, profile_scalars, scalar_rows
 from stepdump.capture.selection import Levels, NameFilter
 from stepdump.capture.fingerprints import resumed as resumed_fingerprint
-from stepdump.capture.session import check_objects, init_catalog, prepare_dir, run_meta
+from stepdump.capture.session import check_objects, discard_created, init_catalog, prepare_dir, run_meta
 from stepdump.capture.sharding import Ranks, this_rank_records
 from stepdump.capture.staging import StagingPool, owned
 from stepdump.capture.stepwatch import StepWatch
@@ -56,6 +56,7 @@ from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
 from stepdump.core.layout import build_layout
+from stepdump.core.wrappers import inner_optimizer, inner_scheduler
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
 from stepdump.store.lock import RunLock
@@ -63,6 +64,8 @@ from stepdump.store.storage import LocalStorage
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from stepdump.core.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +174,11 @@ class Recorder(UserLog, _iteration.IterationStart):
         if schedulers is not None or scalers is not None:
             raise ConfigError("schedulers= and scalers= go with models= and optimizers= (a joint run); "
                               "for one model give scheduler= and scaler=")
+        # accelerate's prepared optimizer / scheduler: record the torch objects inside (core/wrappers.py),
+        # and the GradScaler the wrapper steps with, unless one is given.
+        if scaler is None and inner_optimizer(optimizer) is not optimizer:
+            scaler = getattr(optimizer, "scaler", None)
+        optimizer, scheduler = inner_optimizer(optimizer), inner_scheduler(scheduler)
         check_objects(model, optimizer, scheduler, scaler)
         if model is None or optimizer is None:  # check_objects refuses these already; this narrows the types
             raise ConfigError("Recorder needs both the model and its optimizer: Recorder(path, model, optimizer)")
@@ -181,6 +189,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         self.recording = this_rank_records(ranks)
         if not self.recording:  # a rank ranks= leaves out: only count steps, so rec.step agrees on every rank
             self.path = path  # type: ignore[assignment]
+            require_step_hooks(optimizer)
             self._hooks.append(optimizer.register_step_post_hook(
                 Hook(lambda o, a, k: None if nested_step(o) else self.end_step())))
             return
@@ -216,34 +225,39 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._guard = Guard(opts.on_error, self.path, self._step_aside)
         self._lock = RunLock(prepare_dir(self.path, opts.resume))
         self._lock.acquire()
+        there = set(os.listdir(self.path))  # a new run's directory: empty but for a LOCK or a partial catalog
         try:
-            meta = run_meta(self.model, self.optimizer, self.scheduler, self.scaler, opts, layout,
-                            self._target.meta(layout.params))
-            # A resumed run's tensors keep their fingerprint kinds (checked before init_catalog drops steps).
-            fingerprint = resumed_fingerprint(self.path, store.fingerprint) if opts.resume else store.fingerprint
-            self._lean.dmix64 = fingerprint == "dmix64"
-            self._final = FinalRecord(*init_catalog(self.path, meta, opts.resume, opts.start_step))  # for close()
-            self._step = self._final.first
-            log_projection(self.path, layout, self.optimizer, self.kinds, self._filter, sched, self._step)
-            self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0), None if ring else store.staging_bytes)
-            self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
-            self._asm = Assembler(layout, self.optimizer, self.scheduler, self.scaler, self.kinds, self._filter,
-                                  self._lean, keyframes=self._keyframes,
-                                  gradlog=isinstance(sched, _options.GradientLogSchedule),
-                                  extra=rec.extra_state, frozen=rec.frozen)
-            self._asm.stager.device_fp = fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
-            self._link = WriterLink(self.path, self._pool, self._guard, lambda: self._step, codec=store.codec,
-                                    durability=store.durability, max_queue=store.queue_depth + 64,
-                                    segment_bytes=self._target.segment_bytes(store.segment_bytes),
-                                    delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path),
-                                    fingerprint=fingerprint)
-            self._writer = self._link.writer
-            self._target.start(lambda: self._writer.steps_written)
+            self._open(layout, ring)
         except BaseException:
-            if getattr(self, "_link", None) is not None:  # failed after the writer started: end it
-                self._link.stop()
-            self._lock.release()
+            # Whatever failed (a bad object, a full disk, a bug): nothing of this Recorder stays behind.
+            self._abandon(None if opts.resume else there)
             raise
+
+    def _open(self, layout: Layout, ring: _options.RingSchedule | None) -> None:
+        """Create the run and start recording (the run directory is locked; :meth:`_abandon` undoes this)."""
+        opts, rec, store, sched = self.options, self.options.record, self.options.store, self.options.schedule
+        meta = run_meta(self.model, self.optimizer, self.scheduler, self.scaler, opts, layout,
+                        self._target.meta(layout.params))
+        # A resumed run's tensors keep their fingerprint kinds (checked before init_catalog drops steps).
+        fingerprint = resumed_fingerprint(self.path, store.fingerprint) if opts.resume else store.fingerprint
+        self._lean.dmix64 = fingerprint == "dmix64"
+        self._final = FinalRecord(*init_catalog(self.path, meta, opts.resume, opts.start_step))  # for close()
+        self._step = self._final.first
+        log_projection(self.path, layout, self.optimizer, self.kinds, self._filter, sched, self._step)
+        self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0), None if ring else store.staging_bytes)
+        self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
+        self._asm = Assembler(layout, self.optimizer, self.scheduler, self.scaler, self.kinds, self._filter,
+                              self._lean, keyframes=self._keyframes,
+                              gradlog=isinstance(sched, _options.GradientLogSchedule),
+                              extra=rec.extra_state, frozen=rec.frozen)
+        self._asm.stager.device_fp = fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
+        self._link = WriterLink(self.path, self._pool, self._guard, lambda: self._step, codec=store.codec,
+                                durability=store.durability, max_queue=store.queue_depth + 64,
+                                segment_bytes=self._target.segment_bytes(store.segment_bytes),
+                                delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path),
+                                fingerprint=fingerprint)
+        self._writer = self._link.writer
+        self._target.start(lambda: self._writer.steps_written)
         self._overhead, self._iter_start = 0.0, time.perf_counter()
         # sys/recorder_bg_ms: CPU time of the recorder's own threads in each iteration (profiling.py)
         self._bg = BackgroundClock(lambda: (*self._link.threads, *self._lean.threads))
@@ -264,6 +278,28 @@ class Recorder(UserLog, _iteration.IterationStart):
         _iteration.join(self)
         # If the user forgets close(), still flush and release the lock at exit.
         self._finalizer = weakref.finalize(self, close_quietly, weakref.ref(self))
+
+    def _abandon(self, there: set[str] | None) -> None:
+        """Undo a construction that failed part way: hooks off, threads stopped, the run released, and
+        what a new run's construction created removed (``there``: what its directory held before; None
+        when resuming, whose run stays as it is), so the same directory takes a Recorder again."""
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if (modules := getattr(self, "_modules", None)) is not None:
+            modules.remove()
+        _iteration.leave(self)
+        detach_scaler(self.scaler)
+        self._lean.close()
+        self._target.abandon()
+        if (link := getattr(self, "_link", None)) is not None:
+            link.stop()
+        try:
+            if there is not None:
+                discard_created(self.path, there)
+        finally:
+            self._lock.release()
 
     # -- public API --------------------------------------------------------
     @property

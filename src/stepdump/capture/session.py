@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import platform
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -46,6 +48,18 @@ def prepare_dir(p: Path, resume: bool) -> Path:
         raise RunExistsError(f"{p} exists and is not empty (and not a run); give a new or empty directory")
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def discard_created(p: Path, there: set[str]) -> None:
+    """Remove what a Recorder that failed while being built created in ``p`` (every entry not in
+    ``there``, the directory's listing once it was locked), so that the directory takes a Recorder
+    again; the LOCK stays (it is released, not removed: another process may be waiting on it)."""
+    for name in sorted(set(os.listdir(p)) - there - {LOCK_FILE}):
+        entry = p / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _creation_leftover(name: str) -> bool:

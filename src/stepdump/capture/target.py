@@ -59,6 +59,12 @@ class Target:
             self.uploader = Uploader(self.local, self.storage, self.remote, progress)
             self.uploader.start()
 
+    def abandon(self) -> None:
+        """Stop publishing without publishing anything more (the Recorder failed while being built)."""
+        if self.uploader is not None:
+            uploader, self.uploader = self.uploader, None
+            uploader.stop()
+
     def finish(self) -> None:
         """Publish the final state (URL targets only); raises WriterError if the upload fails."""
         if self.uploader is not None:

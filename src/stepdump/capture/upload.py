@@ -140,11 +140,15 @@ class Uploader(threading.Thread):
             finally:
                 Path(tmp).unlink(missing_ok=True)
 
-    def finish(self) -> None:
-        """Stop the thread and publish the final state; raise WriterError if that fails."""
+    def stop(self) -> None:
+        """Stop the thread; nothing more is published."""
         self._stop_event.set()
         if self.is_alive():
             self.join()
+
+    def finish(self) -> None:
+        """Stop the thread and publish the final state; raise WriterError if that fails."""
+        self.stop()
         try:
             self.publish()
         except Exception as e:

@@ -51,17 +51,6 @@ def scalar_items(logs: dict[str, Any], skip: Iterable[str] = ()) -> dict[str, fl
     }
 
 
-def unwrap(obj: Any, attr: str) -> Any:
-    """Follow ``obj.<attr>`` through wrappers (Accelerate's optimizer/scheduler) to the torch object."""
-    seen = 0
-    while obj is not None and hasattr(obj, attr) and seen < 8:
-        inner = getattr(obj, attr)
-        if inner is None or inner is obj:
-            break
-        obj, seen = inner, seen + 1
-    return obj
-
-
 def with_trainer_setup(metadata: Any, setup: dict[str, Any]) -> dict[str, Any]:
     """The Recorder's ``metadata=`` with the framework's loop setup added under
     ``stepdump.trainer`` (read by ``run.export(format="hf-trainer" | "lightning")``).

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from stepdump.capture.recorder import Recorder
+from stepdump.core.wrappers import inner_optimizer, inner_scheduler
 from stepdump.errors import ConfigError
-from stepdump.integrations._common import scalar_items, unwrap, with_grad_clip, with_trainer_setup
+from stepdump.integrations._common import scalar_items, with_grad_clip, with_trainer_setup
 
 try:
     from transformers import TrainerCallback
@@ -124,8 +125,8 @@ class StepdumpTrainerCallback(TrainerCallback):
         # Accelerate wraps the optimizer and scheduler; the Recorder hooks the torch ones
         # (whose state_dicts restore into plain torch objects) and the wrapper's GradScaler.
         scaler = getattr(optimizer, "scaler", None)
-        opt = unwrap(optimizer, "optimizer")
-        sched = unwrap(lr_scheduler, "scheduler")
+        opt = inner_optimizer(optimizer)
+        sched = inner_scheduler(lr_scheduler)
         kwargs_ = dict(self.recorder_kwargs)
         resume = kwargs_.pop("resume", None)
         if resume is None:

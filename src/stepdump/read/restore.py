@@ -41,8 +41,11 @@ def prepare(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
         raise ConfigError(f"restore needs the model (a torch.nn.Module), got {type(model).__name__}")
     from stepdump.core.dtensor import is_dtensor
     from stepdump.core.layout import unwrap
+    from stepdump.core.wrappers import inner_optimizer, inner_scheduler
 
     model = unwrap(model)  # a torch.compile wrapper: the run names the inner module's tensors
+    # accelerate's wrappers: the run holds the state of the torch objects inside (core/wrappers.py)
+    optimizer, scheduler = inner_optimizer(optimizer), inner_scheduler(scheduler)
     sharded = any(is_dtensor(p) for p in model.parameters())
     meta = run.meta
     if meta.get("frozen") == "fingerprint" and not sharded:

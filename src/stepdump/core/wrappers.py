@@ -1,0 +1,42 @@
+"""The torch objects inside the wrappers training libraries put around them.
+
+accelerate's ``prepare`` returns an ``AcceleratedOptimizer`` (the optimizer in ``.optimizer``)
+and an ``AcceleratedScheduler`` (the scheduler in ``.scheduler``). The wrapper decides *whether*
+to step (gradient accumulation: only when the gradients are synced); the object inside holds
+the state and does the update. stepdump records, and restores into, the object inside: the
+wrapper skips ``Optimizer.__init__``, so it has no step hooks, and its class is not the class
+of the state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_DEPTH = 8  # wrappers followed at most (a cycle of attributes must not loop for ever)
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside ``optimizer`` when it is an optimizer that delegates to another one
+    held in ``.optimizer`` (accelerate's ``AcceleratedOptimizer``); else ``optimizer`` itself.
+
+    Only an optimizer wrapping an optimizer is followed: an LR scheduler also has ``.optimizer``,
+    and a scheduler given where the optimizer goes must still be refused as one.
+    """
+    seen = 0
+    while (isinstance(optimizer, torch.optim.Optimizer) and seen < _DEPTH
+           and isinstance(inner := getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+           and inner is not optimizer):
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+def inner_scheduler(scheduler: Any) -> Any:
+    """The LR scheduler inside ``scheduler`` when it wraps one in ``.scheduler`` (accelerate's
+    ``AcceleratedScheduler``); else ``scheduler`` itself (None stays None)."""
+    seen = 0
+    while (scheduler is not None and seen < _DEPTH and hasattr(inner := getattr(scheduler, "scheduler", None),
+                                                                  "state_dict") and inner is not scheduler):
+        scheduler, seen = inner, seen + 1
+    return scheduler
