@@ -107,14 +107,25 @@ def read_side(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 # -- what the children run -----------------------------------------------------------------------
 
 
+#: Recorder options of each recording mode the kill tests train under (tests/reliability/losses.py).
+MODES: dict[str, dict[str, Any]] = {
+    "full": {},  # every step stored in full
+    "lean": {"every": None, "stats_every": 1},  # stats-only steps (leave-it-on)
+    "gradient_log": {"gradient_log": 8},  # grads every step, full state every 8 steps
+}
+
+
 def train_child(run_dir: str, side: str, codec: str = "raw", durability: str = "flush",
-                stop_after: int | None = None, step_sleep: float = 0.0) -> None:
+                stop_after: int | None = None, step_sleep: float = 0.0, mode: str = "full") -> None:
     """Record a training run into ``run_dir``, resuming it if it exists, until killed.
 
     Resuming means: restore the last committed step L, redo iteration L (its
     update is what produced the state of step L+1), then a Recorder with
     ``resume=True`` appends from L+1. The side file gets, before each
-    ``optimizer.step()``, the hashes of what record t must hold.
+    ``optimizer.step()``, the hashes of what record t must hold and the monotonic
+    time (``at``): a line for step t also says that ``optimizer.step()`` of t-1 returned.
+    ``mode``: a key of :data:`MODES` (the crash chains record in full, where every
+    step's tensors are checked).
     """
     import torch
 
@@ -137,7 +148,7 @@ def train_child(run_dir: str, side: str, codec: str = "raw", durability: str = "
             opt.step()
     # After a clean close the final record N holds the state before update N: resume there.
     start = 0 if resumed_from is None else resumed_from + (0 if closed else 1)
-    rec = stepdump.Recorder(run_dir, model, opt, resume=True, codec=codec, durability=durability)
+    rec = stepdump.Recorder(run_dir, model, opt, resume=True, codec=codec, durability=durability, **MODES[mode])
     out.emit({"event": "ready", "pid": os.getpid(), "step": rec.step, "resumed_from": resumed_from,
               "codec": codec, "durability": durability})
     if rec.step != start:
@@ -145,7 +156,7 @@ def train_child(run_dir: str, side: str, codec: str = "raw", durability: str = "
     t = start
     while stop_after is None or t < start + stop_after:
         loss = iteration(model, opt, t)
-        out.emit({"step": t, "loss": loss.detach().item(), "h": step_hashes(model, opt)})
+        out.emit({"step": t, "loss": loss.detach().item(), "h": step_hashes(model, opt), "at": time.monotonic()})
         opt.step()
         rec.log(loss=loss)
         t += 1

@@ -40,11 +40,16 @@ log = logging.getLogger(__name__)
 class WriterLink:
     """One Recorder's writer thread, started, and the calls that cross to it (module docstring)."""
 
-    def __init__(self, path: Path, pool: StagingPool, guard: Guard, step: Callable[[], int], **writer: Any) -> None:
+    def __init__(self, path: Path, pool: StagingPool, guard: Guard, step: Callable[[], int], *,
+                 in_flight: int = 2, **writer: Any) -> None:
         """Start a :class:`Writer` for ``path`` (``writer``: its other arguments) and wait until it is
         ready; a failure to start ends it and raises :class:`stepdump.WriterError`. ``step``: the
-        Recorder's current step (where a failure is reported)."""
+        Recorder's current step (where a failure is reported). ``in_flight``: with
+        ``durability="fsync"``, how many messages may be unwritten when :meth:`put` returns
+        (``queue_depth``)."""
         self.path, self._pool, self._guard, self._step = path, pool, guard, step
+        self._in_flight = max(1, in_flight)
+        self._posted = 0  # messages put (the training thread's count, beside the writer's ``written``)
         self.writer = Writer(path, pool, **writer)
         self._woken = -math.inf  # when a put last woke the writer (monotonic)
         self.writer.start()
@@ -67,6 +72,7 @@ class WriterLink:
         w, box = self.writer, self.writer.mailbox
         now = time.monotonic()
         mail = w.can_mail(msg)
+        self._posted += 1
         # Woken at least once a COMMIT_WINDOW by the steps themselves (the first at once): a steady
         # loop's steps are committed as soon as before, the writer's own wake-up is for a loop that stopped.
         if not box.post(msg, not mail or now - self._woken >= writer_mod.COMMIT_WINDOW,
@@ -81,6 +87,10 @@ class WriterLink:
                 if self.failed():
                     return
         self._pool.wait_live(msg.slot, self.writer.is_alive)  # the optimizer changes live tensors next
+        if w.durable:  # every step durable once step() returns, but for the last in_flight (docs/reliability.md)
+            while not w.written.wait_for(self._posted - self._in_flight, 0.05):
+                if self.failed() or not w.is_alive():
+                    return
         # A writer that does not keep up (a slow disk): copies past the stall mark wait for it.
         while box.waiting_bytes > mailbox.MAILBOX_STALL * mailbox.MAILBOX_BYTES and w.is_alive():
             if self.failed():

@@ -28,9 +28,10 @@ into the queue (no mailbox: reexec's bundles, tests) is written after the mail p
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from stepdump.capture.staging import owned
@@ -104,13 +105,44 @@ class Mailbox:
         return len(self._box)
 
 
+class Written:
+    """How many messages taken from the mailbox the writer has written (and, where none is held
+    for a group commit, committed), for a training thread that waits for them.
+
+    With ``durability="fsync"`` each step is durable when its ``step()`` returns, but for the
+    last ``queue_depth`` records: a step that holds no staging slot (a stats-only step, a small
+    gradient-log step copied out of its slot) is bounded by nothing else, and a writer slower
+    than the loop (an fsync per commit) would let tens of them pile up in the mailbox, all lost
+    at a kill. ``notify``: wake waiters after each message (only a run that waits pays for it)."""
+
+    __slots__ = ("_cv", "_notify", "count")
+
+    def __init__(self, notify: bool) -> None:
+        self.count = 0  # written by the writer thread only
+        self._notify = notify
+        self._cv = threading.Condition()
+
+    def add(self) -> None:
+        """The writer wrote one more message."""
+        self.count += 1
+        if self._notify:
+            with self._cv:
+                self._cv.notify_all()
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until ``n`` messages are written; True once they are."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.count >= n, timeout)
+
+
 class MailReader:
     """The writer's side of the mailbox: a mixin of :class:`stepdump.capture.writer.Writer`, which
-    provides ``queue``, ``mailbox``, ``_due`` (when held steps must commit), ``_window()``,
+    provides ``queue``, ``mailbox``, ``written``, ``_due`` (when held steps must commit), ``_window()``,
     ``_handle()`` and ``_done_with()``."""
 
     queue: queue.Queue[Any]
     mailbox: Mailbox
+    written: Written
     _due: float | None
 
     def _window(self) -> float:
@@ -131,6 +163,7 @@ class MailReader:
         for msg in self.mailbox.take():
             if not self._handle(msg):
                 return False
+            self.written.add()
         return True
 
     def _next(self) -> Any:

@@ -253,6 +253,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._asm.stager.device_fp = fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
         self._link = WriterLink(self.path, self._pool, self._guard, lambda: self._step, codec=store.codec,
                                 durability=store.durability, max_queue=store.queue_depth + 64,
+                                in_flight=store.queue_depth,
                                 segment_bytes=self._target.segment_bytes(store.segment_bytes),
                                 delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path),
                                 fingerprint=fingerprint)

@@ -46,7 +46,7 @@ from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
 from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.lean import LeanRow
-from stepdump.capture.mailbox import MAIL, Mailbox, MailReader
+from stepdump.capture.mailbox import MAIL, Mailbox, MailReader, Written
 from stepdump.capture.packed import Snapshot
 from stepdump.capture.writer_lean import LeanRowsMixin
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
@@ -141,6 +141,7 @@ class Writer(LeanRowsMixin, MailReader, threading.Thread):
         # Tokens (mailbox.MAIL), the end (None), or a message put straight in (no mailbox).
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self.mailbox = Mailbox()  # the Recorder's messages, in order (capture/mailbox.py)
+        self.written = Written(notify=self.durable)  # what of it is written: fsync's bound on steps in flight
         self.error: BaseException | None = None
         self.storage = storage
         # Owned bytes waiting for the disk (codec output) are capped like staging itself.
