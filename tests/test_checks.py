@@ -415,7 +415,7 @@ def test_default_rules_and_names() -> None:
     assert names[: len(DEFAULT_RULES)] == [
         "nan_inf", "exploding_gradient", "vanishing_gradient", "loss_spike", "loss_not_decreasing", "lr_jump",
         "update_ratio", "unchanged_tensor", "dead_units", "weight_norm_growth", "optimizer_state", "recording_stopped",
-        "reexecution",
+        "reexecution", "model_changed",
     ]
     rules = resolve_rules()
     assert [r.name for r in rules] == names[: len(DEFAULT_RULES)]

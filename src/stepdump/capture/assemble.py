@@ -28,6 +28,7 @@ from stepdump.capture.step_state import StateBefore, full_state, state_json, ten
 from stepdump.capture.outside import STATE_KEY, ParamWatch
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, OwnedCopier, Slot, Stager
+from stepdump.capture.structure import StructureWatch, structure_change
 from stepdump.capture.writer import StepMessage
 from stepdump.core.layout import Layout, build_layout
 
@@ -64,6 +65,12 @@ class Assembler:
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
         self._selected_of: tuple[Layout, list[tuple[str, torch.Tensor]], list[tuple]] | None = None
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
+        # The model's structure: a watch on registrations (set by the Recorder, which removes its hooks),
+        # the earlier layouts (meta ``layouts``), the meta for the next record, the step of the last change.
+        self.structure: StructureWatch | None = None
+        self._earlier: list[dict[str, Any]] = []
+        self._pending_meta: dict[str, Any] | None = None
+        self.changed_at: int | None = None
 
     def _watched(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.layout.params.items() if self.selected(n)}
@@ -80,17 +87,49 @@ class Assembler:
             return {}, []
         return self.watch.before_update(step, self._watched())
 
-    def refresh_layout(self, model: torch.nn.Module, step: int) -> dict[str, Any] | None:
-        """``optimizer.add_param_group`` since the last step: name the new params, and
-        return the catalog meta that says so (resume checks the groups against it)."""
+    def refresh_layout(self, model: torch.nn.Module, step: int,
+                       begin: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The layout changes seen since the last record (:meth:`follow`), as the catalog meta that
+        says so, to commit with record ``step`` (None: no change)."""
+        self.follow(model, step, begin)
+        meta, self._pending_meta = self._pending_meta, None
+        return meta
+
+    def follow(self, model: torch.nn.Module, step: int, begin: dict[str, Any] | None = None) -> None:
+        """Follow ``optimizer.add_param_group`` and the model's structure (structure.py) in iteration
+        ``step``: record ``step`` and on are named as the model and optimizer are now.
+
+        A structure change keeps the earlier layout in meta ``layouts`` (until ``step``), completes
+        ``begin``'s buffers with those the change added (their value now: the iteration's start, for
+        a change made before its forward), and makes ``step`` a full record in a gradient log.
+        """
         sizes = group_sizes(self.optimizer)
-        if sizes == self._group_sizes:
-            return None
-        self.layout = build_layout(model, self.optimizer)
-        self._group_sizes = sizes
-        log.info("stepdump: the optimizer's param groups changed at step %d; recording %d groups from here",
-                 step, len(sizes))
-        return {"layout": self.layout.to_meta()}
+        moved = self.structure is not None and self.structure.take()
+        if sizes == self._group_sizes and not moved:
+            return
+        old, self.layout = self.layout, build_layout(model, self.optimizer)  # fresh tensors either way
+        change = structure_change(old, self.layout)
+        if sizes != self._group_sizes:
+            self._group_sizes = sizes
+            log.info("stepdump: the optimizer's param groups changed at step %d; recording %d groups from here",
+                     step, len(sizes))
+        elif not change:
+            return  # the same names (a buffer reassigned): nothing for the catalog
+        if change:
+            if not self._earlier or self._earlier[-1]["until"] != step:
+                self._earlier.append({"until": step, **old.to_meta()})
+            self.changed_at = step
+            log.info("stepdump: the model's structure changed at step %d (%s); recording it as it is from here",
+                     step, change.describe())
+            if begin is not None and isinstance(begin.get("buffers"), dict) and "params" in self.kinds:
+                kept = begin["buffers"]
+                with torch.no_grad():
+                    begin["buffers"] = {n: kept[n] if n in kept else b.detach().clone()
+                                        for n, b in self.layout.buffers.items() if self.selected(n)}
+            if self.watch is not None:  # the params under their new names: the changed step is stored in full
+                self.watch.after_update(self._watched())
+        self._pending_meta = {"layout": self.layout.to_meta(),
+                              **({"layouts": list(self._earlier)} if self._earlier else {})}
 
     def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None,
                 state: dict[Any, dict[str, Any]] | None = None, step: int | None = None) -> list[tuple]:

@@ -127,6 +127,7 @@ class IterationStart:
     starts lives in one file; the attributes below are the Recorder's own.
     """
 
+    model: Any
     _step: int
     _closed: bool
     _begin: dict[str, Any] | None
@@ -155,6 +156,11 @@ class IterationStart:
             self._loop_retake(rng=False)
         again, self._forward_seen = self._forward_seen, True  # a training forward (or one with grad enabled)
         t = self._step
+        if self._captured_at != t and not self._guard.stopped and not self._closed:
+            try:  # the model's structure changed since the last look (a layer pruned before this forward)
+                self._asm.follow(self.model, t, self._begin)
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward pre-hook")
         if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
             try:
                 self._lean.forward_started(t, lambda: self._asm.entries(False, step=t), again)

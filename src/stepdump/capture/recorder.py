@@ -55,6 +55,7 @@ from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
+from stepdump.capture.structure import StructureWatch
 from stepdump.core.layout import build_layout
 from stepdump.core.wrappers import inner_optimizer, inner_scheduler
 from stepdump.errors import ConfigError, WriterError
@@ -251,6 +252,8 @@ class Recorder(UserLog, _iteration.IterationStart):
                               gradlog=isinstance(sched, _options.GradientLogSchedule),
                               extra=rec.extra_state, frozen=rec.frozen)
         self._asm.stager.device_fp = fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
+        self._asm.structure = StructureWatch()  # the model's structure changing mid-run (structure.py)
+        self._hooks.append(self._asm.structure)
         self._link = WriterLink(self.path, self._pool, self._guard, lambda: self._step, codec=store.codec,
                                 durability=store.durability, max_queue=store.queue_depth + 64,
                                 in_flight=store.queue_depth,
@@ -452,7 +455,7 @@ class Recorder(UserLog, _iteration.IterationStart):
     def _record_step(self, skipped: bool, started: float) -> None:
         t = self._step
         self._send_held()
-        meta = self._asm.refresh_layout(self.model, t)
+        meta = self._asm.refresh_layout(self.model, t, self._begin)
         with span("stepdump.capture"):  # a no-op unless a torch profiler is on
             scalars = scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
             self._prev_open = False
@@ -460,6 +463,8 @@ class Recorder(UserLog, _iteration.IterationStart):
             if self._ring is not None:
                 self._ring.remember(scalars)
             level = self._level(t)
+            if self._asm.changed_at == t and self._asm.gradlog and level != LEVEL_NONE and self._begin is not None:
+                level = LEVEL_FULL  # a gradient log replays no update across a change of names: a keyframe
             msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars, meta=meta)
             captured = self._modules.take()
             first: list[StepMessage] = []  # held ring steps, written before this one

@@ -55,7 +55,7 @@ def prepare(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
     if sharded:
         _check_sharded_model(model, sd)
     else:
-        _check_model(run, model, sd)
+        _check_model(run, model, sd, step)
     osd = None
     plan = OptimizerPlan()
     if optimizer is not None:
@@ -193,30 +193,58 @@ def _check_class(what: str, obj: Any, recorded: str | None) -> None:
         )
 
 
-def _check_model(run: Run, model: torch.nn.Module, sd: dict[str, Any]) -> None:
+def _check_model(run: Run, model: torch.nn.Module, sd: dict[str, Any], step: int) -> None:
+    from stepdump.read.state import layout_at
+
     live = model.state_dict()
-    layout = run.meta.get("layout")
-    kept = layout.get("not_recorded", []) if isinstance(layout, dict) else []
+    layout = layout_at(run, step)
+    kept = layout.get("not_recorded", [])
     for key in live:
         if key in kept and key not in sd:  # extra state stepdump could not store: left as it is
             sd[key] = live[key]
             continue
         if key not in sd:
             raise RestoreMismatchError(
-                f"the model has {key!r}, which the run did not record (recorded model: "
-                f"{run.meta.get('model_class')}); restore into the same architecture"
+                f"the model has {key!r}, which the run did not record at step {step} (recorded model: "
+                f"{run.meta.get('model_class')}){_structure_note(run, step)}; restore into the same architecture"
             )
     for key, t in sd.items():
         if key in kept:
             continue
         if key not in live:
-            raise RestoreMismatchError(f"the run has {key!r}, which the model does not; restore into the same architecture")
+            raise RestoreMismatchError(f"the run has {key!r} at step {step}, which the model does not"
+                                       f"{_structure_note(run, step)}; restore into the same architecture")
         lt = live[key]
         if tuple(lt.shape) != tuple(t.shape) or lt.dtype != t.dtype:
             raise RestoreMismatchError(
                 f"{key!r}: the run has {t.dtype} {tuple(t.shape)}, the model has {lt.dtype} {tuple(lt.shape)}; "
                 "restore into the same architecture and dtype"
             )
+
+
+def _structure_note(run: Run, step: int) -> str:
+    """Where the run's model changed structure mid-run (pruning, a parametrization): which one
+    record ``step`` holds, so that a refused restore says what model to build."""
+    from stepdump.read.state import layout_changes
+
+    changes = layout_changes(run)
+    if not changes:
+        return ""
+    said = "; ".join(f"at step {s} {_what_changed(before, after)}" for s, before, after in changes)
+    return f" (the run's model changed structure mid-run: {said}; restore step {step} into the model as it was then)"
+
+
+def _what_changed(before: dict[str, Any], after: dict[str, Any]) -> str:
+    def keys(layout: dict[str, Any]) -> set[str]:
+        return {e[0] for e in layout.get("state_dict", []) if isinstance(e, list) and e}
+
+    a, b = keys(before), keys(after)
+    parts = []
+    if a - b:
+        parts.append("lost " + ", ".join(repr(k) for k in sorted(a - b)))
+    if b - a:
+        parts.append("gained " + ", ".join(repr(k) for k in sorted(b - a)))
+    return " and ".join(parts) or "regrouped its tensors"
 
 
 @dataclass
@@ -267,7 +295,7 @@ def _check_optimizer(run: Run, step: int, model: torch.nn.Module, optimizer: tor
         plan.new_groups.append({**recorded[i]["hyper"], "params": [by_name[n] for n in recorded[i]["params"]]})
         live_groups.append(list(recorded[i]["params"]))
     stored = set(run.stored_names(step, "params"))
-    in_model = {name for _, kind, name in _state_dict_entries(run) if kind == "params"}
+    in_model = {name for _, kind, name in _state_dict_entries(run, step) if kind == "params"}
     live_params = [g["params"] for g in optimizer.param_groups]
     for i, (rec_names, live_names) in enumerate(zip((g["params"] for g in recorded), live_groups, strict=True)):
         if len(rec_names) != len(live_names):

@@ -50,8 +50,35 @@ def _bad_meta(path: Path, key: str, value: Any, what: str) -> None:
     raise CorruptDataError(f"meta {key!r} in the catalog of {path} {what} ({shown}): the catalog is damaged")
 
 
-def layout_entries(run: Run) -> list[tuple[str, str, str]]:
+def layout_at(run: Run, step: int | None) -> dict[str, Any]:
+    """The layout (FORMAT.md meta ``layout``) that record ``step`` was taken in: the model's
+    structure may have changed mid-run (pruning, a parametrization), and each earlier layout is
+    kept in meta ``layouts`` with the step it was replaced at (``until``). None: the latest."""
     layout = run.meta.get("layout")
+    earlier = run.meta.get("layouts")
+    if step is None or earlier is None:
+        return layout if isinstance(layout, dict) else {}
+    if not (isinstance(earlier, list) and all(isinstance(e, dict) and isinstance(e.get("until"), int)
+                                              for e in earlier)):
+        raise CorruptDataError(f"meta 'layouts' in the catalog of {run.path} is malformed: the catalog is damaged")
+    for e in earlier:
+        if step < e["until"]:
+            return e
+    return layout if isinstance(layout, dict) else {}
+
+
+def layout_changes(run: Run) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """(step, layout before, layout from then) for each change of the model's structure in the run."""
+    earlier = run.meta.get("layouts")
+    if not isinstance(earlier, list) or not earlier:
+        return []
+    layouts = [layout_at(run, e["until"] - 1) for e in earlier] + [layout_at(run, None)]
+    return [(e["until"], layouts[i], layouts[i + 1]) for i, e in enumerate(earlier)]
+
+
+def layout_entries(run: Run, step: int | None = None) -> list[tuple[str, str, str]]:
+    """(state_dict key, kind, recorded name) of record ``step``'s model (None: the latest layout)."""
+    layout = layout_at(run, step)
     entries = layout.get("state_dict") if isinstance(layout, dict) else None
     if entries is None:
         raise CorruptDataError(f"{run.path} has no state_dict layout in its catalog")
@@ -83,7 +110,7 @@ def assemble_model_state(run: Run, step: int,
                          load: Callable[[str, str], torch.Tensor | None]) -> OrderedDict[str, torch.Tensor]:
     """The state_dict of ``step`` in the recorded layout, each entry from ``load(kind, name)``
     (None: not available at that step). One path for stored and rebuilt (gradient-log) steps."""
-    entries = layout_entries(run)
+    entries = layout_entries(run, step)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     loaded: dict[tuple[str, str], torch.Tensor] = {}
     for key, kind, name in entries:

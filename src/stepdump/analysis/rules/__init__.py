@@ -9,6 +9,7 @@
 * :mod:`.optimizer` -- ``optimizer_state``
 * :mod:`.recording` -- ``recording_stopped``
 * :mod:`.reexecution` -- ``reexecution``
+* :mod:`.model_changed` -- ``model_changed``
 
 Importing this package registers them (see :func:`.base.register_rule`).
 Helpers the rules share: :mod:`._roles` (which scalar is the objective),
@@ -27,6 +28,7 @@ from stepdump.analysis.rules.gradients import (
 )
 from stepdump.analysis.rules.loss import LossNotDecreasing, LossSpike
 from stepdump.analysis.rules.lr import LrJump
+from stepdump.analysis.rules.model_changed import ModelChanged
 from stepdump.analysis.rules.nonfinite import NanInf
 from stepdump.analysis.rules.optimizer import OptimizerState
 from stepdump.analysis.rules.params import UpdateRatio, WeightNormGrowth
@@ -49,6 +51,7 @@ DEFAULT_RULES: tuple[type[Rule], ...] = (
     OptimizerState,
     RecordingStopped,
     Reexecution,
+    ModelChanged,
 )
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "LossNotDecreasing",
     "LossSpike",
     "LrJump",
+    "ModelChanged",
     "NanInf",
     "OptimizerState",
     "RecordingStopped",

@@ -1,0 +1,84 @@
+"""The model's structure changing mid-run: params and buffers renamed, added or removed.
+
+Pruning (``prune.l1_unstructured`` turns ``weight`` into ``weight_orig`` and a ``weight_mask``
+buffer), ``prune.remove``, a parametrization added or removed (``parametrize``: the param moves
+to ``parametrizations.weight.original``, spectral norm adds ``_u`` / ``_v`` buffers), a module
+replaced: each changes the names and buffers of ``model.state_dict()``. The record must follow,
+or it keeps recording what the model no longer is (a pruned layer's unmasked ``weight_orig`` under
+its old name, no mask).
+
+Walking the model every step to see this would cost a pass over every module. Every one of those
+changes registers a param, buffer or module through ``nn.Module`` (``register_parameter``,
+``register_buffer``, ``__setattr__``), and torch calls process-wide registration hooks there: the
+watch only raises a flag, and the Assembler rebuilds and compares the layout when it is up. A
+change made by writing ``module._parameters`` / ``_buffers`` directly bypasses those hooks; only
+``optimizer.add_param_group`` is noticed otherwise (by the group sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.nn.modules import module as _module
+
+from stepdump.core.layout import Layout
+
+
+class StructureWatch:
+    """A flag raised whenever any ``nn.Module`` registers a param, buffer or submodule."""
+
+    def __init__(self) -> None:
+        self.dirty = False
+        self._handles = [
+            _module.register_module_parameter_registration_hook(self._seen),
+            _module.register_module_buffer_registration_hook(self._seen),
+            _module.register_module_module_registration_hook(self._seen),
+        ]
+
+    def _seen(self, *args: Any) -> None:  # returns None: torch keeps the value being registered
+        self.dirty = True
+
+    def take(self) -> bool:
+        """Whether a registration happened since the last call."""
+        dirty, self.dirty = self.dirty, False
+        return dirty
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+@dataclass(frozen=True)
+class StructureChange:
+    """How the model's ``state_dict`` layout differs between two layouts (names by kind)."""
+
+    added: list[str] = field(default_factory=list)  # "param 2.weight_orig", "buffer 2.weight_mask"
+    removed: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed)
+
+    def describe(self) -> str:
+        parts = []
+        if self.removed:
+            parts.append("no longer " + ", ".join(self.removed))
+        if self.added:
+            parts.append("now " + ", ".join(self.added))
+        return "; ".join(parts)
+
+
+def structure_change(old: Layout, new: Layout) -> StructureChange:
+    """The ``model.state_dict()`` entries that ``new`` has and ``old`` has not, and the reverse.
+
+    By the model's entries only (key, params or buffers, recorded name): a buffer reassigned under
+    its name (``self.count = self.count + 1``) is the same structure (the new layout still replaces
+    the old, whose tensors are stale), and so is a param the optimizer steps outside the model
+    (``add_param_group`` of a temperature: the groups say it, per step)."""
+    a, b = set(old.state_dict), set(new.state_dict)
+
+    def said(entries: set[tuple[str, str, str]]) -> list[str]:
+        return sorted(f"{kind[:-1]} {key}" for key, kind, _ in entries)
+
+    return StructureChange(added=said(b - a), removed=said(a - b))

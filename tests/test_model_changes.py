@@ -1,0 +1,155 @@
+"""The model's structure changes mid-run (pruning, ``prune.remove``, a parametrization added):
+the record follows the model's own names and buffers at every step.
+
+Each loop is a Linear-ReLU-Linear trained with SGD (momentum), changed at the start of an
+iteration. For every recording mode the test checks: training bitwise equal to the same loop
+unrecorded; each step's record equal to the live ``state_dict()`` of that step (names and values:
+params before the update, buffers at the iteration's start); restore of a step into the model as it
+was then, and training on from it, bitwise; restore into the other structure refused naming the
+difference; ``check`` naming the change at its step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations, prune
+
+import stepdump
+from stepdump.errors import RestoreMismatchError
+
+STEPS = 7
+
+
+def _prune(m: nn.Module) -> None:
+    prune.l1_unstructured(m[2], "weight", 0.5)
+
+
+def _unprune(m: nn.Module) -> None:
+    prune.remove(m[2], "weight")
+
+
+def _spectral(m: nn.Module) -> None:
+    parametrizations.spectral_norm(m[0])
+
+
+# change name -> {iteration: what happens at its start}
+CHANGES: dict[str, dict[int, Callable[[nn.Module], None]]] = {
+    "prune": {3: _prune},
+    "prune_remove": {2: _prune, 4: _unprune},
+    "parametrize": {3: _spectral},
+}
+MODES = {
+    "full": {},
+    "lean": {"every": None, "stats_every": 1},
+    "gradient_log": {"gradient_log": 4},
+}
+
+
+def _build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 4, generator=g), torch.randn(16, 4, generator=g)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, changes: dict[int, Callable[[nn.Module], None]],
+           start: int = 0, seen: list[OrderedDict[str, torch.Tensor]] | None = None) -> None:
+    """Iterations ``start``..STEPS-1; ``seen``: each step's live state_dict as a record holds it."""
+    for step in range(start, STEPS):
+        if step in changes:
+            changes[step](model)
+        begin = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if seen is not None:
+            params = {n for n, _ in model.named_parameters()}
+            seen.append(OrderedDict((k, v.detach().clone() if k in params else begin[k])
+                                    for k, v in model.state_dict().items()))
+        opt.step()
+
+
+def _structure_at(step: int, changes: dict[int, Callable[[nn.Module], None]]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, opt = _build()
+    for s in sorted(changes):
+        if s <= step:
+            changes[s](model)
+    return model, opt
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_record_follows_the_model_structure(tmp_path, change, mode):
+    changes = CHANGES[change]
+    ref, ref_opt = _build()
+    _train(ref, ref_opt, changes)
+    model, opt = _build()
+    seen: list[OrderedDict[str, torch.Tensor]] = []
+    with stepdump.Recorder(tmp_path / "r", model, opt, **MODES[mode]):
+        _train(model, opt, changes, seen=seen)
+    live = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, live[k]), k  # recording changed nothing
+    run = stepdump.open(tmp_path / "r")
+    final = run.state_dict(STEPS)
+    assert list(final) == list(live)
+    for k, v in live.items():
+        assert torch.equal(final[k], v), k
+    if mode == "lean":  # stats only: the names of each step are the model's then
+        stats = run.stats(kind="params")
+        for step, sd in enumerate(seen):
+            params = {n for n in stats[stats.step == step]["name"]}
+            assert params == {k for k in sd if not k.endswith(("_mask", "_u", "_v"))}, step
+        return
+    for step, sd in enumerate(seen):
+        rec = run.state_dict(step)
+        assert list(rec) == list(sd), step
+        for k, v in sd.items():
+            assert torch.equal(rec[k], v), (step, k)
+    first = min(changes)
+    # Restore a step after the (first) change into the model as it was then, and train on: bitwise.
+    for step in (first - 1, first, STEPS - 2):
+        m2, o2 = _structure_at(step, changes)
+        run.restore(step, m2, o2)
+        _train(m2, o2, {s: f for s, f in changes.items() if s > step}, start=step)
+        for k, v in live.items():
+            assert torch.equal(m2.state_dict()[k], v), (step, k)
+    # Into the other structure: refused, naming what differs.
+    before, o_before = _structure_at(first - 1, changes)
+    with pytest.raises(RestoreMismatchError, match=r"step %d" % first):
+        run.restore(first, before, o_before)
+    after, o_after = _structure_at(first, changes)
+    with pytest.raises(RestoreMismatchError):
+        run.restore(first - 1, after, o_after)
+
+
+def test_pruned_step_exports_the_pruned_model(tmp_path):
+    model, opt = _build()
+    with stepdump.Recorder(tmp_path / "r", model, opt):
+        _train(model, opt, CHANGES["prune"])
+    run = stepdump.open(tmp_path / "r")
+    path = run.export(5, tmp_path / "ck.pt")
+    ck = torch.load(path, weights_only=True)
+    m2, _ = _structure_at(5, CHANGES["prune"])
+    m2.load_state_dict(ck["model"])
+    assert int((m2[2].weight == 0).sum()) == 16  # the effective weight of the pruned model
+    assert torch.equal(ck["model"]["2.weight_mask"], run.state_dict(5)["2.weight_mask"])
+
+
+def test_check_names_the_change_at_its_step(tmp_path):
+    model, opt = _build()
+    with stepdump.Recorder(tmp_path / "r", model, opt):
+        _train(model, opt, CHANGES["prune"])
+    findings = stepdump.check(stepdump.open(tmp_path / "r"))
+    changed = [f for f in findings if f.rule == "model_changed"]
+    assert len(changed) == 1 and changed[0].step == 3
+    assert "2.weight_orig" in changed[0].message and "2.weight_mask" in changed[0].message
