@@ -16,6 +16,13 @@ the bound address or a name given in ``allowed_hosts``, with the served port or 
 that rebinds its own domain name to 127.0.0.1 (DNS rebinding) gets 403, not the runs. Error
 responses carry the standard reason phrase only; the error text goes, HTML-escaped, into the
 body (it can hold a run's path, which may hold any character).
+
+Each connection has ``request_timeout_s`` to send its request (every read waits at most that
+long, and a reaper closes a connection whose request is still incomplete that long after it
+was accepted, however slowly it trickles in) and to take its response; at most
+``max_connections`` are served at once, and one beyond them is answered 503 and closed at once.
+Without these, each half-sent request held a thread and a file descriptor forever, and about a
+thousand of them stopped the server from accepting anyone.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ import html
 import json
 import logging
 import os
+import socket
+import sys
 import threading
+import time
 from http import HTTPStatus
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -110,6 +120,85 @@ class LiveReport:
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+#: Seconds a connection has to send its whole request (and each read or write may wait).
+REQUEST_TIMEOUT_S = 10.0
+#: Connections served at once; one more is answered 503 and closed.
+MAX_CONNECTIONS = 32
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 37\r\n"
+         b"Connection: close\r\n\r\ntoo many connections; try again soon\n")
+
+
+class BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most ``max_connections`` at once and closes a
+    connection whose request is not complete ``request_timeout_s`` after it was accepted."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, request_timeout_s: float, max_connections: int) -> None:
+        if not request_timeout_s > 0 or max_connections < 1:
+            raise ConfigError(f"request_timeout_s={request_timeout_s}, max_connections={max_connections}: give a "
+                              "positive timeout and at least one connection")
+        self.request_timeout_s = float(request_timeout_s)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._deadlines: dict[socket.socket, float] = {}  # connections still sending their request
+        self._lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # every slot taken: say so now, hold nothing
+            try:
+                request.settimeout(0.5)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            log.warning("report --watch: %d connections open already; refused one", len(self._deadlines))
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._deadlines[request] = time.monotonic() + self.request_timeout_s
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request: Any) -> None:
+        with self._lock:
+            self._deadlines.pop(request, None)
+        self._slots.release()
+
+    def request_read(self, request: Any) -> None:
+        """The handler has the whole request: building the answer is not bounded by the deadline."""
+        with self._lock:
+            self._deadlines.pop(request, None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection cut (closed at its deadline, reset by the client): logged, not a traceback on stderr."""
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError):
+            log.debug("report --watch: connection from %s ended: %s", client_address, err)
+            return
+        super().handle_error(request, client_address)
+
+    def service_actions(self) -> None:
+        """Called by serve_forever at every poll: close connections past their deadline (their
+        handler's read then ends, and with it the thread)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [s for s, due in self._deadlines.items() if due <= now]
+            for s in late:
+                del self._deadlines[s]
+        for s in late:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def host_allowed(header: str, port: int, names: set[str]) -> bool:
@@ -129,16 +218,22 @@ def host_allowed(header: str, port: int, names: set[str]) -> bool:
 
 
 def make_server(report: LiveReport, host: str = "127.0.0.1", port: int = 0,
-                allowed_hosts: Sequence[str] = ()) -> ThreadingHTTPServer:
+                allowed_hosts: Sequence[str] = (), *, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                max_connections: int = MAX_CONNECTIONS) -> BoundedServer:
     """An HTTP server for ``report`` bound to ``host:port`` (0: any free port), not yet serving.
 
     Requests are answered only when their ``Host`` header is a loopback name, ``host`` itself or
     one of ``allowed_hosts`` (the names a browser on another machine uses for this one, when
-    ``host`` is not a loopback address), with the bound port or none.
+    ``host`` is not a loopback address), with the bound port or none. ``request_timeout_s`` and
+    ``max_connections``: the bounds of the module docstring (the reaper runs at each poll of
+    ``serve_forever``).
     """
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = request_timeout_s  # every read and write of the connection (StreamRequestHandler.setup)
+
         def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+            self.server.request_read(self.connection)  # type: ignore[attr-defined]
             host_header = self.headers.get("Host")
             if host_header is None:
                 self.send_error(400, "a request without a Host header")
@@ -194,8 +289,7 @@ def make_server(report: LiveReport, host: str = "127.0.0.1", port: int = 0,
         def log_message(self, format: str, *args: Any) -> None:  # requests go to logging, not stderr
             log.debug("report --watch: " + format, *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = BoundedServer((host, port), Handler, request_timeout_s, max_connections)
     bound_port = int(server.server_address[1])
     bound = str(server.server_address[0]).lower()
     names = {*LOOPBACK_NAMES, f"[{bound}]" if ":" in bound else bound,
