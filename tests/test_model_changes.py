@@ -153,3 +153,18 @@ def test_check_names_the_change_at_its_step(tmp_path):
     changed = [f for f in findings if f.rule == "model_changed"]
     assert len(changed) == 1 and changed[0].step == 3
     assert "2.weight_orig" in changed[0].message and "2.weight_mask" in changed[0].message
+
+
+def test_diff_and_report_name_the_change_at_its_step(tmp_path):
+    for name, changes in (("a", CHANGES["prune"]), ("b", {})):
+        model, opt = _build()
+        with stepdump.Recorder(tmp_path / name, model, opt):
+            _train(model, opt, changes)
+    a, b = stepdump.open(tmp_path / "a"), stepdump.open(tmp_path / "b")
+    result = stepdump.diff(a, b)
+    assert result.first_step == 3
+    assert "structure changed at step 3" in result.reading and "'2.weight_mask'" in result.reading
+    from stepdump.analysis.report import build_report_data
+
+    found = build_report_data(a)["findings"]
+    assert [f["step"] for f in found if f["rule"] == "model_changed"] == [3]

@@ -39,6 +39,7 @@ from stepdump.analysis.diff_ignore import RNG_STREAMS, Ignore, parse_ignore
 from stepdump.analysis.diff_joint import diff_joint
 from stepdump.analysis.diff_noise import noise_diff
 from stepdump.analysis.diff_reading import reading, rng_notes
+from stepdump.analysis.diff_structure import structure_notes, structure_reading
 from stepdump.analysis.diff_result import Coverage, DiffResult, Key
 from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, RngDiff, config_differences, parse_state,
                                           scalar_differences, scalar_table, scalars_equal, state_differences)
@@ -240,7 +241,12 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
     if result.first_step is not None:
         result.reading = reading(result, prev_compared=_prev_compared(result.first_step, common),
                                  parts_at_step=scan.state_seen.get(result.first_step, set()))
+    structure = structure_notes(run_a, run_b)  # a model pruned / reparametrized in one run only
+    explained = structure_reading(result.first_step, structure)
+    result.notes += [n for _, n in structure if explained is None or n not in explained]
+    result.reading = explained or result.reading
     return result
+
 
 
 def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...], common: list[int],
