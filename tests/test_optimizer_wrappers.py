@@ -120,3 +120,120 @@ def test_failed_construction_releases_everything(tmp_path: Path) -> None:
         opt.step()
         rec.log(loss=1.0)
     assert stepdump.open(tmp_path / "r").steps == [0, 1]
+
+
+# -- a SAM-style two-step optimizer --------------------------------------------------------
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization as davda54/sam (sam.py, the common implementation) writes it:
+    the loop calls ``first_step`` (climb to w + e(w)) and ``second_step`` (back to w, then
+    ``base_optimizer.step()``), never ``step()``; SAM's own ``state`` holds ``old_p``, the base
+    optimizer's holds the momentum."""
+
+    def __init__(self, params: Any, base_optimizer: Any, rho: float = 0.05, adaptive: bool = False,
+                 **kwargs: Any) -> None:
+        defaults = dict(rho=rho, adaptive=adaptive, **kwargs)
+        super().__init__(params, defaults)
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults.update(self.base_optimizer.defaults)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> None:
+        grad_norm = self._grad_norm()
+        for group in self.param_groups:
+            scale = group["rho"] / (grad_norm + 1e-12)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                e_w = (torch.pow(p, 2) if group["adaptive"] else 1.0) * p.grad * scale.to(p)
+                p.add_(e_w)  # climb to the local maximum "w + e(w)"
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.data = self.state[p]["old_p"]  # get back to "w" from "w + e(w)"
+        self.base_optimizer.step()  # do the actual "sharpness-aware" update
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("Sharpness Aware Minimization requires closure, but it was not provided")
+        closure = torch.enable_grad()(closure)
+        self.first_step(zero_grad=True)
+        closure()
+        self.second_step()
+
+    def _grad_norm(self) -> torch.Tensor:
+        return torch.norm(torch.stack([((torch.abs(p) if group["adaptive"] else 1.0) * p.grad).norm(p=2)
+                                       for group in self.param_groups for p in group["params"]
+                                       if p.grad is not None]), p=2)
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict(state_dict)
+        self.base_optimizer.param_groups = self.param_groups
+
+
+def _sam_loop(path: Path, give: str = "sam", steps: int = 5, salt: float = 0.0) -> tuple[list[float], list[Any]]:
+    """davda54/sam's README loop; ``give``: which optimizer the Recorder gets (``"sam"`` or
+    ``"base"``). Returns the losses logged and, per step, the state right before the base update."""
+    model = tiny_model()
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    losses: list[float] = []
+    snaps: list[Any] = []
+    with stepdump.Recorder(path, model, opt if give == "sam" else opt.base_optimizer) as rec:
+        for t in range(steps):
+            x, y = tiny_batch(t)
+            loss = nn.functional.mse_loss(model(x), y) + salt
+            loss.backward()
+            opt.first_step(zero_grad=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            snap = snapshot(model, opt.base_optimizer)  # the params are w + e(w) now; the update starts from w
+            snap["params"] = {n: opt.state[p]["old_p"].clone() for n, p in model.named_parameters()}
+            snaps.append(snap)
+            opt.second_step(zero_grad=True)
+            rec.log(loss=loss)
+            losses.append(float(loss))
+    return losses, snaps
+
+
+def test_sam_run_says_it_holds_no_step(tmp_path: Path, caplog: Any) -> None:
+    """Given SAM, whose step() the loop never calls: nothing can be recorded; the warning names
+    the optimizer that did step, every logged loss is kept, check says the run holds no step,
+    and a diff of two such runs blames nothing it cannot see."""
+    from stepdump.cli.main import main
+
+    with caplog.at_level("WARNING"):
+        losses, _ = _sam_loop(tmp_path / "a")
+    warned = [r.getMessage() for r in caplog.records if "no step of the optimizer given" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "SAM.base_optimizer" in warned[0] and "SGD" in warned[0], warned[0]
+    run = stepdump.open(tmp_path / "a")
+    assert run.steps == []
+    assert list(run.scalars()["loss"]) == losses, "every logged loss is kept, one row per iteration"
+    found = [f for f in stepdump.check(run) if "holds no step" in f.message]
+    assert len(found) == 1 and "SAM" in found[0].message, [f.message for f in stepdump.check(run)]
+    assert main(["check", str(tmp_path / "a")]) != 0
+    _sam_loop(tmp_path / "b", salt=1.0)
+    res = stepdump.diff(stepdump.open(tmp_path / "a"), stepdump.open(tmp_path / "b"))
+    assert "batch or the RNG" not in res.reading, res.reading
+    assert "no step" in res.reading, res.reading
+
+
+def test_sam_base_optimizer_given_is_recorded(tmp_path: Path) -> None:
+    """What the warning advises: the Recorder given SAM.base_optimizer records each update at w with
+    SAM's gradients (those taken at w + e(w)) and the base optimizer's momentum."""
+    _, snaps = _sam_loop(tmp_path / "r", give="base")
+    run = stepdump.open(tmp_path / "r")
+    assert run.steps == [0, 1, 2, 3, 4, 5]
+    for t, snap in enumerate(snaps):
+        assert_run_matches(run, t, snap)

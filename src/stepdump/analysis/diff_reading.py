@@ -57,6 +57,10 @@ def reading(res: DiffResult, *, prev_compared: bool | None, parts_at_step: set[s
     whats = [d.what for d in diffs if d.stage == stage]
     named = ", ".join(whats[:3]) + (f" and {len(whats) - 3} more" if len(whats) > 3 else "")
     verb = "differs" if len(whats) == 1 else "differ"
+    if not (res.steps_compared or res.steps_only_in_a or res.steps_only_in_b):
+        # Only logged scalars, no recorded state: nothing tells what made them differ.
+        return (f"{named} {verb} at step {k}, and neither run holds a step (no step() of the optimizer given to "
+                "the Recorder ran; `stepdump check` says which one did), so nothing recorded can tell why")
     params_equal = "params" in res.coverage.kinds
     if stage == "hyperparameters":
         if all(w.startswith("scaler") for w in whats):

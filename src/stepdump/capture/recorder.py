@@ -53,6 +53,7 @@ from stepdump.capture.sharding import Ranks, this_rank_records
 from stepdump.capture.staging import StagingPool, owned
 from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
+from stepdump.capture.unstepped import UnsteppedScalars, mark_no_step
 from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
 from stepdump.capture.structure import StructureWatch
@@ -221,6 +222,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         # pinned by an explicit begin_iteration(), buffers to take again after an evaluation.
         self._frozen = self._pinned = self._stale_buffers = False
         self._captured_at: int | None = None  # the step capture() last recorded: once per step
+        self._unstepped: UnsteppedScalars | None = UnsteppedScalars()  # until a step is recorded (unstepped.py)
         self._batch: Any = None
 
         self._guard = Guard(opts.on_error, self.path, self._step_aside)
@@ -331,6 +333,9 @@ class Recorder(UserLog, _iteration.IterationStart):
             self._send_held()
             if self._final.due(self._step, self._captured_at, self.kinds) and not self._guard.stopped:
                 self._link.put(self._final.message(self._asm, self.model, self._step, self._pool, self._writer))
+            if self._unstepped is not None:  # no step recorded: every value logged kept, a row per iteration
+                rows = self._unstepped.rows(self._pending.pop(self._step, {}))
+                self._pending.update({self._step + i: row for i, row in enumerate(rows)})
             scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
             self._pending.clear()
             if scalars and self._writer.error is None and not self._guard.stopped:
@@ -340,6 +345,8 @@ class Recorder(UserLog, _iteration.IterationStart):
         finally:
             self._lean.close()
             self._link.finish()  # everything queued committed; the run marked if recording stopped
+            if self._unstepped is not None and not self.options.resume and not self._guard.stopped:
+                mark_no_step(self.path, self._unstepped.iterations, self._watch.stepped_instead)
             self._lock.release()
             self._finalizer.detach()
         self._link.publish(self._target)  # the writer's failure (strict), then a URL run's final state
@@ -454,6 +461,7 @@ class Recorder(UserLog, _iteration.IterationStart):
 
     def _record_step(self, skipped: bool, started: float) -> None:
         t = self._step
+        self._unstepped = None  # a step is recorded: scalars follow the iterations the steps end
         self._send_held()
         meta = self._asm.refresh_layout(self.model, t, self._begin)
         with span("stepdump.capture"):  # a no-op unless a torch profiler is on

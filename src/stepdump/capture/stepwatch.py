@@ -14,7 +14,12 @@ nothing) and warns once, through logging like every warning of the Recorder, whe
   loading a checkpoint or swapping EMA weights in and back (at most 2 new values);
 * 1024 training forwards and ``log()`` calls passed with no step (a change the sample
   cannot see): generous, so accumulation of hundreds of micro-batches never warns;
-* the Recorder is closed after 3 or more of them with no step at all: the run holds no step.
+* the Recorder is closed after 3 or more of them with no step at all: the run holds no step;
+* at once, when another optimizer that the one given holds in an attribute, or that steps all of
+  its params, runs ``step()`` first (SAM's ``first_step`` / ``second_step`` step
+  ``SAM.base_optimizer``, never ``SAM.step()``): the warning names it, since that is the
+  optimizer to give the Recorder. Another optimizer stepping only some of the params (a second
+  pair of a joint run sharing a module) is only named if a warning comes.
 
 A step begins for the watch at the optimizer's step pre-hook (LBFGS: before its closure
 runs forward again and again while it changes the params), or when the Recorder's step
@@ -29,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stepdump.capture.handles import Hook
 
@@ -54,13 +60,34 @@ class StepWatch:
         params = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
         self._watched = list({id(p): p for p in params[:1] + params[-1:]}.values())
         self._seen: list[list[torch.Tensor]] = [[] for _ in self._watched]
-        self.handles: list[Any] = [optimizer.register_step_pre_hook(Hook(self._step_began))]
+        self._ids = {id(p) for p in params}
+        self.stepped_instead: str | None = None  # the optimizer that stepped these params instead, named
+        self.handles: list[Any] = [optimizer.register_step_pre_hook(Hook(self._step_began)),
+                                   register_optimizer_step_pre_hook(Hook(self._any_step_began))]
         if not isinstance(model, torch.jit.ScriptModule):  # TorchScript runs no Python hooks
             self.handles.append(model.register_forward_pre_hook(Hook(self._forward)))
 
     # -- events ------------------------------------------------------------------
     def _step_began(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.done = True  # removed at the next forward or at close: optimizer hooks may be iterating now
+
+    def _any_step_began(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Any optimizer's step pre-hook: another one stepping these params before the one given did."""
+        if self.done or optimizer is self._optimizer or self.stepped_instead is not None:
+            return
+        try:
+            ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if not ids & self._ids:
+                return
+            attr = next((a for a, v in vars(self._optimizer).items() if v is optimizer), None)
+            cls = type(optimizer).__name__
+            self.stepped_instead = f"{type(self._optimizer).__name__}.{attr}" if attr else cls
+            if attr is not None or self._ids <= ids:  # the optimizer doing the update: say so now
+                # (the hooks stay until the next forward or close: torch is iterating over them now)
+                self._warn(f"{cls}.step() ({self.stepped_instead}) updated its params", stop=False)
+        except Exception as e:  # noqa: BLE001 - do no harm: a hint is not worth a failure
+            log.debug("stepdump: the step watch stopped: %s", e)
+            self.done = True
 
     def _forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
@@ -105,14 +132,19 @@ class StepWatch:
             del seen[:-_SEEN]
         return new
 
-    def _warn(self, what: str, final: bool = False) -> None:
+    def _warn(self, what: str, final: bool = False, stop: bool = True) -> None:
+        give = (f"Give the Recorder {self.stepped_instead}, whose step() your loop calls (or the optimizer "
+                "whose step() does the update)" if self.stepped_instead is not None
+                else "Give the Recorder the optimizer whose step() your loop calls")
         log.warning(
             "stepdump: %s with no step of the optimizer given to the Recorder (%s); stepdump records at that "
-            "optimizer's step(), so %s. Give the Recorder the optimizer whose step() your loop calls; for a "
-            "hand-written update (p -= lr * p.grad), call rec.capture() right before it and rec.end_step() "
-            "right after it.", what, type(self._optimizer).__name__,
-            "the run holds no step" if final else "nothing is being recorded")
-        self._stop()
+            "optimizer's step(), so %s. %s; for a hand-written update (p -= lr * p.grad), call rec.capture() "
+            "right before it and rec.end_step() right after it.", what, type(self._optimizer).__name__,
+            "the run holds no step" if final else "nothing is being recorded", give)
+        if stop:
+            self._stop()
+        else:
+            self.done = True
 
     def _stop(self) -> None:
         """Watch no more: remove the hooks (safe here: no optimizer hook loop is running)."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from stepdump.capture.handoff import WriterLink
     from stepdump.capture.selection import Levels
     from stepdump.capture.stepwatch import StepWatch
+    from stepdump.capture.unstepped import UnsteppedScalars
 
 
 class UserLog:
@@ -38,6 +39,7 @@ class UserLog:
     _watch: StepWatch
     _level: Levels
     _modules: ModuleCapture
+    _unstepped: UnsteppedScalars | None
 
     def _fail(self, err: BaseException, where: str) -> None:
         raise NotImplementedError  # the Recorder's
@@ -65,7 +67,10 @@ class UserLog:
                 step = self._step
                 if self._prev_open and not self._forward_seen and name not in self._pending.get(step - 1, {}):
                     step -= 1
-                self._pending.setdefault(step, {})[name] = value
+                slot = self._pending.setdefault(step, {})
+                if self._unstepped is not None:  # no step recorded yet: where the loop's iterations begin
+                    self._unstepped.logging(slot, name)
+                slot[name] = value
         finally:
             self._overhead += time.perf_counter() - started
 
