@@ -12,19 +12,12 @@ from typing import Any
 
 
 def _changes(run: Any) -> dict[int, str]:
-    """step -> what changed there (removed / added state_dict keys), for a single store."""
-    from stepdump.read.state import layout_changes
+    """step -> what changed there, for a single store."""
+    from stepdump.read.state import describe_change, layout_changes
 
     if not isinstance(getattr(run, "meta", None), dict):
         return {}
-    out = {}
-    for step, before, after in layout_changes(run):
-        a = {e[0] for e in before.get("state_dict", []) if isinstance(e, list) and e}
-        b = {e[0] for e in after.get("state_dict", []) if isinstance(e, list) and e}
-        parts = ([f"removed {', '.join(repr(k) for k in sorted(a - b))}"] if a - b else []) + \
-            ([f"added {', '.join(repr(k) for k in sorted(b - a))}"] if b - a else [])
-        out[step] = "; ".join(parts) or "regrouped"
-    return out
+    return {step: describe_change(before, after) for step, before, after in layout_changes(run)}
 
 
 def structure_notes(run_a: Any, run_b: Any) -> list[tuple[int, str]]:
@@ -35,7 +28,7 @@ def structure_notes(run_a: Any, run_b: Any) -> list[tuple[int, str]]:
     for step in sorted(ca.keys() | cb.keys()):
         if ca.get(step) == cb.get(step):
             continue
-        said = [f"{who}'s model {c[step]}" for who, c in (("A", ca), ("B", cb)) if step in c]
+        said = [f"{who}: {c[step]}" for who, c in (("A", ca), ("B", cb)) if step in c]
         notes.append((step, f"the model's structure changed at step {step} ({'; '.join(said)}: pruning, a "
                             "parametrization or a module replaced), in one run only"))
     return notes

@@ -70,15 +70,25 @@ class StructureChange:
 
 
 def structure_change(old: Layout, new: Layout) -> StructureChange:
-    """The ``model.state_dict()`` entries that ``new`` has and ``old`` has not, and the reverse.
+    """The ``model.state_dict()`` entries that ``new`` has and ``old`` has not, and the reverse, and
+    the params the optimizer steps that go by another name in ``new``.
 
-    By the model's entries only (key, params or buffers, recorded name): a buffer reassigned under
-    its name (``self.count = self.count + 1``) is the same structure (the new layout still replaces
-    the old, whose tensors are stale), and so is a param the optimizer steps outside the model
-    (``add_param_group`` of a temperature: the groups say it, per step)."""
+    By the model's entries (key, params or buffers, recorded name): a buffer reassigned under its
+    name (``self.count = self.count + 1``) is the same structure (the new layout still replaces the
+    old, whose tensors are stale), and so is a param added to the optimizer alone
+    (``add_param_group`` of a temperature: the groups say it, per step). A param renamed (a module
+    replaced: the optimizer's old params are no longer the model's, ``group{i}.param{j}``) is a
+    change: the record of a param's updates goes by its name."""
     a, b = set(old.state_dict), set(new.state_dict)
 
     def said(entries: set[tuple[str, str, str]]) -> list[str]:
         return sorted(f"{kind[:-1]} {key}" for key, kind, _ in entries)
 
-    return StructureChange(added=said(b - a), removed=said(a - b))
+    added, removed = said(b - a), said(a - b)
+    name_of = {id(p): n for n, p in new.params.items()}
+    for n, p in old.params.items():
+        now = name_of.get(id(p))
+        if now is not None and now != n:
+            removed.append(f"param {n}")
+            added.append(f"param {now} (was {n})")
+    return StructureChange(added=sorted(set(added)), removed=sorted(set(removed)))

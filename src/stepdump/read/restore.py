@@ -59,14 +59,14 @@ def prepare(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
     osd = None
     plan = OptimizerPlan()
     if optimizer is not None:
-        _check_class("optimizer", optimizer, meta.get("optimizer_class"))
+        _check_class("optimizer", optimizer, meta)
         osd = run.optimizer_state_dict(step)
         if sharded:
             _shard_optimizer_state(osd, optimizer)
         else:
             plan = _check_optimizer(run, step, model, optimizer)
     if scheduler is not None:
-        _check_class("scheduler", scheduler, meta.get("scheduler_class"))
+        _check_class("scheduler", scheduler, meta)
     state = side_state(run, step, scheduler, scaler, rng)
     extra = plan_extra(run, step, extra_state)
     if scheduler is not None:
@@ -185,10 +185,15 @@ def _as_dtensor(local: torch.Tensor, like: Any) -> torch.Tensor:
                               shape=like.shape, stride=like.stride())
 
 
-def _check_class(what: str, obj: Any, recorded: str | None) -> None:
-    if recorded is not None and type(obj).__name__ != recorded:
+def _check_class(what: str, obj: Any, meta: Mapping[str, Any]) -> None:
+    """``obj`` is of the class the run recorded for ``what``: by module and qualified name (torch's
+    and transformers' ``Adafactor`` differ), by bare name for a run that recorded only that."""
+    from stepdump.core.classes import class_id, described, dotted, recorded_class, same_class
+
+    if not same_class(obj, meta, what):
+        given = dotted(class_id(type(obj))) if recorded_class(meta, what)[0] is not None else type(obj).__name__
         raise RestoreMismatchError(
-            f"the run recorded a {recorded} {what}, but a {type(obj).__name__} was given; build the same {what} "
+            f"the run recorded a {described(meta, what)} {what}, but a {given} was given; build the same {what} "
             "as the recorded run"
         )
 
@@ -225,26 +230,13 @@ def _check_model(run: Run, model: torch.nn.Module, sd: dict[str, Any], step: int
 def _structure_note(run: Run, step: int) -> str:
     """Where the run's model changed structure mid-run (pruning, a parametrization): which one
     record ``step`` holds, so that a refused restore says what model to build."""
-    from stepdump.read.state import layout_changes
+    from stepdump.read.state import describe_change, layout_changes
 
     changes = layout_changes(run)
     if not changes:
         return ""
-    said = "; ".join(f"at step {s} {_what_changed(before, after)}" for s, before, after in changes)
+    said = "; ".join(f"at step {s} {describe_change(before, after)}" for s, before, after in changes)
     return f" (the run's model changed structure mid-run: {said}; restore step {step} into the model as it was then)"
-
-
-def _what_changed(before: dict[str, Any], after: dict[str, Any]) -> str:
-    def keys(layout: dict[str, Any]) -> set[str]:
-        return {e[0] for e in layout.get("state_dict", []) if isinstance(e, list) and e}
-
-    a, b = keys(before), keys(after)
-    parts = []
-    if a - b:
-        parts.append("lost " + ", ".join(repr(k) for k in sorted(a - b)))
-    if b - a:
-        parts.append("gained " + ", ".join(repr(k) for k in sorted(b - a)))
-    return " and ".join(parts) or "regrouped its tensors"
 
 
 @dataclass
@@ -306,8 +298,9 @@ def _check_optimizer(run: Run, step: int, model: torch.nn.Module, optimizer: tor
         for j, (name, live_name) in enumerate(zip(rec_names, live_names, strict=True)):
             if name != live_name:
                 raise RestoreMismatchError(
-                    f"param group {i}, parameter {j}: the run has {name!r} there, this optimizer has "
-                    f"{live_name!r}; pass the parameters to the optimizer in the same order as the recorded run"
+                    f"param group {i}, parameter {j}: the run has {name!r} there at step {step}, this optimizer "
+                    f"has {live_name!r}{_structure_note(run, step)}; pass the parameters to the optimizer in the "
+                    "same order as the recorded run"
                 )
             if name not in stored and name not in in_model:
                 raise RestoreMismatchError(

@@ -76,6 +76,32 @@ def layout_changes(run: Run) -> list[tuple[int, dict[str, Any], dict[str, Any]]]
     return [(e["until"], layouts[i], layouts[i + 1]) for i, e in enumerate(earlier)]
 
 
+def describe_change(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """What changed between two layouts (meta ``layout`` objects), in words: the state_dict keys
+    removed and added, else the params the optimizer steps that were renamed (a module replaced)."""
+    def keys(layout: dict[str, Any]) -> dict[str, str]:
+        return {e[0]: e[1] for e in layout.get("state_dict", []) if isinstance(e, list) and len(e) == 3}
+
+    def stepped(layout: dict[str, Any]) -> list[str]:
+        return [n for g in layout.get("groups", []) if isinstance(g, list) for n in g]
+
+    a, b = keys(before), keys(after)
+    parts = []
+    if set(a) - set(b):
+        parts.append("removed " + ", ".join(f"{a[k][:-1]} {k!r}" for k in sorted(set(a) - set(b))))
+    if set(b) - set(a):
+        parts.append("added " + ", ".join(f"{b[k][:-1]} {k!r}" for k in sorted(set(b) - set(a))))
+    if not parts:
+        gone = [n for n in stepped(before) if n not in stepped(after)]
+        new = [n for n in stepped(after) if n not in stepped(before)]
+        if gone:
+            parts.append("the optimizer no longer steps " + ", ".join(repr(n) for n in gone))
+        if new:
+            parts.append("the optimizer steps " + ", ".join(repr(n) for n in new) + " under new names (a module "
+                         "replaced: params the model no longer has are named group{i}.param{j})")
+    return "; ".join(parts) or "its tensors were regrouped"
+
+
 def layout_entries(run: Run, step: int | None = None) -> list[tuple[str, str, str]]:
     """(state_dict key, kind, recorded name) of record ``step``'s model (None: the latest layout)."""
     layout = layout_at(run, step)

@@ -16,11 +16,6 @@ from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules.base import Rule, register_rule
 
 
-def _names(layout: dict[str, Any]) -> dict[str, str]:
-    """state_dict key -> kind of each entry of a layout meta."""
-    return {e[0]: e[1] for e in layout.get("state_dict", []) if isinstance(e, list) and len(e) == 3}
-
-
 @register_rule
 @dataclass(frozen=True, kw_only=True)
 class ModelChanged(Rule):
@@ -30,21 +25,13 @@ class ModelChanged(Rule):
     name: ClassVar[str] = "model_changed"
 
     def __call__(self, run: Any) -> list[Finding]:
-        from stepdump.read.state import layout_changes
+        from stepdump.read.state import describe_change, layout_changes
 
         if not isinstance(getattr(run, "meta", None), dict):
             return []
-        out = []
-        for step, before, after in layout_changes(run):
-            a, b = _names(before), _names(after)
-            gone = [f"{a[k][:-1]} {k!r}" for k in sorted(set(a) - set(b))]
-            new = [f"{b[k][:-1]} {k!r}" for k in sorted(set(b) - set(a))]
-            what = "; ".join(p for p in (("removed " + ", ".join(gone)) if gone else "",
-                                         ("added " + ", ".join(new)) if new else "") if p)
-            out.append(self.finding(
-                Severity.INFO, step,
-                f"the model's structure changed at step {step} ({what or 'its tensors were regrouped'}; pruning, a "
-                "parametrization or a module replaced): steps from here restore and export into the model as it "
-                "is after the change, earlier ones into the model before it",
-            ))
-        return out
+        return [self.finding(
+            Severity.INFO, step,
+            f"the model's structure changed at step {step} ({describe_change(before, after)}; pruning, a "
+            "parametrization or a module replaced): steps from here restore and export into the model as it "
+            "is after the change, earlier ones into the model before it",
+        ) for step, before, after in layout_changes(run)]
