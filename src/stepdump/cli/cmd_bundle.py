@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stepdump.cli.common import add_run_arg, console, open_run
+from stepdump.cli.common import add_run_arg, console, open_run, step_arg
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
@@ -21,7 +21,7 @@ holds the step neither in full nor in a gradient log: a keyframe run replays it 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--step", type=int, required=True, help="the recorded step to bundle")
+    p.add_argument("--step", type=step_arg, required=True, help="the recorded step to bundle")
     p.add_argument("-o", "--out", required=True, help="the bundle's directory (new or empty)")
     p.add_argument("--entry", metavar="MODULE:FACTORY",
                    help="your factory returning model, optimizer, train_step: to replay a keyframe run's step")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from dataclasses import asdict
 from typing import Any
 
-from stepdump.cli.common import DIFF_KINDS, console, kinds_arg, open_run, print_error
+from stepdump.cli.common import DIFF_KINDS, console, float_arg, kinds_arg, open_run, print_error
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
@@ -30,8 +31,10 @@ _SHOWN = 20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_a", help="first run")
     p.add_argument("run_b", help="second run")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
-    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--atol", type=float_arg(0, sys.float_info.max, "--atol"), default=0.0,
+                   help="absolute tolerance (default 0: bitwise)")
+    p.add_argument("--rtol", type=float_arg(0, sys.float_info.max, "--rtol"), default=0.0,
+                   help="relative tolerance (default 0)")
     p.add_argument("--kinds", type=kinds_arg(DIFF_KINDS, many=True),
                    help="comma-separated tensor kinds to compare (default all)")
     p.add_argument("--ignore", action="append", metavar="PART",

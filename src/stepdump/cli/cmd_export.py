@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stepdump.cli.common import add_run_arg, console, open_run
+from stepdump.cli.common import add_run_arg, console, int_arg, open_run, step_arg
 from stepdump.cli.exitcodes import Exit
 from stepdump.errors import ConfigError
 
@@ -30,7 +30,7 @@ _DEFAULT_NAMES = {"torch": "step-{}.pt", "safetensors": "step-{}.safetensors", "
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--step", type=int, required=True, help="step to export (stored in full, or rebuildable)")
+    p.add_argument("--step", type=step_arg, required=True, help="step to export (stored in full, or rebuildable)")
     p.add_argument("-o", "--output", help="file (folder for hf-trainer) to write; default: named after the step")
     p.add_argument("--format", choices=FORMATS, default="torch",
                    help="torch (default), safetensors, hf-trainer (a folder for resume_from_checkpoint=) or "
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
                    help="hf-trainer / lightning: training setup the run did not record (train_batch_size, "
                         "num_training_batches, accumulate_grad_batches, ...); repeatable")
-    p.add_argument("--rank", type=int, default=None,
+    p.add_argument("--rank", type=int_arg(0, 2**31 - 1, "--rank"), default=None,
                    help="a run recorded on several ranks: export this rank's store as recorded (default: the "
                         "consolidated full tensors)")
 

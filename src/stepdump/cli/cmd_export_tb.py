@@ -6,7 +6,7 @@ import argparse
 import contextlib
 from typing import Any
 
-from stepdump.cli.common import add_run_arg, console, open_run, print_error
+from stepdump.cli.common import add_run_arg, console, int_arg, open_run, print_error
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stat-kinds", help="comma-separated kinds whose stats are exported (default all)")
     p.add_argument("--histograms", default="params,grads",
                    help="comma-separated kinds to draw histograms of, or 'none' (default params,grads)")
-    p.add_argument("--histogram-steps", type=int, default=20,
+    p.add_argument("--histogram-steps", type=int_arg(1, 10**6, "--histogram-steps"), default=20,
                    help="at most this many full steps get histograms (default 20)")
     p.add_argument("--profile", action="store_true", help="also export the recorder's sys/* timings")
     p.add_argument("--compare", action="append", default=None, metavar="RUN",

@@ -7,7 +7,7 @@ import importlib
 import sys
 from typing import Any
 
-from stepdump.cli.common import add_run_arg, console, glob_arg, open_run
+from stepdump.cli.common import add_run_arg, console, glob_arg, int_arg, open_run, step_arg
 from stepdump.cli.exitcodes import Exit
 from stepdump.cli.output import print_json
 from stepdump.errors import ConfigError
@@ -30,10 +30,10 @@ alone (built as for the run, with its train_dataset: the Trainer runs the step).
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--step", type=int, required=True, help="the recorded step to re-execute")
+    p.add_argument("--step", type=step_arg, required=True, help="the recorded step to re-execute")
     p.add_argument("--entry", required=True, metavar="MODULE:FACTORY",
                    help="your factory returning model, optimizer, train_step (and scheduler, scaler)")
-    p.add_argument("--repeat", type=int, default=2, help="re-executions (2 or more tells nondeterminism apart)")
+    p.add_argument("--repeat", type=int_arg(1, 1000, "--repeat"), default=2, help="re-executions (2 or more tells nondeterminism apart)")
     p.add_argument("--find-nan", action="store_true",
                    help="trace op by op and name the first op whose output holds a NaN/Inf")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=None,

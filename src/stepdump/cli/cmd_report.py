@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import sys
 
-from stepdump.cli.common import console, open_run
+from stepdump.cli.common import console, float_arg, int_arg, open_run
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
@@ -27,13 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", action="store_true",
                    help="serve the report on a local port and refresh it while the runs are being recorded "
                         "(Ctrl-C stops); writes no file")
-    p.add_argument("--port", type=int, default=8765, help="--watch: port to serve on (0: any free port; default 8765)")
+    p.add_argument("--port", type=int_arg(0, 65535, "--port"), default=8765, help="--watch: port to serve on (0: any free port; default 8765)")
     p.add_argument("--host", default="127.0.0.1", help="--watch: address to bind (default 127.0.0.1, this machine only)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="--watch: also answer requests for this host name (a name other machines use for this "
                         "one, with --host 0.0.0.0); others than localhost, 127.0.0.1, [::1] and --host are "
                         "refused (403), which stops web pages from reading the report through DNS rebinding")
-    p.add_argument("--interval", type=float, default=2.0, help="--watch: seconds between page refreshes (default 2)")
+    p.add_argument("--interval", type=float_arg(0, 86400, "--interval", lo_open=True), default=2.0, help="--watch: seconds between page refreshes (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:

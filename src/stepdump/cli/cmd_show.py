@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from stepdump.cli.common import add_run_arg, kinds_arg, open_run
+from stepdump.cli.common import add_run_arg, int_arg, kinds_arg, open_run, step_arg
 from stepdump.cli.exitcodes import Exit
 from stepdump.cli.output import add_format_args, print_record
 from stepdump.errors import StepNotFoundError
@@ -28,10 +28,10 @@ _KIND_ORDER = ("params", "buffers")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
     p.add_argument("name", help="tensor name (see `stepdump ls RUN`)")
-    p.add_argument("--step", type=int, help="step (default: the last step stored in full)")
+    p.add_argument("--step", type=step_arg, help="step (default: the last step stored in full)")
     p.add_argument("--kind", type=kinds_arg(), help="params, grads, optimizer, buffers, ... (default: params, else the kind that "
                                   "has NAME, e.g. buffers for a BatchNorm's running_mean)")
-    p.add_argument("--values", type=int, default=8, help="how many values to preview (default 8; 0 = all)")
+    p.add_argument("--values", type=int_arg(0, 10**9, "--values"), default=8, help="how many values to preview (default 8; 0 = all)")
     add_format_args(p, json_help="write the tensor's dtype, shape, stats and values as one JSON object")
 
 

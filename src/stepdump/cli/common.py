@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -14,6 +15,7 @@ from rich.markup import escape
 import stepdump
 from stepdump.errors import ConfigError
 from stepdump.store.format import ALL_KINDS, TENSOR_KINDS
+from stepdump.store.queries import MAX_STEP
 
 # The kinds `diff --kinds` takes: analysis.diff.KIND_ORDER (a test keeps them equal), named here
 # without importing torch, so that `stepdump diff --help` stays quick.
@@ -79,14 +81,53 @@ def print_error(message: object) -> None:
 
 # argparse types: a bad value is a usage error (exit 2 with usage) before any run is opened.
 
+def int_arg(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
+    """argparse type for a whole number from ``lo`` to ``hi`` (None: no upper bound); ``what``
+    names it in the usage error, which states the range."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < lo or (hi is not None and n > hi):
+            valid = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+            raise argparse.ArgumentTypeError(f"{what} {text}: give {valid}")
+        return n
+    parse.__name__ = what  # argparse names the type in its message
+    return parse
+
+
+def float_arg(lo: float, hi: float, what: str, *, lo_open: bool = False) -> Callable[[str], float]:
+    """argparse type for a finite number from ``lo`` (above it, with ``lo_open``) to ``hi``."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(x) or x < lo or (lo_open and x == lo) or x > hi:
+            low = f"more than {lo:g}" if lo_open else f"{lo:g}"
+            raise argparse.ArgumentTypeError(f"{what} {text}: give a number from {low} to {hi:g}")
+        return x
+    parse.__name__ = what
+    return parse
+
+
+#: argparse type for ``--step``: a step a catalog can hold.
+step_arg = int_arg(0, MAX_STEP, "step")
+
+
 def steps_arg(text: str) -> range | list[int]:
-    """argparse type for ``--steps``: what :func:`parse_steps` accepts, else a usage error."""
+    """argparse type for ``--steps``: what :func:`parse_steps` accepts, every number in it a step
+    a catalog can hold (0 to MAX_STEP), else a usage error."""
     try:
         steps = parse_steps(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if steps is None:  # parse_steps gives None only for no text at all
         raise argparse.ArgumentTypeError("give steps: N, A:B, A:B:K or a comma list")
+    numbers = [steps.start, steps.stop, steps.step] if isinstance(steps, range) else steps
+    if any(not 0 <= n <= MAX_STEP for n in numbers):
+        raise argparse.ArgumentTypeError(f"steps {text!r}: every step, bound and stride is 0 to {MAX_STEP}")
     return steps
 
 

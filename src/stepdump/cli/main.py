@@ -9,10 +9,12 @@ run is imported (it brings torch, pandas and rich with it when it needs them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from stepdump.cli.exitcodes import Exit
 from stepdump.errors import (
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     from stepdump.cli.common import err_console, print_error
 
     try:
-        return int(args.func(args))
+        with _printable_output():
+            return int(args.func(args))
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return Exit.INTERRUPTED
@@ -143,6 +146,23 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:  # the real process: later flushes of stdout would fail again, loudly, at exit
             _silence_stdout()
         return int(getattr(args, "verdict", Exit.OK))
+
+
+@contextlib.contextmanager
+def _printable_output() -> Iterator[None]:
+    """Text that cannot be encoded for stdout or stderr (a path with bytes that are not UTF-8, kept
+    by Python as lone surrogates) printed as ``\\udcff``, never a UnicodeEncodeError."""
+    streams = [s for s in (sys.stdout, sys.stderr) if isinstance(s, io.TextIOWrapper) and s.errors == "strict"]
+    for s in streams:
+        s.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        for s in streams:
+            try:
+                s.reconfigure(errors="strict")
+            except ValueError:  # closed meanwhile
+                pass
 
 
 def _silence_stdout() -> None:

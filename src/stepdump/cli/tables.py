@@ -6,7 +6,9 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from stepdump.cli.common import int_arg
 from stepdump.cli.output import MISSING, output_format, print_rows
+from stepdump.store.queries import MAX_STEP
 from stepdump.errors import ConfigError
 
 if TYPE_CHECKING:  # the frames come from the caller; the module itself needs no pandas
@@ -21,7 +23,7 @@ TABLE_LIMIT = 50
 
 def add_limit_arg(p: argparse.ArgumentParser) -> None:
     """``--limit N``: at most N rows (0 = all); without it a table shows 50 and the rest all."""
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=int_arg(0, MAX_STEP, "--limit"), default=None,
                    help=f"at most this many rows (0 = all; default {TABLE_LIMIT} in a table, all otherwise)")
 
 

@@ -168,7 +168,8 @@ def write_report(
             data["runs"][0]["label"] = labels[0]
     else:
         data = build_overlay_data(list(run), labels)
-    out.write_text(render_report(data), encoding="utf-8")
+    # A run's path may hold bytes that are not UTF-8 (lone surrogates in Python): shown as U+FFFD.
+    out.write_bytes(render_report(data).encode("utf-8", "surrogateescape").decode("utf-8", "replace").encode("utf-8"))
     return out
 
 

@@ -35,15 +35,34 @@ _STORED = "t.blob IS NOT NULL"
 _JOIN = "FROM tensors t JOIN series s ON s.id = t.series"
 
 
+#: The largest step a catalog can hold (SQLite stores 64-bit integers).
+MAX_STEP = 2**63 - 1
+
+
 def as_step(step: Any) -> int:
     """Steps often come out of a DataFrame as numpy.int64, which SQLite would bind as a
-    blob that equals no step; take anything that is an integer, refuse the rest."""
+    blob that equals no step; take anything that is an integer, refuse the rest (and one
+    outside 64 bits, which SQLite cannot bind: an OverflowError otherwise)."""
     if isinstance(step, bool):
         raise ConfigError(f"a step is an integer, got {step!r}")
     try:
-        return operator.index(step)
+        value = operator.index(step)
     except TypeError:
         raise ConfigError(f"a step is an integer, got {type(step).__name__} {step!r}") from None
+    if not -MAX_STEP - 1 <= value <= MAX_STEP:
+        raise ConfigError(f"step {value} is out of range: steps are 0 to {MAX_STEP}")
+    return value
+
+
+def _clamped(steps: range) -> range:
+    """``steps`` (stride > 0) cut to the steps a catalog can hold, 0 to MAX_STEP, the same
+    steps in it selected: its bounds can then be bound as SQLite integers."""
+    start = steps.start
+    if start < 0:  # the first of its steps at 0 or above
+        start += -(start // steps.step) * steps.step
+    if start > MAX_STEP:
+        return range(0)
+    return range(start, min(max(steps.stop, 0), MAX_STEP + 1), min(steps.step, MAX_STEP))
 
 
 def step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
@@ -59,9 +78,15 @@ def step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
             steps.step or 1,
         )
     if isinstance(steps, range):
-        if steps.step <= 0:
-            return step_filter(col, list(steps))
-        return f"{col} >= ? AND {col} < ? AND ({col} - ?) % ? = 0", [steps.start, steps.stop, steps.start, steps.step]
+        if steps.step < 0:  # the same steps, counted upwards
+            if not steps:
+                return "0", []
+            steps = range(steps[-1], steps.start + 1, -steps.step)
+        steps = _clamped(steps)
+        if not steps:
+            return "0", []
+        return f"{col} >= ? AND {col} <= ? AND ({col} - ?) % ? = 0", [steps.start, steps.stop - 1, steps.start,
+                                                                        steps.step]
     lst = sorted({as_step(s) for s in steps})  # type: ignore[union-attr]
     if not lst:
         return "0", []
