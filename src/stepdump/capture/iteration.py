@@ -156,7 +156,8 @@ class IterationStart:
             self._loop_retake(rng=False)
         again, self._forward_seen = self._forward_seen, True  # a training forward (or one with grad enabled)
         t = self._step
-        if self._captured_at != t and not self._guard.stopped and not self._closed:
+        watch = self._asm.structure  # its flag only (no call): the pre-hook looks at the optimizer's groups
+        if watch is not None and watch.dirty and self._captured_at != t and not self._guard.stopped:
             try:  # the model's structure changed since the last look (a layer pruned before this forward)
                 self._asm.follow(self.model, t, self._begin)
             except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
