@@ -60,7 +60,7 @@ _BLOCK = 256
 
 def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.0,
          kinds: Iterable[str] | None = None, ignore: str | Iterable[str] | None = None,
-         noise: Sequence[RunReader] | None = None, noise_factor: float = 3.0) -> DiffResult:
+         noise: Sequence[RunReader] | None = None, noise_alpha: float = 0.01) -> DiffResult:
     """Find the first step where two runs differ, its earliest cause, and the tensors that differ.
 
     Args:
@@ -77,10 +77,13 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
             :mod:`~stepdump.analysis.diff_ignore`). An RNG that differs is never a
             divergence by itself, ignored or not; leaving it out also drops its note.
         noise: Repeats of ``run_a`` (the same code and settings, run again): a difference then
-            counts only where it exceeds ``noise_factor`` times the largest difference among
-            ``run_a`` and its repeats, per quantity and step (scalars by value, tensors by norm,
-            bit for bit where A and every repeat agree); ``result.noise`` holds every quantity's
-            difference and spread (:mod:`~stepdump.analysis.diff_noise`). Not with atol/rtol.
+            counts only where B stands out from ``run_a`` and its repeats, with a false-alarm
+            rate of at most ``noise_alpha`` over the whole run if B is just another repeat
+            (scalars by value, tensors by norm, each a Student t test against the repeats,
+            Bonferroni over every quantity and step; exact until the repeats first differ).
+            ``result.noise`` holds the test's size and critical value and the quantities at the
+            first step that counts (:mod:`~stepdump.analysis.diff_noise`). Not with atol/rtol.
+        noise_alpha: With ``noise``: the run-level false-alarm rate, in (0, 1) (default 1%).
 
     Returns:
         For single stores, their comparison. For multi-rank runs, the comparison
@@ -104,7 +107,7 @@ def diff(run_a: RunReader, run_b: RunReader, atol: float = 0.0, rtol: float = 0.
         if atol or rtol:
             raise ConfigError("diff with noise= judges differences by the spread among the repeats: "
                               "leave atol and rtol at 0")
-        return noise_diff(run_a, run_b, list(noise), wanted, left_out, noise_factor, exact=diff)
+        return noise_diff(run_a, run_b, list(noise), wanted, left_out, noise_alpha, exact=diff)
     if is_joint(run_a) or is_joint(run_b):  # pair by pair (G with G, D with D)
         return diff_joint(run_a, run_b, lambda a, b: _diff_store(a, b, atol, rtol, wanted, left_out))
     # Rank by rank, one pair of stores at a time: run.stores() opens them lazily, a list of them
@@ -246,7 +249,6 @@ def _diff_store(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[
     result.notes += [n for _, n in structure if explained is None or n not in explained]
     result.reading = explained or result.reading
     return result
-
 
 
 def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, ...], common: list[int],

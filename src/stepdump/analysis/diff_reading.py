@@ -28,7 +28,8 @@ def headline(res: DiffResult) -> str:
         return f"nothing to compare{where}: {_why_incomparable(res)}; not identical"
     if res.first_step is None and res.noise is not None:
         return (f"no difference beyond the noise over {res.steps_compared} common steps: every one is within "
-                f"{res.noise.factor:g}x the spread among A and its {res.noise.repeats} repeat(s)")
+                f"the noise among A and its {res.noise.repeats} repeat(s) (run-level false-alarm rate "
+                f"{res.noise.alpha * 100:g}%)")
     if res.first_step is None and res.coverage.fp_kinds_differ:
         return (f"no difference in what was compared over {res.steps_compared} common steps{ranks}; not identical: "
                 f"{fp_kinds_text(res)}")

@@ -110,8 +110,8 @@ class DiffResult:
     #: each pair's own result (analysis/diff_joint.py).
     pair: str | None = None
     per_pair: dict[str, DiffResult] = field(default_factory=dict)
-    #: With ``noise=``: each quantity's difference against the spread among A and its repeats
-    #: (:mod:`~stepdump.analysis.diff_noise`); ``first_step`` is then where one first exceeds it.
+    #: With ``noise=``: the test against A and its repeats, with its run-level false-alarm rate
+    #: (:mod:`~stepdump.analysis.diff_noise`); ``first_step`` is then where a quantity first counts.
     noise: NoiseDiff | None = None
 
     @property

@@ -16,7 +16,7 @@ EXAMPLES = """examples:
   stepdump diff ref port --atol 1e-6 --kinds params,grads
   stepdump diff run-a run-b --json
   stepdump diff run-a run-b --ignore rng --ignore scalars.tokens_per_sec
-  stepdump diff run-a run-b --noise run-a2 run-a3     # differences beyond 3x the spread of A's repeats
+  stepdump diff run-a run-b --noise run-a2 run-a3 run-a4   # beyond the noise among A's repeats (1% false alarms)
 
 exit codes: 0 identical (over what was compared: the output says what was not; an RNG that
   differs while nothing computed does is a note, not a difference), 1 the runs differ,
@@ -42,21 +42,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rng.numpy, rng.python, hyperparameters, scheduler, scaler, batch, scalars, scalars.NAME, "
                         "or a tensor kind")
     p.add_argument("--noise", nargs="+", metavar="REPEAT",
-                   help="repeats of run A (same code and settings): a difference counts only where it exceeds "
-                        "--noise-factor times the spread among A and the repeats, per quantity and step")
-    p.add_argument("--noise-factor", type=float, default=3.0, help="with --noise: how many spreads (default 3)")
+                   help="repeats of run A (same code and settings): a difference counts only where B stands out "
+                        "from A and the repeats, with at most --noise-alpha false alarms over the whole run if B "
+                        "is just another repeat (docs/cli.md says how many repeats to record)")
+    p.add_argument("--noise-alpha", type=float, default=0.01,
+                   help="with --noise: the run-level false-alarm rate (default 0.01)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     from stepdump.analysis.diff import diff
     from stepdump.analysis.diff_ignore import parse_ignore
+    from stepdump.analysis.noise_stat import check_alpha
     from stepdump.errors import ConfigError
 
     kinds = args.kinds
     ignore = [w.strip() for item in args.ignore or () for w in item.split(",")]
     try:
         parse_ignore(ignore)  # a bad word is a bad command line: refused before any run is opened
+        check_alpha(args.noise_alpha)
     except ConfigError as e:
         print_error(e)
         return Exit.USAGE
@@ -64,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         a, b = (stack.enter_context(open_run(p)) for p in (args.run_a, args.run_b))
         noise = [stack.enter_context(open_run(p)) for p in args.noise or ()]
         res = diff(a, b, atol=args.atol, rtol=args.rtol, kinds=kinds, ignore=ignore, noise=noise or None,
-                   noise_factor=args.noise_factor)
+                   noise_alpha=args.noise_alpha)
     # Decided before printing: under `| head -1` the printing may stop midway, the verdict stands (cli/main.py).
     # Nothing found but tensors left uncompared for two fingerprint kinds: neither 0 nor "differ".
     args.verdict = (Exit.NOTHING_COMPARED if not res.comparable else Exit.OK if res.identical
@@ -82,11 +86,17 @@ def run(args: argparse.Namespace) -> int:
         if len(res.tensors) > _SHOWN:
             console.print(f"  ... and {len(res.tensors) - _SHOWN} more (--json lists them all)")
         if res.noise is not None and res.first_step is not None:
-            console.print(f"beyond the noise at step {res.first_step} (difference / spread among the repeats):")
-            rows = sorted((r for r in res.noise.exceeded if r.step == res.first_step), key=lambda r: -r.ratio)
+            nd = res.noise
+            limit = f"counts above {nd.critical:.3g}" if nd.critical is not None else "compared exactly"
+            console.print(f"beyond the noise at step {res.first_step} (B's deviation in standard deviations of A and "
+                          f"its {nd.repeats} repeat(s); {limit}):")
+            rows = sorted((r for r in nd.exceeded if r.step == res.first_step), key=lambda r: -r.score)
             for r in rows[:_SHOWN]:
                 console.print(f"  {r.kind} {r.name} ({r.measure}): |B - A| {r.difference:.3g}, spread "
-                              f"{r.spread:.3g}, {r.ratio:.3g}x", soft_wrap=True, markup=False)
+                              f"{r.spread:.3g}, score {r.score:.3g}", soft_wrap=True, markup=False)
+        if res.noise is not None and res.noise.tests:
+            console.print(f"false-alarm rate: at most {res.noise.alpha * 100:g}% over the whole run "
+                          f"({res.noise.tests} tests against {res.noise.repeats} repeat(s))")
         if res.first_scalar_diff and res.noise is None:
             console.print(f"first differing scalar: {res.first_scalar_diff[1]} at step {res.first_scalar_diff[0]}")
     return int(args.verdict)
@@ -106,7 +116,7 @@ def _as_json(res: Any) -> dict[str, Any]:
         "config": [{"key": k, "a": a, "b": b} for k, a, b in res.config], "rank": res.rank,
         "notes": res.notes, "rng": [asdict(d) for d in res.rng], "ignored": res.ignored,
         "noise": None if res.noise is None else {
-            "repeats": res.noise.repeats, "factor": res.noise.factor, "first_noisy_step": res.noise.first_noisy_step,
-            "state_left_out": res.noise.state_left_out,
-            "rows": [{**asdict(r), "ratio": r.ratio} for r in res.noise.rows]},
+            "repeats": res.noise.repeats, "alpha": res.noise.alpha, "tests": res.noise.tests,
+            "critical": res.noise.critical, "first_noisy_step": res.noise.first_noisy_step,
+            "state_left_out": res.noise.state_left_out, "rows": [asdict(r) for r in res.noise.rows]},
     }
