@@ -237,3 +237,82 @@ def test_sam_base_optimizer_given_is_recorded(tmp_path: Path) -> None:
     assert run.steps == [0, 1, 2, 3, 4, 5]
     for t, snap in enumerate(snaps):
         assert_run_matches(run, t, snap)
+
+
+# -- classes named by module and qualified name: transformers' Adafactor -------------------
+
+
+def _adafactor_run(path: Path, steps: int = 6, **options: Any) -> tuple[nn.Module, Any]:
+    from transformers.optimization import Adafactor
+
+    model = tiny_model()
+    opt = Adafactor(model.parameters(), lr=1e-2, relative_step=False, scale_parameter=False, warmup_init=False)
+    with stepdump.Recorder(path, model, opt, **options):
+        for t in range(steps):
+            x, y = tiny_batch(t)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return model, opt
+
+
+def test_transformers_adafactor_gradient_log_is_not_rebuilt_with_torchs(tmp_path: Path, caplog: Any) -> None:
+    """torch.optim has an Adafactor too: a gradient log of transformers' must not be re-applied with
+    torch's (it was, by bare name: KeyError 'd'). The recording says at once that it cannot be
+    rebuilt, and a read between keyframes is refused naming the class by module."""
+    from stepdump.errors import RebuildError
+
+    with caplog.at_level("WARNING"):
+        _adafactor_run(tmp_path / "r", gradient_log=4)
+    run = stepdump.open(tmp_path / "r")
+    assert run.meta["classes"]["optimizer"] == "transformers.optimization:Adafactor"
+    warned = [r.getMessage() for r in caplog.records if "transformers.optimization.Adafactor" in r.getMessage()]
+    assert len(warned) == 1 and "gradient_log" in warned[0], warned
+    with pytest.raises(RebuildError, match=r"transformers\.optimization\.Adafactor.*not a torch\.optim class"):
+        run.tensor("0.weight", 2)
+    assert run.tensor("0.weight", 4).shape == (16, 8)  # a keyframe reads as recorded
+
+
+def test_restore_checks_the_class_by_module(tmp_path: Path) -> None:
+    """A run of transformers' Adafactor restores into transformers' Adafactor, bitwise, and is
+    refused for torch.optim.Adafactor (same bare name), naming both classes."""
+    from transformers.optimization import Adafactor
+
+    from stepdump.errors import RestoreMismatchError
+
+    model, opt = _adafactor_run(tmp_path / "r", steps=3)
+    run = stepdump.open(tmp_path / "r")
+    fresh = tiny_model(seed=3)
+    with pytest.raises(RestoreMismatchError, match=r"transformers\.optimization\.Adafactor.*torch\.optim"):
+        run.restore(3, fresh, torch.optim.Adafactor(fresh.parameters(), lr=1e-2), rng=False)
+    again = Adafactor(fresh.parameters(), lr=1e-2, relative_step=False, scale_parameter=False, warmup_init=False)
+    run.restore(3, fresh, again, rng=False)
+    assert_run_matches(run, 3, snapshot(fresh, again), kinds=("params", "optimizer"))
+    assert_run_matches(run, 3, snapshot(model, opt), kinds=("params", "optimizer"))
+
+
+def test_runs_that_name_classes_bare_still_read_and_restore(tmp_path: Path) -> None:
+    """A run recorded before classes were named by module (meta without ``classes``): its gradient
+    log is rebuilt with the torch.optim class of that name, and restore checks the bare name."""
+    from helpers import catalog_sql
+
+    from stepdump.errors import RestoreMismatchError
+
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    snaps = []
+    with stepdump.Recorder(tmp_path / "r", model, opt, gradient_log=4):
+        for t in range(5):
+            x, y = tiny_batch(t)
+            nn.functional.mse_loss(model(x), y).backward()
+            snaps.append(snapshot(model, opt))
+            opt.step()
+            opt.zero_grad()
+    assert catalog_sql(tmp_path / "r", "DELETE FROM meta WHERE key = 'classes' RETURNING key") == [("classes",)]
+    run = stepdump.open(tmp_path / "r")
+    assert "classes" not in run.meta
+    assert_run_matches(run, 2, snaps[2])
+    fresh = tiny_model(seed=3)
+    with pytest.raises(RestoreMismatchError, match="AdamW"):
+        run.restore(2, fresh, torch.optim.AdamW(fresh.parameters()), rng=False)
+    run.restore(2, fresh, torch.optim.Adam(fresh.parameters()), rng=False)

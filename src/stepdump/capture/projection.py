@@ -27,6 +27,7 @@ import torch
 
 from stepdump.capture.options import RingSchedule, Schedule
 from stepdump.capture.selection import StepSet
+from stepdump.core.classes import is_torch_optimizer
 from stepdump.core.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def state_factor(optimizer: torch.optim.Optimizer) -> int:
     ``SGD`` keeps a momentum buffer only with ``momentum`` set; others come from a table
     of torch's optimizers, so a step-0 estimate counts the state the first step creates.
     """
-    name = type(optimizer).__name__
+    # torch.optim's own classes only: another library's Adam (or Adafactor) keeps other state.
+    name = type(optimizer).__name__ if is_torch_optimizer(type(optimizer)) else ""
     if name == "SGD":
         return int(any(g.get("momentum", 0) for g in optimizer.param_groups))
     return _STATE_FACTOR.get(name, 0)

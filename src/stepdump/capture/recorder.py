@@ -44,6 +44,7 @@ from stepdump.capture.lean import LeanCapture
 from stepdump.capture.step_state import StateBefore
 from stepdump.capture.profiling import BackgroundClock, ThreadWaits, span, timed
 from stepdump.capture.projection import log_start as log_projection
+from stepdump.capture.rebuildable import warn_if_unrebuildable
 from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import auto_scalars, profile_scalars, scalar_rows
 from stepdump.capture.selection import Levels, NameFilter
@@ -247,6 +248,8 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._final = FinalRecord(*init_catalog(self.path, meta, opts.resume, opts.start_step))  # for close()
         self._step = self._final.first
         log_projection(self.path, layout, self.optimizer, self.kinds, self._filter, sched, self._step)
+        if isinstance(sched, _options.GradientLogSchedule):
+            warn_if_unrebuildable(self.optimizer)  # said now, not at read time (rebuildable.py)
         self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0), None if ring else store.staging_bytes)
         self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
         self._asm = Assembler(layout, self.optimizer, self.scheduler, self.scaler, self.kinds, self._filter,

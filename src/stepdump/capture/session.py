@@ -126,6 +126,7 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
     """What a new run's catalog says about how it was recorded (FORMAT.md, ``meta``); ``extra``:
     the target's (``distributed``, ``url``)."""
     from stepdump.capture.extra import extra_meta
+    from stepdump.core.classes import classes_meta
     from stepdump.capture.options import GradientLogSchedule, schedule_meta
 
     for key in layout.not_recorded:
@@ -135,6 +136,9 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
         "model_class": type(model).__name__,
         "optimizer_class": type(optimizer).__name__,
         "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
+        # The classes by module and qualified name (the bare names above are for display): torch's
+        # Adafactor is not transformers' (core/classes.py).
+        "classes": classes_meta(model, optimizer, scheduler),
         "scaler": scaler is not None,
         "capture": list(options.record.capture),
         **schedule_meta(options.schedule),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stepdump.core.classes import torch_optimizer
 from stepdump.core.hashing import XXH3
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
@@ -83,7 +84,10 @@ def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, tuple[A
 def start_chain(engine: GradientLog, blobs: BlobReader, k: int) -> Chain:
     """Stand-in params and a fresh optimizer loaded with keyframe ``k``."""
     run = engine._run
-    cls = getattr(torch.optim, run.meta["optimizer_class"])  # refusal() checked it is one
+    cls = torch_optimizer(run.meta)
+    if cls is None:  # refusal_of() refuses it before
+        raise RebuildError(f"{run.path}: the optimizer it recorded is not a torch.optim class; only keyframes "
+                           "are readable")
     state = run.step_state(k)
     groups = [list(g["params"]) for g in recorded_groups(run, k, state)]
     hyper = [dict(g["hyper"]) for g in recorded_groups(run, k, state)]

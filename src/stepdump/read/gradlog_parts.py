@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from stepdump.core.classes import described, torch_optimizer
 from stepdump.core.hashing import fingerprint
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
@@ -254,12 +255,13 @@ def copied(snap: Snapshot) -> Snapshot:
 
 def refusal_of(run: Run) -> RebuildError | None:
     """Why ``run``'s optimizer cannot be re-run at all (None: it can)."""
-    name = run.meta.get("optimizer_class")
-    cls = getattr(torch.optim, name, None) if isinstance(name, str) else None
+    cls = torch_optimizer(run.meta)  # by module and qualified name (core/classes.py), never imported
     where = f"{run.path} (a gradient log)"
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        return RebuildError(f"{where} was recorded with optimizer {name!r}, which is not a torch.optim class, so "
-                            "its updates cannot be re-applied here; only keyframes are readable")
+    if cls is None:
+        return RebuildError(f"{where} was recorded with optimizer {described(run.meta, 'optimizer')}, which is not "
+                            "a torch.optim class, so its updates cannot be re-applied here; only keyframes are "
+                            "readable")
+    name = cls.__name__
     closure = inspect.signature(cls.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         return RebuildError(f"{where} was recorded with {name}, which re-evaluates the loss inside step() (a "
