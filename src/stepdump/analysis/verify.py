@@ -15,7 +15,11 @@ from stepdump.core.hashing import XXH3, fingerprint_bytes_as
 from stepdump.core.sparse import from_raw_bytes
 from stepdump.errors import CorruptDataError, StepdumpError
 from stepdump.read.blobs import check_layout
+from stepdump.store import bounded_json
 from stepdump.store.format import sparse_values_dtype
+
+#: Steps whose recorded states are read from the catalog at a time (each a few KiB of JSON).
+_STATE_BATCH = 1000
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,33 @@ def _verify_store(run: Any, progress: Callable[[int, int], None] | None) -> Veri
         report.blobs_checked += 1
         if progress is not None:
             progress(i + 1, len(ids))
+    _verify_states(run, report)
     _verify_gradient_log(run, report)
     return report
+
+
+def _verify_states(run: Any, report: VerifyReport) -> None:
+    """Every step's recorded state (groups, scheduler, scaler, RNG, batch skeleton: typed JSON in
+    the catalog) must parse, within the bounds every reader applies, to an object: a malformed
+    one makes ``state_dict``, ``restore`` and ``diff`` refuse that step."""
+    cat = run.catalog
+    try:
+        steps = run.all_steps
+        for first in range(0, len(steps), _STATE_BATCH):
+            chunk = steps[first:first + _STATE_BATCH]
+            for step, _skipped, text in cat.step_block(chunk[0], chunk[-1]):
+                if text is None:
+                    continue
+                try:
+                    if not isinstance(text, (str, bytes)):
+                        raise CorruptDataError(f"it is a {type(text).__name__}, not JSON text")
+                    tree = bounded_json.loads(text, "it")
+                    if not isinstance(tree, dict):
+                        raise CorruptDataError(f"it is a JSON {type(tree).__name__}, not an object")
+                except CorruptDataError as e:
+                    report.problems.append(Problem(f"step {step}", f"its recorded state cannot be read: {e}"))
+    except CorruptDataError as e:
+        report.problems.append(Problem("catalog", f"its step states cannot be listed: {e}"))
 
 
 def _verify_gradient_log(run: Any, report: VerifyReport) -> None:

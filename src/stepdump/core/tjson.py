@@ -186,6 +186,13 @@ def dumps(tree: Any) -> str:
 def loads(text: str | bytes, where: str = "a recorded state") -> Any:
     """Parse stored typed JSON with size and depth bounds (store/bounded_json.py): a tree nested
     too deep for :func:`decode` is a CorruptDataError, never a RecursionError."""
+    from stepdump.errors import CorruptDataError
     from stepdump.store import bounded_json
 
-    return bounded_json.loads(text, where)
+    if not isinstance(text, (str, bytes)):
+        raise CorruptDataError(f"{where} is not JSON text but {type(text).__name__}; `stepdump verify` lists "
+                               "every step whose state is damaged")
+    try:
+        return bounded_json.loads(text, where)
+    except CorruptDataError as e:
+        raise CorruptDataError(f"{e}; `stepdump verify` lists every step whose state is damaged") from None

@@ -56,9 +56,11 @@ def check_writable(run: Any) -> Path:
     if len(stores) != 1 or stores[0][0] is not None:
         raise ConfigError(f"{run.path} holds one store per rank: write back into one rank's store, "
                           "stepdump.open('<run>/rank-N')")
-    if run.meta.get("bundle") is not None:
-        raise ConfigError(f"{run.path} is a bundle (a read-only snapshot of step {run.meta['bundle'].get('step')}"
-                          f" of {run.meta['bundle'].get('source')}): write-back is refused, so that a bundle "
+    made = run.meta.get("bundle")
+    if made is not None:  # whatever the value (a damaged one too): a bundle is never written to
+        what = (f"a read-only snapshot of step {made.get('step')} of {made.get('source')}" if isinstance(made, dict)
+                else "a read-only snapshot of one step; its meta.bundle is damaged")
+        raise ConfigError(f"{run.path} is a bundle ({what}): write-back is refused, so that a bundle "
                           "stays the record it was made from; write back into the source run instead")
     # Checked now, before any re-execution runs (write_back takes the lock again to write).
     probe = RunLock(run.path)
