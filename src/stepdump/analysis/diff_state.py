@@ -22,7 +22,7 @@ from typing import Any
 from stepdump.analysis.diff_values import TensorDiff
 from stepdump.core import tjson
 from stepdump.errors import CorruptDataError
-from stepdump.store.format import STATE_OUTSIDE_OPTIMIZER
+from stepdump.store.format import STATE_AFTER_UPDATE, STATE_FORWARD_RNG, STATE_OUTSIDE_OPTIMIZER
 
 #: The stages of one iteration, earliest cause first.
 STAGES = ("hyperparameters", "rng", "batch", "params", "forward", "grads", "optimizer")
@@ -166,7 +166,10 @@ def state_differences(step: int, sa: dict[str, Any], sb: dict[str, Any], fa: Sta
     found: list[Difference] = []
     both: set[str] = set()
     for key in sorted(sa.keys() | sb.keys()):
-        if key == STATE_OUTSIDE_OPTIMIZER:  # where a gradient log stored params: storage, not the training
+        # Where params changed outside the optimizer were stored, and what replay needs (each forward's
+        # RNG, what the update left in edited params): storage, not the training; what they change shows
+        # in the loss, grads and params.
+        if key in (STATE_OUTSIDE_OPTIMIZER, STATE_AFTER_UPDATE, STATE_FORWARD_RNG):
             continue
         stage = "rng" if key == "rng" else "batch" if key == "batch" else "hyperparameters"
         if key not in sa or key not in sb:

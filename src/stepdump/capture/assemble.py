@@ -26,6 +26,7 @@ from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
 from stepdump.capture.step_state import StateBefore, full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch
+from stepdump.store.format import STATE_AFTER_UPDATE
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, OwnedCopier, Slot, Stager
 from stepdump.capture.structure import StructureWatch, structure_change
@@ -60,8 +61,9 @@ class Assembler:
         self._group_sizes = group_sizes(self.optimizer)
         if self.gradlog:
             self.lean.optimizer_every = 1
-        # A gradient log derives params from the updates: one changed outside the optimizer is stored.
-        self.watch = ParamWatch() if self.gradlog and "params" in self.kinds else None
+        # A param changed outside the optimizer is stored where it changed: a gradient log derives
+        # params from the updates, and a re-execution compares an update's output with it (outside.py).
+        self.watch = ParamWatch(strict=self.gradlog) if "params" in self.kinds else None
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
         self._selected_of: tuple[Layout, list[tuple[str, torch.Tensor]], list[tuple]] | None = None
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
@@ -73,12 +75,18 @@ class Assembler:
         self.changed_at: int | None = None
 
     def _watched(self) -> dict[str, torch.Tensor]:
-        return {n: p for n, p in self.layout.params.items() if self.selected(n)}
+        """The selected params, made once per layout (a name match per param at every step added
+        a Python call per param to both hashing moments)."""
+        kept = getattr(self, "_watched_of", None)
+        if kept is None or kept[0] is not self.layout:
+            kept = self._watched_of = (self.layout, {n: p for n, p in self.layout.params.items() if self.selected(n)})
+        return kept[1]
 
-    def after_update(self) -> None:
-        """The update is over (optimizer post-hook): note what it left in the params (outside.py)."""
+    def after_update(self, next_recorded: bool = True) -> None:
+        """The update is over (optimizer post-hook): note what it left in the params (outside.py).
+        ``next_recorded``: the next step has a record to compare with (else nothing is hashed)."""
         if self.watch is not None:
-            self.watch.after_update(self._watched())
+            self.watch.after_update(self._watched() if next_recorded or self.gradlog else None)
 
     def outside(self, step: int) -> tuple[dict[str, int], list[str]]:
         """Before update ``step``: the recorded params' fingerprints, and the names of those changed
@@ -86,6 +94,13 @@ class Assembler:
         if self.watch is None:
             return {}, []
         return self.watch.before_update(step, self._watched())
+
+    def edits_state(self, outside: list[str]) -> dict[str, Any]:
+        """A record's state keys for the params ``outside`` changed since the last update: their
+        names, and what the update left in them (FORMAT.md); nothing when none changed."""
+        if not outside or self.watch is None:
+            return {}
+        return {STATE_KEY: outside, STATE_AFTER_UPDATE: self.watch.left(outside)}
 
     def refresh_layout(self, model: torch.nn.Module, step: int,
                        begin: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -174,11 +189,10 @@ class Assembler:
             entries = [(*e[:3], True, *e[4:]) if e[0] == "params" and e[1] in outside else e for e in entries]
         if full:
             entries = self.frozen_entries(entries)
-        if full or self.keyframes or self.gradlog:
+        if full or self.keyframes or self.gradlog or outside:
             state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler, opt_state) \
                 if full or self.gradlog else {}
-            if outside:
-                state[STATE_KEY] = outside
+            state.update(self.edits_state(outside))
             # Extra state at full steps; a gradient log's other steps get its stats and fingerprints.
             extra = take_extra(self.extra, full, entries) if self.extra and (full or self.gradlog) else None
             msg.state_json = state_json(state, begin, batch, entries, extra)

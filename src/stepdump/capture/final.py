@@ -23,7 +23,6 @@ import torch
 from stepdump.capture.assemble import Assembler
 from stepdump.capture.extra import take as take_extra
 from stepdump.capture.step_state import full_state, state_json, tensor_entries
-from stepdump.capture.outside import STATE_KEY
 from stepdump.capture.staging import StagingPool
 from stepdump.capture.writer import StepMessage, Writer
 from stepdump.core import rng as _rng
@@ -114,8 +113,7 @@ class FinalRecord:
         extra = take_extra(asm.extra, True, entries) if asm.extra else None
         state = full_state(asm.layout, asm.optimizer, asm.scheduler, asm.scaler)
         _, outside = asm.outside(step)  # changed since the last update: verify takes them as stored
-        if outside:
-            state[STATE_KEY] = outside
+        state.update(asm.edits_state(outside))
         msg = StepMessage(step=step, level=LEVEL_FULL, meta={**meta, "final_step": step})
         msg.state_json = state_json(state, {"rng": self.rng.state()}, None, entries, extra)
         msg.slot = slot = pool.acquire(lambda: writer.error)

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from stepdump.capture.step_state import begin_state
-from stepdump.store.format import LEVEL_NONE, LEVEL_STATS
+from stepdump.core.rng import get_rng_state
+from stepdump.store.format import LEVEL_NONE, LEVEL_STATS, STATE_FORWARD_RNG
 
 if TYPE_CHECKING:
     from stepdump.capture.assemble import Assembler
@@ -112,8 +113,6 @@ def eval_ended() -> None:
     """A recorded model finished a forward with grad disabled: the RNG after it is the start RNG."""
     if not _LIVE:
         return
-    from stepdump.core.rng import get_rng_state
-
     rng = get_rng_state()
     for r in list(_LIVE):
         r._loop_eval_ended(rng)
@@ -162,6 +161,14 @@ class IterationStart:
                 self._asm.follow(self.model, t, self._begin)
             except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
                 self._fail(e, "forward pre-hook")
+        if self._begin is not None and not self._guard.stopped:
+            # The RNG each training forward starts from: a draw between the iteration's start and a
+            # forward (nanoGPT's get_batch, an augmentation) is not redone by a re-execution or a
+            # replay that is handed the recorded batch, so they set it here (FORMAT.md, forward_rng).
+            try:
+                self._begin.setdefault(STATE_FORWARD_RNG, []).append(get_rng_state())
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward pre-hook")
         if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
             try:
                 self._lean.forward_started(t, lambda: self._asm.entries(False, step=t), again)
@@ -198,10 +205,13 @@ class IterationStart:
         if self._closed or self._guard.stopped or self._begin is None:
             return
         try:
-            kept = self._begin["rng"]
+            kept, forwards = self._begin["rng"], self._begin.get(STATE_FORWARD_RNG)
             self._begin_iteration(self._step)
-            if not rng and self._begin is not None:
-                self._begin["rng"] = kept
+            if self._begin is not None:
+                if not rng:
+                    self._begin["rng"] = kept
+                if forwards:  # the iteration's forwards so far keep their RNG states
+                    self._begin[STATE_FORWARD_RNG] = forwards
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "start of an iteration")
 

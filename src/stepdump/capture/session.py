@@ -144,8 +144,12 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
         **schedule_meta(options.schedule),
         # The recorder stores params changed outside the optimizer (capture/outside.py): a reader
         # of a log without this key knows such a change may be what a rebuild cannot reproduce.
-        **({"outside_edits": "stored"} if isinstance(options.schedule, GradientLogSchedule)
-           and "params" in options.record.capture else {}),
+        # Every mode watches since re-execution tells an update's output from the loop's edit: "watched"
+        # (each changed param named at the step it changed, with what the update left in it).
+        **({"outside_edits": "stored" if isinstance(options.schedule, GradientLogSchedule) else "watched"}
+           if "params" in options.record.capture else {}),
+        # The RNG state at each training forward is in the state of every step that holds an RNG state.
+        "forward_rng": "recorded",
         "codec": options.store.codec,
         "device": str(next(iter(layout.params.values())).device) if layout.params else "cpu",
         "layout": layout.to_meta(),

@@ -79,10 +79,12 @@ def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, 
     """The record's typed-JSON state (FORMAT.md); its tensors are appended to ``entries`` as kind ``state``.
     ``extra``: the extra state's tree, already encoded (capture/extra.py), stored as it is."""
     from stepdump.core import tjson
-    from stepdump.store.format import STATE_EXTRA
+    from stepdump.store.format import STATE_EXTRA, STATE_FORWARD_RNG
 
     if begin is not None:
         state["rng"] = begin["rng"]
+        if begin.get(STATE_FORWARD_RNG):
+            state[STATE_FORWARD_RNG] = begin[STATE_FORWARD_RNG]
     if batch is not None:
         state["batch"] = batch
 

@@ -99,3 +99,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([c.to(torch.uint8) for c in cuda])
+
+
+class ForwardRng:
+    """Sets the RNG recorded at each training forward of an iteration (state ``forward_rng``) at
+    the same forward of a re-run: the model's forward pre-hook, grad enabled, in order.
+
+    A re-run handed the recorded batch does not redo the draws the loop made between the start of
+    the iteration and a forward (nanoGPT's ``get_batch``, an augmentation), so without this each
+    forward's dropout would draw other numbers. ``seen`` counts the training forwards of the last
+    iteration; ``matched`` says whether they were as many as recorded (every one replayed).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._states: list[dict[str, Any]] = []
+        self.seen = 0
+        # prepend: before the user's own pre-hooks, as the Recorder's hook saw the RNG before them
+        self._handle = model.register_forward_pre_hook(self._pre, prepend=True)
+
+    def start(self, states: list[dict[str, Any]] | None) -> None:
+        """An iteration begins: its recorded forward RNG states (None or empty: none to set)."""
+        self._states, self.seen = list(states or []), 0
+
+    @property
+    def matched(self) -> bool:
+        return bool(self._states) and self.seen == len(self._states)
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self.seen < len(self._states):
+            set_rng_state(self._states[self.seen])
+        self.seen += 1
+
+    def remove(self) -> None:
+        self._handle.remove()

@@ -27,7 +27,7 @@ import torch
 from stepdump.core import tjson
 from stepdump.core.hashing import XXH3, fingerprint, fingerprint_as
 from stepdump.core.layout import build_layout
-from stepdump.core.rng import set_rng_state
+from stepdump.core.rng import ForwardRng, get_rng_state, set_rng_state
 from stepdump.core.sparse import as_recorded
 from stepdump.errors import (
     ConfigError,
@@ -36,6 +36,7 @@ from stepdump.errors import (
     nearest_steps,
 )
 from stepdump.read.rows import fp_kind_map
+from stepdump.store.format import STATE_FORWARD_RNG, STATE_OUTSIDE_OPTIMIZER
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
@@ -52,6 +53,9 @@ class ReplayResult:
     keyframe: int
     tensors: dict[Key, torch.Tensor] = field(default_factory=dict)
     steps_replayed: int = 0
+    #: The RNG state at the start of iteration ``step`` as the replay reached it (recorded, or, at a
+    #: step that holds none, the one the verified replayed iterations left).
+    rng: dict[str, Any] | None = None
 
     def tensor(self, name: str, kind: str = "params") -> torch.Tensor:
         try:
@@ -66,7 +70,7 @@ class _Stop(Exception):
 
 def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_step: TrainStep,
            scheduler: Any = None, scaler: Any = None, *, verify: bool = True,
-           verify_step_grads: bool = True) -> ReplayResult:
+           verify_step_grads: bool = True, batches: bool = True) -> ReplayResult:
     """Rebuild step ``step`` of ``run`` into ``model`` / ``optimizer`` (and scheduler, scaler).
 
     Args:
@@ -82,6 +86,9 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         verify: Check every replayed step against the recorded fingerprints.
         verify_step_grads: Also check the grads of ``step`` itself (re-execution compares them
             on its own, to tell a step that differs from its record from a replay that diverged).
+        batches: Every replayed step needs its recorded batch. False (a lean run, which stores
+            none): ``train_step`` gets ``None`` where no batch was stored and draws its own, as the
+            recorded loop did; the fingerprint checks at every step say whether it drew the same.
 
     Returns:
         The rebuilt tensors of ``step`` (``result.tensor(name, kind)``). The run
@@ -111,18 +118,24 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
             raise _Stop
 
     handle = optimizer.register_step_pre_hook(pre_hook)
+    forwards = ForwardRng(model)
     try:
         for t in range(k, step + 1):
             state["t"], state["fired"] = t, False
             st = run.step_state(t) if t == k or _has_state(run, t) else {}
-            if "batch" not in st:
+            if "batch" not in st and batches:
                 raise ConfigError(
                     f"step {t} has no recorded batch: record with keyframe_every=K and call rec.log_batch(batch) "
                     "every iteration"
                 )
+            if t > k:
+                _apply_edits(run, t, st, layout)
             if "rng" in st:
                 set_rng_state(st["rng"])
-            batch = recorded_batch(run, t, st)
+            if t == step:
+                result.rng = st["rng"] if "rng" in st else get_rng_state()
+            forwards.start(st.get(STATE_FORWARD_RNG))
+            batch = recorded_batch(run, t, st) if "batch" in st else None
             try:
                 train_step(model, optimizer, batch)
             except _Stop:
@@ -135,11 +148,23 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
                 )
     finally:
         handle.remove()
+        forwards.remove()
     # Like restore, leave the RNG at the start of iteration ``step``.
-    st = run.step_state(step)
-    if "rng" in st:
-        set_rng_state(st["rng"])
+    if result.rng is not None:
+        set_rng_state(result.rng)
     return result
+
+
+def _apply_edits(run: Run, t: int, st: dict[str, Any], layout: Any) -> None:
+    """Record ``t`` names params the loop changed after update ``t-1`` (a clamp, a Lookahead sync):
+    set them to their stored values, as the loop did, before iteration ``t`` is replayed."""
+    for name in st.get(STATE_OUTSIDE_OPTIMIZER) or []:
+        p = layout.params.get(name)
+        if p is None:
+            raise ReplayDiverged(f"replaying step {t}: the recording changed param {name!r} before this step, "
+                                 "but the model given has no such param")
+        with torch.no_grad():
+            p.copy_(run.tensor(name, t, kind="params"))
 
 
 def batch_calls(names: Any) -> list[int]:

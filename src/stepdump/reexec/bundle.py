@@ -96,6 +96,9 @@ def bundle(run: Any, step: int, path: str | Path, *, model: torch.nn.Module | No
     gradient log (a keyframe run between keyframes: the step is replayed, each replayed step
     verified). Raises StepNotFoundError when the run cannot give the step's state or batch.
     """
+    from stepdump.reexec.verdict import refuse_joint
+
+    refuse_joint(run, "bundled")
     stores = list(run.stores())
     if len(stores) != 1 or stores[0][0] is not None:
         raise ConfigError(f"{run.path} holds one store per rank: bundle one rank's store, "

@@ -24,11 +24,12 @@ from stepdump.core import tjson
 from stepdump.core.hashing import XXH3, fingerprint, fingerprint_as
 from stepdump.core.layout import build_layout
 from stepdump.core.optrace import OpRecord, OpTracer
-from stepdump.core.rng import get_rng_state, set_rng_state
+from stepdump.core.rng import ForwardRng, get_rng_state, set_rng_state
 from stepdump.errors import BatchMismatchError, ConfigError, ReplayDiverged, StepNotFoundError
 from stepdump.read.replay import _live_tensors, batch_calls, recorded_batch, replay
 from stepdump.read.rows import fp_kind_map
 from stepdump.reexec.capture import Captured, capturing
+from stepdump.store.format import STATE_AFTER_UPDATE, STATE_FORWARD_RNG, STATE_OUTSIDE_OPTIMIZER
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
 Key = tuple[str, str]
@@ -50,6 +51,8 @@ class Execution:
 
     fps: dict[Key, int] = field(default_factory=dict)
     ops: OpTracer | None = None
+    forwards: int = 0  # training forwards the iteration made
+    forward_rng: bool = False  # each of them started from the RNG recorded at that forward
     captured: Captured | None = None  # activations / activation grads of the modules asked for (capture.py)
 
 
@@ -67,10 +70,18 @@ class Prepared:
     #: (kind, name) -> fingerprint kind of the run's series that are not xxh3: every execution
     #: fingerprints a tensor under its series' kind, so it compares with the record like for like.
     fp_kinds: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: The RNG state at each training forward of the step, as recorded (empty: not recorded).
+    forward_rng: list[dict[str, Any]] = field(default_factory=list)
+    #: Params the loop changed after this step's update, before the next record: name -> the
+    #: exact (xxh3) fingerprint of what the update left in them (compared instead of record k+1's).
+    edited: dict[str, int] = field(default_factory=dict)
+    #: The state was reached through a verified replay or restore (not taken from the objects as given).
+    verified: bool = True
 
     def fingerprint(self, kind: str, name: str, t: torch.Tensor) -> int:
-        """``t``'s fingerprint under the kind of the run's series (``kind``, ``name``)."""
-        fk = self.fp_kinds.get((kind, name), XXH3)
+        """``t``'s fingerprint under the kind of the run's series (``kind``, ``name``); an edited
+        param's output under xxh3, the kind of the ``after_update`` fingerprints."""
+        fk = XXH3 if kind == "params" and name in self.edited else self.fp_kinds.get((kind, name), XXH3)
         return fingerprint(t) if fk == XXH3 else fingerprint_as(fk, t)
 
 
@@ -143,28 +154,47 @@ def _live_matches(run: Any, step: int, model: torch.nn.Module, optimizer: torch.
         not [k for k in recorded if k not in live]
 
 
+def edits_after(run: Any, step: int) -> dict[str, int]:
+    """Params the loop changed between update ``step`` and record ``step + 1`` (that record's state
+    ``outside_optimizer``), with what the update left in them (``after_update``; FORMAT.md)."""
+    st = _state_of(run, step + 1) if step + 1 in set(run.stats_steps) else {}
+    after = st.get(STATE_AFTER_UPDATE) or {}
+    return {n: int(after[n]) for n in st.get(STATE_OUTSIDE_OPTIMIZER) or [] if n in after}
+
+
 def prepare(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_step: TrainStep,
             scheduler: Any = None, scaler: Any = None) -> Prepared:
     """Put the objects in the state of record ``step`` and keep a copy of it for the repeats."""
     notes: list[str] = []
+    verified, replayed = True, None  # replayed: the start RNG of the step as a replay reached it
+    keyframes = [s for s in run.steps if s <= step]
     if step in run.steps or (run.gradient_log is not None and step in run.stats_steps):
         run.restore(step, model, optimizer, scheduler, scaler)
         how = "restored (a gradient-log run: rebuilt and verified)" if run.gradient_log is not None \
             else "restored (stored in full)"
-    elif [s for s in run.steps if s <= step] and _state_of(run, step).get("batch") is not None:
+    elif keyframes and _state_of(run, step).get("batch") is not None:
         res = replay(run, step, model, optimizer, train_step, scheduler, scaler, verify_step_grads=False)
         how = f"replayed from keyframe {res.keyframe} ({res.steps_replayed} iterations, each verified)"
+        replayed = res.rng
     elif _live_matches(run, step, model, optimizer):
         how = "the objects given already hold the step's state (every recorded fingerprint matches)"
+        verified = False
+    elif keyframes:  # a lean run: no batches stored; train_step(model, optimizer, None) draws its own
+        res = replay(run, step, model, optimizer, train_step, scheduler, scaler, verify_step_grads=False,
+                     batches=False)
+        how = (f"replayed from step {res.keyframe} with train_step drawing its own batches (none stored; "
+               f"{res.steps_replayed} iterations, each checked against its recorded fingerprints)")
+        replayed = res.rng
     else:
         raise StepNotFoundError(
             f"step {step} of {run.path} cannot be rebuilt: it is not stored in full, not in a gradient log, and no "
-            "keyframe before it has the batches to replay from; record with keyframe_every=K or gradient_log=K "
+            "step before it is stored in full to replay from; record with keyframe_every=K or gradient_log=K "
             "(and rec.log_batch), or pass objects that already hold the step's state")
-    rng = _state_of(run, step).get("rng")
+    state = _state_of(run, step)
+    rng = state.get("rng") or replayed  # at a step with none: the one a verified replay reached
     if rng is None:
-        notes.append(f"the RNG state of step {step} was not recorded: every repeat starts from this process's RNG "
-                     "as it is now, so a step that draws random numbers (dropout) may differ from the record")
+        notes.append(f"the RNG state of step {step} was not recorded: every repeat starts from this process's "
+                     "RNG as it is now, so a step that draws random numbers (dropout) may differ from the record")
         rng = get_rng_state()
     for p in model.parameters():
         p.grad = None  # replay stops with the step's grads in place; an iteration starts without them
@@ -173,7 +203,8 @@ def prepare(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.
         optimizer_state=copy.deepcopy(optimizer.state_dict()),
         scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
         scaler_state=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
-        rng=rng, notes=notes, fp_kinds=fp_kind_map(run.catalog))
+        rng=rng, notes=notes, fp_kinds=fp_kind_map(run.catalog), forward_rng=list(state.get(STATE_FORWARD_RNG) or []),
+        edited=edits_after(run, step), verified=verified)
 
 
 class _NoStep(Exception):
@@ -182,10 +213,12 @@ class _NoStep(Exception):
 
 def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             train_step: TrainStep, scheduler: Any = None, scaler: Any = None, *, trace: bool = False,
-            source: bool = True, capture: tuple[list[str], list[str]] | None = None) -> Execution:
+            source: bool = True, capture: tuple[list[str], list[str]] | None = None,
+            forward_rng: bool = True) -> Execution:
     """Run the iteration once from ``prep``'s state: grads at the optimizer's pre-hook, params and
     optimizer state after ``train_step`` returns, and its return value as the loss. ``capture``:
-    (activation globs, activation-grad globs) whose modules' outputs and grads are kept."""
+    (activation globs, activation-grad globs) whose modules' outputs and grads are kept.
+    ``forward_rng``: set the RNG recorded at each training forward there (core.rng.ForwardRng)."""
     model.load_state_dict(prep.model_state)
     optimizer.load_state_dict(copy.deepcopy(prep.optimizer_state))
     if scheduler is not None:
@@ -206,6 +239,8 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
                 ex.fps[(GRADS, name)] = prep.fingerprint(kind, name, t)
 
     handle = optimizer.register_step_pre_hook(pre_hook)
+    forwards = ForwardRng(model)
+    forwards.start(prep.forward_rng if forward_rng else None)
     try:
         with ExitStack() as stack:
             if capture is not None and (capture[0] or capture[1]):
@@ -218,10 +253,13 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
                 out = train_step(model, optimizer, batch)
     finally:
         handle.remove()
+        forwards.remove()
+    ex.forwards, ex.forward_rng = forwards.seen, forwards.matched
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         out = out.item()
     if isinstance(out, (int, float)) and not isinstance(out, bool):
-        ex.fps[(LOSS, "loss")] = float_bits(out)
+        # Every NaN alike: a logged NaN is stored as NULL, its sign and payload bits are not kept.
+        ex.fps[(LOSS, "loss")] = float_bits(float("nan") if out != out else out)
     for (kind, name), t in _live_tensors(layout, optimizer).items():
         if kind == "params":
             ex.fps[(PARAMS_AFTER, name)] = prep.fingerprint(kind, name, t)
@@ -236,6 +274,8 @@ def recorded(run: Any, step: int, loss: str | None) -> dict[Key, int]:
     if step + 1 in set(run.stats_steps):
         for (k, n), fp in run.fingerprints(step + 1, kinds=("params", "optimizer")).items():
             out[(PARAMS_AFTER if k == "params" else OPT_AFTER, n)] = fp
+        # The params the loop changed after the update: what the update left in them, not the edit.
+        out.update({(PARAMS_AFTER, n): fp for n, fp in edits_after(run, step).items()})
     if loss is not None:
         for _, name, value in run.scalar_rows(step):
             if name == loss and value is not None:

@@ -1,6 +1,6 @@
 """``stepdump.reexecute``: re-run one recorded step N times and say whether it reproduces.
 
-Three verdicts (docs/reexecute.md), each with its evidence:
+Four verdicts (docs/reexecute.md, "Causes and their evidence"), each with its evidence:
 
 * ``reproduces``: every re-execution equals every other and the record, bit for bit (the loss,
   every grad the update used, every param and optimizer tensor the update left);
@@ -9,8 +9,14 @@ Three verdicts (docs/reexecute.md), each with its evidence:
   output differs while its inputs are equal;
 * ``differs from the record``: the re-executions agree with each other but not with the record.
   Either this host computes differently (the run's meta names another torch, CPU capability,
-  BLAS, thread count or device), or, when all of those are the same, the record itself is
-  suspect: a suspected silent data corruption at record time, named as such.
+  BLAS, thread count or device), or, only when every other explanation was checked and excluded
+  (:func:`evidence`), a suspected silent data corruption at record time; otherwise the causes that
+  could not be excluded are listed, most likely first, and none is named;
+* ``the record is damaged``: a blob the verdict would rest on fails its checksum (the step's and
+  the next record's): nothing is re-executed against bytes that are not what was written.
+
+Params the loop changed between update *k* and record *k+1* (a clamp, an evaluation swap, a
+Lookahead sync) are compared with what update *k* left in them, and named as the loop's edit.
 """
 
 from __future__ import annotations
@@ -24,11 +30,16 @@ import torch
 
 from stepdump.core.host import kernels_meta
 from stepdump.core.optrace import OpRecord, first_op_difference
-from stepdump.errors import ConfigError, StepNotFoundError, nearest_steps
+from stepdump.errors import CorruptDataError, ConfigError, StepNotFoundError, nearest_steps
 from stepdump.reexec import frameworks, ranks
 from stepdump.reexec.capture import module_globs
 from stepdump.reexec.engine import (
+    GRADS,
+    float_bits,
+    LOSS,
+    PARAMS_AFTER,
     Key,
+    recorded_inputs,
     TrainStep,
     check_batch,
     differing,
@@ -41,6 +52,8 @@ from stepdump.reexec.writeback import check_writable
 from stepdump.reexec.writeback import write_back as write_back_into
 
 REPRODUCES, NONDETERMINISTIC, DIFFERS = "reproduces", "nondeterministic", "differs from the record"
+DAMAGED = "the record is damaged"
+CORRUPTION, UNDETERMINED = "suspected corruption at record time", "not determined"
 
 
 @dataclass
@@ -51,7 +64,9 @@ class ReexecResult:
         step: The step re-executed.
         verdict: ``"reproduces"``, ``"nondeterministic"`` or ``"differs from the record"``.
         cause: For a difference from the record: ``"environment"`` (``environment`` lists what
-            differs) or ``"suspected corruption at record time"``; else ``""``.
+            differs), ``"suspected corruption at record time"`` (every other cause excluded, with
+            evidence) or ``"not determined"`` (``unexcluded`` lists what could not be excluded,
+            most likely first); else ``""``.
         first: ``(quantity, name)`` of the first tensor that differs (quantity: ``loss``,
             ``grads``, ``params after the update``, ``optimizer after the update``), or None.
         differing: Every quantity that differs (between re-executions, or from the record).
@@ -65,6 +80,14 @@ class ReexecResult:
         activations, activation_grads: What the modules matching ``activations=`` /
             ``activation_grads=`` computed in the first re-execution, by the Recorder's names.
         written_back: The capture and the verdict were stored into the run (``write_back=True``).
+        edited: Params the loop changed between this step's update and the next record (compared
+            with what the update left in them; the loop's edit is not a difference).
+        unexcluded: For a difference from the record whose cause is not determined: the causes
+            the evidence could not exclude, most likely first.
+        damaged: ``the record is damaged``: each blob that fails its checksum, as ``kind name at
+            step k: why``.
+        forwards: Training forwards of the first re-execution, and whether each one's recorded
+            RNG state was set (``forward_rng``).
     """
 
     step: int
@@ -86,6 +109,11 @@ class ReexecResult:
     rank: int | None = None  # a multi-rank run: the rank this process re-executed (reexec/ranks.py)
     ranks_agree: list[int] = field(default_factory=list)  # ranks whose recorded reduced grads equal it
     ranks_differ: dict[int, Key] = field(default_factory=dict)  # the others: their first differing grad
+    edited: list[str] = field(default_factory=list)
+    unexcluded: list[str] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)
+    forwards: int = 0
+    forward_rng: bool = False
 
     @property
     def reproduces(self) -> bool:
@@ -104,19 +132,35 @@ class ReexecResult:
                 lines.append(f"  first op that differs: {self.op.where()} ({self.op_reason})")
             elif self.op_reason:
                 lines.append(f"  {self.op_reason}")
+        elif self.verdict == DAMAGED:
+            lines[0] = (f"step {self.step}: the record is damaged ({len(self.damaged)} blob(s) fail their checksum); "
+                        "nothing was compared with it")
+            lines.extend(f"  damaged: {d}" for d in self.damaged[:5])
+            lines.append("  run `stepdump verify` on the run for every damaged blob, and restore the run from a copy")
         else:
-            lines[0] = (f"step {self.step}: differs from the record while re-execution is stable "
-                        f"({self.repeats} re-executions agree), first at {first} ({len(self.differing)} in all)")
+            stable = f" while re-execution is stable ({self.repeats} re-executions agree)" if self.repeats > 1 \
+                else " (re-executed once)"
+            lines[0] = f"step {self.step}: differs from the record{stable}, first at {first} ({len(self.differing)} in all)"
             if self.cause == "environment":
                 lines.append("  this host computes differently: " + "; ".join(self.environment))
+            elif self.cause == CORRUPTION:
+                lines.append("  every other cause was checked and excluded (the step's blobs pass their checksums, "
+                             "the state was verified, the batch matches its fingerprint, the RNG of every forward "
+                             "was replayed, no edit between steps, the same torch, CPU capability, BLAS, threads "
+                             "and device, re-executions stable): suspected silent data corruption at record time "
+                             "(the recorded value was not what this code computes from the recorded state and "
+                             "batch)")
             else:
-                lines.append("  torch, CPU capability, BLAS, threads and device all match the recording: suspected "
-                             "silent data corruption at record time (the recorded value was not what this code "
-                             "computes from the recorded state and batch)")
+                lines.append("  cause not determined; not excluded, most likely first:")
+                lines.extend(f"    - {u}" for u in self.unexcluded)
         if self.nan_op is not None:
             lines.append(f"  first NaN/Inf: {self.nan_op.where()}")
             for i, s in enumerate(self.nan_op.input_stats):
                 lines.append(f"    input {i}: {s}")
+        if self.edited:
+            shown = ", ".join(repr(n) for n in self.edited[:3]) + (" ..." if len(self.edited) > 3 else "")
+            lines.append(f"  the loop changed {len(self.edited)} param(s) between update {self.step} and step "
+                         f"{self.step + 1} ({shown}): compared with what the update left in them")
         if self.rank is not None:
             lines.append(ranks.summary_line(self.step, self.rank, self.ranks_agree, self.ranks_differ))
         lines.append(f"  state: {self.how}")
@@ -149,7 +193,8 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
               train_step: TrainStep | None = None, scheduler: Any = None, scaler: Any = None, *, repeat: int = 2,
               batch: Any = None, find_nan: bool = False, trace: bool | None = None,
               loss: str | None = "loss", activations: str | Iterable[str] | None = None,
-              activation_grads: str | Iterable[str] | None = None, write_back: bool = False) -> ReexecResult:
+              activation_grads: str | Iterable[str] | None = None, write_back: bool = False,
+              replay_forward_rng: bool = True) -> ReexecResult:
     """Re-execute step ``step`` of ``run`` ``repeat`` times and compare with the record, bitwise.
 
     Args:
@@ -179,6 +224,10 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
         activations, activation_grads: Module-name globs (as ``Recorder(modules=)`` takes them):
             the outputs, and the grads flowing into them, of the matching modules in the first
             re-execution, on the result by the Recorder's names (``fc1``, ``block/0``, ``block#1``).
+        replay_forward_rng: Set the RNG recorded at each training forward there (the default; a
+            draw between the iteration's start and a forward then cannot change the verdict).
+            False: only the iteration's start RNG is set (what ``train_step`` draws in between is
+            redrawn), and the verdict cannot exclude the RNG as a cause.
         write_back: Store the captured tensors and the verdict (with ``find_nan``'s op) into the
             run, marked as re-executed: ``run.activations(step)``, ``stepdump check`` (rule
             ``reexecution``) and the report show them. A later write-back for the same step
@@ -191,6 +240,7 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
 
     if isinstance(run, (str, os.PathLike)):
         run = open_run(run)
+    refuse_joint(run, "re-executed")
     whole, rank = run, None
     if ranks.is_multi_rank(run):  # each rank re-executes its own step, inside the process group
         run, rank = ranks.select(run)
@@ -211,14 +261,35 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
                                 f"{nearest_steps(step, run.stats_steps)}")
     if batch is not None:
         check_batch(run, step, batch)
+    damaged = damaged_blobs(run, step)
+    if damaged:  # judged before anything is restored from it
+        return ReexecResult(step=step, verdict=DAMAGED, damaged=damaged, how="not re-executed")
     prep = prepare(run, step, model, optimizer, train_step, scheduler, scaler)
+    batch_checked = batch is not None
     if batch is None:
-        batch = stored_batch(run, step, run.step_state(step) if run.catalog.has_state(step) else {})
+        st = run.step_state(step) if run.catalog.has_state(step) else {}
+        if st.get("batch") is None and not recorded_inputs(run, step):
+            # The loop logged no batch: train_step(model, optimizer, None) draws its own, as the
+            # recorded loop did (a verified replay up to here drew the same ones).
+            prep.notes.append(f"no batch was logged at step {step}: train_step was given None and drew its own")
+            batch = None
+        else:
+            batch = stored_batch(run, step, st)
+            if recorded_inputs(run, step):
+                check_batch(run, step, batch)  # the stored batch is the one fingerprinted at record time
+                batch_checked = True
     runs = [execute(prep, batch, model, optimizer, train_step, scheduler, scaler,
-                    trace=bool(trace) or (find_nan and i == 0), capture=globs if i == 0 else None)
+                    trace=bool(trace) or (find_nan and i == 0), capture=globs if i == 0 else None,
+                    forward_rng=replay_forward_rng)
             for i in range(repeat)]
     result = _judge(run, step, prep, runs, batch, model, optimizer, train_step, scheduler, scaler, trace, find_nan,
                     loss, repeat)
+    result.edited = sorted(prep.edited)
+    result.forwards, result.forward_rng = runs[0].forwards, runs[0].forward_rng
+    if result.verdict == DIFFERS and not result.environment:
+        result.unexcluded = unexcluded(run, step, prep, runs, result, batch_checked, replay_forward_rng,
+                                       batch is not None)
+        result.cause = UNDETERMINED if result.unexcluded else CORRUPTION
     result.notes += supplied
     captured = runs[0].captured or {}
     result.activations = dict(captured.get("activations", {}))
@@ -269,10 +340,89 @@ def _judge(run: Any, step: int, prep: Any, runs: list[Any], batch: Any, model: t
     if against:
         result.verdict, result.differing, result.first = DIFFERS, against, against[0]
         result.environment = environment_difference(run.meta, model)
-        result.cause = "environment" if result.environment else "suspected corruption at record time"
+        result.cause = "environment" if result.environment else UNDETERMINED  # reexecute() weighs the evidence
         if repeat < 2:
             result.notes.append("re-executed once: with repeat=2 or more, nondeterminism here would be told apart")
     if loss is not None and not any(k[0] == "loss" for k in record):
-        result.notes.append(f"no scalar {loss!r} logged at step {step}, or train_step returned no number: "
-                            "the loss was not compared with the record")
+        logged = [v for _, name, v in run.scalar_rows(step) if name == loss]
+        if logged:  # a logged NaN is stored as NULL (Run.scalar_rows)
+            result.notes.append(f"the loss logged at step {step} was NaN: it was not compared bit for bit (the "
+                                "re-execution's loss is " + ("NaN too" if runs[0].fps.get((LOSS, "loss")) == NAN_BITS
+                                                              else "not NaN") + ")")
+        else:
+            result.notes.append(f"no scalar {loss!r} logged at step {step}, or train_step returned no number: "
+                                "the loss was not compared with the record")
     return result
+
+
+def refuse_joint(run: Any, what: str) -> None:
+    """A joint run (``Recorder(path, models=, optimizers=)``): its iteration spans every pair's
+    update, which one pair's record cannot give; say so, with what can be done instead."""
+    from stepdump.read.joint import is_joint
+
+    if is_joint(run):
+        pairs = ", ".join(run.pair_names)
+        raise ConfigError(
+            f"{run.path} is a joint run (pairs {pairs}): one of its iterations updates every pair, and a step "
+            f"cannot be {what} as one iteration of several optimizers yet. Restore the step into all pairs with "
+            "run.restore(step, models={...}, optimizers={...}) and continue from there, or, where one pair's update "
+            f"reads no other pair's params, use that pair's own store: stepdump.open('{run.path}/<pair>')")
+
+
+def damaged_blobs(run: Any, step: int) -> list[str]:
+    """Every blob of record ``step`` and of the next record that fails its checksum, as ``kind name
+    at step k: why`` (what a re-execution compares and restores from; ``stepdump verify`` checks all)."""
+    out: list[str] = []
+    stats = set(run.stats_steps)
+    for s in (step, step + 1):
+        if s not in stats:
+            continue
+        for kind, name, _param, _key, blob, *_ in run.catalog.stored_tensors(s, (*run.kinds(), "state")):
+            try:
+                run.read_blob(blob)
+            except CorruptDataError as e:
+                out.append(f"{kind} {name!r} at step {s}: {e}")
+    return out
+
+
+NAN_BITS = float_bits(float("nan"))
+
+
+def unexcluded(run: Any, step: int, prep: Any, runs: list[Any], result: ReexecResult, batch_checked: bool,
+               forward_rng: bool, batch_given: bool = True) -> list[str]:
+    """The causes of a stable difference from the record that the evidence does not exclude, most
+    likely first (empty: every one excluded, so the record itself is suspect). Each cause is
+    excluded only by its evidence (docs/reexecute.md, "Causes and their evidence"). ``batch_given``:
+    train_step was handed a batch (else it drew its own, redoing every draw of the iteration)."""
+    kinds = {k[0] for k in result.differing}
+    loss_first = result.first is not None and result.first[0] == LOSS
+    only_update = not kinds & {LOSS, GRADS}  # the loss and every grad reproduce; only what the update left differs
+    found: list[tuple[int, str]] = []  # (rank: lower is more likely, cause)
+    ex = runs[0]
+    rng_why = ""
+    if prep.rng is None or any("RNG state of step" in n for n in prep.notes):
+        rng_why = "the step's RNG state was not recorded"
+    elif not forward_rng:
+        rng_why = "the RNG recorded at each forward was not set (replay_forward_rng=False)"
+    elif not prep.forward_rng and ex.forwards and batch_given:
+        rng_why = "the RNG state at each forward was not recorded (a run recorded before stepdump took it)"
+    elif prep.forward_rng and not ex.forward_rng:
+        rng_why = (f"the re-execution made {ex.forwards} training forward(s), the recording "
+                   f"{len(prep.forward_rng)}: the RNG of each was not replayed")
+    if rng_why:
+        found.append((0 if loss_first else 1 if not only_update else 3,
+                      f"the RNG or the data: a draw between the iteration's start and a forward ({rng_why})"))
+    if not batch_checked:
+        found.append((0 if loss_first else 2, "the RNG or the data: the batch could not be checked against a "
+                                              "recorded fingerprint"))
+    if run.meta.get("outside_edits") not in ("stored", "watched") and PARAMS_AFTER in kinds:
+        found.append((0 if only_update else 2, f"an edit of the params by the loop between update {step} and step "
+                                               f"{step + 1} (this run's recorder did not watch for them)"))
+    if not prep.verified:
+        found.append((2, "the state: taken from the objects given (their params and optimizer state match the "
+                         "record's fingerprints, their buffers were not checked)"))
+    if result.repeats < 2:
+        found.append((3, "nondeterminism here: re-executed once (repeat=2 or more tells it apart)"))
+    if found:
+        found.append((9, "silent data corruption at record time"))
+    return [c for _, c in sorted(found, key=lambda f: f[0])]

@@ -49,9 +49,16 @@ LEVEL_NONE = 0  # only the step row and its scalars
 LEVEL_STATS = 1  # stats and fingerprints, no tensor bytes
 LEVEL_FULL = 2  # stats, fingerprints and tensor bytes
 
-# A gradient-log record's state key: the params changed outside the optimizer since the previous
-# update (stored at that step; a rebuild takes them instead of the update's output).
+# A record's state key: the params changed outside the optimizer since the previous update (stored
+# at that step; a gradient log's rebuild takes them instead of the update's output).
 STATE_OUTSIDE_OPTIMIZER = "outside_optimizer"
+# Beside it: what the previous update left in those params (name -> exact xxh3 fingerprint), so a
+# re-execution of that update compares with the update's output, not with the loop's edit.
+STATE_AFTER_UPDATE = "after_update"
+# A record's state key: the RNG state at each training forward of the iteration (the model's forward
+# pre-hook, grad enabled), in order; re-execution and replay set it there (draws between the
+# iteration's start and a forward: nanoGPT's get_batch, augmentation).
+STATE_FORWARD_RNG = "forward_rng"
 
 
 # A sparse COO tensor (FORMAT.md, "Sparse tensors"): its ``tensors.dtype`` is this prefix and
