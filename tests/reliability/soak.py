@@ -9,8 +9,11 @@
    resident memory must stay flat (growth < 50 MB) and catalog queries fast
    (each < 1 s); then half as many lean steps capturing activations: peak memory
    must stay flat (growth < 40 MB).
+3. Loss soak: SIGKILL a fresh run recording in full, lean and gradient-log mode
+   with ``flush`` and ``fsync`` (default 5 kills each); what each kill lost must be
+   within docs/reliability.md's promise (tests/reliability/losses.py).
 
-    .venv/bin/python tests/reliability/soak.py [--kills 54] [--load-steps 10000] [--seed 1] [--keep]
+    .venv/bin/python tests/reliability/soak.py [--kills 54] [--load-steps 10000] [--loss-kills 5] [--seed 1] [--keep]
 
 Exits non-zero on the first failed check, printing what failed.
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from reliability import losses  # noqa: E402
 from reliability.crash import run_chain  # noqa: E402
 from reliability.load import activation_load, check_complete, run_load  # noqa: E402
 from reliability.procs import Zygote  # noqa: E402
@@ -80,6 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=54, help="SIGKILLs in the crash soak (default 54)")
     ap.add_argument("--load-steps", type=int, default=10_000, help="steps in each load soak (default 10000)")
+    ap.add_argument("--loss-kills", type=int, default=5,
+                    help="SIGKILLs per mode and durability in the loss soak (default 5)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
@@ -90,6 +96,10 @@ def main() -> None:
     try:
         if args.kills:
             crash_soak(work / "crash", args.kills, args.seed)
+        if args.loss_kills:
+            with Zygote() as z:
+                kills = losses.soak(z, work / "losses", args.loss_kills, args.seed)
+            print(f"loss soak: {losses.summary(kills)}", flush=True)
         if args.load_steps:
             load_soak(work, args.load_steps)
     except AssertionError as e:
