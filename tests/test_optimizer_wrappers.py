@@ -316,3 +316,136 @@ def test_runs_that_name_classes_bare_still_read_and_restore(tmp_path: Path) -> N
     with pytest.raises(RestoreMismatchError, match="AdamW"):
         run.restore(2, fresh, torch.optim.AdamW(fresh.parameters()), rng=False)
     run.restore(2, fresh, torch.optim.Adam(fresh.parameters()), rng=False)
+
+
+# -- a wrapper whose state is not in its own .state: timm's Lookahead ----------------------
+
+
+class Lookahead(torch.optim.Optimizer):
+    """timm's Lookahead (timm/optim/lookahead.py, as of 2026): it skips ``Optimizer.__init__`` but
+    makes the hook dicts; its own ``state`` stays empty, the slow weights go into the base
+    optimizer's state (``lookahead_slow_buff``), and ``state_dict()`` is the base optimizer's."""
+
+    def __init__(self, base_optimizer: torch.optim.Optimizer, alpha: float = 0.5, k: int = 6) -> None:
+        # NOTE super().__init__() not called on purpose
+        from collections import OrderedDict, defaultdict
+
+        self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
+        defaults = dict(lookahead_alpha=alpha, lookahead_k=k, lookahead_step=0)
+        self._base_optimizer = base_optimizer
+        self.param_groups = base_optimizer.param_groups
+        self.defaults = base_optimizer.defaults
+        self.defaults.update(defaults)
+        self.state: Any = defaultdict(dict)
+        for name, default in defaults.items():
+            for group in self._base_optimizer.param_groups:
+                group.setdefault(name, default)
+
+    @torch.no_grad()
+    def update_slow(self, group: dict[str, Any]) -> None:
+        for fast_p in group["params"]:
+            if fast_p.grad is None:
+                continue
+            param_state = self._base_optimizer.state[fast_p]
+            if "lookahead_slow_buff" not in param_state:
+                param_state["lookahead_slow_buff"] = torch.empty_like(fast_p)
+                param_state["lookahead_slow_buff"].copy_(fast_p)
+            slow = param_state["lookahead_slow_buff"]
+            slow.add_(fast_p - slow, alpha=group["lookahead_alpha"])
+            fast_p.copy_(slow)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = self._base_optimizer.step(closure)
+        for group in self._base_optimizer.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % group["lookahead_k"] == 0:
+                self.update_slow(group)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._base_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self._base_optimizer.param_groups
+
+
+def _lookahead(model: nn.Module) -> Lookahead:
+    return Lookahead(torch.optim.Adam(model.parameters(), lr=1e-2), k=2)
+
+
+def _lookahead_train(model: nn.Module, opt: Lookahead, steps: range, rec: Any = None,
+                     snaps: list[Any] | None = None) -> None:
+    for t in steps:  # zero_grad after the step: Lookahead.step is unhooked until torch patches it
+        x, y = tiny_batch(t)
+        nn.functional.mse_loss(model(x), y).backward()
+        if snaps is not None:
+            snaps.append(snapshot(model, opt._base_optimizer))
+        opt.step()
+        opt.zero_grad()
+        if rec is not None:
+            rec.log(t=t)
+
+
+def test_lookahead_state_from_state_dict_is_recorded_and_restored(tmp_path: Path, caplog: Any) -> None:
+    """The optimizer state is what ``state_dict()`` holds: the base Adam's moments and the slow
+    weights, recorded at every step; restore + continue is bitwise the original run."""
+    model = tiny_model()
+    opt = _lookahead(model)
+    snaps: list[Any] = []
+    with caplog.at_level("WARNING"), stepdump.Recorder(tmp_path / "r", model, opt) as rec:
+        _lookahead_train(model, opt, range(6), rec, snaps)
+    assert not [r for r in caplog.records if r.levelno >= 30], [r.getMessage() for r in caplog.records]
+    plain = tiny_model()
+    plain_opt = _lookahead(plain)
+    _lookahead_train(plain, plain_opt, range(6))
+    for (n, a), b in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert_same(a, b, f"training changed by recording: {n}")
+    run = stepdump.open(tmp_path / "r")
+    assert run.steps == list(range(7))
+    assert "0.weight.lookahead_slow_buff" in run.names("optimizer")
+    for t, snap in enumerate(snaps):
+        assert_run_matches(run, t, snap)
+    fresh = tiny_model(seed=4)
+    again = _lookahead(fresh)
+    run.restore(3, fresh, again, rng=False)
+    _lookahead_train(fresh, again, range(3, 6))
+    for (n, a), b in zip(fresh.state_dict().items(), model.state_dict().values()):
+        assert_same(a, b, f"restore(3) + continue: {n}")
+
+
+class _SGDWithShadow(torch.optim.SGD):
+    """A user's subclass keeping more state than ``state``: an average of the params, in
+    ``state_dict()["shadow"]``."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.shadow = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = super().step(closure)
+        for s, p in zip(self.shadow, (p for g in self.param_groups for p in g["params"])):
+            s.lerp_(p, 0.1)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "shadow": list(self.shadow)}
+
+
+def test_state_dict_entries_the_record_misses_are_said_at_once(tmp_path: Path, caplog: Any) -> None:
+    """State that ``state_dict()`` holds and the record does not take is named at the first step,
+    once, not found at restore time."""
+    model = tiny_model()
+    opt = _SGDWithShadow(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING"), stepdump.Recorder(tmp_path / "r", model, opt) as rec:
+        for t in range(3):
+            x, y = tiny_batch(t)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.log(t=t)
+    warned = [r.getMessage() for r in caplog.records if "does not record" in r.getMessage()]
+    assert len(warned) == 1 and "'shadow'" in warned[0] and "_SGDWithShadow" in warned[0], warned

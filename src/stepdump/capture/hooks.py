@@ -94,6 +94,10 @@ def require_step_hooks(optimizer: torch.optim.Optimizer) -> None:
             f"{type(optimizer).__name__} has no step hooks (it was built without torch.optim.Optimizer.__init__), "
             "so stepdump cannot see its steps; give the Recorder the optimizer it wraps, whose step() does the "
             "update, or have its __init__ call super().__init__(params, defaults)")
+    # A wrapper that made the hook dicts itself (timm's Lookahead) runs them only once torch has wrapped
+    # its class's step(), which Optimizer.__init__ does and zero_grad() does late: wrap it now, as torch would.
+    if not getattr(type(optimizer).step, "hooked", False) and hasattr(optimizer, "_patch_step_function"):
+        optimizer._patch_step_function()
 
 
 def nested_step(optimizer: torch.optim.Optimizer) -> bool:

@@ -52,6 +52,7 @@ from stepdump.capture.fingerprints import resumed as resumed_fingerprint
 from stepdump.capture.session import check_objects, discard_created, init_catalog, prepare_dir, run_meta
 from stepdump.capture.sharding import Ranks, this_rank_records
 from stepdump.capture.staging import StagingPool, owned
+from stepdump.capture.state_check import StateCheck
 from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.unstepped import UnsteppedScalars, mark_no_step
@@ -59,7 +60,7 @@ from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
 from stepdump.capture.structure import StructureWatch
 from stepdump.core.layout import build_layout
-from stepdump.core.wrappers import inner_optimizer, inner_scheduler
+from stepdump.core.wrappers import inner_optimizer, inner_scheduler, state_holder
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
 from stepdump.store.lock import RunLock
@@ -247,12 +248,14 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._lean.dmix64 = fingerprint == "dmix64"
         self._final = FinalRecord(*init_catalog(self.path, meta, opts.resume, opts.start_step))  # for close()
         self._step = self._final.first
-        log_projection(self.path, layout, self.optimizer, self.kinds, self._filter, sched, self._step)
+        # The optimizer state is what state_dict() holds: a wrapper's may live in the optimizer it wraps.
+        holder = state_holder(self.optimizer)
+        log_projection(self.path, layout, holder, self.kinds, self._filter, sched, self._step)
         if isinstance(sched, _options.GradientLogSchedule):
             warn_if_unrebuildable(self.optimizer)  # said now, not at read time (rebuildable.py)
         self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0), None if ring else store.staging_bytes)
         self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
-        self._asm = Assembler(layout, self.optimizer, self.scheduler, self.scaler, self.kinds, self._filter,
+        self._asm = Assembler(layout, holder, self.scheduler, self.scaler, self.kinds, self._filter,
                               self._lean, keyframes=self._keyframes,
                               gradlog=isinstance(sched, _options.GradientLogSchedule),
                               extra=rec.extra_state, frozen=rec.frozen)
@@ -281,6 +284,8 @@ class Recorder(UserLog, _iteration.IterationStart):
             # Timed: their time on the training thread is the recorder's too (sys/recorder_ms). Copies: handles.py.
             self._hooks.append(self.model.register_forward_pre_hook(Hook(timed(self._saw_forward, self._spent))))
             self._hooks.append(self.model.register_forward_hook(Hook(timed(self._saw_forward_end, self._spent))))
+        # State that state_dict() holds and the record does not: said at the first step showing it.
+        self._hooks.append(self.optimizer.register_step_pre_hook(Hook(StateCheck(self.optimizer, holder).look)))
         self._watch = StepWatch(self.model, self.optimizer, lambda: self._step)  # a loop that never steps it: say so
         self._hooks.extend(self._watch.handles)
         self._begin_iteration(self._step)

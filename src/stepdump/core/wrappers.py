@@ -40,3 +40,20 @@ def inner_scheduler(scheduler: Any) -> Any:
                                                                   "state_dict") and inner is not scheduler):
         scheduler, seen = inner, seen + 1
     return scheduler
+
+
+def state_holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``state`` holds what ``optimizer.state_dict()`` returns, mapped to params.
+
+    ``optimizer`` itself, except for a wrapper that keeps no state of its own and shares its
+    param groups (the very list) with an optimizer it holds, whose ``state_dict()`` it returns:
+    timm's Lookahead (``_base_optimizer``: Adam's moments and the slow weights). Restoring goes
+    through the wrapper's ``load_state_dict``, which loads the same state back into that one.
+    """
+    if type(optimizer).state_dict is torch.optim.Optimizer.state_dict or getattr(optimizer, "state", None):
+        return optimizer
+    for value in vars(optimizer).values():
+        if (isinstance(value, torch.optim.Optimizer) and value is not optimizer
+                and value.param_groups is optimizer.param_groups):
+            return value
+    return optimizer
