@@ -29,6 +29,7 @@ from typing import Any
 
 from stepdump.errors import CorruptDataError, NotARunError
 from stepdump.store import bounded_json
+from stepdump.store.inside import inside
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
 from stepdump.store.format import (
     CATALOG_FILE,
@@ -37,7 +38,7 @@ from stepdump.store.format import (
     META_REEXECUTIONS,
     SEGMENT_DIR,
 )
-from stepdump.store.plainfile import check_plain, describe, refusal
+from stepdump.store.plainfile import check_plain
 from stepdump.store.schema import (
     DEFAULT_FP_KIND,
     FP_KINDS_SCHEMA,
@@ -77,9 +78,7 @@ def check_writable_layout(run_dir: Path) -> None:
     if not check_plain(catalog_path(run_dir), "the catalog"):
         raise NotARunError(f"{run_dir} has no {CATALOG_FILE}; it is not a stepdump run")
     check_side_files(catalog_path(run_dir), single_link=True)
-    seg = run_dir / SEGMENT_DIR
-    if seg.is_symlink() or (seg.exists() and not seg.is_dir()):
-        raise refusal(seg, describe(os.lstat(seg)), "the folder of segment files", "a directory")
+    inside(run_dir, SEGMENT_DIR, "the folder of segment files")
 
 
 def create(run_dir: Path, meta: dict[str, Any]) -> None:

@@ -15,9 +15,11 @@ this module:
 * :func:`write_atomic`: a small file written under a fresh temporary name created with
   ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a planted name is never opened), then renamed over.
 
-Segment files and the catalog's files go through the same rules in ``storage.py`` and
-``plainfile.py`` (each folder entered with ``O_NOFOLLOW``, each file opened with it).
-The run directory itself is the caller's: a link *to* it is followed, as any path given.
+A reader's segment files go through :func:`inside` too (``storage.py``), and so does
+``segments/`` before a Recorder writes (``catalog.check_writable_layout``); the writer opens
+each segment folder by folder with ``O_NOFOLLOW`` and the catalog's files with
+``plainfile.open_plain``. The run directory itself is the caller's: a link *to* it is
+followed, as any path given.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def inside(root: str | os.PathLike[str], rel: str, role: str, *, kind: str = "di
         want = kind if i == len(parts) - 1 else "directory"
         ok = stat.S_ISDIR(st.st_mode) if want == "directory" else stat.S_ISREG(st.st_mode)
         if not ok:
-            raise refusal(path, describe(st), role, f"a {want}")
+            what = describe(st)
+            if stat.S_ISLNK(st.st_mode):
+                what += " (it could lead outside the run directory)"
+            raise refusal(path, what, role, "a directory" if want == "directory" else "a regular file")
     return path
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from stepdump.errors import CorruptDataError
+from stepdump.store.inside import inside
 from stepdump.store.plainfile import open_plain, refusal
 
 
@@ -238,8 +239,9 @@ class LocalStorage:
         real = os.path.realpath(path)
         if os.path.commonpath([root, real]) != root:
             raise CorruptDataError(f"refusing {what} {key!r}: it leads outside the run directory (to {real})")
+        inside(self.root, safe_key(key), f"the run's {what} file {key!r}", kind="file")  # no link at all
         try:
-            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise CorruptDataError(
                 f"{what} file {key!r} is missing from the run; the store is incomplete"
