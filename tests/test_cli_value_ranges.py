@@ -84,3 +84,12 @@ def test_a_run_at_a_path_that_is_not_utf8_is_reported(tmp_path: Path, capsys: py
     assert _exit(["info", str(path)]) == Exit.OK
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
+
+
+def test_a_start_step_outside_64_bits_is_refused_when_the_recorder_is_built(tmp_path: Path) -> None:
+    import torch
+    from helpers import tiny_model
+
+    model = tiny_model()
+    with pytest.raises(StepdumpError, match="start_step"):
+        stepdump.Recorder(tmp_path / "run", model, torch.optim.SGD(model.parameters(), lr=0.1), start_step=10**22)

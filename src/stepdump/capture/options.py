@@ -46,6 +46,7 @@ from stepdump.capture.triggers import Trigger
 from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.upload import Remote
 from stepdump.errors import ConfigError
+from stepdump.store.queries import MAX_STEP
 from stepdump.store.storage import StorageFactory
 
 __all__ = [
@@ -408,8 +409,8 @@ class RecorderOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: give True or False")
         if self.start_step is not None and (isinstance(self.start_step, bool) or not isinstance(self.start_step, int)
-                                            or self.start_step < 0):
-            raise ConfigError(f"start_step={self.start_step!r}: give a step number (0 or more), or None")
+                                            or not 0 <= self.start_step <= MAX_STEP):
+            raise ConfigError(f"start_step={self.start_step!r}: give a step number (0 to {MAX_STEP}), or None")
         if self.metadata is not None:
             try:
                 if not isinstance(self.metadata, Mapping):
