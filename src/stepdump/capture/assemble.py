@@ -25,7 +25,7 @@ from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
 from stepdump.capture.step_state import StateBefore, full_state, state_json, tensor_entries
-from stepdump.capture.outside import STATE_KEY, ParamWatch
+from stepdump.capture.outside import STATE_KEY, ParamWatch, fingerprints
 from stepdump.store.format import STATE_AFTER_UPDATE
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, OwnedCopier, Slot, Stager
@@ -73,14 +73,30 @@ class Assembler:
         self._earlier: list[dict[str, Any]] = []
         self._pending_meta: dict[str, Any] | None = None
         self.changed_at: int | None = None
+        # A joint run's params of this pair's model that another pair's optimizer updates:
+        # name -> (that pair, its name there). Not outside edits (share()).
+        self.foreign: dict[str, tuple[str, str]] = {}
 
     def _watched(self) -> dict[str, torch.Tensor]:
         """The selected params, made once per layout (a name match per param at every step added
         a Python call per param to both hashing moments)."""
         kept = getattr(self, "_watched_of", None)
         if kept is None or kept[0] is not self.layout:
-            kept = self._watched_of = (self.layout, {n: p for n, p in self.layout.params.items() if self.selected(n)})
+            kept = self._watched_of = (self.layout, {n: p for n, p in self.layout.params.items()
+                                                     if self.selected(n) and n not in self.foreign})
         return kept[1]
+
+    def share(self, foreign: dict[str, tuple[str, str]]) -> None:
+        """A joint run: ``foreign`` params of this pair's model are updated by another pair's optimizer
+        (name -> (pair, its name there)). Their changes between this pair's updates are that pair's
+        updates, not edits outside the optimizer: not watched, not stored for it; a reader takes them
+        from that pair's record (meta ``joint_foreign``, FORMAT.md), checked against this record's
+        fingerprints."""
+        self.foreign = dict(foreign)
+        if hasattr(self, "_watched_of"):  # made for the watch without this pair's foreign params
+            del self._watched_of
+        self._pending_meta = {**(self._pending_meta or {}),
+                              "joint_foreign": {n: list(ref) for n, ref in sorted(foreign.items())}}
 
     def after_update(self, next_recorded: bool = True) -> None:
         """The update is over (optimizer post-hook): note what it left in the params (outside.py).
@@ -93,7 +109,11 @@ class Assembler:
         outside the optimizer since the previous update (outside.py; nothing without a watch)."""
         if self.watch is None:
             return {}, []
-        return self.watch.before_update(step, self._watched())
+        fps, changed = self.watch.before_update(step, self._watched())
+        if self.foreign:  # their fingerprints now too: a lean row read at the forward may be stale (_as_now)
+            fps = {**fps, **fingerprints({n: p for n, p in self.layout.params.items()
+                                          if n in self.foreign and self.selected(n)})}
+        return fps, changed
 
     def edits_state(self, outside: list[str]) -> dict[str, Any]:
         """A record's state keys for the params ``outside`` changed since the last update: their
@@ -143,7 +163,7 @@ class Assembler:
                                         for n, b in self.layout.buffers.items() if self.selected(n)}
             if self.watch is not None:  # the params under their new names: the changed step is stored in full
                 self.watch.after_update(self._watched())
-        self._pending_meta = {"layout": self.layout.to_meta(),
+        self._pending_meta = {**(self._pending_meta or {}), "layout": self.layout.to_meta(),
                               **({"layouts": list(self._earlier)} if self._earlier else {})}
 
     def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None,

@@ -129,8 +129,24 @@ class JointRecorder(Recorder):
             for rec in self.pairs.values():
                 rec.close()
             raise
+        self._share()
         first = self.pairs[self._names[0]]
         self.options, self.recording, self.kinds = first.options, first.recording, first.kinds
+
+    def _share(self) -> None:
+        """Tell each pair which params of its model another pair's optimizer updates (pairs sharing a
+        module): their changes between its updates are not edits outside the optimizer (assemble.py)."""
+        owner: dict[int, tuple[str, str]] = {}  # id(param) -> (pair whose optimizer steps it, its name there)
+        for name, rec in self.pairs.items():
+            layout = rec._asm.layout
+            for group in layout.groups:
+                for n in group:
+                    owner.setdefault(id(layout.params[n]), (name, n))
+        for name, rec in self.pairs.items():
+            foreign = {n: owner[id(p)] for n, p in rec._asm.layout.params.items()
+                       if id(p) in owner and owner[id(p)][0] != name}
+            if foreign:
+                rec._asm.share(foreign)
 
     def _check_dir(self, resume: bool, names: list[str]) -> dict[str, Any] | None:
         if (self.path / CATALOG_FILE).exists():

@@ -50,6 +50,7 @@ import torch
 
 from stepdump.core.hashing import XXH3
 from stepdump.errors import (
+    CorruptDataError,
     ReadBudgetError,
     RebuildError,
     StepNotFoundError,
@@ -163,6 +164,8 @@ class GradientLog:
     # -- reading -------------------------------------------------------------------
     def tensor(self, name: str, step: int, kind: str) -> torch.Tensor:
         """The rebuilt ``kind`` tensor ``name`` at ``step`` (a fresh copy)."""
+        if kind == "params" and name in self._foreign():
+            return self._borrow(name, step)
         snap = self._state(step, kind)
         try:
             return snap.tensors[(kind, name)].clone()
@@ -176,7 +179,9 @@ class GradientLog:
     def tensors(self, step: int, kind: str) -> dict[str, torch.Tensor]:
         """Every rebuilt ``kind`` tensor at ``step``, by name, in recording order of the params."""
         snap = self._state(step, kind)
-        return {n: t.clone() for (k, n), t in snap.tensors.items() if k == kind}
+        foreign = self._foreign() if kind == "params" else {}
+        return {n: self._borrow(n, step) if n in foreign else t.clone()
+                for (k, n), t in snap.tensors.items() if k == kind}
 
     def names(self, step: int, kind: str) -> list[str]:
         """Names :meth:`tensors` returns at ``step``."""
@@ -187,7 +192,11 @@ class GradientLog:
         snap = self._state(step, "params")
         stored = {n: row for n, row in self._rows(step).items() if n[0] == "buffers" and row[3] is not None}
 
+        foreign = self._foreign()
+
         def load(kind: str, name: str) -> torch.Tensor | None:
+            if kind == "params" and name in foreign:
+                return self._borrow(name, step)
             if kind == "params":
                 t = snap.tensors.get(("params", name))
                 return None if t is None else t.clone()
@@ -201,6 +210,35 @@ class GradientLog:
             return self._blobs.tensor(row[3], row[0], row[1], row[2], row[4])
 
         return assemble_model_state(self._run, step, load)
+
+    # -- a joint run's params that another pair's optimizer updates ---------------------------
+    def _foreign(self) -> dict[str, tuple[str, str]]:
+        """Meta ``joint_foreign`` (FORMAT.md): this pair's params another pair's optimizer updates,
+        name -> (that pair, its name there). Replay of this pair's updates does not derive them."""
+        meta = self._run.meta.get("joint_foreign")
+        if meta is None:
+            return {}
+        if not (isinstance(meta, dict) and all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v)
+                                               for v in meta.values())):
+            raise CorruptDataError(f"meta 'joint_foreign' in the catalog of {self._run.path} is malformed")
+        return {n: (v[0], v[1]) for n, v in meta.items()}
+
+    def _borrow(self, name: str, step: int) -> torch.Tensor:
+        """Param ``name`` at ``step``, from the pair whose optimizer updates it (its record at the
+        matching moment, ``Run.foreign_source``), checked against this record's fingerprint."""
+        pair, _ = self._foreign()[name]
+        source = self._run.foreign_source
+        if source is None:
+            raise RebuildError(f"param {name!r} at step {step} of {self._run.path} is updated by pair {pair!r}'s "
+                               "optimizer of a joint run: between keyframes its values are in that pair's record. "
+                               "Open the joint run (stepdump.open of the parent directory) to read it")
+        value = source(name, step)
+        row = self._rows(step).get(("params", name))
+        why = "has no record at that step" if row is None else differs_from_row(value, row, fp_kind=row[4])
+        if why is not None:
+            raise self._error(step, step, "params", name, f"param {name!r} taken from pair {pair!r} for step {step} "
+                              f"{why}", mismatch=True)
+        return value
 
     def optimizer_state_dict(self, step: int) -> dict[str, Any]:
         """``optimizer.state_dict()`` at ``step``: rebuilt tensors, recorded groups and extras."""
@@ -432,6 +470,10 @@ class GradientLog:
         rows = chain.rows = chain.rows or self._rows(step)
         recorded = {key: row for key, row in rows.items() if key[0] in REBUILT_KINDS}
         rebuilt = live(chain)
+        foreign = self._foreign()  # not derived here: read from their pair, checked there (_borrow)
+        if foreign:
+            recorded = {k: r for k, r in recorded.items() if not (k[0] == "params" and k[1] in foreign)}
+            rebuilt = {k: t for k, t in rebuilt.items() if not (k[0] == "params" and k[1] in foreign)}
         captured = set(self._run.meta.get("capture") or REBUILT_KINDS)
         # A kind is compared where the step records it: a stats-only step may leave the optimizer
         # state out (the lean capture reads it every few steps), a step without stats has none.

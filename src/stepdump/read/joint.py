@@ -70,7 +70,18 @@ class JointRun:
         run = self._runs.get(name)
         if run is None:
             run = self._runs[name] = Run(joint_file.pair_dir(self.path, name))
+            run.foreign_source = lambda param, step: self._foreign(name, param, step)
         return run
+
+    def _foreign(self, name: str, param: str, step: int) -> torch.Tensor:
+        """Param ``param`` of pair ``name``'s record ``step`` that another pair's optimizer updates
+        (meta ``joint_foreign``): that pair's record of it at the same moment. Nothing else changes it
+        between the two records: the one after that pair's update of the iteration where that pair
+        steps before ``name`` (the critic sees the trunk the actor just updated), else the same step."""
+        owner, there = self.pair(name).meta["joint_foreign"][param]
+        order = self.order or self.pair_names
+        later = order.index(owner) < order.index(name) if owner in order and name in order else False
+        return self.pair(owner).tensor(there, step + 1 if later else step, kind="params")
 
     def pair_stores(self) -> list[tuple[str, Run]]:
         """``(name, store)`` of every pair, in the Recorder's order."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -70,6 +70,9 @@ class Run:
         self._series_checked = False  # see _check_series
         # A gradient log (docs/gradient-log.md) rebuilds params and optimizer state between keyframes.
         self._gradlog: GradientLog | None = GradientLog(self, self._blobs) if self.meta.get("gradient_log") else None
+        # A pair of a joint run: (name, step) -> a param another pair's optimizer updates, as this
+        # pair's record saw it (set by JointRun; a gradient log takes those from there).
+        self.foreign_source: Callable[[str, int], torch.Tensor] | None = None
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
