@@ -449,3 +449,46 @@ def test_state_dict_entries_the_record_misses_are_said_at_once(tmp_path: Path, c
             rec.log(t=t)
     warned = [r.getMessage() for r in caplog.records if "does not record" in r.getMessage()]
     assert len(warned) == 1 and "'shadow'" in warned[0] and "_SGDWithShadow" in warned[0], warned
+
+
+# -- gradient logs that can never be rebuilt: said when recording starts, or at the first step --
+
+
+def test_schedulefree_gradient_log_is_said_at_start(tmp_path: Path, caplog: Any) -> None:
+    """schedulefree's AdamW (the real package) under gradient_log: one warning when recording starts
+    that only the keyframes will be readable, with what to use instead; a step between keyframes is
+    refused, not returned."""
+    import schedulefree
+
+    from stepdump.errors import RebuildError
+
+    model = tiny_model()
+    opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-2, warmup_steps=2)
+    opt.train()
+    with caplog.at_level("WARNING"), stepdump.Recorder(tmp_path / "r", model, opt, gradient_log=4) as rec:
+        assert [r.getMessage() for r in caplog.records if "keyframes" in r.getMessage()], "not said at start"
+        for t in range(5):
+            x, y = tiny_batch(t)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.log(t=t)
+    warned = [r.getMessage() for r in caplog.records if "keyframes" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "schedulefree.adamw_schedulefree.AdamWScheduleFree" in warned[0] and "keyframe_every" in warned[0]
+    with pytest.raises(RebuildError, match="not a torch.optim class"):
+        stepdump.open(tmp_path / "r").tensor("0.weight", 2)
+
+
+def test_optimizer_state_gaining_a_key_outside_step_is_said(tmp_path: Path, caplog: Any) -> None:
+    """Adam given to a gradient-log Recorder while a Lookahead around it writes the slow weights into
+    Adam's state outside Adam.step(): the first step that shows it names the key, once."""
+    model = tiny_model()
+    opt = _lookahead(model)
+    with caplog.at_level("WARNING"), \
+            stepdump.Recorder(tmp_path / "r", model, opt._base_optimizer, gradient_log=4) as rec:
+        _lookahead_train(model, opt, range(5), rec)
+    warned = [r.getMessage() for r in caplog.records if "outside" in r.getMessage() and "step()" in r.getMessage()
+              and "lookahead_slow_buff" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert "step 2" in warned[0], warned[0]

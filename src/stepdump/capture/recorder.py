@@ -44,7 +44,7 @@ from stepdump.capture.lean import LeanCapture
 from stepdump.capture.step_state import StateBefore
 from stepdump.capture.profiling import BackgroundClock, ThreadWaits, span, timed
 from stepdump.capture.projection import log_start as log_projection
-from stepdump.capture.rebuildable import warn_if_unrebuildable
+from stepdump.capture.rebuildable import GainedState, warn_if_unrebuildable
 from stepdump.capture.ring import Ring
 from stepdump.capture.scalars import auto_scalars, profile_scalars, scalar_rows
 from stepdump.capture.selection import Levels, NameFilter
@@ -253,6 +253,9 @@ class Recorder(UserLog, _iteration.IterationStart):
         log_projection(self.path, layout, holder, self.kinds, self._filter, sched, self._step)
         if isinstance(sched, _options.GradientLogSchedule):
             warn_if_unrebuildable(self.optimizer)  # said now, not at read time (rebuildable.py)
+            gained = GainedState(holder, lambda: self._step)  # or at the first step that shows it
+            self._hooks += [self.optimizer.register_step_post_hook(Hook(gained.after_step)),
+                            self.optimizer.register_step_pre_hook(Hook(gained.before_step))]
         self._pool = StagingPool(store.queue_depth + (ring.size if ring else 0), None if ring else store.staging_bytes)
         self._ring = Ring(ring.size, self._pool, resolve_trigger(ring.trigger), ring.steps_after) if ring else None
         self._asm = Assembler(layout, holder, self.scheduler, self.scaler, self.kinds, self._filter,
