@@ -82,8 +82,9 @@ class Recorder(UserLog, _iteration.IterationStart):
             unless ``resume=True``. May be an fsspec URL (``s3://bucket/run``):
             the run is staged locally and uploaded (``remote=``, docs/remote.md).
         model: The module being trained; names come from ``named_parameters``.
-        optimizer: The optimizer whose steps are recorded.
-        scheduler: Optional LR scheduler (anything with ``state_dict``).
+        optimizer: The optimizer whose steps are recorded (accelerate's prepared optimizer: the
+            torch optimizer inside it; its state is what ``state_dict()`` holds).
+        scheduler: Optional LR scheduler (anything with ``state_dict``; accelerate's: the one inside).
         scaler: Optional ``torch.amp.GradScaler``; steps it skips are recorded
             and marked ``skipped``.
         models, optimizers, schedulers, scalers: Instead of the four above, dicts by pair
