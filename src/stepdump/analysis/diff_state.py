@@ -150,7 +150,7 @@ def parse_state(text: str | None, where: str) -> dict[str, Any] | None:
     if text is None:
         return None
     try:
-        tree = tjson.loads(text)
+        tree = tjson.loads(text, f"the recorded state of {where}")
     except (ValueError, TypeError, RecursionError) as e:
         raise CorruptDataError(f"the recorded state of {where} is malformed ({e}): `stepdump verify` "
                                "checks a run") from None

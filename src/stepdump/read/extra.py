@@ -40,7 +40,7 @@ def recorded_trees(run: Run, step: int) -> dict[str, Any]:
     if text is None:
         return {}
     try:
-        tree = tjson.loads(text)
+        tree = tjson.loads(text, f"the recorded state of step {step} in {run.path}")
     except ValueError as e:
         raise CorruptDataError(f"the recorded state of step {step} in {run.path} is malformed ({e})") from e
     extra = tree.get(STATE_EXTRA) if isinstance(tree, dict) else None

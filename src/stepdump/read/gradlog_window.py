@@ -112,7 +112,7 @@ class Window:
         if entry is None or not isinstance(entry[1], str):  # not recorded or no state: the usual error
             return recorded_groups(self._run, step, self._run.step_state(step))
         try:  # only the groups: the rest of the state (RNG tensors, extras) is not the rebuild's
-            tree = tjson.loads(entry[1])
+            tree = tjson.loads(entry[1], f"the recorded state of step {step} in {self._run.path}")
             raw = tree.get("groups") if isinstance(tree, dict) else None
             with self._blobs.call():  # a hyperparameter stored as a tensor (a tensor lr) is read as step_state reads it
                 decoded = tjson.decode(raw, lambda ref: self._run.tensor(ref, step, kind="state"))

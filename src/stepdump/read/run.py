@@ -246,7 +246,7 @@ class Run:
             self._require_full(step)  # raises with the nearest steps
             raise StepNotFoundError(f"step {step} of {self.path} has no recorded state")
         try:
-            tree = tjson.loads(text)
+            tree = tjson.loads(text, f"the recorded state of step {step} in {self.path}")
             if isinstance(tree, dict):  # read on its own, by extra_state_dict: no need to decode its tensors here
                 tree.pop(STATE_EXTRA, None)
             with self._blobs.call():  # every $tensor of the state in one read budget

@@ -179,7 +179,7 @@ def _step_k(run: Any, step: int, live: dict[Any, Any] | None, out: BundleResult,
     """Step k's stored tensors (as writer items, each checked against its recorded fingerprint
     under its series' kind, ``fp_kinds``), its fingerprint-only rows and its state JSON."""
     rows = run.catalog.step_rows(step)
-    tree = tjson.loads(run.catalog.step_state(step))
+    tree = tjson.loads(run.catalog.step_state(step), f"the recorded state of step {step} in {run.path}")
     live = dict(live) if live is not None else None
     state = live.pop(("$state", "")) if live is not None else None
     items: list[Item] = []
