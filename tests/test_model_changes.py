@@ -188,3 +188,41 @@ def test_diff_and_report_name_the_change_at_its_step(tmp_path):
 
     found = build_report_data(a)["findings"]
     assert [f["step"] for f in found if f["rule"] == "model_changed"] == [3]
+
+
+def test_resume_before_the_change_into_the_unchanged_model(tmp_path):
+    """Resumed at a step before the prune, into the model as it was then, and never pruned again: the
+    steps recorded again are the unpruned model's (the run's layout history is cut at the resume)."""
+    model, opt = _build()
+    with stepdump.Recorder(tmp_path / "r", model, opt):
+        _train(model, opt, CHANGES["prune"])
+    run = stepdump.open(tmp_path / "r")
+    m2, o2 = _structure_at(2, CHANGES["prune"])
+    run.restore(2, m2, o2)
+    run.close()
+    seen: list[OrderedDict[str, torch.Tensor]] = []
+    with stepdump.Recorder(tmp_path / "r", m2, o2, resume=True, start_step=2):
+        _train(m2, o2, {}, start=2, seen=seen)
+    run = stepdump.open(tmp_path / "r")
+    for step, sd in enumerate(seen, start=2):
+        rec = run.state_dict(step)
+        assert list(rec) == list(sd) and all(torch.equal(rec[k], v) for k, v in sd.items()), step
+    assert [f for f in stepdump.check(run) if f.rule == "model_changed"] == []
+    # Another run, resumed after the change into the pruned model, and changed again from there: every
+    # step keeps its own layout.
+    model, opt = _build()
+    with stepdump.Recorder(tmp_path / "s", model, opt):
+        _train(model, opt, CHANGES["prune"])
+    run = stepdump.open(tmp_path / "s")
+    m3, o3 = _structure_at(5, CHANGES["prune"])
+    run.restore(5, m3, o3)
+    run.close()
+    with stepdump.Recorder(tmp_path / "s", m3, o3, resume=True, start_step=5):
+        _train(m3, o3, {6: _unprune}, start=5)
+    run = stepdump.open(tmp_path / "s")
+    assert "2.weight" in run.state_dict(2) and "2.weight_mask" in run.state_dict(5) and "2.weight" in run.state_dict(7)
+    assert [f.step for f in stepdump.check(run) if f.rule == "model_changed"] == [3, 6]
+    # Resumed before the change with the model after it (or any other optimizer): refused, at once.
+    m4, o4 = _structure_at(5, CHANGES["prune"])
+    with pytest.raises(stepdump.StepdumpError, match="at step 1"):
+        stepdump.Recorder(tmp_path / "s", m4, o4, resume=True, start_step=1)

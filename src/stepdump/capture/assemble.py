@@ -86,6 +86,11 @@ class Assembler:
                                                      if self.selected(n) and n not in self.foreign})
         return kept[1]
 
+    def resumed(self, earlier: list[dict[str, Any]]) -> None:
+        """A resumed run's earlier layouts (meta ``layouts``, cut at the step resumed at): a structure
+        change recorded from here adds to them."""
+        self._earlier = list(earlier)
+
     def share(self, foreign: dict[str, tuple[str, str]]) -> None:
         """A joint run: ``foreign`` params of this pair's model are updated by another pair's optimizer
         (name -> (pair, its name there)). Their changes between this pair's updates are that pair's

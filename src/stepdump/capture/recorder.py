@@ -58,7 +58,7 @@ from stepdump.capture.triggers import resolve as resolve_trigger
 from stepdump.capture.unstepped import UnsteppedScalars, mark_no_step
 from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
-from stepdump.capture.structure import StructureWatch
+from stepdump.capture.structure import StructureWatch, recorded_layouts
 from stepdump.core.layout import build_layout
 from stepdump.core.wrappers import inner_optimizer, inner_scheduler, state_holder
 from stepdump.errors import ConfigError, WriterError
@@ -265,6 +265,8 @@ class Recorder(UserLog, _iteration.IterationStart):
                               extra=rec.extra_state, frozen=rec.frozen)
         self._asm.stager.device_fp = fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
         self._asm.structure = StructureWatch()  # the model's structure changing mid-run (structure.py)
+        if opts.resume:  # the layouts of the steps kept, which a change from here adds to
+            self._asm.resumed(recorded_layouts(self.path))
         self._hooks.append(self._asm.structure)
         self._link = WriterLink(self.path, self._pool, self._guard, lambda: self._step, codec=store.codec,
                                 durability=store.durability, max_queue=store.queue_depth + 64,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import stepdump
+from stepdump.capture.structure import resumed_layouts
 from stepdump.core.host import kernels_meta
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError
 from stepdump.store import catalog
@@ -101,20 +102,23 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
         last = reader.last_step()
     finally:
         reader.close()
-    layout = old.get("layout")
-    if not isinstance(layout, dict) or layout.get("groups") != meta["layout"]["groups"]:
-        raise ConfigError(
-            f"cannot resume {path}: the optimizer's parameters differ from the recorded run's; "
-            "record into a new directory"
-        )
     final = old.get("final_step")
     nxt = 0 if last is None else last if (isinstance(final, int) and final == last) else last + 1
     first = nxt if start_step is None else start_step
+    # The model's structure may have changed mid-run (structure.py): the live one is compared with
+    # the layout of the step resumed at (or the one before it), and the history cut there.
+    earlier = resumed_layouts(old, meta["layout"], first)
+    if earlier is None:
+        raise ConfigError(
+            f"cannot resume {path} at step {first}: the optimizer's parameters differ from the recorded run's "
+            "there; resume with the model and optimizer as they were at that step, or record into a new directory"
+        )
     dropped = last is not None and first <= last
     history = old.get("history")
     history = history if isinstance(history, list) else []
     entry = {"resumed_at": first, "dropped": [first, last] if dropped else None, "time": meta["created"]}
-    catalog.resume(path, first if dropped else None, [*history, entry])
+    layouts = {"layout": meta["layout"], "layouts": earlier} if earlier or old.get("layouts") else None
+    catalog.resume(path, first if dropped else None, [*history, entry], layouts)
     if dropped:
         log.info("stepdump: resuming %s at step %d; its steps %d..%d are dropped (recorded again from here)",
                  path, first, first, last)

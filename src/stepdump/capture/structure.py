@@ -18,6 +18,7 @@ change made by writing ``module._parameters`` / ``_buffers`` directly bypasses t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch.nn.modules import module as _module
@@ -92,3 +93,44 @@ def structure_change(old: Layout, new: Layout) -> StructureChange:
             removed.append(f"param {n}")
             added.append(f"param {now} (was {n})")
     return StructureChange(added=sorted(set(added)), removed=sorted(set(removed)))
+
+
+def _layout_before(old: dict[str, Any], step: int) -> dict[str, Any] | None:
+    """The recorded layout (meta) in effect at ``step`` of a run whose catalog meta is ``old``."""
+    for e in old.get("layouts") or []:
+        if isinstance(e, dict) and isinstance(e.get("until"), int) and step < e["until"]:
+            return e
+    layout = old.get("layout")
+    return layout if isinstance(layout, dict) else None
+
+
+def resumed_layouts(old: dict[str, Any], live: dict[str, Any], first: int) -> list[dict[str, Any]] | None:
+    """The earlier layouts (meta ``layouts``) of a run resumed at step ``first`` with the model and
+    optimizer whose layout meta is ``live``: those that ended by ``first``, and the one in effect
+    just before ``first`` if the live model differs from it (the steps from ``first`` are recorded
+    as the live model is). None: the live optimizer's param groups match neither the layout of step
+    ``first`` nor that of ``first - 1`` (a different optimizer: the resume is refused)."""
+    at, before = _layout_before(old, first), _layout_before(old, first - 1) if first > 0 else None
+    if not any(x is not None and x.get("groups") == live["groups"] for x in (at, before)):
+        return None
+    earlier = [e for e in old.get("layouts") or [] if isinstance(e, dict) and isinstance(e.get("until"), int)
+               and e["until"] <= first]
+    if before is not None and before.get("state_dict") != live["state_dict"] \
+            and not (earlier and earlier[-1]["until"] == first):
+        earlier.append({**{k: v for k, v in before.items() if k != "until"}, "until": first})
+    return earlier
+
+
+def recorded_layouts(path: Path) -> list[dict[str, Any]]:
+    """Meta ``layouts`` of the run at ``path`` (a resumed Recorder goes on from them)."""
+    from stepdump.store.catalog import catalog_path
+    from stepdump.store.queries import CatalogReader
+
+    if not catalog_path(path).exists():
+        return []
+    reader = CatalogReader(path)
+    try:
+        earlier = reader.meta().get("layouts")
+    finally:
+        reader.close()
+    return [e for e in earlier if isinstance(e, dict)] if isinstance(earlier, list) else []

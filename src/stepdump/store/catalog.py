@@ -127,9 +127,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def resume(run_dir: Path, drop_from: int | None, history: list[Any]) -> None:
+def resume(run_dir: Path, drop_from: int | None, history: list[Any], meta: dict[str, Any] | None = None) -> None:
     """Before a resumed Recorder writes: drop the steps from ``drop_from`` on (None: none) and
-    set ``meta.history``, in one transaction.
+    set ``meta.history`` (and the other ``meta`` keys given), in one transaction.
 
     Only catalog rows go: the steps' ``steps``, ``tensors`` and ``scalars`` rows, the ``blobs``
     rows no remaining tensor reads (directly or as a delta base), ``series`` left with no
@@ -144,7 +144,8 @@ def resume(run_dir: Path, drop_from: int | None, history: list[Any]) -> None:
         try:
             if drop_from is not None:
                 _drop_steps(con, drop_from)
-            con.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('history', ?)", (json.dumps(history),))
+            for key, value in {**(meta or {}), "history": history}.items():
+                con.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
