@@ -231,3 +231,16 @@ def test_joint_run_reexec_and_bundle_refuse_with_the_true_reason(tmp_path: Path)
         stepdump.reexecute(run, 0, g, opt_g, lambda m, o, b: None)
     with pytest.raises(stepdump.ConfigError, match=r"joint run \(pairs G, D\).*cannot be bundled"):
         bundle(run, 0, tmp_path / "b")
+
+
+def test_one_grad_off_puts_corruption_first_when_evidence_is_missing(tmp_path: Path) -> None:
+    """A bit flipped in one grad, re-executed once: corruption cannot be named (nondeterminism is not
+    excluded), but with the loss and every other grad reproducing it is the most likely cause."""
+    sh = S.SHAPES["get_batch"]
+    S.train(sh, path=tmp_path / "run", mode="full", flip=(2, "fc1.weight"))
+    run = stepdump.open(tmp_path / "run")
+    model, opt, train_step = S.factory(sh)
+    r = stepdump.reexecute(run, 2, model, opt, train_step, repeat=1)
+    assert r.verdict == DIFFERS and r.cause == "not determined", r.summary()
+    assert r.unexcluded[0].startswith("silent data corruption at record time: only grads 'fc1.weight'"), r.unexcluded
+    assert any("re-executed once" in u for u in r.unexcluded[1:]), r.unexcluded

@@ -424,5 +424,10 @@ def unexcluded(run: Any, step: int, prep: Any, runs: list[Any], result: ReexecRe
     if result.repeats < 2:
         found.append((3, "nondeterminism here: re-executed once (repeat=2 or more tells it apart)"))
     if found:
-        found.append((9, "silent data corruption at record time"))
+        grads = [k for k in result.differing if k[0] == GRADS]
+        if LOSS not in kinds and len(grads) == 1:  # the loss and every other grad reproduce: one recorded grad is off
+            found.append((-1, f"silent data corruption at record time: only grads {grads[0][1]!r} differs, while the "
+                              "loss and every other grad reproduce"))
+        else:
+            found.append((9, "silent data corruption at record time"))
     return [c for _, c in sorted(found, key=lambda f: f[0])]
