@@ -120,7 +120,7 @@ def fingerprint_model_state(run: Run, step: int, model: torch.nn.Module) -> Orde
     rows = {(k, n): (d, sh, fp, b) for _, k, n, d, sh, fp, b in run.catalog.fingerprint_block(step, step)}
     fp_kinds = fp_kind_map(run.catalog)  # a frozen tensor is checked under its series' fingerprint kind
     live = model.state_dict()
-    key_of = {(kind, name): key for key, kind, name in layout_entries(run)}
+    key_of = {(kind, name): key for key, kind, name in layout_entries(run, step)}
 
     def load(kind: str, name: str) -> torch.Tensor | None:
         row = rows.get((kind, name))
