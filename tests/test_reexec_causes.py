@@ -244,3 +244,18 @@ def test_one_grad_off_puts_corruption_first_when_evidence_is_missing(tmp_path: P
     assert r.verdict == DIFFERS and r.cause == "not determined", r.summary()
     assert r.unexcluded[0].startswith("silent data corruption at record time: only grads 'fc1.weight'"), r.unexcluded
     assert any("re-executed once" in u for u in r.unexcluded[1:]), r.unexcluded
+
+
+def test_cli_damaged_record_exits_corrupt_and_json_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from stepdump.cli.main import main
+
+    _record_lean(tmp_path / "run")
+    _flip_blob_byte(tmp_path / "run", 0, "grads", "1.weight")
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    code = main(["reexec", str(tmp_path / "run"), "--step", "0", "--entry", "test_reexec_causes:lean_entry", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 4, out
+    assert out["verdict"] == "the record is damaged" and "1.weight" in out["damaged"][0], out

@@ -24,7 +24,10 @@ takes no arguments and returns (model, optimizer, train_step[, scheduler[, scale
 with those keys, freshly built as the recorded loop built them; train_step(model, optimizer,
 batch) runs one iteration. For a run recorded by the Lightning callback it may return the
 LightningModule alone (the iteration is built from it); by the HF Trainer callback, the Trainer
-alone (built as for the run, with its train_dataset: the Trainer runs the step). Exit 0: the step reproduces; 1: it does not (the verdict says how).
+alone (built as for the run, with its train_dataset: the Trainer runs the step). A run that logged
+no batch (a lean run): train_step(model, optimizer, None) draws its own, as the loop did; the step is
+reached by a verified replay from the nearest step stored in full. Exit 0: the step reproduces; 1:
+it does not (the verdict says how, naming a cause only with its evidence); 4: the record is damaged.
 """
 
 
@@ -84,7 +87,7 @@ def load_entry(spec: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stepdump.reexec.verdict import reexecute
+    from stepdump.reexec.verdict import DAMAGED, reexecute
 
     if args.trace and args.repeat < 2:
         raise ConfigError("--trace compares re-executions op by op: give --repeat 2 or more")
@@ -103,7 +106,11 @@ def run(args: argparse.Namespace) -> int:
                     "nan_inputs": result.nan_op.input_stats if result.nan_op else None,
                     "repeats": result.repeats, "compared": result.compared, "how": result.how,
                     "notes": result.notes, "activations": sorted(result.activations),
-                    "activation_grads": sorted(result.activation_grads), "written_back": result.written_back})
+                    "activation_grads": sorted(result.activation_grads), "written_back": result.written_back,
+                    "edited": result.edited, "unexcluded": result.unexcluded, "damaged": result.damaged,
+                    "forwards": result.forwards, "forward_rng": result.forward_rng})
     else:
         console.print(result.summary(), soft_wrap=True, markup=False, highlight=False)
+    if result.verdict == DAMAGED:
+        return Exit.CORRUPT
     return Exit.OK if result.reproduces else Exit.FOUND
