@@ -32,8 +32,8 @@ def _maml_loop(rec_dir, steps: int = 4, record: bool = True):
         fast = {n: p - 0.1 * grads[n] for n, p in params.items()}
         return inner_loss(fast, x, y)
 
-    rec = stepdump.Recorder(rec_dir, model, opt, capture=("params", "grads", "optimizer", "activations", "inputs"),
-                            modules="*") if record else None
+    kinds = ("params", "grads", "optimizer", "activations", "activation_grads", "inputs")
+    rec = stepdump.Recorder(rec_dir, model, opt, capture=kinds, modules="*") if record else None
     try:
         for x, y in tasks:
             opt.zero_grad()
@@ -60,6 +60,7 @@ def test_maml_records_every_step_and_skips_wrapped_activations_with_one_warning(
     assert "0" in run.names("activations")  # the plain forward's output
     assert all("#" not in n for n in run.names("activations"))  # the wrapped forwards left nothing
     assert run.names("inputs") == ["args/0"]  # the plain forward's input, the wrapped ones skipped
+    assert "0" in run.names("activation_grads")  # the plain forward's output grad
     final = run.state_dict(4)
     for k, v in model.state_dict().items():
         assert torch.equal(final[k], v)
