@@ -166,8 +166,10 @@ class Assembler:
                 with torch.no_grad():
                     begin["buffers"] = {n: kept[n] if n in kept else b.detach().clone()
                                         for n, b in self.layout.buffers.items() if self.selected(n)}
-            if self.watch is not None:  # the params under their new names: the changed step is stored in full
-                self.watch.after_update(self._watched())
+            if self.watch is not None:
+                # The previous update's fingerprints are by the old names: nothing is compared at this
+                # step (a gradient log stores it in full; prune.remove's write is no update's output).
+                self.watch.after_update(None)
         self._pending_meta = {**(self._pending_meta or {}), "layout": self.layout.to_meta(),
                               **({"layouts": list(self._earlier)} if self._earlier else {})}
 
