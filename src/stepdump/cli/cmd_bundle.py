@@ -8,14 +8,14 @@ from stepdump.cli.common import add_run_arg, console, open_run, step_arg
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
-  stepdump bundle runs/exp1 --step 45 -o step-45.stepdump
-  stepdump bundle runs/kf --step 45 -o step-45.stepdump --entry train:make_step   # a keyframe run
-  stepdump reexec step-45.stepdump --step 45 --entry train:make_step              # anywhere, later
+  stepdump bundle demo-run --step 10 -o step-10.stepdump
+  stepdump reexec step-10.stepdump --step 10 --entry stepdump.demo:make_step      # anywhere, later
 
 The bundle is a store like a run: step 45's params, buffers, optimizer state, RNG and batch, the
 recorded fingerprints of its grads and of step 46 (what a re-execution is compared with), and the
 recording's environment. --entry (pkg.module:factory, as for reexec) is needed only when the run
-holds the step neither in full nor in a gradient log: a keyframe run replays it with your code.
+holds the step neither in full nor in a gradient log: a keyframe run replays it with your code
+(stepdump bundle runs/kf --step 45 -o step-45.stepdump --entry train:make_step).
 """
 
 

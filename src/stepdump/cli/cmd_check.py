@@ -13,7 +13,7 @@ EXAMPLES = """examples:
   stepdump check demo-run
   stepdump check demo-run --rules nan_inf,loss_spike --fail-on error
   stepdump check demo-run --json
-  stepdump check ppo-run --objective policy_loss   (or --objective none: no scalar should fall)
+  stepdump check demo-run --objective loss   # the scalar whose fall means learning (none: no scalar should fall, as in RL)
   stepdump check demo-run --csv > findings.csv
 """
 

@@ -1,4 +1,4 @@
-"""stepdump demo: train a small model with recording on, print a summary, write a report."""
+"""stepdump demo: train a small model with recording on, re-execute one step, print a summary, write a report."""
 
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
   stepdump demo                       # records into ./demo-run, writes ./demo-run/report.html
-  stepdump demo --out /tmp/run --steps 500
+  stepdump demo --out demo-run-2 --steps 200 --no-report     # the same training again: diff finds them identical
+
+--steps 200 records 201 steps: one per optimizer step (0..199) and the final record 200, the
+state after the last update (the trained model). Every step is stored in full with its batch, so
+every command runs on the demo run, reexec and bundle with --entry stepdump.demo:make_step.
+The demo prints no timing: make bench measures what recording costs (docs/performance.md).
 """
 
 
@@ -48,13 +53,12 @@ def run(args: argparse.Namespace) -> int:
 
     table = Table(title="stepdump demo", show_header=False)
     table.add_row("run", str(result.path))
-    table.add_row("steps recorded", str(result.steps))
+    table.add_row("steps recorded", f"{result.steps} ({args.steps} optimizer steps and the final record)")
     table.add_row("tensors per step", str(result.tensors))
     table.add_row("bytes on disk", human_bytes(result.bytes_on_disk))
-    table.add_row("ms/step without recording", f"{result.ms_per_step_plain:.2f}")
-    table.add_row("ms/step with recording", f"{result.ms_per_step_recorded:.2f}")
     table.add_row("final loss", f"{result.final_loss:.4f}")
     console.print(table)
+    console.print(f"reexec: {result.reexec_summary}", markup=False)
 
     import stepdump
 
@@ -63,13 +67,18 @@ def run(args: argparse.Namespace) -> int:
         if findings is not None:
             console.print(f"check: {len(findings)} finding(s)" + ("" if not findings else ":"))
             for f in findings[:10]:
-                console.print(f"  [{f.severity.name.lower()}] {f.rule} at step {f.step}: {f.message}")
+                console.print(f"  [{f.severity.name.lower()}] {f.rule} at step {f.step}: {f.message}", markup=False)
         if not args.no_report:
             report = _report(run_, Path(result.path) / "report.html", findings)
             if report is not None:
                 console.print(f"report: {report}")
-    console.print(f"try: stepdump info {result.path}   |   stepdump show {result.path} 0.weight --step 10")
-    return Exit.OK
+    k, path = result.reexecuted, result.path
+    console.print("try:", markup=False)
+    for example in (f"info {path}", f"show {path} 0.weight --step {k} --kind grads",
+                    f"reexec {path} --step {k} --entry stepdump.demo:make_step",
+                    f"bundle {path} --step {k} -o step-{k}.stepdump"):
+        console.print(f"  stepdump {example}", markup=False)
+    return Exit.OK if result.reproduces else Exit.FOUND
 
 
 def _check(run_):  # type: ignore[no-untyped-def]

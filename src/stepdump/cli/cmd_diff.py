@@ -12,11 +12,12 @@ from stepdump.cli.common import DIFF_KINDS, console, float_arg, kinds_arg, open_
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
-  stepdump diff run-a run-b
-  stepdump diff ref port --atol 1e-6 --kinds params,grads
-  stepdump diff run-a run-b --json
-  stepdump diff run-a run-b --ignore rng --ignore scalars.tokens_per_sec
-  stepdump diff run-a run-b --noise run-a2 run-a3 run-a4   # beyond the noise among A's repeats (1% false alarms)
+  stepdump demo --out demo-run-2 --steps 200 --no-report   # the same training again
+  stepdump diff demo-run demo-run-2                        # exit 0: identical, bit for bit
+  stepdump diff demo-run demo-run-2 --atol 1e-6 --kinds params,grads
+  stepdump diff demo-run demo-run-2 --json
+  stepdump diff demo-run demo-run-2 --ignore rng --ignore scalars.acc
+  stepdump diff demo-run demo-run-2 --noise demo-run-3 demo-run-4   # beyond the noise among A's repeats (two more demos; 1% false alarms)
 
 exit codes: 0 identical (over what was compared: the output says what was not; an RNG that
   differs while nothing computed does is a note, not a difference), 1 the runs differ,

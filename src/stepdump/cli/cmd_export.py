@@ -10,13 +10,12 @@ from stepdump.cli.exitcodes import Exit
 from stepdump.errors import ConfigError
 
 EXAMPLES = """examples:
-  stepdump export demo-run --step 100 -o step100.pt
-  stepdump export demo-run --step 100 -o step100.safetensors --format safetensors --grads
-  stepdump export runs/gpt --step 500 --format hf-trainer -o ckpt/checkpoint-500
-      then: trainer.train(resume_from_checkpoint="ckpt/checkpoint-500")
-  stepdump export runs/lit --step 500 --format lightning -o step500.ckpt
-      then: trainer.fit(model, datamodule, ckpt_path="step500.ckpt")
-  stepdump export runs/plain --step 8 --format lightning --trainer num_training_batches=4
+  stepdump export demo-run --step 10 -o step10.pt
+  stepdump export demo-run --step 10 -o step10.safetensors --format safetensors --grads
+  stepdump export demo-run --step 10 --format hf-trainer -o ckpt/checkpoint-10 --trainer train_batch_size=64
+      then: trainer.train(resume_from_checkpoint="ckpt/checkpoint-10")
+  stepdump export demo-run --step 10 --format lightning -o step10.ckpt --trainer num_training_batches=4
+      then: trainer.fit(model, datamodule, ckpt_path="step10.ckpt")
 
 step N is the state after N optimizer steps (global_step == N). With no -o the
 checkpoint is written in the current folder: step-N.pt, step-N.safetensors,

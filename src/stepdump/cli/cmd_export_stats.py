@@ -8,9 +8,9 @@ from stepdump.cli.common import add_run_arg, console, glob_arg, kinds_arg, open_
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
-  stepdump export-stats runs/job -o stats.parquet
-  stepdump export-stats runs/job -o grads.parquet --kind grads --steps 0:1000
-  duckdb -c "SELECT rank, max(norm) FROM 'stats.parquet' WHERE kind = 'grads' GROUP BY rank"
+  stepdump export-stats demo-run -o stats.parquet
+  stepdump export-stats demo-run -o grads.parquet --kind grads --steps 0:10
+  then, in DuckDB: SELECT rank, max(norm) FROM 'stats.parquet' WHERE kind = 'grads' GROUP BY rank
 """
 
 

@@ -10,10 +10,10 @@ from stepdump.cli.common import add_run_arg, console, int_arg, open_run, print_e
 from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
-  stepdump export-tb demo-run tb/demo && tensorboard --logdir tb
+  stepdump export-tb demo-run tb/demo     # then: tensorboard --logdir tb
   stepdump export-tb demo-run tb/demo --stats norm,nan --histograms grads --histogram-steps 5
   stepdump export-tb demo-run tb/demo --no-stats --histograms none
-  stepdump export-tb base tb --compare lr10 --label base --label lr10   # side by side, with compare/* in tb/lr10
+  stepdump export-tb demo-run tb --compare demo-run-2 --label demo --label again   # side by side, with compare/* in tb/again
 """
 
 

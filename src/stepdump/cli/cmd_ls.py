@@ -13,7 +13,7 @@ EXAMPLES = """examples:
   stepdump ls demo-run              # kinds and tensor names
   stepdump ls demo-run --steps      # steps stored in full
   stepdump ls demo-run --kind grads
-  stepdump ls demo-run | grep c_attn | cut -f2    # piped: one "kind<TAB>name" line per tensor
+  stepdump ls demo-run | grep exp_avg_sq | cut -f2    # piped: one "kind<TAB>name" line per tensor
 """
 
 

@@ -13,13 +13,14 @@ from stepdump.cli.output import print_json
 from stepdump.errors import ConfigError
 
 EXAMPLES = """examples:
-  stepdump reexec runs/exp1 --step 45 --entry train:make_step
-  stepdump reexec step-45.stepdump --step 45 --entry train:make_step --find-nan
-  stepdump reexec runs/exp1 --step 45 --entry train:make_step --repeat 3 --json
-  stepdump reexec runs/exp1 --step 45 --entry train:make_step --repeat 2 --trace
-  stepdump reexec runs/exp1 --step 45 --entry train:make_step --activations 'blocks.*.attn' --write-back
+  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step
+  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step --find-nan
+  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step --repeat 3 --json
+  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step --repeat 2 --trace
+  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step --activations '4' --write-back
 
---entry pkg.module:factory names a function of yours (importable from the current directory) that
+--entry pkg.module:factory names a function of yours (importable from the current directory, e.g.
+train:make_step for make_step in ./train.py; stepdump.demo:make_step is the demo's) that
 takes no arguments and returns (model, optimizer, train_step[, scheduler[, scaler]]) or a dict
 with those keys, freshly built as the recorded loop built them; train_step(model, optimizer,
 batch) runs one iteration. For a run recorded by the Lightning callback it may return the

@@ -11,10 +11,10 @@ from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
   stepdump report demo-run -o report.html
-  stepdump report run-a run-b -o compare.html          # both runs' curves overlaid
-  stepdump report run-a run-b --label baseline --label fix -o compare.html
-  stepdump report --watch runs/exp1                    # a page that follows the training live
-  stepdump report --watch runs/exp1 --port 8765 --interval 5
+  stepdump report demo-run demo-run-2 -o compare.html          # both runs' curves overlaid
+  stepdump report demo-run demo-run-2 --label baseline --label again -o compare.html
+  stepdump report --watch demo-run                     # a page that follows the training live
+  stepdump report --watch demo-run --port 8765 --interval 5
 """
 
 

@@ -11,9 +11,9 @@ from stepdump.cli.tables import add_limit_arg, print_frame
 
 EXAMPLES = """examples:
   stepdump scalars demo-run
-  stepdump scalars demo-run --steps 100:200 --csv > scalars.csv
+  stepdump scalars demo-run --steps 5:15 --csv > scalars.csv
   stepdump scalars demo-run --json | jq '.[0]'
-  stepdump scalars demo-run | awk -F'\\t' '$2 == "nan"'    # steps whose loss was NaN
+  stepdump scalars demo-run --names loss | awk -F'\\t' 'NR > 1 && $2 > 2'   # steps whose loss was above 2 ($2 == "nan": NaN)
 """
 
 

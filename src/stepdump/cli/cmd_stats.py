@@ -10,8 +10,8 @@ from stepdump.cli.output import add_format_args
 from stepdump.cli.tables import add_limit_arg, print_frame, select_columns
 
 EXAMPLES = """examples:
-  stepdump stats demo-run --kind grads --name '0.*' --steps 0:50
-  stepdump stats demo-run --columns norm,nan | grep c_attn    # one TSV line per row in a pipe
+  stepdump stats demo-run --kind grads --name '0.*' --steps 0:10
+  stepdump stats demo-run --columns norm,nan | grep running_var    # one TSV line per row in a pipe
   stepdump stats demo-run --kind params --csv > params.csv
 """
 

@@ -13,7 +13,7 @@ from stepdump.cli.output import print_json
 
 EXAMPLES = """examples:
   stepdump verify demo-run && echo intact
-  stepdump verify demo-run --json | jq '.problems[].where'
+  stepdump verify demo-run --json | jq '.ok, .problems[].where'
 """
 
 

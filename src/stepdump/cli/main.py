@@ -35,7 +35,7 @@ COMMANDS = (
 
 # What `stepdump --help` lists, and each command's description in `stepdump CMD --help`.
 SUMMARIES: dict[str, str] = {
-    "demo": "train a small model with stepdump recording every step, then summarise it",
+    "demo": "train a small model with stepdump recording every step and its batch, re-execute a step, summarise",
     "info": "summarise a run: steps, kinds, tensors, size, how it was recorded",
     "ls": "list the steps, kinds or tensor names of a run",
     "show": "show one tensor at one step: dtype, shape, stats and a preview of its values",
@@ -64,8 +64,9 @@ exit codes: 0 ok, 1 difference/finding/corruption found, 2 usage (any bad value)
 examples:
   stepdump demo --out demo-run --steps 200
   stepdump info demo-run
-  stepdump show demo-run fc1.weight --step 10 --kind grads
-  stepdump diff run-a run-b
+  stepdump show demo-run 0.weight --step 10 --kind grads
+  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step
+  stepdump diff demo-run demo-run-2     # demo-run-2: stepdump demo --out demo-run-2, the same training
 """
 
 
@@ -74,7 +75,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     Every command is listed (so ``--help`` and "invalid choice" errors are
     complete), but a command's module is imported only when it is the one
-    asked for: importing all twelve would pull in torch for ``--help``.
+    asked for: importing all of them would pull in torch for ``--help``.
     """
     parser = argparse.ArgumentParser(
         prog="stepdump",
