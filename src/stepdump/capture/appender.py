@@ -22,8 +22,8 @@ buffer bigger than the cap is let through alone).
 
 A step's last batch of small blobs may be written *inline* (``append(..., inline=True)``) when
 nothing is queued: on the writer's thread, one write, the order unchanged (the queue is empty). A
-small model's step is a few kilobytes, and handing them to this thread and waiting for it cost a
-GIL hand-off each way, each a context switch of the training thread (issue 25); there is nothing
+small model's step is a few kilobytes, and handing them to this thread and waiting for it costs a
+GIL hand-off each way, each a context switch of the training thread; there is nothing
 for the hand-off to overlap with at the end of a step, as the commit waits for the bytes anyway.
 
 Each append carries the offset the writer has already put in the catalog rows;

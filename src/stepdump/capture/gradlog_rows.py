@@ -1,9 +1,9 @@
-"""A step's small staged tensors described together on the writer thread (issue 25).
+"""A step's small staged tensors described together on the writer thread.
 
 A gradient log stores every grad at every step; on a small model most of them are biases and
-norm weights of a few hundred elements. The writer described each on its own
-(:func:`stepdump.core.stats.compute_stats` and a fingerprint: a dozen calls per tensor, each
-numpy or torch call a chance to hand the GIL to the training thread and back). Here the small
+norm weights of a few hundred elements. Describing each on its own
+(:func:`stepdump.core.stats.compute_stats` and a fingerprint) would take a dozen calls per tensor,
+each numpy or torch call a chance to hand the GIL to the training thread and back. Here the small
 float tensors a step staged are packed into one buffer (one C call) and described by
 :func:`stepdump.capture.packed.packed_rows`: a few passes over the whole buffer, the same stats
 bit for bit as ``compute_stats`` gives each (tests/test_lean_packed.py, and

@@ -74,7 +74,7 @@ class WriterLink:
         mail = w.can_mail(msg)
         self._posted += 1
         # Woken at least once a COMMIT_WINDOW by the steps themselves (the first at once): a steady
-        # loop's steps are committed as soon as before, the writer's own wake-up is for a loop that stopped.
+        # loop's steps commit within a window of being taken; the writer's own wake-up is for a loop that stopped.
         if not box.post(msg, not mail or now - self._woken >= writer_mod.COMMIT_WINDOW,
                         mailbox.mail_bytes(msg) if mail else 0):
             return

@@ -1,7 +1,7 @@
 """How the Recorder hears about a step: closures, GradScaler skips, optimizer param groups.
 
 The Recorder takes a record at the optimizer's step pre-hook, where grads are
-final and nothing is updated yet. Two ordinary setups break that moment, and
+final and nothing is updated yet. Three ordinary setups break that moment, and
 this module holds what handles them:
 
 * an optimizer called with a closure (LBFGS, or any optimizer given one): the
@@ -35,7 +35,7 @@ def _step_wrapper_code() -> Any:
     wrap = getattr(torch.optim.Optimizer, "profile_hook_step", None)
     try:
         return wrap(lambda *a, **k: None).__code__ if wrap is not None else None
-    except Exception:  # noqa: BLE001 - another torch: no nesting detection, as before
+    except Exception:  # noqa: BLE001 - another torch: no nesting detection (every call counts)
         return None
 
 
@@ -67,7 +67,7 @@ def attach(rec: Steps, scaler: Any, *, auto_capture: bool,
     opt = rec.optimizer
     require_step_hooks(opt)
     # The frame walk that tells a step's own hook call from an inner super().step()'s is the
-    # recorder's time too (sys/recorder_ms, issue 25 item 2): ``spent`` takes it.
+    # recorder's time too (sys/recorder_ms): ``spent`` takes it.
     nested = timed(nested_step, spent) if spent is not None else nested_step
 
     def post(o: Any, a: Any, k: Any) -> None:

@@ -319,7 +319,7 @@ OPTIMIZER_EVERY = 10
 # bytes is read whole at the optimizer pre-hook on the training thread (LeanCapture.take).
 INLINE_BYTES = 2 << 20
 # Such a record's copies are described by the writer thread (StepMessage.packed), not at the
-# pre-hook (False: on the training thread, as before issue 25's deferral; benchmarks compare both).
+# pre-hook (False: at the pre-hook, on the training thread; benchmarks compare both).
 DEFER_PACKED = True
 
 

@@ -1,10 +1,9 @@
 """The writer's mailbox: every message from the training thread, in order, and when to wake the writer.
 
-Why (issue 25): waking a thread costs the one that wakes it. On a 4 ms step (a PPO update, one
-torch thread, two cores) a single ``queue.put`` per step that wakes the writer, which then takes
-the GIL while the training thread's torch ops let go of it and take it back, cost +0.25 ms of the
-training thread's CPU time and +0.4 ms of wall time a step, measured with a writer that did no
-work at all: more than the recorder's own work on a lean step of that model.
+Why: waking a thread costs the one that wakes it. On a millisecond step, a ``queue.put`` per step
+that wakes the writer (which then takes the GIL while the training thread's torch ops let go of it
+and take it back) costs the training thread more than the recorder's own work on a lean step
+(measured: docs/design-measurements.md, "The writer's mailbox").
 
 So the Recorder's messages go into a deque (an append is atomic under the GIL and wakes no one),
 and the writer's queue carries only *tokens*. A message the writer must see now (one with bytes to
@@ -12,15 +11,14 @@ write or live tensors it must read before the optimizer goes on, a full step, a 
 step of a ``durability="fsync"`` run) is posted with a token, so the writer wakes at once, as
 before. A step below full with nothing left in a staging slot (``mailable``: a lean step whose rows
 are computed or copied already, a small gradient-log step whose bytes were copied out of its slot)
-is posted without one,
-unless the last token is ``COMMIT_WINDOW`` seconds old (so a steady loop wakes the writer about once
+is posted without one, unless the last token is ``COMMIT_WINDOW`` seconds old (so a steady loop wakes the writer about once
 a window, the first step at once, and its steps commit as soon as the group commit made them
 before); the writer also wakes on its own once a window, for a loop that stopped between two
 steps, and a full mailbox (``MAILBOX_MAX`` messages, or ``MAILBOX_BYTES`` of copies posted since
 the last token) gets a token for every post; past ``MAILBOX_STALL`` times the bytes, the training
-thread waits for the writer to take them. What a crash can lose grows from one ``COMMIT_WINDOW`` of steps
-below full (the group commit's) to two: the wait for the writer's wake-up, then the group commit's
-(docs/reliability.md).
+thread waits for the writer to take them. A step below full may so wait up to one ``COMMIT_WINDOW``
+for the writer's wake-up and then one more for the group commit: what a crash can lose is stated
+once, in docs/reliability.md ("After a crash").
 One FIFO for everything keeps the steps in the order they were taken; a message put straight
 into the queue (no mailbox: reexec's bundles, tests) is written after the mail posted before it.
 """

@@ -285,7 +285,7 @@ class StoreOptions:
             throttle or count appends; tests pass one that fails like a full disk.
         fingerprint: The fingerprint kind of each recorded tensor (FORMAT.md, "Fingerprint
             kinds"): ``"auto"`` (default) dmix64 for CUDA tensors (computed on the device, no host
-            copy at stats steps), xxh3 for CPU tensors, so a CPU run is exactly as before;
+            copy at stats steps), xxh3 for CPU tensors, so a CPU run is a format-1 store;
             ``"xxh3"`` xxh3 everywhere (CUDA bytes hashed on the host); ``"dmix64"`` dmix64
             everywhere (a CPU run meant to be compared with GPU runs by fingerprint). A tensor
             keeps its first kind at every step.

@@ -1,8 +1,8 @@
 """Small tensors described together: one copy per dtype, a few vectorised passes, a plan per layout.
 
 A small model's stats-only step reads dozens of tensors of a few thousand elements each; what
-it cost was Python per tensor (a dozen calls each to name, check, copy and describe it), not
-the bytes. Here (issue 25):
+it costs is Python per tensor (a dozen calls each to name, check, copy and describe it), not
+the bytes. Here:
 
 * :func:`packed_rows` describes every tensor packed end to end in one buffer with a few
   passes over the whole buffer (segmented min, max, sum and sum of squares, computed as

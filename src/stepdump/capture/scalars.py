@@ -11,7 +11,7 @@ from stepdump.errors import ConfigError
 
 
 def checked_scalar(name: str, value: Any) -> Any:
-    """The value ``log(name=value)`` queues, or a ConfigError naming the key (issue 16).
+    """The value ``log(name=value)`` queues, or a ConfigError naming the key.
 
     Checked here, at the call, so that a value the writer could not store never
     reaches it: a failure there would stop the recording for good. Tensors stay

@@ -23,8 +23,12 @@ side stream; the training stream waits for that stream before the optimizer
 updates anything, and the writer waits on an event before reading the bytes.
 Health stats for CUDA tensors are computed on the device (see
 :func:`device_stats`), so the writer thread does not compute them on the host.
-The tensor itself is still copied to the host on every recorded step, stats-only
-steps included: its fingerprint is a hash of its bytes, taken on the host.
+A stats-only step's CUDA tensors are not copied to the host: the fused device pass
+(capture/device_pack.py) describes them on the side stream, stats and the device
+fingerprint (dmix64), and only those few numbers per tensor come back. Tensors
+stored in full are copied (over the staging budget, by the writer itself). With
+``fingerprint="xxh3"`` the bytes are hashed on the host, so every recorded tensor is
+copied, stats-only steps included (docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -362,7 +366,7 @@ class Stager:
         live: list[Item] = []
         cuda_entries = []
         # One copy call for the step's staged CPU tensors, not one per tensor: each torch call lets go
-        # of the GIL, a hand-off to the writer when it waits for it (issue 25).
+        # of the GIL, a hand-off to the writer when it waits for it.
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         slot.live_done.clear()

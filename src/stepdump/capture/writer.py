@@ -1,10 +1,10 @@
 """The writer thread: stats, fingerprints, encoding, segment appends, catalog commits.
 
-Order of work for one step, which is what makes a crash lose at most the step
-in flight: every blob is appended to the segment file (and, with
-``durability="fsync"``, fsynced) *before* the catalog transaction that makes the
-step visible commits. Bytes appended by a step that never committed are
-unreferenced garbage at the end of a segment, never a wrong answer.
+Order of work for one step: every blob is appended to the segment file (and, with
+``durability="fsync"``, fsynced) *before* the catalog transaction that makes the step visible
+commits. Bytes appended by a step that never committed are unreferenced garbage at the end of a
+segment, never a wrong answer. What a crash can lose follows from this order and from the group
+commit below; it is stated once, in docs/reliability.md ("After a crash").
 
 Live items (staging.py: tensors over the staging budget, handed over uncopied)
 come first in a step's items; once the last of them is appended, the writer sets
@@ -12,21 +12,18 @@ the slot's ``live_done`` and the training thread, waiting in the pre-hook, lets
 the optimizer go on. A failed step sets it too, after the appender has stopped
 reading, so the training thread never waits on a writer that gave up.
 
-Group commit (issue 25). The writer commits a step below full level (stats only: a lean step's
-rows, its scalars; or a gradient log's step: its grads' bytes and rows) at once only if its last
-commit is ``COMMIT_WINDOW`` seconds old; otherwise the rows wait in Python until it is (the queue
-running dry or not), or until a full step, a meta change or the end comes, and then go in
-together, in one transaction, after the held steps' bytes are written (and with
-``durability="fsync"`` fsynced). A loop slower than that commits every step as before; a fast
-one at most 1/``COMMIT_WINDOW`` times a second. A small stats-only step's copies
-(``StepMessage.packed``) are described then too, those of one layout in one pass. Each commit of a small model's step rewrote a
-page of the tensors table per series (rows are keyed by series, then step) in the WAL: ~4 ms a
-commit for nanoGPT tiny's gradient log, paid by every step.
-Each SQLite call lets go of the GIL and takes it back, and on a millisecond step each of
-those hand-offs cost the training thread more than the rows did (a context switch of the
-training thread per statement: ~18 a step before, ~1 after). What a crash can lose grows
-by at most ``COMMIT_WINDOW`` of steps below full (docs/reliability.md); with
-``durability="fsync"`` every step still commits on its own.
+Group commit. The writer commits a step below full level (stats only: a lean step's rows, its
+scalars; or a gradient log's step: its grads' bytes and rows) at once only if its last commit is
+``COMMIT_WINDOW`` seconds old; otherwise the rows wait in Python until it is (the queue running dry
+or not), or until a full step, a meta change or the end comes, and then go in together, in one
+transaction, after the held steps' bytes are written (and with ``durability="fsync"`` fsynced). A
+loop slower than that commits every step; a fast one at most 1/``COMMIT_WINDOW`` times a second. A
+small stats-only step's copies (``StepMessage.packed``) are described then too, those of one layout
+in one pass. Why: a commit of a small model's step rewrites a page of the tensors table per series
+(rows are keyed by series, then step) in the WAL, and each SQLite call lets go of the GIL and takes
+it back, a context switch of the training thread per statement; on a millisecond step those cost
+the training thread more than the rows do (measured: docs/design-measurements.md, "Small records
+described by the writer"). With ``durability="fsync"`` every step commits on its own.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ _CHUNK = 65536  # elements per chunk, one program each: a multiple of _BLOCK
 # 65,536 (benchmarks/device_lean_bench.py --sweep). Whole blocks read as words: 512 x 8 warps 1.37 ms
 # (1,458 GB/s), 512 x 4 1.43, 1,024 x 8 1.61 (1.32 with 3 pipelining stages), 2,048 x 8 2.18,
 # 2,048 x 16 1.72, 4,096 x 16 1.92; chunks of 131,072 or 32,768 at 1,024 x 8: 1.46 / 1.78; the floor
-# (one _foreach_norm over the same bytes) 1.09. Read element by element as before (~100 instructions
+# (one _foreach_norm over the same bytes) 1.09. Read element by element instead (~100 instructions
 # an element, issue-bound: pipelining and block sizes moved it by 5% only): 512 x 8 2.04-2.06 ms.
 _NUM_WARPS = 8
 # Software pipelining (tl.range's num_stages=3) was tried by the same sweep: 1.32 ms at 1,024 x 8,

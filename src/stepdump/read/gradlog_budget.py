@@ -4,8 +4,8 @@ bounds per read").
 Rebuilding step *s* decodes the recorded grads of every update from its keyframe on and re-runs
 the update over them; the catalog says what those grads are. A few KB of catalog rows can point
 the grads of many steps at one big blob of zeros (or at blobs that compress 1000:1), and then
-one ``run.tensor()`` decodes and re-applies gigabytes from a store of megabytes (issue 22: 139
-updates, 8.7 GiB decoded, from 14.7 MB). Bounding the work by what the call returns, as a delta
+one ``run.tensor()`` decodes and re-applies gigabytes from a store of megabytes (a crafted store:
+139 updates, 8.7 GiB decoded from 14.7 MB). Bounding the work by what the call returns, as a delta
 chain is, would refuse honest logs: a read of one small tensor honestly re-applies up to *K*-1
 updates of the whole model. What an honest log never does is decode much more than it stores:
 grads are float noise, each stored once. So the bound is on that:

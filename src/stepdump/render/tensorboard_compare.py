@@ -1,4 +1,4 @@
-"""Export several runs to TensorBoard together, with the report's comparison (issue 26 item 6).
+"""Export several runs to TensorBoard together, with the report's comparison.
 
 :func:`export_tensorboard_runs` writes each run with :func:`~stepdump.render.tensorboard.export_tensorboard`
 into its own subdirectory (``logdir/<label>``: TensorBoard shows them as runs side by side, their

@@ -322,7 +322,7 @@ class CatalogWriter:
         """``rows`` (``width`` values each) inserted by a few multi-row INSERTs rather than one
         ``executemany`` step per row: the sqlite3 module lets go of the GIL around every step, and
         on a small model's step each of those hand-offs costs the training thread more than the
-        row (issue 25). Statements of ``_ROWS_PER_INSERT`` rows, the rest in one shorter one."""
+        row. Statements of ``_ROWS_PER_INSERT`` rows, the rest in one shorter one."""
         rows = list(rows)
         for i in range(0, len(rows), _ROWS_PER_INSERT):
             part = rows[i:i + _ROWS_PER_INSERT]
@@ -340,13 +340,6 @@ class CatalogWriter:
 
     def add_scalars(self, rows: Iterable[tuple[int, str, float | None]]) -> None:
         self._insert_rows("INSERT OR REPLACE INTO scalars(step, name, value) VALUES ", 3, rows)
-
-    def renumber_step(self, old: int, new: int) -> None:
-        """Move every row of step ``old`` (step, tensors, scalars) to step ``new``, which must be
-        unrecorded. For writers that build a run out of order (benchmarks/synth_run.py moves a
-        template's final step to the end of the steps it appends)."""
-        for table in ("steps", "tensors", "scalars"):
-            self.con.execute(f"UPDATE {table} SET step = ? WHERE step = ?", (new, old))  # noqa: S608 - fixed names
 
     def set_meta(self, key: str, value: Any) -> None:
         self.con.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
