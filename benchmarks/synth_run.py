@@ -58,10 +58,21 @@ def record_template(path: Path, tensors: int, steps: int, *, nan_step: int | Non
     """Record ``steps`` steps for real: SGD on ``tensors`` parameters of 16 elements, stats only.
 
     ``nan_step``: at that step the second tensor's gradient holds one NaN element (and the loss is
-    NaN); the parameter it spoils is set finite again after the update, as synth_run assumes."""
+    NaN); the parameter it spoils is set finite again as part of the update (an optimizer post-hook
+    that runs before the Recorder's), as synth_run assumes: an edit after the update would be one
+    outside the optimizer, which the Recorder stores at the next step."""
     torch.manual_seed(0)
     model = nn.ParameterDict({n: nn.Parameter(torch.randn(NUMEL)) for n in tensor_names(tensors)})
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    at = {"step": -1}
+
+    def finite_again(o: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if at["step"] == nan_step:
+            with torch.no_grad():
+                for p in model.values():
+                    p.nan_to_num_(0.0)
+
+    opt.register_step_post_hook(finite_again)
     with stepdump.Recorder(path, model, opt, every=None, stats_every=1, capture=("params", "grads")) as rec:
         for s in range(steps):
             for j, name in enumerate(tensor_names(tensors)):  # j as synth_run numbers them (not the dict's order)
@@ -69,11 +80,8 @@ def record_template(path: Path, tensors: int, steps: int, *, nan_step: int | Non
                 p.grad = torch.full((NUMEL,), grad_value(s, j))
                 if s == nan_step and j == 1 % tensors:
                     p.grad[3] = float("nan")
+            at["step"] = s
             opt.step()
-            if s == nan_step:
-                with torch.no_grad():
-                    for p in model.values():
-                        p.nan_to_num_(0.0)
             rec.log(loss=float("nan") if s == nan_step else 1.0 / (1 + s))
 
 

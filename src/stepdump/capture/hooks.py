@@ -27,7 +27,7 @@ import torch
 from stepdump.capture.handles import Hook, ScalerStep
 from stepdump.capture.profiling import timed
 from stepdump.capture.step_state import StateBefore
-from stepdump.errors import ConfigError
+from stepdump.core.wrappers import require_step_hooks
 
 
 def _step_wrapper_code() -> Any:
@@ -84,20 +84,6 @@ def attach(rec: Steps, scaler: Any, *, auto_capture: bool,
         if scaler is not None:
             scaler.step = watch_scaler(scaler, rec)  # an instance attribute shadows the method
     return handles
-
-
-def require_step_hooks(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer built without ``torch.optim.Optimizer.__init__`` (a wrapper that sets its
-    own attributes): it has no step hooks, so no step of it could ever be seen."""
-    if not all(hasattr(optimizer, a) for a in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")):
-        raise ConfigError(
-            f"{type(optimizer).__name__} has no step hooks (it was built without torch.optim.Optimizer.__init__), "
-            "so stepdump cannot see its steps; give the Recorder the optimizer it wraps, whose step() does the "
-            "update, or have its __init__ call super().__init__(params, defaults)")
-    # A wrapper that made the hook dicts itself (timm's Lookahead) runs them only once torch has wrapped
-    # its class's step(), which Optimizer.__init__ does and zero_grad() does late: wrap it now, as torch would.
-    if not getattr(type(optimizer).step, "hooked", False) and hasattr(optimizer, "_patch_step_function"):
-        optimizer._patch_step_function()
 
 
 def nested_step(optimizer: torch.optim.Optimizer) -> bool:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from stepdump.capture.step_state import begin_state
-from stepdump.core.rng import get_rng_state
+from stepdump.core.rng import get_rng_state, same_rng_state
 from stepdump.store.format import LEVEL_NONE, LEVEL_STATS, STATE_FORWARD_RNG
 
 if TYPE_CHECKING:
@@ -165,8 +165,10 @@ class IterationStart:
             # The RNG each training forward starts from: a draw between the iteration's start and a
             # forward (nanoGPT's get_batch, an augmentation) is not redone by a re-execution or a
             # replay that is handed the recorded batch, so they set it here (FORMAT.md, forward_rng).
-            try:
-                self._begin.setdefault(STATE_FORWARD_RNG, []).append(get_rng_state())
+            try:  # None: the iteration's start state (nothing drew before this forward; no copy stored)
+                rng = get_rng_state()
+                self._begin.setdefault(STATE_FORWARD_RNG, []).append(
+                    None if same_rng_state(rng, self._begin["rng"]) else rng)
             except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
                 self._fail(e, "forward pre-hook")
         if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
@@ -196,6 +198,9 @@ class IterationStart:
     def _loop_eval_ended(self, rng: dict[str, Any]) -> None:
         if not (self._frozen or self._pinned):
             if self._begin is not None:
+                forwards = self._begin.get(STATE_FORWARD_RNG)
+                if forwards:  # None meant the start RNG that is being replaced: keep it
+                    self._begin[STATE_FORWARD_RNG] = [self._begin["rng"] if f is None else f for f in forwards]
                 self._begin["rng"] = rng
             self._stale_buffers = True
 
@@ -210,8 +215,8 @@ class IterationStart:
             if self._begin is not None:
                 if not rng:
                     self._begin["rng"] = kept
-                if forwards:  # the iteration's forwards so far keep their RNG states
-                    self._begin[STATE_FORWARD_RNG] = forwards
+                if forwards:  # the iteration's forwards so far keep their RNG states (None: the old start's)
+                    self._begin[STATE_FORWARD_RNG] = [kept if f is None else f for f in forwards] if rng else forwards
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "start of an iteration")
 

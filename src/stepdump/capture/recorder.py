@@ -39,7 +39,7 @@ from stepdump.capture.final import FinalRecord
 from stepdump.capture.guard import Failure, Guard, close_quietly
 from stepdump.capture.handoff import WriterLink
 from stepdump.capture.handles import Hook
-from stepdump.capture.hooks import attach, detach_scaler, nested_step, require_step_hooks
+from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.lean import LeanCapture
 from stepdump.capture.step_state import StateBefore
 from stepdump.capture.profiling import BackgroundClock, ThreadWaits, span, timed
@@ -60,7 +60,7 @@ from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
 from stepdump.capture.structure import StructureWatch, recorded_layouts
 from stepdump.core.layout import build_layout
-from stepdump.core.wrappers import inner_optimizer, inner_scheduler, state_holder
+from stepdump.core.wrappers import inner_optimizer, inner_scheduler, require_step_hooks, state_holder
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
 from stepdump.store.lock import RunLock

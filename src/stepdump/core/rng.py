@@ -101,6 +101,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([c.to(torch.uint8) for c in cuda])
 
 
+def same_rng_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two :func:`get_rng_state` results are the same state of every generator."""
+    if a.keys() != b.keys() or not torch.equal(a["torch"], b["torch"]):
+        return False
+    na, nb = a["numpy"], b["numpy"]
+    pa, pb = a["python"], b["python"]
+    if (na["alg"], na["pos"], na["has_gauss"], na["cached_gaussian"]) != \
+            (nb["alg"], nb["pos"], nb["has_gauss"], nb["cached_gaussian"]) or not torch.equal(na["keys"], nb["keys"]):
+        return False
+    if (pa["version"], pa["gauss"]) != (pb["version"], pb["gauss"]) or not torch.equal(pa["state"], pb["state"]):
+        return False
+    ca, cb = a.get("cuda") or [], b.get("cuda") or []
+    return len(ca) == len(cb) and all(torch.equal(x, y) for x, y in zip(ca, cb))
+
+
 class ForwardRng:
     """Sets the RNG recorded at each training forward of an iteration (state ``forward_rng``) at
     the same forward of a re-run: the model's forward pre-hook, grad enabled, in order.
@@ -117,9 +132,14 @@ class ForwardRng:
         # prepend: before the user's own pre-hooks, as the Recorder's hook saw the RNG before them
         self._handle = model.register_forward_pre_hook(self._pre, prepend=True)
 
-    def start(self, states: list[dict[str, Any]] | None) -> None:
-        """An iteration begins: its recorded forward RNG states (None or empty: none to set)."""
-        self._states, self.seen = list(states or []), 0
+    def start(self, states: list[dict[str, Any] | None] | None, start: dict[str, Any] | None = None) -> None:
+        """An iteration begins: its recorded forward RNG states (None or empty: none to set). An
+        entry None is "the iteration's start state" (nothing drew before that forward): ``start``."""
+        resolved = [start if s is None else s for s in states or []]
+        self._states = [s for s in resolved if s is not None]
+        if len(self._states) != len(resolved):  # a None with no start to stand for: none can be set
+            self._states = []
+        self.seen = 0
 
     @property
     def matched(self) -> bool:

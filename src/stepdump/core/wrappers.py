@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from stepdump.errors import ConfigError
+
 _DEPTH = 8  # wrappers followed at most (a cycle of attributes must not loop for ever)
 
 
@@ -57,3 +59,17 @@ def state_holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
                 and value.param_groups is optimizer.param_groups):
             return value
     return optimizer
+
+
+def require_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer built without ``torch.optim.Optimizer.__init__`` (a wrapper that sets its
+    own attributes): it has no step hooks, so no step of it could ever be seen."""
+    if not all(hasattr(optimizer, a) for a in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")):
+        raise ConfigError(
+            f"{type(optimizer).__name__} has no step hooks (it was built without torch.optim.Optimizer.__init__), "
+            "so stepdump cannot see its steps; give the Recorder the optimizer it wraps, whose step() does the "
+            "update, or have its __init__ call super().__init__(params, defaults)")
+    # A wrapper that made the hook dicts itself (timm's Lookahead) runs them only once torch has wrapped
+    # its class's step(), which Optimizer.__init__ does and zero_grad() does late: wrap it now, as torch would.
+    if not getattr(type(optimizer).step, "hooked", False) and hasattr(optimizer, "_patch_step_function"):
+        optimizer._patch_step_function()

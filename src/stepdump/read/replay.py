@@ -29,6 +29,7 @@ from stepdump.core.hashing import XXH3, fingerprint, fingerprint_as
 from stepdump.core.layout import build_layout
 from stepdump.core.rng import ForwardRng, get_rng_state, set_rng_state
 from stepdump.core.sparse import as_recorded
+from stepdump.core.wrappers import inner_optimizer, state_holder
 from stepdump.errors import (
     ConfigError,
     ReplayDiverged,
@@ -117,7 +118,7 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
             result.tensors = {key: v.detach().clone() for key, v in live.items()}
             raise _Stop
 
-    handle = optimizer.register_step_pre_hook(pre_hook)
+    handle = inner_optimizer(optimizer).register_step_pre_hook(pre_hook)  # accelerate's wrapper has no hooks
     forwards = ForwardRng(model)
     try:
         for t in range(k, step + 1):
@@ -134,7 +135,7 @@ def replay(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.O
                 set_rng_state(st["rng"])
             if t == step:
                 result.rng = st["rng"] if "rng" in st else get_rng_state()
-            forwards.start(st.get(STATE_FORWARD_RNG))
+            forwards.start(st.get(STATE_FORWARD_RNG), st.get("rng"))
             batch = recorded_batch(run, t, st) if "batch" in st else None
             try:
                 train_step(model, optimizer, batch)
@@ -197,13 +198,16 @@ def _has_state(run: Run, t: int) -> bool:
 
 def _live_tensors(layout: Any, opt: torch.optim.Optimizer) -> dict[Key, torch.Tensor]:
     """The live tensors as the record holds them: a sparse grad as it is, sparse optimizer state
-    (SGD momentum of sparse grads) dense, as its series (FORMAT.md, "Sparse tensors")."""
+    (SGD momentum of sparse grads) dense, as its series (FORMAT.md, "Sparse tensors"). The optimizer
+    state is taken where the Recorder took it: inside accelerate's wrapper, and from the optimizer a
+    Lookahead-style wrapper keeps its state in (core/wrappers.py)."""
     out: dict[Key, torch.Tensor] = {}
+    state = state_holder(inner_optimizer(opt)).state
     for name, p in layout.params.items():
         out[("params", name)] = p
         if p.grad is not None:
             out[("grads", name)] = as_recorded("grads", p.grad)
-        for key, v in opt.state.get(p, {}).items():
+        for key, v in state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 out[("optimizer", f"{name}.{key}")] = as_recorded("optimizer", v)
     return out

@@ -25,6 +25,7 @@ from stepdump.core.hashing import XXH3, fingerprint, fingerprint_as
 from stepdump.core.layout import build_layout
 from stepdump.core.optrace import OpRecord, OpTracer
 from stepdump.core.rng import ForwardRng, get_rng_state, set_rng_state
+from stepdump.core.wrappers import inner_optimizer
 from stepdump.errors import BatchMismatchError, ConfigError, ReplayDiverged, StepNotFoundError
 from stepdump.read.replay import _live_tensors, batch_calls, recorded_batch, replay
 from stepdump.read.rows import fp_kind_map
@@ -70,8 +71,9 @@ class Prepared:
     #: (kind, name) -> fingerprint kind of the run's series that are not xxh3: every execution
     #: fingerprints a tensor under its series' kind, so it compares with the record like for like.
     fp_kinds: dict[tuple[str, str], str] = field(default_factory=dict)
-    #: The RNG state at each training forward of the step, as recorded (empty: not recorded).
-    forward_rng: list[dict[str, Any]] = field(default_factory=list)
+    #: The RNG state at each training forward of the step, as recorded (empty: not recorded; an
+    #: entry None: the step's start RNG, nothing drew before that forward).
+    forward_rng: list[dict[str, Any] | None] = field(default_factory=list)
     #: Params the loop changed after this step's update, before the next record: name -> the
     #: exact (xxh3) fingerprint of what the update left in them (compared instead of record k+1's).
     edited: dict[str, int] = field(default_factory=dict)
@@ -238,9 +240,9 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
             if kind == "grads":
                 ex.fps[(GRADS, name)] = prep.fingerprint(kind, name, t)
 
-    handle = optimizer.register_step_pre_hook(pre_hook)
+    handle = inner_optimizer(optimizer).register_step_pre_hook(pre_hook)  # accelerate's wrapper has no hooks
     forwards = ForwardRng(model)
-    forwards.start(prep.forward_rng if forward_rng else None)
+    forwards.start(prep.forward_rng if forward_rng else None, prep.rng)
     try:
         with ExitStack() as stack:
             if capture is not None and (capture[0] or capture[1]):
