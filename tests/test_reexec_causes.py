@@ -259,3 +259,18 @@ def test_cli_damaged_record_exits_corrupt_and_json_says_why(tmp_path: Path, caps
     out = json.loads(capsys.readouterr().out)
     assert code == 4, out
     assert out["verdict"] == "the record is damaged" and "1.weight" in out["damaged"][0], out
+
+
+def test_no_batch_logged_and_train_step_needs_one_is_a_clear_error(tmp_path: Path) -> None:
+    import reexec_loops as L
+
+    model, opt, train_step = L.nan_factory()
+    with stepdump.Recorder(tmp_path / "r", model, opt) as rec:  # the loop never calls rec.log_batch
+        for t in range(3):
+            rec.log(loss=train_step(model, opt, L.nan_batch(t, bad_step=99)))
+    model, opt, train_step = L.nan_factory()
+    with pytest.raises(stepdump.ConfigError, match="holds no batch .*given None and failed"):
+        stepdump.reexecute(stepdump.open(tmp_path / "r"), 1, model, opt, train_step)
+    model, opt, train_step = L.nan_factory()
+    r = stepdump.reexecute(stepdump.open(tmp_path / "r"), 1, model, opt, train_step, batch=L.nan_batch(1, 99))
+    assert r.verdict == REPRODUCES, r.summary()

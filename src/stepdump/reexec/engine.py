@@ -118,7 +118,7 @@ def check_batch(run: Any, step: int, batch: Any) -> None:
     recorded = recorded_inputs(run, step)
     if not recorded:
         raise BatchMismatchError(f"step {step} of {run.path} has no batch fingerprint (the loop did not call "
-                                 "rec.log_batch), so the batch given cannot be checked; re-execute without it")
+                                 "rec.log_batch), so the batch given cannot be checked against it")
     given = batch_fingerprints(batch, len(batch_calls(recorded)), fp_kind_map(run.catalog))
     for name in sorted(set(recorded) | set(given)):
         if recorded.get(name) != given.get(name):

@@ -259,13 +259,16 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
     if step not in set(run.stats_steps):
         raise StepNotFoundError(f"step {step} of {run.path} has no record to compare a re-execution with; "
                                 f"{nearest_steps(step, run.stats_steps)}")
-    if batch is not None:
+    batch_checked = batch is not None and bool(recorded_inputs(run, step))
+    if batch_checked:
         check_batch(run, step, batch)
     damaged = damaged_blobs(run, step)
     if damaged:  # judged before anything is restored from it
         return ReexecResult(step=step, verdict=DAMAGED, damaged=damaged, how="not re-executed")
     prep = prepare(run, step, model, optimizer, train_step, scheduler, scaler)
-    batch_checked = batch is not None
+    if batch is not None and not batch_checked:
+        prep.notes.append(f"the batch given could not be checked: step {step} holds no batch fingerprint (the loop "
+                          "did not call rec.log_batch)")
     if batch is None:
         st = run.step_state(step) if run.catalog.has_state(step) else {}
         if st.get("batch") is None and not recorded_inputs(run, step):
@@ -278,10 +281,20 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
             if recorded_inputs(run, step):
                 check_batch(run, step, batch)  # the stored batch is the one fingerprinted at record time
                 batch_checked = True
-    runs = [execute(prep, batch, model, optimizer, train_step, scheduler, scaler,
-                    trace=bool(trace) or (find_nan and i == 0), capture=globs if i == 0 else None,
-                    forward_rng=replay_forward_rng)
-            for i in range(repeat)]
+    runs = []
+    for i in range(repeat):
+        try:
+            runs.append(execute(prep, batch, model, optimizer, train_step, scheduler, scaler,
+                                trace=bool(trace) or (find_nan and i == 0), capture=globs if i == 0 else None,
+                                forward_rng=replay_forward_rng))
+        except Exception as e:
+            if batch is not None or i > 0:
+                raise
+            raise ConfigError(
+                f"step {step} of {run.path} holds no batch (the loop never called rec.log_batch), so train_step was "
+                f"given None and failed ({type(e).__name__}: {e}); log the batch in the loop "
+                "(rec.log_batch(batch)), pass batch=, or let train_step draw its own batch when it is given None, "
+                "as the recorded loop drew it") from e
     result = _judge(run, step, prep, runs, batch, model, optimizer, train_step, scheduler, scaler, trace, find_nan,
                     loss, repeat)
     result.edited = sorted(prep.edited)
