@@ -2,7 +2,7 @@
 
 ``stepdump bundle RUN --step k -o step-k.stepdump`` writes step k as a small store of its own: the
 state at k, its RNG and batch, the recorded fingerprints of k and k+1. It must be a store like any
-run (open, verify, reexec), re-execute in a fresh process with the source run gone, keep the record's
+run (open, verify, reexecute), re-execute in a fresh process with the source run gone, keep the record's
 fingerprints (a grad whose bit flipped at record time is still *differs from the record*), and hold
 about one step of state plus the batch, not the grads.
 """
@@ -98,9 +98,9 @@ def objects() -> dict[str, Any]:
 
 
 def reexec_elsewhere(code: Path, path: Path, step: int) -> tuple[int, dict[str, Any]]:
-    """`stepdump reexec` in a fresh Python process, run from the factory's directory."""
+    """`stepdump reexecute` in a fresh Python process, run from the factory's directory."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-m", "stepdump", "reexec", str(path), "--step", str(step),
+    done = subprocess.run([sys.executable, "-m", "stepdump", "reexecute", str(path), "--step", str(step),
                            "--entry", "bundle_factory:make", "--json"], cwd=code, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode in (0, 1), done.stderr

@@ -36,7 +36,7 @@ def test_installed_entry_point_smoke(runs):
     a, _, _ = runs
     exe = Path(sys.executable).with_name("stepdump")
     assert exe.exists(), f"no console script at {exe}: pip install -e ."
-    proc = subprocess.run(["bash", "-c", f"set -o pipefail; '{exe}' ls '{a}' --steps | cat"], capture_output=True,
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; '{exe}' ls '{a}' --full-steps | cat"], capture_output=True,
                           text=True, check=False, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split() == [str(i) for i in stepdump.open(a).steps]
@@ -52,12 +52,12 @@ def test_help_lists_every_command(cli):
 
 
 def test_demo_records_and_summarises(cli, tmp_path):
-    """The demo records every step with its batch (so reexec and bundle work on it), says why 30
+    """The demo records every step with its batch (so reexecute and bundle work on it), says why 30
     steps are 31 records, re-executes a step with its verdict, and prints no timing: its two arms
     could not be timed alike (docs/performance.md has the measured cost)."""
     out = cli("demo", "--out", tmp_path / "demo", "--steps", "30", "--no-report").stdout
     assert "31 (30 optimizer steps and the final record)" in out
-    assert "reexec: step 10: reproduces" in out
+    assert "reexecute: step 10: reproduces" in out
     assert "ms/step" not in out and "faster" not in out
     run = stepdump.open(tmp_path / "demo")
     assert run.steps == list(range(31))
@@ -73,7 +73,7 @@ def test_info_ls_show(cli, runs):
     assert "Sequential" in out and f"{len(steps)} (0..{steps[-1]})" in out
     assert "raw (1.00×)" in out  # the fixture's runs use the raw codec: stored == raw
     assert "0.weight" in cli("ls", a).stdout
-    assert cli("ls", a, "--steps").stdout.split() == [str(i) for i in stepdump.open(a).steps]
+    assert cli("ls", a, "--full-steps").stdout.split() == [str(i) for i in stepdump.open(a).steps]
     out = cli("show", a, "0.weight", "--step", "3", "--kind", "grads").stdout
     assert "(16, 8)" in out and "norm" in out
     err = cli("show", a, "0.wieght", "--step", "3", ok=3).stderr
@@ -91,7 +91,7 @@ def test_traceback_flag_lets_the_error_out(cli, runs):
 
 def test_stats_and_scalars_formats(cli, runs):
     a, _, _ = runs
-    rows = json.loads(cli("stats", a, "--kind", "grads", "--name", "2.*", "--steps", "2:4", "--json").stdout)
+    rows = json.loads(cli("stats", a, "--kind", "grads", "--names", "2.*", "--steps", "2:4", "--json").stdout)
     assert {(r["step"], r["name"]) for r in rows} == {(s, n) for s in (2, 3) for n in ("2.weight", "2.bias")}
     live = stepdump.open(a).tensor("2.weight", 3, kind="grads")
     norm = next(r["norm"] for r in rows if r["step"] == 3 and r["name"] == "2.weight")

@@ -52,7 +52,7 @@ BAD_VALUES = [
     ("diff", "--kinds", "params,nosuch"),
     ("scalars", "--names", "loss["),
     ("scalars", "--names", "loss,,lr"),
-    ("stats", "--name", "fc1.[weight"),
+    ("stats", "--names", "fc1.[weight"),
     ("check", "--rules", "no_such_rule"),
     ("check", "--rules", "nan_inf,nope"),
     ("demo", "--steps", "0"),
@@ -84,8 +84,8 @@ def test_library_error_text_is_printed_literally(cli, tmp_path, text):
 NO_MATCH = [
     (["scalars", "{a}", "--names", "nope"], "did you mean"),
     (["scalars", "{a}", "--names", "los"], "'loss'"),
-    (["stats", "{a}", "--name", "0.weigth"], "'0.weight'"),
-    (["stats", "{a}", "--name", "nope*"], "no tensor"),
+    (["stats", "{a}", "--names", "0.weigth"], "'0.weight'"),
+    (["stats", "{a}", "--names", "nope*"], "no tensor"),
 ]
 
 

@@ -82,7 +82,7 @@ class Page:
         sys.modules["docs_page"] = module
         module.__dict__.update(docs_fixtures.namespace(names))
         self.ns = module.__dict__
-        # `stepdump reexec --entry train:make_step` imports the user's factory from the current folder.
+        # `stepdump reexecute --entry train:make_step` imports the user's factory from the current folder.
         (self.folder / "train.py").write_text("from docs_fixtures import make_step\n")
 
     def python(self, block: Block) -> None:

@@ -196,7 +196,7 @@ def test_lean_run_reexecutes_by_verified_replay_and_finds_the_nan(tmp_path: Path
     r = stepdump.reexecute(run, bad - 1, model, opt, train_step)
     assert r.verdict == REPRODUCES and r.how.startswith("replayed from step 0"), r.summary()
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    code = main(["reexec", str(tmp_path / "run"), "--step", str(bad), "--entry", "test_reexec_causes:lean_entry",
+    code = main(["reexecute", str(tmp_path / "run"), "--step", str(bad), "--entry", "test_reexec_causes:lean_entry",
                  "--find-nan"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -255,7 +255,7 @@ def test_cli_damaged_record_exits_corrupt_and_json_says_why(tmp_path: Path, caps
     _record_lean(tmp_path / "run")
     _flip_blob_byte(tmp_path / "run", 0, "grads", "1.weight")
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    code = main(["reexec", str(tmp_path / "run"), "--step", "0", "--entry", "test_reexec_causes:lean_entry", "--json"])
+    code = main(["reexecute", str(tmp_path / "run"), "--step", "0", "--entry", "test_reexec_causes:lean_entry", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 4, out
     assert out["verdict"] == "the record is damaged" and "1.weight" in out["damaged"][0], out

@@ -129,7 +129,7 @@ def test_cli_reexec_from_a_trainer_alone(tmp_path: Path, capsys: pytest.CaptureF
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     monkeypatch.chdir(tmp_path)
     _trainer(tmp_path / "o", callbacks=[StepdumpTrainerCallback(tmp_path / "run")]).train()
-    assert main(["reexec", str(tmp_path / "run"), "--step", "4", "--entry", "test_reexec_hf:make_trainer"]) == 0
+    assert main(["reexecute", str(tmp_path / "run"), "--step", "4", "--entry", "test_reexec_hf:make_trainer"]) == 0
     assert "step 4: reproduces" in capsys.readouterr().out
 
 

@@ -129,6 +129,6 @@ def test_cli_reexec_from_a_module_alone(tmp_path: Path, capsys: pytest.CaptureFi
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     run = record(tmp_path / "run", Net(), accumulate_grad_batches=2, gradient_clip_val=0.05)
-    assert main(["reexec", str(run), "--step", "1", "--entry", f"test_reexec_lightning:{entry}"]) == code
+    assert main(["reexecute", str(run), "--step", "1", "--entry", f"test_reexec_lightning:{entry}"]) == code
     got = capsys.readouterr()
     assert words in (got.out if code == 0 else got.err), got

@@ -1,6 +1,6 @@
 """Op level (issue 24 items 2 and 4, docs/reexecute.md): ``stepdump.localize(..., level="op")``
 names the one op a port changed, with its module and source line, through the engine
-``reexecute`` uses; the module level is unchanged; ``stepdump reexec --trace`` names the op that
+``reexecute`` uses; the module level is unchanged; ``stepdump reexecute --trace`` names the op that
 makes a step nondeterministic.
 """
 
@@ -96,7 +96,7 @@ def test_bad_level_or_tolerance_is_refused(runs: dict[str, Path], kw: dict[str, 
         stepdump.localize(stepdump.open(runs["nan"]), 1, L.nan_factory(), L.nan_factory(), **kw)
 
 
-# -- item 2: stepdump reexec --trace ----------------------------------------------------------------------
+# -- item 2: stepdump reexecute --trace ----------------------------------------------------------------------
 CALLS: list[int] = []
 
 
@@ -149,7 +149,7 @@ def test_cli_reexec_trace_names_the_nondeterministic_op(noisy_runs: dict[str, Pa
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     CALLS.clear()
     entry = f"test_reexec_ops:{run_name}_entry"
-    assert main(["reexec", str(noisy_runs[run_name]), "--step", "1", "--entry", entry, *flags]) == code
+    assert main(["reexecute", str(noisy_runs[run_name]), "--step", "1", "--entry", entry, *flags]) == code
     out = capsys.readouterr().out
     for words in says:
         assert words in out, out
@@ -164,7 +164,7 @@ def test_cli_reexec_trace_json_names_the_op_and_why(noisy_runs: dict[str, Path],
     from stepdump.cli.main import main
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    assert main(["reexec", str(noisy_runs["noisy"]), "--step", "1", "--entry", "test_reexec_ops:noisy_entry",
+    assert main(["reexecute", str(noisy_runs["noisy"]), "--step", "1", "--entry", "test_reexec_ops:noisy_entry",
                  "--trace", "--json"]) == 1
     got = json.loads(capsys.readouterr().out)
     assert got["verdict"] == "nondeterministic" and got["op"].startswith(NOISE_OP), got
@@ -176,6 +176,6 @@ def test_cli_reexec_trace_needs_two_re_executions(noisy_runs: dict[str, Path], c
     from stepdump.cli.main import main
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    assert main(["reexec", str(noisy_runs["noisy"]), "--step", "1", "--entry", "test_reexec_ops:noisy_entry",
+    assert main(["reexecute", str(noisy_runs["noisy"]), "--step", "1", "--entry", "test_reexec_ops:noisy_entry",
                  "--trace", "--repeat", "1"]) == 5
     assert "--trace compares re-executions op by op: give --repeat 2 or more" in capsys.readouterr().err

@@ -238,7 +238,7 @@ def test_cli_activations_and_write_back(tmp_path: Path, capsys: pytest.CaptureFi
 
     run = L.record_nan(tmp_path / "k", "keyframe", bad_step=99, steps=4)
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    code = main(["reexec", str(run), "--step", "2", "--entry", "test_reexecute:nan_entry", "--activations", "fc*",
+    code = main(["reexecute", str(run), "--step", "2", "--entry", "test_reexecute:nan_entry", "--activations", "fc*",
                  "--activation-grads", "fc2", "--write-back"])
     out = capsys.readouterr().out
     assert code == 0 and "written back" in out, out

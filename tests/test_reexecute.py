@@ -161,7 +161,7 @@ def test_cli_reexec_prints_the_verdict_and_exits_0_or_1(tmp_path: Path, capsys: 
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     run = L.record_gpt(tmp_path / "r", "gradlog", steps=3, flip_at=flip)
-    assert main(["reexec", str(run), "--step", "1", "--entry", "test_reexecute:gpt_entry"]) == code
+    assert main(["reexecute", str(run), "--step", "1", "--entry", "test_reexecute:gpt_entry"]) == code
     out = capsys.readouterr().out
     assert words in out
     if flip is not None:
@@ -176,7 +176,7 @@ def test_cli_reexec_find_nan_json(tmp_path: Path, capsys: pytest.CaptureFixture[
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     run = L.record_nan(tmp_path / "n", "keyframe", bad_step=4)
-    assert main(["reexec", str(run), "--step", "4", "--entry", "test_reexecute:nan_entry", "--find-nan",
+    assert main(["reexecute", str(run), "--step", "4", "--entry", "test_reexecute:nan_entry", "--find-nan",
                  "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["verdict"] == "reproduces" and got["nan_op"].startswith("aten.sqrt.default in module 'prep' at ")
@@ -192,7 +192,7 @@ def test_cli_reexec_bad_entry_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     run = L.record_nan(tmp_path / "n", "full", bad_step=9, steps=2)
-    assert main(["reexec", str(run), "--step", "0", "--entry", entry]) == 5
+    assert main(["reexecute", str(run), "--step", "0", "--entry", entry]) == 5
     assert message in capsys.readouterr().err
 
 

@@ -119,7 +119,7 @@ def test_histograms_of_stored_tensors(run_dir, tmp_path):
 
 def test_cli_export_tb(run_dir, tmp_path, capsys):
     logdir = tmp_path / "tb"
-    assert main(["export-tb", str(run_dir), str(logdir), "--stats", "norm,nan", "--stat-kinds", "grads",
+    assert main(["export-tb", str(run_dir), str(logdir), "--stats", "norm,nan", "--kinds", "grads",
                  "--histograms", "grads", "--histogram-steps", "1"]) == 0
     assert "histograms" in capsys.readouterr().out
     ea = _events(logdir)

@@ -4,9 +4,9 @@ The model is an MLP classifier with a BatchNorm layer on synthetic Gaussian
 clusters (no download), trained with AdamW, a StepLR schedule and dropout, so
 every part of a record (params, buffers, grads, optimizer moments, scheduler,
 RNG, scalars, the batch) has content. Because each step is stored in full with
-its batch, every command can be tried on the demo run, ``reexec`` and
+its batch, every command can be tried on the demo run, ``reexecute`` and
 ``bundle`` included: :func:`make_step` is the ``--entry`` factory that rebuilds
-the demo's iteration (``stepdump reexec demo-run --step 10 --entry
+the demo's iteration (``stepdump reexecute demo-run --step 10 --entry
 stepdump.demo:make_step``).
 
 The demo prints no timing: the cost of recording is measured side by side, both
@@ -98,7 +98,7 @@ def _update(model: nn.Module, optimizer: torch.optim.Optimizer, sched: torch.opt
 
 
 def make_step() -> tuple[nn.Module, torch.optim.Optimizer, TrainStep, torch.optim.lr_scheduler.LRScheduler]:
-    """The ``--entry`` factory of ``stepdump reexec`` / ``bundle`` for the demo run.
+    """The ``--entry`` factory of ``stepdump reexecute`` / ``bundle`` for the demo run.
 
     Returns:
         ``(model, optimizer, train_step, scheduler)`` built as the demo built them;
@@ -118,7 +118,7 @@ def train(steps: int, rec: stepdump.Recorder, progress: Progress | None = None) 
     loss = torch.tensor(0.0)
     for step in range(steps):
         data = batch(step)
-        rec.log_batch(data)  # stored with the step: reexec and bundle need it
+        rec.log_batch(data)  # stored with the step: reexecute and bundle need it
         loss, logits = _update(model, opt, sched, data)
         rec.log(loss=loss, acc=(logits.argmax(1) == data[1]).float().mean())
         if progress is not None:

@@ -9,11 +9,11 @@ from stepdump.cli.exitcodes import Exit
 
 EXAMPLES = """examples:
   stepdump bundle demo-run --step 10 -o step-10.stepdump
-  stepdump reexec step-10.stepdump --step 10 --entry stepdump.demo:make_step      # anywhere, later
+  stepdump reexecute step-10.stepdump --step 10 --entry stepdump.demo:make_step      # anywhere, later
 
 The bundle is a store like a run: step 45's params, buffers, optimizer state, RNG and batch, the
 recorded fingerprints of its grads and of step 46 (what a re-execution is compared with), and the
-recording's environment. --entry (pkg.module:factory, as for reexec) is needed only when the run
+recording's environment. --entry (pkg.module:factory, as for reexecute) is needed only when the run
 holds the step neither in full nor in a gradient log: a keyframe run replays it with your code
 (stepdump bundle runs/kf --step 45 -o step-45.stepdump --entry train:make_step).
 """
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stepdump.cli.cmd_reexec import load_entry
+    from stepdump.cli.cmd_reexecute import load_entry
     from stepdump.reexec.bundle import bundle
 
     parts = load_entry(args.entry) if args.entry else {}

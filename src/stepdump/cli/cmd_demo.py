@@ -24,13 +24,13 @@ EXAMPLES = """examples:
 
 --steps 200 records 201 steps: one per optimizer step (0..199) and the final record 200, the
 state after the last update (the trained model). Every step is stored in full with its batch, so
-every command runs on the demo run, reexec and bundle with --entry stepdump.demo:make_step.
+every command runs on the demo run, reexecute and bundle with --entry stepdump.demo:make_step.
 The demo prints no timing: make bench measures what recording costs (docs/performance.md).
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="demo-run", help="run directory to create (an earlier demo run there is replaced)")
+    p.add_argument("-o", "--out", default="demo-run", help="run directory to create (an earlier demo run there is replaced)")
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps to train (default 200)")
     p.add_argument("--no-report", action="store_true", help="skip writing the HTML report")
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_row("bytes on disk", human_bytes(result.bytes_on_disk))
     table.add_row("final loss", f"{result.final_loss:.4f}")
     console.print(table)
-    console.print(f"reexec: {result.reexec_summary}", markup=False)
+    console.print(f"reexecute: {result.reexec_summary}", markup=False)
 
     import stepdump
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     k, path = result.reexecuted, result.path
     console.print("try:", markup=False)
     for example in (f"info {path}", f"show {path} 0.weight --step {k} --kind grads",
-                    f"reexec {path} --step {k} --entry stepdump.demo:make_step",
+                    f"reexecute {path} --step {k} --entry stepdump.demo:make_step",
                     f"bundle {path} --step {k} -o step-{k}.stepdump"):
         console.print(f"  stepdump {example}", markup=False)
     return Exit.OK if result.reproduces else Exit.FOUND

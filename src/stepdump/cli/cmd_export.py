@@ -30,7 +30,7 @@ _DEFAULT_NAMES = {"torch": "step-{}.pt", "safetensors": "step-{}.safetensors", "
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
     p.add_argument("--step", type=step_arg, required=True, help="step to export (stored in full, or rebuildable)")
-    p.add_argument("-o", "--output", help="file (folder for hf-trainer) to write; default: named after the step")
+    p.add_argument("-o", "--out", help="file (folder for hf-trainer) to write; default: named after the step")
     p.add_argument("--format", choices=FORMATS, default="torch",
                    help="torch (default), safetensors, hf-trainer (a folder for resume_from_checkpoint=) or "
                         "lightning (a .ckpt for ckpt_path=)")
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    output = args.output or _DEFAULT_NAMES[args.format].format(args.step)
+    output = args.out or _DEFAULT_NAMES[args.format].format(args.step)
     trainer = _parse_trainer(args.trainer)
     with open_run(args.run) as r:  # every reader's export is stepdump.export.export_checkpoint
         out = r.export(args.step, output, format=args.format, grads=args.grads, trainer=trainer, rank=args.rank)

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", default="norm,mean,std,min,max,nan,inf",
                    help="comma-separated stats per tensor (default norm,mean,std,min,max,nan,inf)")
     p.add_argument("--no-stats", action="store_true", help="no per-tensor stats")
-    p.add_argument("--stat-kinds", help="comma-separated kinds whose stats are exported (default all)")
+    p.add_argument("--kinds", help="comma-separated kinds whose stats are exported (default all)")
     p.add_argument("--histograms", default="params,grads",
                    help="comma-separated kinds to draw histograms of, or 'none' (default params,grads)")
     p.add_argument("--histogram-steps", type=int_arg(1, 10**6, "--histogram-steps"), default=20,
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     hist = None if args.histograms.strip().lower() == "none" else _split(args.histograms)
     options = {"stats": None if args.no_stats else _split(args.stats),
-               "stat_kinds": _split(args.stat_kinds) if args.stat_kinds else None,
+               "stat_kinds": _split(args.kinds) if args.kinds else None,
                "histograms": hist, "max_histogram_steps": args.histogram_steps, "profile": args.profile}
     if args.compare:
         return _compare(args, options)

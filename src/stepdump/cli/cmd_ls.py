@@ -11,7 +11,7 @@ from stepdump.cli.output import add_format_args, output_format, print_json, prin
 
 EXAMPLES = """examples:
   stepdump ls demo-run              # kinds and tensor names
-  stepdump ls demo-run --steps      # steps stored in full
+  stepdump ls demo-run --full-steps     # steps stored in full (--all-steps: every step seen)
   stepdump ls demo-run --kind grads
   stepdump ls demo-run | grep exp_avg_sq | cut -f2    # piped: one "kind<TAB>name" line per tensor
 """
@@ -19,7 +19,7 @@ EXAMPLES = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arg(p)
-    p.add_argument("--steps", action="store_true", help="list steps stored in full")
+    p.add_argument("--full-steps", action="store_true", help="list the steps stored in full")
     p.add_argument("--all-steps", action="store_true", help="list every step seen (with stats or scalars only too)")
     p.add_argument("--kind", type=kinds_arg(), help="list the tensor names of one kind")
     add_format_args(p, json_help='write JSON: a list of steps, or {"kind": [names]}')
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     fmt = output_format(args)
     with open_run(args.run) as r:
-        if args.steps or args.all_steps:
+        if args.full_steps or args.all_steps:
             steps = r.all_steps if args.all_steps else r.steps
             if fmt == "json":
                 print_json(steps)
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
                 console.print(" ".join(map(str, steps)) if steps else "(no steps)", soft_wrap=True)
             elif fmt == "csv":
                 print_rows(("step",), [(s,) for s in steps], args)
-            else:  # TSV: one bare step a line, no header, for `for s in $(stepdump ls RUN --steps)`
+            else:  # TSV: one bare step a line, no header, for `for s in $(stepdump ls RUN --full-steps)`
                 sys.stdout.write("".join(f"{s}\n" for s in steps))
             return Exit.OK
         kinds = [args.kind] if args.kind else r.kinds()

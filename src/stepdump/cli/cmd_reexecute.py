@@ -1,4 +1,4 @@
-"""stepdump reexec: re-execute one recorded step with the user's code and print the verdict."""
+"""stepdump reexecute: re-execute one recorded step with the user's code and print the verdict."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from stepdump.cli.output import print_json
 from stepdump.errors import ConfigError
 
 EXAMPLES = """examples:
-  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step
-  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step --find-nan
-  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step --repeat 3 --json
-  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step --repeat 2 --trace
-  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step --activations '4' --write-back
+  stepdump reexecute demo-run --step 10 --entry stepdump.demo:make_step
+  stepdump reexecute demo-run --step 10 --entry stepdump.demo:make_step --find-nan
+  stepdump reexecute demo-run --step 10 --entry stepdump.demo:make_step --repeat 3 --json
+  stepdump reexecute demo-run --step 10 --entry stepdump.demo:make_step --repeat 2 --trace
+  stepdump reexecute demo-run --step 10 --entry stepdump.demo:make_step --activations '4' --write-back
 
 --entry pkg.module:factory names a function of yours (importable from the current directory, e.g.
 train:make_step for make_step in ./train.py; stepdump.demo:make_step is the demo's) that

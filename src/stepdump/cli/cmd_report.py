@@ -21,7 +21,7 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="run directory written by stepdump.Recorder; give several to overlay them")
-    p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
+    p.add_argument("-o", "--out", default="report.html", help="HTML file to write (default report.html)")
     p.add_argument("--label", action="append", default=None,
                    help="a run's name in the legend, once per run in order (default: directory names)")
     p.add_argument("--watch", action="store_true",
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(open_run(p)) for p in args.runs]
-        out = write_report(runs[0] if len(runs) == 1 else runs, args.output, labels=args.label)
+        out = write_report(runs[0] if len(runs) == 1 else runs, args.out, labels=args.label)
     console.print(f"wrote {out}")
     return Exit.OK
 

@@ -30,7 +30,7 @@ from stepdump.errors import (
 # add_arguments(parser), run(args) -> int and optionally EXAMPLES (the epilog).
 COMMANDS = (
     "demo", "info", "ls", "show", "stats", "scalars", "diff", "check", "export", "export-tb", "export-stats",
-    "report", "verify", "reexec", "bundle",
+    "report", "verify", "reexecute", "bundle",
 )
 
 # What `stepdump --help` lists, and each command's description in `stepdump CMD --help`.
@@ -51,10 +51,10 @@ SUMMARIES: dict[str, str] = {
     "report": "write a self-contained HTML report (curves, per-tensor charts, findings) of one run or several "
               "overlaid; --watch serves it live while a run records",
     "verify": "re-read every stored blob, check checksums and fingerprints; exit 1 naming any corruption",
-    "reexec": "re-execute one recorded step with your code: reproduces (exit 0), nondeterministic or differs from "
+    "reexecute": "re-execute one recorded step with your code: reproduces (exit 0), nondeterministic or differs from "
               "the record (exit 1); --find-nan names the op",
     "bundle": "write one recorded step as a small self-contained store (state, RNG, batch, recorded "
-              "fingerprints) that reexec reads anywhere: attach it to a bug report",
+              "fingerprints) that reexecute reads anywhere: attach it to a bug report",
 }
 
 EPILOG = """\
@@ -65,7 +65,7 @@ examples:
   stepdump demo --out demo-run --steps 200
   stepdump info demo-run
   stepdump show demo-run 0.weight --step 10 --kind grads
-  stepdump reexec demo-run --step 10 --entry stepdump.demo:make_step
+  stepdump reexecute demo-run --step 10 --entry stepdump.demo:make_step
   stepdump diff demo-run demo-run-2     # demo-run-2: stepdump demo --out demo-run-2, the same training
 """
 

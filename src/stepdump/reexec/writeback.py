@@ -1,4 +1,4 @@
-"""Write a re-execution back into its run: ``reexecute(..., write_back=True)``, ``stepdump reexec --write-back``.
+"""Write a re-execution back into its run: ``reexecute(..., write_back=True)``, ``stepdump reexecute --write-back``.
 
 What is written, in one catalog transaction after the bytes are on disk (FORMAT.md,
 "Re-executions written back"):

@@ -1,6 +1,6 @@
 """``reexecution``: the verdicts of re-executions written back into the run (docs/reexecute.md).
 
-``stepdump.reexecute(..., write_back=True)`` (``stepdump reexec --write-back``) stores its verdict
+``stepdump.reexecute(..., write_back=True)`` (``stepdump reexecute --write-back``) stores its verdict
 under ``meta.reexecutions``; this rule puts each one that is not *reproduces*, and each NaN/Inf
 origin ``find_nan`` named, among the findings of its step, so ``stepdump check`` and the report
 show them. A step that reproduces without a NaN gives no finding.
@@ -59,6 +59,6 @@ class Reexecution(Rule):
                 continue
             kind = _KIND.get(first[0]) if verdict != "reproduces" and first and len(first) == 2 else None
             tensor = first[1] if kind is not None and first else None
-            out.append(self.finding(severity, step, "; ".join(parts) + " (stepdump reexec --write-back; "
+            out.append(self.finding(severity, step, "; ".join(parts) + " (stepdump reexecute --write-back; "
                                     "docs/reexecute.md)", kind=kind, tensor=tensor))
         return out
