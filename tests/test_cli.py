@@ -89,6 +89,14 @@ def test_traceback_flag_lets_the_error_out(cli, runs):
         cli("--traceback", "info", base / "nope")
 
 
+def test_stats_names_takes_several_globs(cli, runs):
+    """``stats --names`` is a comma list of globs, as ``scalars --names``: the union, each row once."""
+    a, _, _ = runs
+    rows = json.loads(cli("stats", a, "--kind", "grads", "--names", "0.*,2.w*,2.*", "--steps", "1", "--json").stdout)
+    assert [r["name"] for r in rows] == sorted(n for n in stepdump.open(a).names("grads") if n[0] in "02")
+    assert len(rows) == 4
+
+
 def test_stats_and_scalars_formats(cli, runs):
     a, _, _ = runs
     rows = json.loads(cli("stats", a, "--kind", "grads", "--names", "2.*", "--steps", "2:4", "--json").stdout)

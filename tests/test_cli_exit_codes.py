@@ -53,6 +53,7 @@ BAD_VALUES = [
     ("scalars", "--names", "loss["),
     ("scalars", "--names", "loss,,lr"),
     ("stats", "--names", "fc1.[weight"),
+    ("export-stats", "--names", "0.*,2.*"),  # one glob: the export filters in SQL
     ("check", "--rules", "no_such_rule"),
     ("check", "--rules", "nan_inf,nope"),
     ("demo", "--steps", "0"),
@@ -63,7 +64,8 @@ BAD_VALUES = [
 @pytest.mark.parametrize("cmd,opt,value", BAD_VALUES, ids=[f"{c}{o}={v}" for c, o, v in BAD_VALUES])
 def test_bad_value_is_a_usage_error(cli, runs, cmd, opt, value):
     a, b = runs
-    words = {"diff": [cmd, a, b], "show": [cmd, a, "0.weight"], "demo": [cmd, "--out", a.parent / "demo"]}.get(
+    words = {"diff": [cmd, a, b], "show": [cmd, a, "0.weight"], "demo": [cmd, "--out", a.parent / "demo"],
+             "export-stats": [cmd, a, "-o", a.parent / "s.parquet"]}.get(
         cmd, [cmd, a])
     res = cli(*words, opt, value, ok=None)
     assert res.code == Exit.USAGE, (res.code, res.stderr)
