@@ -236,8 +236,7 @@ def test_lean_rows_describe_the_params_the_optimizer_steps_from(tmp_path, monkey
                 what = f"{name} {mode} step {t} {kind} {tname}"
                 assert fps[(kind, tname)] == fingerprint(live), f"{what}: fingerprint is not the params' at step()"
                 row = frame[(frame.step == t) & (frame.kind == kind) & (frame.name == tname)].iloc[0]
-                # A param the loop changed since the last update is stored at that step (its full stats).
-                want = _want_stats(kind, tname, live, stored or tname in run.catalog.stored_names(t, kind))
+                want = _want_stats(kind, tname, live, stored)
                 got = tuple(row[c] for c in cols)
                 assert all(_same(g, w) for g, w in zip(got, want, strict=True)), f"{what}: stats {got} != {want}"
 

@@ -99,14 +99,16 @@ def test_damaged_record_is_said_as_such(tmp_path: Path, mode: str) -> None:
     assert stepdump.reexecute(run, 4, model, opt, train_step).verdict == REPRODUCES  # other steps are intact
 
 
-def test_corruption_is_not_named_without_the_evidence(tmp_path: Path) -> None:
-    """Without the evidence (the forwards' RNG not replayed, a recorder that did not watch for edits,
-    as a run recorded before either existed, one re-execution): no corruption verdict; the causes it
-    could not exclude are listed."""
+def test_corruption_is_not_named_without_the_evidence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the evidence (the forwards' RNG not replayed, a record not compared with the update's
+    output, as in a run recorded before either existed, one re-execution): no corruption verdict;
+    the causes it could not exclude are listed."""
     sh = S.SHAPES["get_batch"]
     S.train(sh, path=tmp_path / "run", mode="full", flip=(2, "fc1.weight"))
     run = stepdump.open(tmp_path / "run")
-    run.meta.pop("outside_edits", None)
+    import stepdump.reexec.verdict as V
+
+    monkeypatch.setattr(V, "edits_watched", lambda run, step: False)  # as a run recorded before the watch
     model, opt, train_step = S.factory(sh)
     r = stepdump.reexecute(run, 2, model, opt, train_step, repeat=1, replay_forward_rng=False)
     assert r.verdict == DIFFERS
@@ -274,3 +276,18 @@ def test_no_batch_logged_and_train_step_needs_one_is_a_clear_error(tmp_path: Pat
     model, opt, train_step = L.nan_factory()
     r = stepdump.reexecute(stepdump.open(tmp_path / "r"), 1, model, opt, train_step, batch=L.nan_batch(1, 99))
     assert r.verdict == REPRODUCES, r.summary()
+
+
+def test_the_edit_watch_runs_where_the_next_record_is_full_and_names_lean_steps_as_unwatched(tmp_path: Path) -> None:
+    """Tiered (every=2, stats_every=1): records 2 and 4 (full) were compared with the update before
+    them; records 1 and 3 (lean) were not, so nothing is hashed for them on the training thread."""
+    from stepdump.reexec.engine import edits_watched
+
+    sh = S.SHAPES["clamp"]
+    S.train(sh, path=tmp_path / "run", mode="full", every=2, stats_every=1)
+    run = stepdump.open(tmp_path / "run")
+    assert [edits_watched(run, t) for t in range(4)] == [False, True, False, True]
+    model, opt, train_step = S.factory(sh)
+    r = stepdump.reexecute(run, 2, model, opt, train_step)  # full step 2, its next record 3 is lean
+    assert r.verdict == DIFFERS and r.cause == "not determined", r.summary()  # the clamp, unwatched at 3
+    assert r.unexcluded[0].startswith("an edit of the params by the loop between update 2 and step 3"), r.unexcluded

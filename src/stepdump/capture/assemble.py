@@ -26,7 +26,7 @@ from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
 from stepdump.capture.step_state import StateBefore, full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch, fingerprints
-from stepdump.store.format import STATE_AFTER_UPDATE
+from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, STATE_AFTER_UPDATE
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, OwnedCopier, Slot, Stager
 from stepdump.capture.structure import StructureWatch, structure_change
@@ -103,11 +103,14 @@ class Assembler:
         self._pending_meta = {**(self._pending_meta or {}),
                               "joint_foreign": {n: list(ref) for n, ref in sorted(foreign.items())}}
 
-    def after_update(self, next_recorded: bool = True) -> None:
-        """The update is over (optimizer post-hook): note what it left in the params (outside.py).
-        ``next_recorded``: the next step has a record to compare with (else nothing is hashed)."""
+    def after_update(self, next_level: int = LEVEL_FULL) -> None:
+        """The update is over (optimizer post-hook): note what it left in the params (outside.py),
+        where the next record (of level ``next_level``) is compared with it: a gradient log's and a
+        keyframe run's every record (their rebuild and replay redo the edit), else a full one (a
+        lean step's two hashes on the training thread would cost what lean exists to save)."""
         if self.watch is not None:
-            self.watch.after_update(self._watched() if next_recorded or self.gradlog else None)
+            watched = next_level == LEVEL_FULL or (next_level != LEVEL_NONE and self.keyframes) or self.gradlog
+            self.watch.after_update(self._watched() if watched else None)
 
     def outside(self, step: int) -> tuple[dict[str, int], list[str]]:
         """Before update ``step``: the recorded params' fingerprints, and the names of those changed
@@ -122,10 +125,12 @@ class Assembler:
 
     def edits_state(self, outside: list[str]) -> dict[str, Any]:
         """A record's state keys for the params ``outside`` changed since the last update: their
-        names, and what the update left in them (FORMAT.md); nothing when none changed."""
-        if not outside or self.watch is None:
-            return {}
-        return {STATE_KEY: outside, STATE_AFTER_UPDATE: self.watch.left(outside)}
+        names, and what the update left in them (FORMAT.md); ``after_update`` is there, empty when
+        nothing changed, wherever the record was compared with the last update's output."""
+        out: dict[str, Any] = {STATE_KEY: outside} if outside else {}
+        if self.watch is not None and self.watch.watched:  # present (maybe empty): the evidence it was watched
+            out[STATE_AFTER_UPDATE] = self.watch.left(outside)
+        return out
 
     def refresh_layout(self, model: torch.nn.Module, step: int,
                        begin: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -17,7 +17,10 @@ of the update's output there. The pre-hook fingerprints are also the record's: a
 computed earlier (at the iteration's first forward) that describes other bytes is computed
 again.
 
-Every other mode watches too, for re-execution (docs/reexecute.md): re-executing update *k*
+The other modes watch too, for re-execution (docs/reexecute.md), where the next record is stored
+in full (and at every step of a keyframe run, whose replay must redo the edit): the two hashes
+are on the training thread, so a lean step is not watched (a re-execution then lists an edit
+among the causes it cannot exclude). Re-executing update *k*
 compares what it leaves with record *k+1*, which also holds the loop's edit (a clamp, an EMA or
 schedule-free evaluation swap that is not a bitwise round trip, a Lookahead sync). Record *k+1*
 then names the changed params and holds what update *k* left in them (``after_update``: their
@@ -86,10 +89,12 @@ class ParamWatch:
         """The pre-hook of update ``step``: the params' fingerprints now, and the names of those
         that are not what the previous update left (all of them when this Recorder saw no
         update yet: resumed at a step that is not a keyframe, nothing proves them derivable)."""
-        now = self._fingerprints(params)
         self.watched = self._after is not None
+        if self._after is None and not self._strict:
+            return {}, []  # nothing to compare with (the last update was not watched): no hash at all
+        now = self._fingerprints(params)
         if self._after is None:
-            return now, list(now) if self._strict else []
+            return now, list(now)
         changed = [n for n, fp in now.items() if self._after.get(n) != fp]
         if changed and not self._warned:
             self._warned = True

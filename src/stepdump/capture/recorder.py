@@ -523,10 +523,10 @@ class Recorder(UserLog, _iteration.IterationStart):
         started = time.perf_counter()
         cpu = self._waits.begin() if self._waits is not None else 0.0
         self._send_held()
-        # What the update left in the params (while the writer finishes its grads), where a record
-        # follows to compare it with (a callable schedule may decide later: always).
+        # What the update left in the params (while the writer finishes its grads), for the next record
+        # to compare with (a callable schedule may decide later: taken as full).
         lv = self._level
-        self._asm.after_update(lv.full.dynamic or lv.stats.dynamic or lv(self._step + 1) != LEVEL_NONE)
+        self._asm.after_update(LEVEL_FULL if lv.full.dynamic or lv.stats.dynamic else lv(self._step + 1))
         self._asm.stager.wait_deferred(self._writer.is_alive)  # a gradient log's grads, written during the update
         if self._waits is not None:
             bg = self._bg.take()

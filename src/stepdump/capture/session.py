@@ -131,7 +131,7 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
     the target's (``distributed``, ``url``)."""
     from stepdump.capture.extra import extra_meta
     from stepdump.core.classes import classes_meta
-    from stepdump.capture.options import GradientLogSchedule, schedule_meta
+    from stepdump.capture.options import GradientLogSchedule, KeyframeSchedule, schedule_meta
 
     for key in layout.not_recorded:
         log.warning("stepdump: model.state_dict() entry %r is not a tensor; stepdump records tensors only, "
@@ -148,9 +148,11 @@ def run_meta(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
         **schedule_meta(options.schedule),
         # The recorder stores params changed outside the optimizer (capture/outside.py): a reader
         # of a log without this key knows such a change may be what a rebuild cannot reproduce.
-        # Every mode watches since re-execution tells an update's output from the loop's edit: "watched"
-        # (each changed param named at the step it changed, with what the update left in it).
-        **({"outside_edits": "stored" if isinstance(options.schedule, GradientLogSchedule) else "watched"}
+        # Re-execution tells an update's output from the loop's edit where the recorder watched (each
+        # changed param named at the step it changed, with what the update left in it): a gradient log
+        # and a keyframe run at every step, the other modes at the steps stored in full (outside.py).
+        **({"outside_edits": "stored" if isinstance(options.schedule, GradientLogSchedule) else
+            "watched" if isinstance(options.schedule, KeyframeSchedule) else "full steps"}
            if "params" in options.record.capture else {}),
         # The RNG state at each training forward is in the state of every step that holds an RNG state.
         "forward_rng": "recorded",

@@ -156,6 +156,13 @@ def _live_matches(run: Any, step: int, model: torch.nn.Module, optimizer: torch.
         not [k for k in recorded if k not in live]
 
 
+def edits_watched(run: Any, step: int) -> bool:
+    """Whether record ``step + 1`` was compared with what update ``step`` left (its state holds
+    ``after_update``, empty when the loop changed nothing): an edit by the loop is then excluded
+    or accounted for."""
+    return step + 1 in set(run.stats_steps) and STATE_AFTER_UPDATE in _state_of(run, step + 1)
+
+
 def edits_after(run: Any, step: int) -> dict[str, int]:
     """Params the loop changed between update ``step`` and record ``step + 1`` (that record's state
     ``outside_optimizer``), with what the update left in them (``after_update``; FORMAT.md)."""

@@ -35,6 +35,7 @@ from stepdump.reexec import frameworks, ranks
 from stepdump.reexec.capture import module_globs
 from stepdump.reexec.engine import (
     GRADS,
+    edits_watched,
     float_bits,
     LOSS,
     PARAMS_AFTER,
@@ -428,9 +429,11 @@ def unexcluded(run: Any, step: int, prep: Any, runs: list[Any], result: ReexecRe
     if not batch_checked:
         found.append((0 if loss_first else 2, "the RNG or the data: the batch could not be checked against a "
                                               "recorded fingerprint"))
-    if run.meta.get("outside_edits") not in ("stored", "watched") and PARAMS_AFTER in kinds:
+    if PARAMS_AFTER in kinds and not edits_watched(run, step):
         found.append((0 if only_update else 2, f"an edit of the params by the loop between update {step} and step "
-                                               f"{step + 1} (this run's recorder did not watch for them)"))
+                                               f"{step + 1} (record {step + 1} was not compared with what update "
+                                               f"{step} left: a step not stored in full, or a run recorded before "
+                                               "stepdump watched)"))
     if not prep.verified:
         found.append((2, "the state: taken from the objects given (their params and optimizer state match the "
                          "record's fingerprints, their buffers were not checked)"))
