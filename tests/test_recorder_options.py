@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
+import pydoc
+import re
 from pathlib import Path
 
 import pytest
@@ -139,6 +142,9 @@ INVALID = {
     "schedule both ways": ({"schedule": StepSchedule(every=2), "every": 2},
                            "every= is also set by schedule=; give it one way"),
     "ring beside a schedule": ({"schedule": StepSchedule(), "ring": 2}, "ring= is also set by schedule="),
+    # a keyword given with its default value is given all the same
+    "default value beside its group": ({"schedule": StepSchedule(every=2), "every": 1},
+                                       "every= is also set by schedule="),
     "trigger beside a ring schedule": ({"schedule": RingSchedule(size=2), "trigger": "loss_spike"},
                                        "trigger= is also set by schedule="),
     # a group of the wrong type
@@ -274,6 +280,40 @@ def test_the_common_case_is_unchanged(tmp_path):
     with stepdump.open(tmp_path / "run") as run:
         assert run.steps == [0, 4, 8] and run.stats_steps == list(range(9)) and run.meta["final_step"] == 8
         assert run.meta["every"] == "every 4" and run.meta["stats_every"] == "every 1"
+
+
+def test_help_shows_the_real_parameters_grouped_as_the_option_objects():
+    """help(stepdump.Recorder) lists every parameter with its default (not ``*args, **kwargs``):
+    the objects, the joint spelling's dicts, the option groups, and each group's fields as
+    keyword-only options in the group's order, each documented in the docstring."""
+    params = inspect.signature(stepdump.Recorder).parameters
+    kinds = {p.kind for p in params.values()}
+    assert inspect.Parameter.VAR_POSITIONAL not in kinds and inspect.Parameter.VAR_KEYWORD not in kinds
+    assert list(params)[:5] == ["path", "model", "optimizer", "scheduler", "scaler"]
+    keyword_only = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert keyword_only[:4] == ["models", "optimizers", "schedulers", "scalers"]  # the joint spelling
+    resolved = {f.name: f for f in dataclasses.fields(RecorderOptions)}
+    assert set(resolved) <= set(keyword_only)
+    for name in ("on_error", "resume", "start_step", "metadata", "ranks", "auto_capture"):
+        assert params[name].default == resolved[name].default, name
+    # each group's fields, in the group's order, with the group's defaults (shown as values)
+    flat = [n for n in keyword_only if n not in resolved and n not in ("models", "optimizers", "schedulers", "scalers")]
+    record, store = [f.name for f in dataclasses.fields(RecordOptions)], [f.name for f in dataclasses.fields(StoreOptions)]
+    schedule = ["every", "stats_every", "keyframe_every", "gradient_log", "ring", "trigger", "after"]
+    assert flat == record + schedule + store
+    for group in (RecordOptions, StepSchedule, StoreOptions):
+        for f in dataclasses.fields(group):
+            assert repr(params[f.name].default) == repr(f.default), f.name
+    assert repr(params["trigger"].default) == repr("nan_inf")
+    assert len(params) == 41
+    text = pydoc.render_doc(stepdump.Recorder, renderer=pydoc.plaintext)
+    shown = " ".join(text.split("Method resolution order")[0].split())  # the call line and the docstring
+    assert "Recorder(path: " in shown and "*, models: " in shown and "codec: 'str' = 'raw'" in shown
+    assert "*args" not in shown and "**kwargs" not in shown
+    doc = " ".join((stepdump.Recorder.__doc__ or "").split())
+    undocumented = [n for n in params if not re.search(rf"(^|[ ,(]){n}[,:]", doc)]
+    assert undocumented == []
+    assert "Recorder(path, models=" in doc  # the joint spelling says itself
 
 
 # -- the public capture hooks --------------------------------------------------------------------

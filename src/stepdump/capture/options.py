@@ -36,7 +36,7 @@ import difflib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, TypedDict, Union
+from typing import Any, Union
 
 from stepdump.capture.extra import check_extra_state
 from stepdump.capture.guard import ON_ERROR
@@ -330,32 +330,18 @@ class StoreOptions:
                               "'xxh3' (every tensor hashed on the host) or 'dmix64' (every tensor, CPU too)")
 
 
-class FlatOptions(TypedDict, total=False):
-    """The fields of the option groups as plain Recorder keywords (the everyday spelling)."""
+class Default:
+    """The default of a flat Recorder keyword: reads as the option group's default in
+    ``help(stepdump.Recorder)``, and tells :func:`resolve` that the keyword was left out (a
+    keyword given beside its group is an error, even with the default value)."""
 
-    capture: Iterable[str] | str
-    include: str | Iterable[str] | None
-    exclude: str | Iterable[str] | None
-    modules: str | Iterable[str] | None
-    profile: bool
-    extra_state: Mapping[str, Any] | None
-    frozen: str
-    every: Every
-    stats_every: Every
-    keyframe_every: int | None
-    gradient_log: int | None
-    ring: int | None
-    trigger: Trigger | str | None
-    after: int | None
-    codec: str
-    delta_chain: int
-    queue_depth: int
-    staging_bytes: int
-    durability: str
-    segment_bytes: int
-    remote: Any
-    storage: StorageFactory | None
-    fingerprint: str
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 _RECORD = ("capture", "include", "exclude", "modules", "profile", "extra_state", "frozen")
@@ -366,6 +352,18 @@ _GROUP_OF = {**dict.fromkeys(_RECORD, "record"), **dict.fromkeys(_SCHEDULE, "sch
              **dict.fromkeys(_STORE, "store")}
 _GROUP_CLASS = {"record": "RecordOptions", "schedule": "a StepSchedule, KeyframeSchedule, RingSchedule or GradientLogSchedule",
                 "store": "StoreOptions"}
+
+# The flat schedule keywords that are not a StepSchedule field; None means "not this mode".
+_SCHEDULE_ONLY = {"keyframe_every": None, "gradient_log": None, "ring": None, "trigger": "nan_inf", "after": None}
+
+
+def unset(name: str) -> Any:
+    """The default of the flat Recorder keyword ``name`` (its group's default, see :class:`Default`)."""
+    for group in (RecordOptions, StepSchedule, StoreOptions):
+        for f in fields(group):
+            if f.name == name:
+                return Default(f.default)
+    return Default(_SCHEDULE_ONLY[name])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -426,6 +424,18 @@ class RecorderOptions:
                               "params stored at a keyframe; leave frozen= out (frozen params are stored once)")
 
 
+def refuse_unknown(given: Iterable[str], known: Iterable[str]) -> None:
+    """Raise a :class:`~stepdump.ConfigError` naming the first keyword of ``given`` not in ``known``
+    (and the nearest known one)."""
+    known = list(known)
+    unknown = [k for k in given if k not in known]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"did you mean {near[0]}=? " if near else ""
+        raise ConfigError(f"Recorder got an unknown option {unknown[0]}=; {hint}see help(stepdump.Recorder) and "
+                          "stepdump.options for the option groups")
+
+
 def resolve(record: RecordOptions | None = None, schedule: Schedule | None = None,
             store: StoreOptions | None = None, **kwargs: Any) -> RecorderOptions:
     """Build the RecorderOptions of ``Recorder(..., record=, schedule=, store=, **kwargs)``.
@@ -435,13 +445,9 @@ def resolve(record: RecordOptions | None = None, schedule: Schedule | None = Non
     ``start_step``, ``metadata``, ``ranks`` and ``auto_capture``.
     """
     top = {f.name for f in fields(RecorderOptions)} - {"record", "schedule", "store"}
+    kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, Default)}  # left out
     flat = {k: v for k, v in kwargs.items() if k not in top}
-    unknown = [k for k in flat if k not in _GROUP_OF]
-    if unknown:
-        near = difflib.get_close_matches(unknown[0], [*_GROUP_OF, *top, "record", "schedule", "store"], n=1)
-        hint = f"did you mean {near[0]}=? " if near else ""
-        raise ConfigError(f"Recorder got an unknown option {unknown[0]}=; {hint}see help(stepdump.Recorder) and "
-                          "stepdump.capture.options for the options")
+    refuse_unknown(flat, _GROUP_OF)
     groups = {"record": record, "schedule": schedule, "store": store}
     for key in flat:
         group = _GROUP_OF[key]

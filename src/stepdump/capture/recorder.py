@@ -19,13 +19,14 @@ from the iteration's first training forward on (the model's forward pre-hook).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -67,15 +68,22 @@ from stepdump.store.lock import RunLock
 from stepdump.store.storage import LocalStorage
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
+    from stepdump.capture.selection import Every
+    from stepdump.capture.triggers import Trigger
+    from stepdump.capture.upload import Remote
     from stepdump.core.layout import Layout
+    from stepdump.store.storage import StorageFactory
 
 log = logging.getLogger(__name__)
 
 
 class Recorder(UserLog, _iteration.IterationStart):
     """Record every optimizer step of a training run into a run directory.
+
+    Two spellings: ``Recorder(path, model, optimizer, ...)`` records one model and its optimizer;
+    ``Recorder(path, models={...}, optimizers={...}, ...)`` records one run over several named
+    pairs (a GAN's G and D) and builds a :class:`~stepdump.capture.joint.JointRecorder`, which
+    takes the same options and has the same methods.
 
     Args:
         path: Directory of the run (created). It must not already hold a run
@@ -92,8 +100,8 @@ class Recorder(UserLog, _iteration.IterationStart):
             run over several (model, optimizer) pairs with one step counter, names stored
             per pair (``G/fc.weight``); see :mod:`stepdump.capture.joint` and
             docs/recipes/gan-and-multi-model-loops.md.
-        record: What to record (:class:`~stepdump.capture.options.RecordOptions`:
-            ``capture``, ``include``, ``exclude``, ``modules``, ``profile``).
+        record: What to record, as one :class:`stepdump.options.RecordOptions`, or its fields as the
+            keywords below.
         schedule: When; one of the recording modes (README "Recording modes" says when to use each):
 
             * full (the default): ``StepSchedule()``, every tensor at every step;
@@ -106,8 +114,8 @@ class Recorder(UserLog, _iteration.IterationStart):
               :func:`stepdump.replay`;
             * ring: ``RingSchedule(size=N)`` / ``ring=N``, ``trigger``, ``after``: the last N
               steps kept in memory, written when the trigger fires.
-        store: How to store it (``StoreOptions``: ``codec``, ``delta_chain``,
-            ``queue_depth``, ``durability``, ``segment_bytes``, ``remote``, ...).
+        store: How to store it, as one :class:`stepdump.options.StoreOptions`, or its fields as the
+            keywords below.
         on_error: What a failure inside the Recorder (disk full, a tensor it
             cannot handle, a bug) does once recording has started: ``"warn"``
             (default, do no harm: one warning, the run marked
@@ -128,9 +136,49 @@ class Recorder(UserLog, _iteration.IterationStart):
             step pre-hook. False: the caller calls :meth:`capture` when the
             grads are final and nothing is updated yet (a framework callback,
             docs/integrations.md).
-        **options: The fields of ``record``, ``schedule`` and ``store`` as
-            plain keywords (``every=100``, ``codec="zstd"``); the same option
-            given both ways is a :class:`stepdump.ConfigError`.
+
+    Options: every field of the three groups is also a plain keyword (``every=100``,
+    ``codec="zstd"``), the everyday spelling; each defaults to its group's default. Give an
+    option one way, as a keyword or inside its group: both is a :class:`stepdump.ConfigError`.
+
+    What to record (``record=``, :class:`stepdump.options.RecordOptions`):
+        capture: Kinds of tensors: any of ``params`` (module buffers come with them), ``grads``,
+            ``optimizer``, ``activations``, ``activation_grads``, ``inputs``.
+        include: Glob(s) over parameter names to record.
+        exclude: Glob(s) over parameter names to leave out.
+        modules: Glob(s) over module names whose outputs are recorded, with ``activations`` or
+            ``activation_grads`` in ``capture`` (None: every module).
+        profile: Record per-step timing and memory as ``sys/*`` scalars.
+        extra_state: Objects recorded beside the model, by name (``{"ema": ema_model}``): each one's
+            ``state_dict()`` at full steps, loaded by ``run.restore(..., extra_state=...)``.
+        frozen: What a full step stores of params with ``requires_grad=False``: ``"once"`` (their
+            bytes when first recorded, again only if they change) or ``"fingerprint"`` (never).
+
+    When (``schedule=``, one mode at a time; the modes are listed under ``schedule`` above):
+        every: Steps whose tensors are stored in full: an int n (every n-th step), a range, an
+            iterable of steps, a callable ``step -> bool``, or None (never: the lean mode).
+        stats_every: Steps whose per-tensor stats and fingerprints are stored (same forms).
+        keyframe_every: K: keyframes for :func:`stepdump.replay`, full state every K steps, stats,
+            RNG and batch every step (:class:`stepdump.options.KeyframeSchedule`).
+        gradient_log: K: grads every step, full state every K steps, any step rebuilt exactly
+            (:class:`stepdump.options.GradientLogSchedule`).
+        ring: N: the last N steps kept in memory and written when ``trigger`` fires
+            (:class:`stepdump.options.RingSchedule`).
+        trigger: With ``ring``: ``"nan_inf"``, ``"loss_spike"`` or a callable
+            ``(stepdump.capture.triggers.TriggerInfo) -> bool``.
+        after: With ``ring``: steps recorded in full after the trigger step (None: ``ring`` of them).
+
+    How to store it (``store=``, :class:`stepdump.options.StoreOptions`):
+        codec: Blob codec (``"raw"``, ``"zstd"``, ``"delta-lz4"``, ...; docs/performance.md).
+        delta_chain: With a delta codec, every ``delta_chain``-th blob of a series is self-contained.
+        queue_depth: Steps in flight to the writer before training waits.
+        staging_bytes: Host memory for staging copies, all steps in flight together.
+        durability: ``"flush"`` (survives a killed process) or ``"fsync"`` (also power loss).
+        segment_bytes: Size at which a new segment file is started.
+        remote: For a URL path: how the run is published (a :class:`stepdump.options.Remote` or a
+            dict of its fields).
+        storage: A callable building what segment files are written through (None: local files).
+        fingerprint: The fingerprint kind of each tensor: ``"auto"``, ``"xxh3"`` or ``"dmix64"``.
 
     Use it as a context manager or call :meth:`close`; create it right before
     the training loop so the RNG state of step 0 is the one the loop starts with.
@@ -139,7 +187,12 @@ class Recorder(UserLog, _iteration.IterationStart):
     path: Path  # this rank's run directory (on an inactive rank: the path as given)
     _joint: Any = None  # the JointRecorder this pair's Recorder records for (capture/joint.py)
 
+    # help() and inspect.signature() read __new__ before __init__: this shows __init__'s (set below).
+    __signature__: ClassVar[inspect.Signature]
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Recorder:
+        # A misspelt keyword is a ConfigError that names the nearest option, not a TypeError.
+        _options.refuse_unknown(kwargs, _PARAMETERS)
         # Recorder(path, models=..., optimizers=...): one run over several pairs (capture/joint.py).
         if cls is Recorder and (kwargs.get("models") is not None or kwargs.get("optimizers") is not None):
             from stepdump.capture.joint import JointRecorder
@@ -168,11 +221,42 @@ class Recorder(UserLog, _iteration.IterationStart):
         metadata: dict[str, Any] | None = None,
         ranks: Ranks = "all",
         auto_capture: bool = True,
-        **options: Unpack[_options.FlatOptions],
+        # The fields of record= (RecordOptions), schedule= and store= (StoreOptions) as plain keywords.
+        # Their defaults are the groups' own (shown as such by help()); one left out is not passed on.
+        capture: Iterable[str] | str = _options.unset("capture"),
+        include: str | Iterable[str] | None = _options.unset("include"),
+        exclude: str | Iterable[str] | None = _options.unset("exclude"),
+        modules: str | Iterable[str] | None = _options.unset("modules"),
+        profile: bool = _options.unset("profile"),
+        extra_state: Mapping[str, Any] | None = _options.unset("extra_state"),
+        frozen: str = _options.unset("frozen"),
+        every: Every = _options.unset("every"),
+        stats_every: Every = _options.unset("stats_every"),
+        keyframe_every: int | None = _options.unset("keyframe_every"),
+        gradient_log: int | None = _options.unset("gradient_log"),
+        ring: int | None = _options.unset("ring"),
+        trigger: Trigger | str | None = _options.unset("trigger"),
+        after: int | None = _options.unset("after"),
+        codec: str = _options.unset("codec"),
+        delta_chain: int = _options.unset("delta_chain"),
+        queue_depth: int = _options.unset("queue_depth"),
+        staging_bytes: int = _options.unset("staging_bytes"),
+        durability: str = _options.unset("durability"),
+        segment_bytes: int = _options.unset("segment_bytes"),
+        remote: Remote | Mapping[str, Any] | None = _options.unset("remote"),
+        storage: StorageFactory | None = _options.unset("storage"),
+        fingerprint: str = _options.unset("fingerprint"),
     ) -> None:
         self.options: _options.RecorderOptions = _options.resolve(
             record, schedule, store, on_error=on_error, resume=resume, start_step=start_step, metadata=metadata,
-            ranks=ranks, auto_capture=auto_capture, **options)
+            ranks=ranks, auto_capture=auto_capture,
+            capture=capture, include=include, exclude=exclude, modules=modules, profile=profile,
+            extra_state=extra_state, frozen=frozen,
+            every=every, stats_every=stats_every, keyframe_every=keyframe_every, gradient_log=gradient_log,
+            ring=ring, trigger=trigger, after=after,
+            codec=codec, delta_chain=delta_chain, queue_depth=queue_depth, staging_bytes=staging_bytes,
+            durability=durability, segment_bytes=segment_bytes, remote=remote, storage=storage,
+            fingerprint=fingerprint)
         if model is None and optimizer is None:
             raise ConfigError("Recorder needs the model and its optimizer: Recorder(path, model, optimizer), or "
                               "models= and optimizers= dicts for several pairs (a GAN's G and D)")
@@ -548,3 +632,9 @@ class Recorder(UserLog, _iteration.IterationStart):
 
     def _spent(self, seconds: float) -> None:  # a timed hook's time: the recorder's, in this iteration
         self._overhead += seconds
+
+
+Recorder.__signature__ = inspect.signature(Recorder.__init__).replace(  # without self, as a class shows it
+    parameters=list(inspect.signature(Recorder.__init__).parameters.values())[1:],
+    return_annotation=inspect.Signature.empty)
+_PARAMETERS = frozenset(Recorder.__signature__.parameters)
