@@ -12,6 +12,7 @@ from dmix_reference import reference_dmix64
 from helpers import python_calls, record_run
 
 from stepdump.capture.device_pack import DeviceLean, DevicePack, HeadsCache, catalog_rows, heads, pack_on_device, rows
+from stepdump.capture.step_state import Entry
 from stepdump.capture.writer_lean import LeanRowsMixin
 from stepdump.core.device_lean import DEVICE_FP_KIND
 from stepdump.core.dtypes import stored_dtype
@@ -35,8 +36,8 @@ def _entries(nonfinite: bool) -> list[tuple]:
         ts["w"].view(-1)[::5] = float("nan")
         ts["w"].view(-1)[1::11] = float("-inf")
         ts["b"][0] = float("inf")
-    out = [("params", n, t, False, None, None) for n, t in ts.items()]
-    out.append(("optimizer", "w.exp_avg", torch.ones(2, 2), False, "w", "exp_avg"))
+    out = [Entry("params", n, t, False) for n, t in ts.items()]
+    out.append(Entry("optimizer", "w.exp_avg", torch.ones(2, 2), False, "w", "exp_avg"))
     return out
 
 
@@ -67,7 +68,7 @@ def test_a_finite_tensor_row_agrees_with_the_host_stats_where_they_are_exact() -
 
 
 def test_empty_tensor_has_no_values() -> None:
-    entries = [("grads", "e", torch.empty(0, 3), False, None, None)]
+    entries = [Entry("grads", "e", torch.empty(0, 3), False)]
     host = pack_on_device(entries, pin=False)
     (r,) = rows(DevicePack(heads(entries), host))
     assert r.stats == (0, 0, 0, 0, None, None, None, None, None, None)
@@ -83,15 +84,15 @@ def test_heads_cache_gives_the_same_list_while_the_layout_stays() -> None:
     entries = _entries(False)
     first = cache(entries)
     assert first == heads(entries)
-    again = [(*e[:2], e[2].clone(), *e[3:]) for e in entries]
+    again = [e._replace(tensor=e.tensor.clone()) for e in entries]
     assert cache(again) is first
     for i, change in ((0, lambda t: t.double()), (1, lambda t: t.reshape(1, -1)), (2, lambda t: t[:2])):
         other = list(again)
-        other[i] = (*other[i][:2], change(other[i][2]), *other[i][3:])
+        other[i] = other[i]._replace(tensor=change(other[i].tensor))
         got = cache(other)
         assert got is not first and got == heads(other) and got[i] != first[i]
         assert cache(other) is got
-    renamed = [("params", "w2", *entries[0][2:])] + entries[1:]
+    renamed = [entries[0]._replace(name="w2")] + entries[1:]
     got = cache(renamed)
     assert got is not first and got[0][1] == "w2"
 
@@ -146,7 +147,7 @@ def test_writer_looks_series_up_once_per_heads_list_and_again_after_a_rollback(t
     assert {cat.fp_kind(r[0]) for r in out3} == {DEVICE_FP_KIND}
     # A series that is xxh3 in this store (a recorded param of the CPU run) gets no dmix64 row.
     name = next(n for k, n in cat._series if k == "params")
-    mixed = [("params", name, torch.ones(3), False, None, None), *entries]
+    mixed = [Entry("params", name, torch.ones(3), False), *entries]
     out4: list[tuple] = []
     with caplog.at_level("WARNING", logger="stepdump.capture.writer"):
         for _ in range(2):
@@ -185,15 +186,15 @@ def test_device_lean_packs_what_the_old_path_packed_and_reuses_a_steady_layout()
     assert rows(first.launch(pin=False)) == want
     again = lean.prepare(entries)
     assert again is not None and again.heads is first.heads
-    moved = [(*e[:2], e[2].clone(), *e[3:]) for e in entries]
+    moved = [e._replace(tensor=e.tensor.clone()) for e in entries]
     moved[0][2].view(-1)[0] = 123.0
     got = lean.prepare(moved)
     assert got is not None and got.heads is first.heads and all(a is b[2] for a, b in zip(got.tensors, moved))
     assert rows(got.launch(pin=False)) == rows(DevicePack(heads(moved), pack_on_device(moved, pin=False)))
-    reshaped = [(*moved[0][:2], moved[0][2].reshape(-1), *moved[0][3:]), *moved[1:]]
+    reshaped = [moved[0]._replace(tensor=moved[0].tensor.reshape(-1)), *moved[1:]]
     other = lean.prepare(reshaped)
     assert other is not None and other.heads is not first.heads and other.heads == heads(reshaped)
-    renamed = [("params", "w9", *moved[0][2:]), *moved[1:]]
+    renamed = [moved[0]._replace(name="w9"), *moved[1:]]
     named = lean.prepare(renamed)
     assert named is not None and named.heads[0][1] == "w9"
 
@@ -212,20 +213,20 @@ def test_device_lean_declines_what_it_does_not_take(case: str, monkeypatch: pyte
     bad = list(entries)
     t = torch.ones(4, 4)
     if case == "full":
-        bad[0] = (*bad[0][:3], True, *bad[0][4:])
+        bad[0] = bad[0]._replace(full=True)
     elif case == "sparse":
-        bad[1] = ("grads", "s", t.to_sparse(), False, None, None)
+        bad[1] = Entry("grads", "s", t.to_sparse(), False)
     elif case == "subclass":
-        bad[1] = ("params", "s", t.as_subclass(_Sub), False, None, None)
+        bad[1] = Entry("params", "s", t.as_subclass(_Sub), False)
     elif case == "quantized":
-        bad[1] = ("params", "q", torch.quantize_per_tensor(t, 0.1, 0, torch.qint8), False, None, None)
+        bad[1] = Entry("params", "q", torch.quantize_per_tensor(t, 0.1, 0, torch.qint8), False)
     elif case == "two devices":  # the same device type, another index (what two GPUs look like)
         other = torch.ones(4)
         real = torch.Tensor.get_device
         monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 1 if t is other else real(t))
-        bad[1] = ("params", "o", other, False, None, None)
+        bad[1] = Entry("params", "o", other, False)
     elif case == "meta device":
-        bad = [("params", "m", torch.empty(4, device="meta"), False, None, None)]
+        bad = [Entry("params", "m", torch.empty(4, device="meta"), False)]
     else:
         bad = []
     assert lean.prepare(bad) is None, case
@@ -236,7 +237,7 @@ def test_a_steady_prepare_makes_as_many_python_calls_for_600_tensors_as_for_6() 
     """The layout is read by C-level maps over the list and compared as lists: no Python per
     tensor at a steady step (the control: a first prepare, which builds the heads, scales)."""
     def entries(n: int) -> list[tuple]:
-        return [("params", f"p{i}", torch.ones(3 + i % 5), False, None, None) for i in range(n)]
+        return [Entry("params", f"p{i}", torch.ones(3 + i % 5), False) for i in range(n)]
 
     small, big = entries(6), entries(600)
     DeviceLean("cpu").prepare(entries(1))  # any first-use import out of the counts
@@ -259,7 +260,7 @@ def test_a_structure_is_bound_once_whatever_memory_its_tensors_move_to(monkeypat
     monkeypatch.setattr(dp, "_bind", lambda ts, kind: binds.append(len(ts)) or real(ts, kind))
     lean = DeviceLean("cpu")
     a = _entries(False)
-    sets = [a] + [[(*e[:2], e[2].clone(), *e[3:]) for e in a] for _ in range(4)]
+    sets = [a] + [[e._replace(tensor=e.tensor.clone()) for e in a] for _ in range(4)]
     got = [lean.prepare(x) for x in sets]
     assert len(binds) == 1
     assert all(g is not None and g.heads is got[0].heads for g in got)  # type: ignore[union-attr]

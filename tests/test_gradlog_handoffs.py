@@ -29,6 +29,7 @@ from helpers import assert_same, tiny_batch, tiny_model
 
 import stepdump
 from stepdump.capture import writer
+from stepdump.capture.step_state import Entry
 from stepdump.store.storage import LocalStorage
 
 K = 4
@@ -297,10 +298,10 @@ def _entries(step: int, case: str) -> list[tuple]:
         a = torch.randn(6, 4, generator=g).t()
     if case == "budget" and step >= 1:
         a = torch.randn(40, 60, generator=g)  # past the slot's budget: goes live
-    out = [("grads", "a", a, full, None, None), ("grads", "b", b, True, None, None),
-           ("state", "/rng/x", torch.randint(0, 255, (7,), generator=g, dtype=torch.uint8), True, None, None)]
+    out = [Entry("grads", "a", a, full), Entry("grads", "b", b, True),
+           Entry("state", "/rng/x", torch.randint(0, 255, (7,), generator=g, dtype=torch.uint8), True)]
     if case == "new_tensor" and step >= 1:
-        out.append(("grads", "c", torch.randn(3, generator=g), True, None, None))
+        out.append(Entry("grads", "c", torch.randn(3, generator=g), True))
     return out
 
 
@@ -354,14 +355,14 @@ def test_a_slot_s_plan_survives_another_layout_adding_buffers(monkeypatch: pytes
     stager, slot = staging.Stager(), staging.Slot(0)
     restaged = _count_restages(monkeypatch)
     g = torch.Generator().manual_seed(0)
-    grads = [("grads", n, torch.randn(5, generator=g), True, None, None) for n in "ab"]
-    params = [("params", n, torch.randn(5, generator=g), True, None, None) for n in "ab"]
+    grads = [Entry("grads", n, torch.randn(5, generator=g), True) for n in "ab"]
+    params = [Entry("params", n, torch.randn(5, generator=g), True) for n in "ab"]
     stager.stage(slot, grads)  # the steps' plan
     stager.stage(slot, grads + params)  # a keyframe: two buffers more
     got = stager.stage(slot, grads)
     assert len(restaged) == 1  # the steps' plan, reused
     assert all(torch.equal(i.tensor, e[2]) for i, e in zip(got, grads, strict=True))
-    stager.stage(slot, [("grads", "a", torch.randn(7, generator=g), True, None, None), grads[1]])  # "a" reshaped
+    stager.stage(slot, [Entry("grads", "a", torch.randn(7, generator=g), True), grads[1]])  # "a" reshaped
     stager.stage(slot, grads)
     assert len(restaged) == 1  # its buffer for "a" was replaced: rebuilt, not reused
     got = stager.stage(slot, grads)

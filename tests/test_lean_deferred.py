@@ -19,6 +19,7 @@ from torch import nn
 
 import stepdump
 from stepdump.capture import lean, packed
+from stepdump.capture.step_state import Entry
 from stepdump.core.hashing import fingerprint
 from stepdump.core.stats import compute_stats
 
@@ -123,7 +124,7 @@ def _plan_and_entries(sizes: list[int], seed: int, content: str = "normal"):
     assert content in CONTENTS
     g = torch.Generator().manual_seed(seed)
     ts = [_tensor(content if i % 2 else "normal", n, torch.float32, g) for i, n in enumerate(sizes)]
-    entries = [(("params", "grads", "optimizer")[i % 3], f"t{i}", t, False, None, None) for i, t in enumerate(ts)]
+    entries = [Entry(("params", "grads", "optimizer")[i % 3], f"t{i}", t, False) for i, t in enumerate(ts)]
     return packed.Plan(entries, packed.layout_key(entries)), entries
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 import stepdump
 from stepdump.capture import lean
+from stepdump.capture.step_state import Entry
 from stepdump.core.hashing import fingerprint
 from stepdump.core.stats import compute_stats
 
@@ -202,7 +203,7 @@ def _want_stats(kind: str, name: str, t: torch.Tensor, stored: bool) -> tuple:
     """The stats the record must hold for these bytes: the recorder's own functions on them."""
     if stored:
         return compute_stats(t)
-    (row,) = lean.lean_rows([(kind, name, t, False, None, None)], set())
+    (row,) = lean.lean_rows([Entry(kind, name, t, False)], set())
     return row.stats
 
 
@@ -246,7 +247,7 @@ def test_lean_rows_describe_the_params_the_optimizer_steps_from(tmp_path, monkey
 def test_chunked_rows_are_exact_and_the_same_read_privately_or_live(numel, dtype) -> None:
     t = torch.randn(numel, generator=gen(numel), dtype=dtype)
     t[numel // 2] = 0.0
-    entry = [("params", "w", t, False, None, None)]
+    entry = [Entry("params", "w", t, False)]
     (live,) = lean.lean_rows(entry, set())
     (private,) = lean.lean_rows(entry, set(), private=True)
     assert live == private
@@ -259,7 +260,7 @@ def test_chunked_rows_are_exact_and_the_same_read_privately_or_live(numel, dtype
 def test_a_tensor_with_nan_read_privately_is_left_to_the_pre_hook() -> None:
     t = torch.randn(3 * lean._CHUNK)
     t[5] = float("nan")
-    entry = [("params", "w", t, False, None, None)]
+    entry = [Entry("params", "w", t, False)]
     assert lean.lean_rows(entry, set(), private=True) == []
     (row,) = lean.lean_rows(entry, set())
     assert row.stats == compute_stats(t) and row.fp == fingerprint(t)  # every stat, exact counts

@@ -21,7 +21,7 @@ from torch import nn
 
 import stepdump
 from stepdump.capture import lean, packed
-from stepdump.capture.step_state import tensor_entries
+from stepdump.capture.step_state import Entry, tensor_entries
 from stepdump.core.hashing import signed64
 from stepdump.core.stats import compute_stats, segment_sums, small_stats
 
@@ -128,9 +128,9 @@ class _Net(nn.Module):
         return self.extra(y) if self.extra.weight.requires_grad else y
 
 
-def _entries(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple]:
+def _entries(model: nn.Module, opt: torch.optim.Optimizer) -> list[Entry]:
     snap = snapshot(model, opt)
-    out = [(kind, name, t, False, *(name.rsplit(".", 1) if kind == "optimizer" else (None, None)))
+    out = [Entry(kind, name, t, False, *(name.rsplit(".", 1) if kind == "optimizer" else (None, None)))
            for kind in ("params", "grads", "optimizer") for name, t in snap[kind].items()]
     return out
 
@@ -143,9 +143,9 @@ def test_a_plan_gives_the_rows_of_the_uncached_path_in_order() -> None:
         model(torch.randn(5, 8)).pow(2).mean().backward()
         opt.step()
     entries = _entries(model, opt)
-    entries.append(("params", "big", torch.randn(packed.CHUNK + 3), False, None, None))  # not packed
-    entries.append(("params", "half", torch.randn(5).half(), False, None, None))  # not fp32/fp64
-    entries.append(("params", "f64", torch.randn(9, dtype=torch.float64), False, None, None))  # its own batch
+    entries.append(Entry("params", "big", torch.randn(packed.CHUNK + 3), False))  # not packed
+    entries.append(Entry("params", "half", torch.randn(5).half(), False))  # not fp32/fp64
+    entries.append(Entry("params", "f64", torch.randn(9, dtype=torch.float64), False))  # its own batch
     plans = packed.Plans()
     plan = plans.get(entries)
     assert plan.plain and plan.nbytes == sum(e[2].numel() * e[2].element_size() for e in entries)
@@ -248,7 +248,7 @@ def test_a_layout_change_mid_run_is_a_new_plan_and_every_row_stays_right(tmp_pat
                 continue
             for name, live in cap[kind].items():
                 param, key = name.rsplit(".", 1) if kind == "optimizer" else (None, None)
-                (row,) = lean.lean_rows([(kind, name, live, False, param, key)], set())  # the uncached path
+                (row,) = lean.lean_rows([Entry(kind, name, live, False, param, key)], set())  # the uncached path
                 want[(kind, name)] = repr((row.dtype, row.shape, *row.stats, row.fp))
         got = {(r[0], r[1]): repr(tuple(r[4:-1])) for r in run.catalog.step_rows(t)
                if r[0] in ("params", "grads", "optimizer")}

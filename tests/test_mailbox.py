@@ -19,6 +19,7 @@ from helpers import catalog_sql, tiny_model, train_logging
 import stepdump
 from stepdump.capture import mailbox as mailbox_mod
 from stepdump.capture import writer as writer_mod
+from stepdump.capture.step_state import Entry
 from stepdump.store.format import LEVEL_FULL, LEVEL_STATS
 
 
@@ -292,9 +293,9 @@ def test_copied_items_are_the_staged_ones_with_their_bytes() -> None:
     from stepdump.capture import gradlog_rows, staging
 
     g = torch.Generator().manual_seed(0)
-    entries = [("grads", "a", torch.randn(3, 4, generator=g), True, None, None),
-               ("state", "/rng/t", torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8), True, None, None),
-               ("grads", "b", torch.randn(5, generator=g), True, None, None)]
+    entries = [Entry("grads", "a", torch.randn(3, 4, generator=g), True),
+               Entry("state", "/rng/t", torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8), True),
+               Entry("grads", "b", torch.randn(5, generator=g), True)]
     slot = staging.Slot(0)
     staged = staging.Stager().stage(slot, entries)
     copier = staging.OwnedCopier()

@@ -15,6 +15,7 @@ from torch import nn
 import stepdump
 from stepdump.capture.appender import Appender
 from stepdump.capture.staging import Stager, StagingPool
+from stepdump.capture.step_state import Entry
 from stepdump.errors import ConfigError, StepNotFoundError, WriterError
 
 STEPS = 6
@@ -113,8 +114,8 @@ def test_a_slot_copies_while_its_budget_lasts_and_reuses_its_buffers():
     pool = StagingPool(2, budget=2 * 1000)  # 1000 bytes per slot
     stager = Stager()
     small, big, other = torch.arange(100.0), torch.arange(1000.0), torch.arange(50.0)  # 400, 4000, 200 bytes
-    entries = [("params", "small", small, True, None, None), ("params", "big", big, True, None, None),
-               ("params", "other", other, True, None, None)]
+    entries = [Entry("params", "small", small, True), Entry("params", "big", big, True),
+               Entry("params", "other", other, True)]
     slot = pool.acquire(lambda: None)
     items = stager.stage(slot, entries)
     assert [(i.name, i.live) for i in items] == [("big", True), ("small", False), ("other", False)]  # live first
@@ -125,7 +126,7 @@ def test_a_slot_copies_while_its_budget_lasts_and_reuses_its_buffers():
     again = stager.stage(slot, entries)
     assert again[1].tensor is first_buffer and slot.held == 600  # reused, nothing new allocated
     # A tensor whose shape changed gives its old buffer's bytes back before taking new ones.
-    grown = [("params", "small", torch.arange(200.0), True, None, None)]
+    grown = [Entry("params", "small", torch.arange(200.0), True)]
     assert not stager.stage(slot, grown)[0].live and slot.held == 1000
     pool.release(slot)
 
@@ -133,7 +134,7 @@ def test_a_slot_copies_while_its_budget_lasts_and_reuses_its_buffers():
 def test_a_pool_without_budget_copies_everything():
     pool = StagingPool(1, budget=None)  # ring mode
     slot = pool.acquire(lambda: None)
-    items = Stager().stage(slot, [("params", "w", torch.ones(10_000), True, None, None)])
+    items = Stager().stage(slot, [Entry("params", "w", torch.ones(10_000), True)])
     assert not items[0].live and not slot.has_live and pool.staged_bytes == 40_000
 
 
@@ -226,6 +227,6 @@ def test_staging_bytes_is_checked(tmp_path, value):
 
 def test_staging_bytes_in_store_options(tmp_path):
     model, opt = _model()
-    with stepdump.Recorder(tmp_path / "run", model, opt, store=stepdump.StoreOptions(staging_bytes=4096)) as rec:
+    with stepdump.Recorder(tmp_path / "run", model, opt, store=stepdump.options.StoreOptions(staging_bytes=4096)) as rec:
         assert rec.options.store.staging_bytes == 4096
         assert rec._pool.budget == 4096

@@ -34,7 +34,7 @@ from stepdump.core.nested import flatten
 
 log = logging.getLogger(__name__)
 
-Entry = tuple[str, str, torch.Tensor]  # kind, name, tensor (a private copy)
+Captured = tuple[str, str, torch.Tensor]  # kind, name, tensor (a private copy)
 
 
 class ModuleCapture:
@@ -46,7 +46,7 @@ class ModuleCapture:
         self._active = active
         # Do no harm: a failure inside a hook goes to the Recorder's policy, not out of forward/backward.
         self._on_error = on_error
-        self._entries: list[Entry] = []
+        self._entries: list[Captured] = []
         self._calls: dict[tuple[str, str], int] = {}
         self._handles: list[Any] = []
         self.unsupported: str | None = None
@@ -172,7 +172,7 @@ class ModuleCapture:
             raise ConfigError("log_batch() found no tensors in what it was given (tuples, lists, dicts of tensors)")
         return None if suffix else rename_refs(skeleton)
 
-    def take(self) -> list[Entry]:
+    def take(self) -> list[Captured]:
         """Hand over what this iteration captured and start the next one."""
         entries, self._entries = self._entries, []
         self._calls.clear()

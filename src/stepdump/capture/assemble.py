@@ -24,7 +24,7 @@ import torch
 from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
-from stepdump.capture.step_state import StateBefore, full_state, state_json, tensor_entries
+from stepdump.capture.step_state import Entry, StateBefore, as_entries, full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch, fingerprints
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, STATE_AFTER_UPDATE
 from stepdump.capture.selection import NameFilter
@@ -65,7 +65,7 @@ class Assembler:
         # params from the updates, and a re-execution compares an update's output with it (outside.py).
         self.watch = ParamWatch(strict=self.gradlog) if "params" in self.kinds else None
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
-        self._selected_of: tuple[Layout, list[tuple[str, torch.Tensor]], list[tuple]] | None = None
+        self._selected_of: tuple[Layout, list[tuple[str, torch.Tensor]], list[Entry]] | None = None
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
         # The model's structure: a watch on registrations (set by the Recorder, which removes its hooks),
         # the earlier layouts (meta ``layouts``), the meta for the next record, the step of the last change.
@@ -179,33 +179,32 @@ class Assembler:
                               **({"layouts": list(self._earlier)} if self._earlier else {})}
 
     def entries(self, full: bool, buffers: dict[str, torch.Tensor] | None = None,
-                state: dict[Any, dict[str, Any]] | None = None, step: int | None = None) -> list[tuple]:
-        """The step's live tensors as ``(kind, name, tensor, full, param, key)`` (``state``: the
-        optimizer's per-param state to read, None: ``optimizer.state`` now). ``step``: the lean
+                state: dict[Any, dict[str, Any]] | None = None, step: int | None = None) -> list[Entry]:
+        """The step's live tensors as entries (``state``: the optimizer's per-param state to read,
+        None: ``optimizer.state`` now). ``step``: the lean
         step they are for, whose optimizer state is left out where the lean path will not read it."""
         if not full and not buffers and state is None:
             return self._stats_entries(step is None or not self.lean.enabled or self.lean.reads_optimizer(step))
         return tensor_entries(self.layout, self.optimizer, self.kinds, self.selected, full, buffers or {}, state)
 
-    def _stats_entries(self, optimizer: bool = True) -> list[tuple]:
+    def _stats_entries(self, optimizer: bool = True) -> list[Entry]:
         """:func:`tensor_entries` of a stats-only step (nothing full, no buffers, the optimizer's state
         now), the same list, with the selected params and their entries made once per layout (a step
         of a small model paid a name match and a tuple per param for them). Not ``optimizer``: without
         the optimizer state (a lean step reads it every ``OPTIMIZER_EVERY`` steps; walking it cost a
-        dict lookup through ``Tensor.__hash__`` and a tuple per tensor at every step)."""
+        dict lookup through ``Tensor.__hash__`` and a tuple per tensor at every step). The entries
+        made at every step are made by :func:`as_entries` (no Python call per entry)."""
         if self._selected_of is None or self._selected_of[0] is not self.layout:
             params = [(n, p) for n, p in self.layout.params.items() if self.selected(n)]
-            self._selected_of = (self.layout, params, [("params", n, p, False, None, None) for n, p in params])
+            self._selected_of = (self.layout, params, [Entry("params", n, p, False) for n, p in params])
         _, params, param_entries = self._selected_of
         out = list(param_entries) if "params" in self.kinds else []
         if "grads" in self.kinds:
-            out += [("grads", n, g, False, None, None) for n, p in params if (g := p.grad) is not None]
+            out += as_entries([("grads", n, g, False, None, None) for n, p in params if (g := p.grad) is not None])
         if optimizer and "optimizer" in self.kinds:
             opt_state = self.optimizer.state
-            for n, p in params:
-                for k, v in opt_state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        out.append(("optimizer", f"{n}.{k}", v, False, n, k))
+            out += as_entries([("optimizer", f"{n}.{k}", v, False, n, k) for n, p in params
+                               for k, v in opt_state.get(p, {}).items() if isinstance(v, torch.Tensor)])
         return out
 
     def fill(self, msg: StepMessage, slot: Slot, full: bool, begin: dict[str, Any] | None, batch: Any,
@@ -218,7 +217,7 @@ class Assembler:
         entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None,
                                opt_state, msg.step)
         if outside and not full:  # what replay cannot derive: stored at this step
-            entries = [(*e[:3], True, *e[4:]) if e[0] == "params" and e[1] in outside else e for e in entries]
+            entries = [e._replace(full=True) if e.kind == "params" and e.name in outside else e for e in entries]
         if full:
             entries = self.frozen_entries(entries)
         if full or self.keyframes or self.gradlog or outside:
@@ -230,17 +229,17 @@ class Assembler:
             msg.state_json = state_json(state, begin, batch, entries, extra)
         held = False
         if self.lean.enabled and not full:
-            def in_full(e: tuple) -> bool:
-                return (e[0] == "grads" and self.gradlog) or (e[0] == "params" and e[3])
+            def in_full(e: Entry) -> bool:
+                return (e.kind == "grads" and self.gradlog) or (e.kind == "params" and e.full)
             if self.gradlog or outside:
-                stored = [(*e[:3], True, *e[4:]) for e in entries if in_full(e)]
-                lean = [e for e in entries if e[0] in _LEAN_KINDS and not in_full(e)]
+                stored = [e._replace(full=True) for e in entries if in_full(e)]
+                lean = [e for e in entries if e.kind in _LEAN_KINDS and not in_full(e)]
             else:  # nothing stored in full (no entry is full at a stats-only step): no call per tensor
-                stored, lean = [], [e for e in entries if e[0] in _LEAN_KINDS]
+                stored, lean = [], [e for e in entries if e.kind in _LEAN_KINDS]
             held = self.lean.take(msg, lean, fps)
             if fps:
                 self._as_now(msg, fps, entries)
-            entries = stored + [e for e in entries if e[0] not in _LEAN_KINDS]
+            entries = stored + [e for e in entries if e.kind not in _LEAN_KINDS]
         else:
             self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
         # A gradient log's grads are written from the live tensors while the update runs.
@@ -257,14 +256,14 @@ class Assembler:
                          for kind, name, tensor in captured)
         return held
 
-    def frozen_entries(self, entries: list[tuple]) -> list[tuple]:
+    def frozen_entries(self, entries: list[Entry]) -> list[Entry]:
         """A full record's entries with ``frozen="fingerprint"``: the params with ``requires_grad=False``
         get stats and a fingerprint, no bytes (``"once"``: the writer stores unchanged bytes once)."""
         if self.frozen != "fingerprint":
             return entries
-        return [(*e[:3], False, *e[4:]) if e[0] == "params" and not e[2].requires_grad else e for e in entries]
+        return [e._replace(full=False) if e.kind == "params" and not e.tensor.requires_grad else e for e in entries]
 
-    def _as_now(self, msg: StepMessage, fps: dict[str, int], entries: list[tuple]) -> None:
+    def _as_now(self, msg: StepMessage, fps: dict[str, int], entries: list[Entry]) -> None:
         """Lean param rows read at the iteration's first forward that describe other bytes than the
         params entering the update (``fps``: theirs now) are computed again, from the params now."""
         # (xxh3 rows only: ``fps`` are xxh3; a dmix64 row was read at the pre-hook, from the params now.)
@@ -272,4 +271,4 @@ class Assembler:
                  if r.kind == "params" and r.fp_kind is None and r.name in fps and r.fp != fps[r.name]}
         if stale:
             msg.lean[:] = [r for r in msg.lean if not (r.kind == "params" and r.name in stale)]
-            msg.lean.extend(lean_rows([e for e in entries if e[0] == "params" and e[1] in stale], set()))
+            msg.lean.extend(lean_rows([e for e in entries if e.kind == "params" and e.name in stale], set()))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from stepdump.capture.packed import LeanRow
+from stepdump.capture.step_state import Entry
 from stepdump.core.device_lean import DEVICE_FP_KIND, fused_module, lean_pack, reference_pack
 from stepdump.core.dtypes import dtype_name
 from stepdump.core.stats import STATS_LEN
@@ -44,12 +45,12 @@ class DevicePack:
     host: torch.Tensor  # (n, STATS_LEN + 1) int64, pinned
 
 
-def pack_on_device(entries: list[tuple], pin: bool = True) -> torch.Tensor:
-    """``lean_pack`` of the entries' tensors (``(kind, name, tensor, ...)``, all on one device),
+def pack_on_device(entries: list[Entry], pin: bool = True) -> torch.Tensor:
+    """``lean_pack`` of the entries' tensors (all on one device),
     queued on the current stream, copied into (pinned) host memory by one ``non_blocking`` copy:
     the host pack, filled when the stream gets there. The device pack is let go here; the caching
     allocator keeps its memory until the copy recorded on its stream has run."""
-    return _to_host(lean_pack([e[2] for e in entries]), pin)
+    return _to_host(lean_pack([e.tensor for e in entries]), pin)
 
 
 def _to_host(pack: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -92,7 +93,7 @@ class DeviceLean:
         self._heads: list[Head] = []
         self._plan: Any = None
 
-    def prepare(self, entries: list[tuple]) -> Prepared | None:
+    def prepare(self, entries: list[Entry]) -> Prepared | None:
         """The step's pack, ready to launch; None where an entry is stored in full or is not a
         plain dense tensor on the one device (the staging path takes the step)."""
         ts = list(map(_TENSOR, entries))
@@ -126,7 +127,7 @@ def _bind(ts: list[torch.Tensor], device_type: str) -> Any:
     return None if fused is None else fused.bind(ts)
 
 
-def heads(entries: list[tuple]) -> list[Head]:
+def heads(entries: list[Entry]) -> list[Head]:
     """The rows' heads: series names, and dtype and shape as the catalog writes them (the entries
     are dense: the sparse ones were staged apart). On the training thread, once a step: C-level
     maps over the list, the texts made once per dtype and shape, not per tensor."""
@@ -143,7 +144,7 @@ class HeadsCache:
         self._key: tuple[list[Any], ...] | None = None
         self._heads: list[Head] = []
 
-    def __call__(self, entries: list[tuple]) -> list[Head]:
+    def __call__(self, entries: list[Entry]) -> list[Head]:
         ts = list(map(_TENSOR, entries))
         key = (list(map(_KIND, entries)), list(map(_NAME, entries)), list(map(_PARAM, entries)),
                list(map(_KEY, entries)), list(map(_DTYPE, ts)), list(map(_SHAPE, ts)))
@@ -158,7 +159,7 @@ def _make_heads(kinds: list[str], names: list[str], params: list[str | None], ke
     return list(zip(kinds, names, params, keys, map(_dtype_text, dtypes), map(_shape_text, shapes)))
 
 
-_KIND, _NAME, _TENSOR, _FULL, _PARAM, _KEY = (operator.itemgetter(i) for i in (0, 1, 2, 3, 4, 5))
+_KIND, _NAME, _TENSOR, _FULL, _PARAM, _KEY = map(operator.attrgetter, Entry._fields)
 _DTYPE, _SHAPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("layout")
 _T = torch.Tensor
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from stepdump.capture.step_state import Entry
 from stepdump.errors import ConfigError
 
 KIND = "extra"  # the series kind of extra-state tensors (store/format.py INTERNAL_KINDS)
@@ -96,13 +97,13 @@ def extra_meta(objects: Mapping[str, Any] | None) -> dict[str, Any]:
                             for name, obj in objects.items()}}
 
 
-def take(objects: Mapping[str, Any], full: bool, entries: list[tuple]) -> dict[str, Any]:
+def take(objects: Mapping[str, Any], full: bool, entries: list[Entry]) -> dict[str, Any]:
     """Each object's ``state_dict()`` now: the typed-JSON tree (tensors as ``{"$extra": ref}``) by
-    name, its tensors appended to ``entries`` as ``(kind, name, tensor, full, None, None)``."""
+    name, its tensors appended to ``entries`` (of kind ``extra``, named by their ref)."""
     from stepdump.core import tjson
 
     def put(ref: str, tensor: torch.Tensor) -> None:
-        entries.append((KIND, ref, tensor.detach(), full, None, None))
+        entries.append(Entry(KIND, ref, tensor.detach(), full))
 
     tree: dict[str, Any] = {}
     for name, obj in objects.items():

@@ -51,6 +51,7 @@ import xxhash
 
 from stepdump.capture.packed import CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, packable, packed_rows
 from stepdump.capture.staging import storable
+from stepdump.capture.step_state import Entry
 from stepdump.core.dtensor import local_part
 from stepdump.core.device_lean import DEVICE_FP_KIND, device_fingerprint
 from stepdump.core.dtypes import stored_dtype
@@ -70,9 +71,6 @@ _CHUNK = CHUNK
 __all__ = ["LeanRow"]  # defined in packed.py (it builds them), imported from here by the writer and readers
 
 
-Entry = tuple  # (kind, name, tensor, full, param, key), as capture.step_state.tensor_entries makes them
-
-
 def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: bool = False,
               plan: Plan | None = None, rest_only: bool = False) -> list[LeanRow]:
     """Stats and fingerprint rows of ``entries`` (live tensors), computed now, on this thread.
@@ -90,7 +88,7 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: b
 
     ``plan``: ``entries``' :class:`~stepdump.capture.packed.Plan` (their layout's, cached by the
     caller): the same rows, without the per-tensor work of naming and packing them.
-    ``rest_only``: ``entries`` are ``(kind, name, tensor, param, key)`` that a plan did not pack
+    ``rest_only``: ``entries`` are those a plan did not pack
     (:meth:`~stepdump.capture.packed.Plan.others`): each is described by itself.
     """
     rows: list[LeanRow]
@@ -105,10 +103,11 @@ def lean_rows(entries: Sequence[Entry], warned: set[tuple[str, str]], private: b
         return rows
     buffers: dict[torch.dtype, torch.Tensor] = {}
     with torch.no_grad():
-        for kind, name, t, param, key in rest:
-            got = _stats_and_fp(kind, t, buffers if private else None)
+        for e in rest:
+            t = e.tensor
+            got = _stats_and_fp(e.kind, t, buffers if private else None)
             if got is not None:
-                rows.append(LeanRow(kind, name, param, key, stored_dtype(t), format_shape(t.shape), *got))
+                rows.append(LeanRow(e.kind, e.name, e.param, e.key, stored_dtype(t), format_shape(t.shape), *got))
     return rows
 
 
@@ -118,7 +117,7 @@ def as_dmix64(rows: Sequence[LeanRow], entries: Sequence[Entry], warned: set[tup
     on this thread, just before, so both describe one set of bytes. One tensor at a time, by
     torch ops (core/device_lean.py): an opt-in for comparing CPU runs with GPU runs, not the
     fast path."""
-    tensors = {(e[0], e[1]): e[2] for e in entries}
+    tensors = {(e.kind, e.name): e.tensor for e in entries}
     out = []
     with torch.no_grad():
         for r in rows:
@@ -129,28 +128,27 @@ def as_dmix64(rows: Sequence[LeanRow], entries: Sequence[Entry], warned: set[tup
 
 
 Head = tuple[str, str, "str | None", "str | None", str, str]  # a LeanRow's fields before stats and fp
-Rest = tuple[str, str, torch.Tensor, "str | None", "str | None"]  # (kind, name, storable tensor, param, key)
 
 
-def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[list[Rest], Callable[[], list[LeanRow]]]:
+def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[list[Entry], Callable[[], list[LeanRow]]]:
     """Copy the packable tensors among ``entries`` now (one ``torch.cat`` per batch); return the
-    others (storable ones) and a function that gives the copies' rows, as of now, on any
-    thread, later. The copy is the only work done here: the training thread can take a
-    snapshot and leave its description to the worker."""
-    rest: list[Rest] = []
+    others (storable ones, each with its tensor as stored) and a function that gives the copies'
+    rows, as of now, on any thread, later. The copy is the only work done here: the training
+    thread can take a snapshot and leave its description to the worker."""
+    rest: list[Entry] = []
     batches: dict[torch.dtype, list[tuple[Head, torch.Tensor]]] = {}
     sizes: dict[torch.dtype, int] = {}
     done: list[tuple[list[Head], torch.Tensor, list[int]]] = []
     with torch.no_grad():
-        for kind, name, tensor, _full, param, key in entries:
-            t = storable(kind, name, local_part(tensor.detach()), warned)
+        for e in entries:
+            t = storable(e.kind, e.name, local_part(e.tensor.detach()), warned)
             if t is None:
                 continue
             if not _packable(t):
-                rest.append((kind, name, t, param, key))
+                rest.append(Entry(e.kind, e.name, t, e.full, e.param, e.key))
                 continue
             batch = batches.setdefault(t.dtype, [])
-            batch.append(((kind, name, param, key, stored_dtype(t), format_shape(t.shape)), t))
+            batch.append(((e.kind, e.name, e.param, e.key, stored_dtype(t), format_shape(t.shape)), t))
             sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
             if sizes[t.dtype] >= _PACK:
                 done.append(_pack(batch))
@@ -227,7 +225,7 @@ class LeanJob:
     def __init__(self, entries: list[Entry], pool: ThreadPoolExecutor,
                  compute: Callable[[list[Entry]], list[LeanRow | None]]) -> None:
         self._entries = entries
-        self._versions = [_version(e[2]) for e in entries]  # before the worker may read them
+        self._versions = [_version(e.tensor) for e in entries]  # before the worker may read them
         self._future: Future[list[LeanRow | None]] = pool.submit(compute, entries)
 
     def rows_for(self, entries: Sequence[Entry], warned: set[tuple[str, str]], recompute: bool = True,
@@ -243,15 +241,19 @@ class LeanJob:
         # A row is good for an entry when it was computed from the same tensor object,
         # and no in-place op touched that tensor from submit until now.
         ready: dict[tuple[str, str], tuple[torch.Tensor, LeanRow]] = {}
-        for (kind, name, tensor, *_), v0, row in zip(self._entries, self._versions, results, strict=True):
-            if row is not None and _version(tensor) == v0:
-                ready[(kind, name)] = (tensor, row)
+        for e, v0, row in zip(self._entries, self._versions, results, strict=True):
+            if row is not None and _version(e.tensor) == v0:
+                ready[(e.kind, e.name)] = (e.tensor, row)
         out: list[LeanRow] = []
         redo: list[Entry] = []
         for e in entries:
-            hit = ready.get((e[0], e[1]))
-            if hit is not None and hit[0] is e[2] and (live is None or _describes(hit[1], e, live, warned, hasher)):
-                out.append(hit[1])
+            hit = ready.get((e.kind, e.name))
+            if hit is None:
+                redo.append(e)
+                continue
+            tensor, row = hit
+            if tensor is e.tensor and (live is None or _describes(row, e, live, warned, hasher)):
+                out.append(row)
             else:
                 redo.append(e)
         if redo and recompute:
@@ -263,8 +265,8 @@ def _describes(row: LeanRow, e: Entry, live: Mapping[str, int], warned: set[tupl
                hasher: LiveHasher | None = None) -> bool:
     """Whether ``row`` describes the bytes entry ``e``'s tensor holds now (exact fingerprint,
     dtype and shape); ``live`` gives the params' fingerprints already computed now."""
-    kind, name, tensor = e[0], e[1], e[2]
-    t = storable(kind, name, local_part(tensor.detach()), warned)
+    kind, name = e.kind, e.name
+    t = storable(kind, name, local_part(e.tensor.detach()), warned)
     if t is None or row.dtype != stored_dtype(t) or row.shape != format_shape(t.shape):
         return False
     fp = live.get(name) if kind == "params" else None
@@ -302,7 +304,7 @@ class LeanWorker:
 
     def _compute(self, entries: list[Entry], private: bool) -> list[LeanRow | None]:
         rows = {(r.kind, r.name): r for r in lean_rows(entries, self._warned, private)}
-        return [rows.get((e[0], e[1])) for e in entries]
+        return [rows.get((e.kind, e.name)) for e in entries]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -325,7 +327,7 @@ DEFER_PACKED = True
 
 def _grad_marks(entries: list[Entry]) -> dict[str, tuple[int, int]]:
     """Each grad among ``entries`` as (object id, version): a backward creates or adds into it."""
-    return {e[1]: (id(e[2]), _version(e[2])) for e in entries if e[0] == "grads"}
+    return {e.name: (id(e.tensor), _version(e.tensor)) for e in entries if e.kind == "grads"}
 
 
 def _param_grad_marks(params: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, int]]:
@@ -337,8 +339,8 @@ def _before_update(step: int, entries: list[Entry], every: int | None) -> list[E
     """What the worker reads before update ``step``: params, and optimizer state every ``every``
     steps (None: OPTIMIZER_EVERY)."""
     if _reads_optimizer(step, every):
-        return [e for e in entries if e[0] != "grads"]
-    return [e for e in entries if e[0] != "grads" and e[0] != "optimizer"]
+        return [e for e in entries if e.kind != "grads"]
+    return [e for e in entries if e.kind != "grads" and e.kind != "optimizer"]
 
 
 def _reads_optimizer(step: int, every: int | None) -> bool:
@@ -406,7 +408,7 @@ class LeanCapture:
         self._before = self._worker.submit(_before_update(step, now, self.optimizer_every), private=True)
         self._marks = marks
         # Where the grads of the entries are the params' own (as tensor_entries lists them).
-        params = [(e[1], e[2]) for e in now if e[0] == "params"]
+        params = [(e.name, e.tensor) for e in now if e.kind == "params"]
         self._params = params if {n for n, _ in params} >= set(marks) else []
 
     def take(self, msg: Any, entries: list[Entry], live: Mapping[str, int] | None = None) -> bool:
@@ -415,7 +417,7 @@ class LeanCapture:
         no grads among ``entries``, the message is complete). ``live``: the params'
         fingerprints now, where the caller computed them already (else computed here)."""
         before = _before_update(msg.step, entries, self.optimizer_every)
-        grads = [e for e in entries if e[0] == "grads"]
+        grads = [e for e in entries if e.kind == "grads"]
         job, self._before = self._before, None
         # A small record is copied here, whole, on this thread (one copy per dtype): for a small
         # model the worker's hand-offs (a thread wake-up per submit, the GIL going to and fro
@@ -449,7 +451,7 @@ class LeanCapture:
         copies = None
         if now:  # the small tensors copied now (the bytes the update reads), described on the worker
             rest, packed = snapshot(now, self._worker.warned)
-            msg.lean.extend(lean_rows([(k, n, t, False, p, key) for k, n, t, p, key in rest], self._worker.warned))
+            msg.lean.extend(lean_rows(rest, self._worker.warned))
             copies = self._worker.run(packed)
         if not grads:
             if copies is not None:

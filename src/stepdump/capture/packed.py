@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import xxhash
 
+from stepdump.capture.step_state import Entry
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import PLAIN_TENSORS
 from stepdump.core.stats import StatsTuple, compute_stats, segment_sums_array
@@ -207,36 +208,36 @@ def packed_rows(kinds: Sequence[str], buf: torch.Tensor, sizes: Sequence[int]) -
     return Segments(kinds, sizes, buf.element_size()).rows(buf)
 
 
-_HEAD = itemgetter(0, 1, 4, 5)  # an entry's kind, name, param, key
-_TENSOR = itemgetter(2)
+_HEAD = attrgetter("kind", "name", "param", "key")
+_TENSOR = attrgetter("tensor")
 _ATTRS = attrgetter("__class__", "dtype", "shape", "layout", "is_cpu")
 
 
-def layout_key(entries: Sequence[tuple]) -> tuple[list[tuple], list[tuple]]:
-    """What a :class:`Plan` depends on, per entry ``(kind, name, tensor, full, param, key)``: its
-    kind, name, param and key, its tensor's type, dtype, shape, layout and device (C calls only:
-    this is the per-step price of finding the plan)."""
+def layout_key(entries: Sequence[Entry]) -> tuple[list[tuple], list[tuple]]:
+    """What a :class:`Plan` depends on, per entry: its kind, name, param and key, its tensor's
+    type, dtype, shape, layout and device (C calls only: this is the per-step price of finding
+    the plan)."""
     return list(map(_HEAD, entries)), list(map(_ATTRS, map(_TENSOR, entries)))
 
 
 class _Batch:
     """Entries packed into one buffer: their indices and the columns of their rows."""
 
-    def __init__(self, entries: Sequence[tuple], idx: list[int]) -> None:
+    def __init__(self, entries: Sequence[Entry], idx: list[int]) -> None:
         self.idx = idx
         self.take = itemgetter(*idx) if len(idx) > 1 else (lambda es: (es[idx[0]],))
         es = [entries[i] for i in idx]
-        ts = [e[2] for e in es]
-        self.kinds = [e[0] for e in es]
-        self.names = [e[1] for e in es]
-        self.params = [e[4] for e in es]
-        self.keys = [e[5] for e in es]
+        ts = [e.tensor for e in es]
+        self.kinds = [e.kind for e in es]
+        self.names = [e.name for e in es]
+        self.params = [e.param for e in es]
+        self.keys = [e.key for e in es]
         self.dtypes = [stored_dtype(t) for t in ts]
         self.shapes = [format_shape(t.shape) for t in ts]
         self.segs = Segments(self.kinds, [t.numel() for t in ts], ts[0].element_size())
         self._many: dict[int, Segments] = {}  # m -> the layout repeated m times (rows_many)
 
-    def copy(self, entries: Sequence[tuple]) -> torch.Tensor:
+    def copy(self, entries: Sequence[Entry]) -> torch.Tensor:
         """The batch's tensors in ``entries``, copied end to end into a new buffer."""
         ts = list(map(_TENSOR, self.take(entries)))
         buf = _flatten(ts)
@@ -267,12 +268,12 @@ class _Batch:
 class Plan:
     """What the layout of a list of entries decides (module docstring): made once per layout."""
 
-    def __init__(self, entries: Sequence[tuple], key: tuple[list[tuple], list[tuple]]) -> None:
+    def __init__(self, entries: Sequence[Entry], key: tuple[list[tuple], list[tuple]]) -> None:
         self.key = key
-        self.nbytes = sum(e[2].numel() * e[2].element_size() for e in entries)
+        self.nbytes = sum(e.tensor.numel() * e.tensor.element_size() for e in entries)
         # Only plain, dense CPU tensors; otherwise the per-tensor path (lean.snapshot) does it all.
         self.plain = all(type(t) in _PLAIN and t.layout == torch.strided and t.is_cpu and not t.is_quantized
-                         for t in (e[2] for e in entries))
+                         for t in (e.tensor for e in entries))
         self.batches: list[_Batch] = []
         self.rest: list[int] = []  # entries described one by one (larger, or not fp32/fp64)
         if not self.plain:
@@ -282,7 +283,7 @@ class Plan:
         sizes: dict[torch.dtype, int] = {}
         done: list[list[int]] = []
         for i, e in enumerate(entries):
-            t = e[2]
+            t = e.tensor
             if not packable(t):
                 self.rest.append(i)
                 continue
@@ -294,12 +295,12 @@ class Plan:
         done.extend(b for b in open_.values() if b)
         self.batches = [_Batch(entries, b) for b in done]
 
-    def rows(self, entries: Sequence[tuple]) -> tuple[list[LeanRow], list[tuple]]:
-        """The packed entries' rows now, and the other entries as ``(kind, name, tensor, param, key)``
-        (for the per-tensor path). ``entries`` must have this plan's key."""
+    def rows(self, entries: Sequence[Entry]) -> tuple[list[LeanRow], list[Entry]]:
+        """The packed entries' rows now, and the other entries (:meth:`others`: for the per-tensor
+        path). ``entries`` must have this plan's key."""
         return self.snapshot(entries).rows(), self.others(entries)
 
-    def snapshot(self, entries: Sequence[tuple]) -> Snapshot:
+    def snapshot(self, entries: Sequence[Entry]) -> Snapshot:
         """The packed entries copied now (one copy per batch, the bytes as they are now); their rows
         are described later, on any thread (:meth:`Snapshot.rows`). ``entries``: this plan's key."""
         grad = torch.is_grad_enabled()
@@ -309,9 +310,10 @@ class Plan:
         finally:
             _set_grad_enabled(grad)
 
-    def others(self, entries: Sequence[tuple]) -> list[tuple]:
-        """The entries not packed, as ``(kind, name, tensor, param, key)`` (the per-tensor path's)."""
-        return [(e[0], e[1], e[2].detach(), e[4], e[5]) for e in (entries[i] for i in self.rest)] if self.rest else []
+    def others(self, entries: Sequence[Entry]) -> list[Entry]:
+        """The entries not packed, their tensors detached (the per-tensor path's)."""
+        return [Entry(e.kind, e.name, e.tensor.detach(), e.full, e.param, e.key)
+                for e in (entries[i] for i in self.rest)] if self.rest else []
 
 
 class Snapshot:
@@ -376,7 +378,7 @@ class Plans:
         self._keep = keep
         self.built = 0  # plans made so far (tests: a new layout makes one, a known one none)
 
-    def get(self, entries: Sequence[tuple]) -> Plan:
+    def get(self, entries: Sequence[Entry]) -> Plan:
         key = layout_key(entries)
         for plan in self._plans:
             if plan.key == key:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from stepdump.capture.device_pack import DeviceLean, DevicePack, HeadsCache, Prepared, pack_on_device
+from stepdump.capture.step_state import Entry
 from stepdump.core.device_lean import DEVICE_FP_KIND
 from stepdump.core.dtensor import local_part
 from stepdump.core.hashing import raw_bytes
@@ -270,11 +271,10 @@ _PLANS_KEPT = 4
 _Plan = tuple[list[tuple], list["Item"], list[torch.Tensor], int]  # key, items, buffers, slot generation
 
 
-def _layout_key(items: list[tuple]) -> list[tuple]:
-    """What decides how each ``(kind, name, tensor, full, param, key)`` entry is staged (a plan's key):
-    all but the tensor's bytes."""
-    return [(e[0], e[1], e[3], e[4], e[5], type(e[2]), e[2].dtype, e[2].shape, e[2].layout, e[2].is_cpu,
-             e[2].is_quantized) for e in items]
+def _layout_key(items: list[Entry]) -> list[tuple]:
+    """What decides how each entry is staged (a plan's key): all but the tensor's bytes."""
+    return [(e.kind, e.name, e.full, e.param, e.key, type(t), t.dtype, t.shape, t.layout, t.is_cpu, t.is_quantized)
+            for e in items for t in (e.tensor,)]
 
 
 def storable(kind: str, name: str, t: torch.Tensor, warned: set[tuple[str, str]]) -> torch.Tensor | None:
@@ -343,15 +343,14 @@ class Stager:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream
 
-    def stage(self, slot: Slot, items: list[tuple[str, str, torch.Tensor, bool, str | None, str | None]],
-              defer: tuple[str, ...] = ()) -> list[Item]:
-        """Stage ``(kind, name, tensor, full, param, key)`` entries into ``slot``: copies while
+    def stage(self, slot: Slot, items: list[Entry], defer: tuple[str, ...] = ()) -> list[Item]:
+        """Stage entries into ``slot``: copies while
         its budget lasts, live items for the rest (first in the list returned: the writer
         takes them first, as the training thread waits for them; see :meth:`StagingPool.wait_live`).
         Live CPU tensors of the kinds in ``defer`` are waited for at the end of the update
         instead (:meth:`wait_deferred`): the optimizer does not change them. (Copies come
         first all the same: the writer's disk is often slower than the update.)"""
-        if self.device_fp and items and items[0][2].is_cuda:
+        if self.device_fp and items and items[0].tensor.is_cuda:
             prepared = self._device_lean.prepare(items)  # (before the side stream waits: it may copy tables)
             if prepared is not None:
                 self._stage_device_lean(slot, prepared)
@@ -373,34 +372,35 @@ class Stager:
         slot.deferred = []
         slot.device_pack = None
         with torch.no_grad():
-            for kind, name, tensor, full, param, key in items:
-                t = storable(kind, name, local_part(tensor.detach()), self._warned)  # a DTensor: this rank's shard
+            for e in items:
+                kind, name = e.kind, e.name
+                t = storable(kind, name, local_part(e.tensor.detach()), self._warned)  # a DTensor: this rank's shard
                 if t is None:
                     continue
                 if t.layout == torch.sparse_coo:
                     # Copied whole, outside the budget: its nnz changes from step to step, so no
                     # buffer is reused, and a sparse grad is small beside its dense size.
-                    copied.append(Item(kind, name, exact_copy(t), full, param, key))
+                    copied.append(Item(kind, name, exact_copy(t), e.full, e.param, e.key))
                     continue
                 if t.device.type == "cuda":
-                    cuda_entries.append((kind, name, t, full, param, key))
+                    cuda_entries.append(Entry(kind, name, t, e.full, e.param, e.key))
                     continue
                 buf = slot.buffer_for(kind, name, t, pin=False)
                 if buf is None:
-                    live.append(Item(kind, name, t, full, param, key, live=True))
+                    live.append(Item(kind, name, t, e.full, e.param, e.key, live=True))
                     if kind in defer and self.defer_ok:
-                        slot.deferred.append((tensor, int(tensor._version)))
+                        slot.deferred.append((e.tensor, int(e.tensor._version)))
                     continue
                 dsts.append(buf)
                 srcs.append(t)
-                copied.append(Item(kind, name, buf, full, param, key, raw=slot.raw_for(kind, name)))
+                copied.append(Item(kind, name, buf, e.full, e.param, e.key, raw=slot.raw_for(kind, name)))
             if dsts:
                 torch._foreach_copy_(dsts, srcs)  # each as buf.copy_(t): the same bytes
             if cuda_entries:
                 self._stage_cuda(slot, cuda_entries, copied, live)
         slot.has_live = bool(live)
         if not live and not cuda_entries and len(copied) == len(items) and all(i.raw is not None for i in copied) \
-                and all(type(e[2]) in _PLAIN for e in items):
+                and all(type(e.tensor) in _PLAIN for e in items):
             plans.insert(0, (layout, list(copied), dsts, slot.generation))
             del plans[_PLANS_KEPT:]
         if slot.deferred:
@@ -411,7 +411,7 @@ class Stager:
         return live + copied
 
     @staticmethod
-    def _restage(slot: Slot, plan: _Plan, items: list[tuple]) -> list[Item]:
+    def _restage(slot: Slot, plan: _Plan, items: list[Entry]) -> list[Item]:
         """:meth:`stage` of a layout staged into ``slot`` last time with every tensor copied into its
         buffer (the same items, buffers and bytes as then): one copy call, no Python per tensor."""
         slot.live_done.clear()
@@ -419,7 +419,7 @@ class Stager:
         slot.has_live = False
         if plan[2]:  # (torch refuses an empty list)
             with torch.no_grad():
-                torch._foreach_copy_(plan[2], [e[2] for e in items])
+                torch._foreach_copy_(plan[2], [e.tensor for e in items])
         return list(plan[1])
 
     def _stage_device_lean(self, slot: Slot, prepared: Prepared) -> None:  # pragma: no cover - needs a GPU
@@ -440,9 +440,9 @@ class Stager:
         main.wait_stream(stream)  # the optimizer must not overwrite what the side stream still reads
         slot.event = event
 
-    def _stage_cuda(self, slot: Slot, entries: list, copied: list[Item],
+    def _stage_cuda(self, slot: Slot, entries: list[Entry], copied: list[Item],
                     live: list[Item]) -> None:  # pragma: no cover - needs a GPU
-        device = entries[0][2].device
+        device = entries[0].tensor.device
         stream = self._side_stream(device)
         main = torch.cuda.current_stream(device)
         stream.wait_stream(main)
@@ -450,39 +450,40 @@ class Stager:
             if self.device_fp:
                 # Stats-only entries: described on the device, a few numbers copied back
                 # (capture/device_pack.py); no byte of them crosses to the host.
-                lean = [e for e in entries if not e[3]]
+                lean = [e for e in entries if not e.full]
                 if lean:
                     host = pack_on_device(lean)
                     slot.device_pack = DevicePack(self._mixed_heads(lean), host)
-                entries = [e for e in entries if e[3]]
-            staged = []
-            for kind, name, t, full, param, key in entries:
-                buf = slot.buffer_for(kind, name, t, pin=True)
+                entries = [e for e in entries if e.full]
+            staged: list[tuple[Entry, torch.Tensor]] = []  # (entry, its pinned buffer)
+            for e in entries:
+                t = e.tensor
+                buf = slot.buffer_for(e.kind, e.name, t, pin=True)
                 if buf is None:
                     # Over the budget: the writer copies it to the host itself, one tensor at a
                     # time, after this slot's event (recorded below, after the training stream's
                     # work) fired, while the training thread waits for it.
-                    live.append(Item(kind, name, t, full, param, key, live=True,
+                    live.append(Item(e.kind, e.name, t, e.full, e.param, e.key, live=True,
                                      fp_kind=DEVICE_FP_KIND if self.device_fp else None))
                     continue
                 buf.copy_(t, non_blocking=True)
                 t.record_stream(stream)
-                staged.append((kind, name, t, full, param, key, buf))
+                staged.append((e, buf))
             if self.device_fp and staged:
                 # Stats and dmix64 of the copied tensors from one device pass: the fingerprint
                 # kind of a series is the same at its full and its stats-only steps.
-                host = pack_on_device(staged)
-                for i, (kind, name, t, full, param, key, buf) in enumerate(staged):
-                    copied.append(Item(kind, name, buf, full, param, key,
+                host = pack_on_device([e for e, _ in staged])
+                for i, (e, buf) in enumerate(staged):
+                    copied.append(Item(e.kind, e.name, buf, e.full, e.param, e.key,
                                        device_stats=host[i, :STATS_LEN].view(torch.float64),
                                        device_fp=host[i, STATS_LEN], fp_kind=DEVICE_FP_KIND))
             else:
-                for kind, name, t, full, param, key, buf in staged:
-                    stats = device_stats(t)
+                for e, buf in staged:
+                    stats = device_stats(e.tensor)
                     host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
                     host_stats.copy_(stats, non_blocking=True)
                     # fingerprint="xxh3": the writer hashes the bytes on the host.
-                    copied.append(Item(kind, name, buf, full, param, key, device_stats=host_stats))
+                    copied.append(Item(e.kind, e.name, buf, e.full, e.param, e.key, device_stats=host_stats))
             event = torch.cuda.Event()
             event.record(stream)
         # The optimizer must not overwrite a tensor the side stream is still reading.

@@ -8,8 +8,9 @@ back what :func:`state_json` writes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,24 +42,45 @@ def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: obje
     return state
 
 
+class Entry(NamedTuple):
+    """One live tensor a record takes, on its way to staging (its bytes) or to the lean path
+    (its stats and fingerprint)."""
+
+    kind: str  # params, grads, optimizer, buffers, state, extra
+    name: str  # the series name (an optimizer state's: "<param>.<key>")
+    tensor: torch.Tensor  # the live tensor (not a copy)
+    full: bool  # its bytes are stored; False: its stats and fingerprint only
+    param: str | None = None  # optimizer state: the param it belongs to
+    key: str | None = None  # optimizer state: its key in that param's state ("exp_avg")
+
+
+_new_tuple = tuple.__new__
+
+
+def as_entries(fields: Iterable[tuple[str, str, torch.Tensor, bool, str | None, str | None]]) -> list[Entry]:
+    """Entries from their fields in order, made by C calls only: ``Entry(...)`` is a Python call
+    per entry (NamedTuple's ``__new__``), which a lean step of a small model pays per grad."""
+    return list(map(_new_tuple, repeat(Entry), fields))
+
+
 def tensor_entries(layout: Layout, optimizer: torch.optim.Optimizer, kinds: tuple[str, ...],
                    selected: Callable[[str], bool], full: bool, buffers: dict[str, torch.Tensor],
-                   opt_state: Mapping[Any, Mapping[str, Any]] | None = None) -> list[tuple]:
-    """(kind, name, tensor, full, param, key) for every live tensor a record takes at the pre-hook
+                   opt_state: Mapping[Any, Mapping[str, Any]] | None = None) -> list[Entry]:
+    """An :class:`Entry` for every live tensor a record takes at the pre-hook
     (``opt_state``: the optimizer's per-param state to read, None: ``optimizer.state`` now)."""
     opt_state = optimizer.state if opt_state is None else opt_state
-    out: list[tuple] = []
+    out: list[Entry] = []
     params = [(n, p) for n, p in layout.params.items() if selected(n)]
     if "params" in kinds:
-        out.extend(("params", n, p, full, None, None) for n, p in params)
+        out.extend(Entry("params", n, p, full) for n, p in params)
     if "grads" in kinds:
-        out.extend(("grads", n, p.grad, full, None, None) for n, p in params if p.grad is not None)
+        out.extend(Entry("grads", n, p.grad, full) for n, p in params if p.grad is not None)
     if "optimizer" in kinds:
         for n, p in params:
             for k, v in opt_state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
-                    out.append(("optimizer", f"{n}.{k}", v, full, n, k))
-    out.extend(("buffers", n, b, True, None, None) for n, b in buffers.items())
+                    out.append(Entry("optimizer", f"{n}.{k}", v, full, n, k))
+    out.extend(Entry("buffers", n, b, True) for n, b in buffers.items())
     return out
 
 
@@ -74,7 +96,7 @@ def begin_state(layout: Layout, buffers: Callable[[str], bool] | None) -> dict[s
         }
 
 
-def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, entries: list[tuple],
+def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, entries: list[Entry],
                extra: dict[str, Any] | None = None) -> str:
     """The record's typed-JSON state (FORMAT.md); its tensors are appended to ``entries`` as kind ``state``.
     ``extra``: the extra state's tree, already encoded (capture/extra.py), stored as it is."""
@@ -89,7 +111,7 @@ def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, 
         state["batch"] = batch
 
     def put(ref: str, tensor: torch.Tensor) -> None:
-        entries.append(("state", ref, tensor, True, None, None))
+        entries.append(Entry("state", ref, tensor, True))
 
     tree = tjson.encode(state, put)
     if extra:

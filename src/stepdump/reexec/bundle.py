@@ -163,7 +163,7 @@ def _state_source(run: Any, step: int, model: Any, optimizer: Any, train_step: A
     layout = build_layout(model, optimizer)
     # (kind, name) -> (tensor, param, key), named as the Recorder names them at a full step; a
     # keyframe run's step between keyframes has rows for some of them only (no optimizer state).
-    live: dict[Any, Any] = {(e[0], e[1]): (e[2], e[4], e[5]) for e in tensor_entries(
+    live: dict[Any, Any] = {(e.kind, e.name): (e.tensor, e.param, e.key) for e in tensor_entries(
         layout, optimizer, ("params", "optimizer"), lambda n: True, True, dict(layout.buffers))}
     live[("$state", "")] = full_state(layout, optimizer, scheduler, scaler)
     return live, prep.how
