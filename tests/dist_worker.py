@@ -103,7 +103,7 @@ def ddp(out: Path, rank: int) -> None:
     model = DDP(mlp())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     url = (out / "remote").resolve().as_uri()
-    with stepdump.Recorder(url, model, opt, remote=stepdump.Remote(upload_every=1)) as rec:
+    with stepdump.Recorder(url, model, opt, remote=stepdump.options.Remote(upload_every=1)) as rec:
         side = train(model, opt, rec, range(3), rank)
     torch.save(side, out / "side" / f"remote_rank{rank}.pt")
 

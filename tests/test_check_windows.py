@@ -104,7 +104,7 @@ PLANTED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def _train(path: Path, name: str) -> stepdump.Run:
+def _train(path: Path, name: str) -> stepdump.types.Run:
     kwargs = dict(PLANTED[name][0])
     if kwargs.get("scaler") == "amp":
         kwargs["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**4)

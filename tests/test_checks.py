@@ -54,7 +54,7 @@ def train(
     dtype: torch.dtype = torch.float32,
     capture: tuple[str, ...] = ("params", "grads", "optimizer"),
     **opt_kwargs: Any,
-) -> stepdump.Run:
+) -> stepdump.types.Run:
     """Record a small regression run (``record_run``); the hooks plant problems at chosen steps.
     ``backward()`` sees ``loss_fn(t, model, mse)``, and ``rec.log`` gets ``log(t, mse)`` (default:
     ``loss=mse``), the plain MSE."""
@@ -363,13 +363,13 @@ def test_loss_rules_need_enough_history(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def spiky_run(tmp_path_factory: pytest.TempPathFactory) -> stepdump.Run:
+def spiky_run(tmp_path_factory: pytest.TempPathFactory) -> stepdump.types.Run:
     """A healthy run whose logged loss is 1000x too high at step 30 (the tensors are untouched)."""
     path = tmp_path_factory.mktemp("spiky") / "run"
     return train(path, steps=40, log=lambda t, loss: {"loss": loss * (1000 if t == 30 else 1)})
 
 
-def test_rules_by_name_instance_and_config(spiky_run: stepdump.Run) -> None:
+def test_rules_by_name_instance_and_config(spiky_run: stepdump.types.Run) -> None:
     assert [f.step for f in stepdump.check(spiky_run, rules=["loss_spike"])] == [30]
     assert stepdump.check(spiky_run, rules=[LossSpike(z=1e6)]) == []
     assert stepdump.check(spiky_run, rules=["loss_spike"], config={"loss_spike": {"z": 1e6}}) == []
@@ -380,7 +380,7 @@ def test_rules_by_name_instance_and_config(spiky_run: stepdump.Run) -> None:
     assert [f.rule for f in stepdump.check(spiky_run.path, rules=[LossSpike])] == ["loss_spike"]
 
 
-def test_findings_sorted_by_step_then_severity(spiky_run: stepdump.Run) -> None:
+def test_findings_sorted_by_step_then_severity(spiky_run: stepdump.types.Run) -> None:
     def many(run: Any) -> list[Finding]:
         mk = lambda sev, step: Finding("many", sev, step, None, None, None, None, "x")  # noqa: E731
         return [mk(Severity.INFO, 3), mk(Severity.ERROR, None), mk(Severity.WARNING, 3), mk(Severity.ERROR, 3),
@@ -392,7 +392,7 @@ def test_findings_sorted_by_step_then_severity(spiky_run: stepdump.Run) -> None:
                    (None, Severity.ERROR)]
 
 
-def test_unknown_rule_and_bad_options_raise_config_error(spiky_run: stepdump.Run) -> None:
+def test_unknown_rule_and_bad_options_raise_config_error(spiky_run: stepdump.types.Run) -> None:
     with pytest.raises(ConfigError, match="unknown rule 'loss_spik'.*loss_spike"):
         stepdump.check(spiky_run, rules=["loss_spik"])
     with pytest.raises(ConfigError, match="no option 'zz'.*z, window"):
@@ -423,7 +423,7 @@ def test_default_rules_and_names() -> None:
     assert NanInf().options() == {"scalars": ("*",)}
 
 
-def test_custom_rules(spiky_run: stepdump.Run) -> None:
+def test_custom_rules(spiky_run: stepdump.types.Run) -> None:
     # 1. any callable with a name
     def last_loss_high(run: Any) -> list[Finding]:
         loss = run.scalars()["loss"]

@@ -22,7 +22,7 @@ from stepdump.checks import ExplodingGradient, Severity
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
 
-def _global_norms(run: stepdump.Run) -> dict[int, float]:
+def _global_norms(run: stepdump.types.Run) -> dict[int, float]:
     g = run.stats("grads")
     return {int(s): float((rows["norm"] ** 2).sum() ** 0.5) for s, rows in g.groupby("step")}
 
@@ -81,7 +81,7 @@ def test_hf_trainer_lr_blow_up_under_max_grad_norm_is_one_exploding_gradient_fin
         assert "look clipped" in blind[0].message and "clip_grad_norm_" in blind[0].message
 
 
-def _clipped_run(path: Path, *, log_norm: bool) -> stepdump.Run:
+def _clipped_run(path: Path, *, log_norm: bool) -> stepdump.types.Run:
     """SGD on the MLP, grads clipped to 1 before every step, the lr x500 from step 15 on."""
     k, norms = 15, {}
 

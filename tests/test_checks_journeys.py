@@ -96,7 +96,7 @@ class Sqrt(nn.Module):
         return torch.sqrt(x - (10.0 if self.t == self.bad else 0.0))
 
 
-def _nan_run(path: Path, k: int, capture: tuple[str, ...]) -> stepdump.Run:
+def _nan_run(path: Path, k: int, capture: tuple[str, ...]) -> stepdump.types.Run:
     torch.manual_seed(0)
     sqrt = Sqrt(k)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), sqrt, nn.Linear(16, 1))

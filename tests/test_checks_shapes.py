@@ -113,7 +113,7 @@ def test_loss_not_decreasing_follows_the_objective() -> None:
     assert LossNotDecreasing()(CachedRun(rl, objective=False)) == []  # declared: silent
     assert [f.tensor for f in LossNotDecreasing(scalar="entropy")(CachedRun(rl))] == ["entropy"]  # configured
     with pytest.raises(ConfigError, match="objective must be the name of a logged scalar"):
-        stepdump.check(stepdump.Run.__new__(stepdump.Run), objective=3)  # type: ignore[arg-type]
+        stepdump.check(stepdump.types.Run.__new__(stepdump.types.Run), objective=3)  # type: ignore[arg-type]
 
 
 # -- the causal order of NaN scalars --------------------------------------------------------------------

@@ -81,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {k: record(root / k, seed, change) for k, (seed, change) in spec.items()}
 
 
-def _diff(runs: dict[str, Path], b: str, repeats: tuple[str, ...] = ("a2", "a3"), **kw: Any) -> stepdump.DiffResult:
+def _diff(runs: dict[str, Path], b: str, repeats: tuple[str, ...] = ("a2", "a3"), **kw: Any) -> stepdump.types.DiffResult:
     a, rb = stepdump.open(runs["a"]), stepdump.open(runs[b])
     return stepdump.diff(a, rb, noise=[stepdump.open(runs[r]) for r in repeats], **kw)
 

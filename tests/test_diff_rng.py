@@ -56,7 +56,7 @@ def _draws(stream: str) -> Callable[[int, nn.Module, Any], torch.Tensor]:
 
 
 def _run(path: Path, stream: str, seed: int, *, lr_at: int | None = None, draw: bool = False,
-         **kw: Any) -> stepdump.Run:
+         **kw: Any) -> stepdump.types.Run:
     """SGD on the tiny MLP (the same weights and data in every run), ``stream`` seeded with ``seed``
     after the model is built; ``lr_at``: the lr halved for updates ``lr_at`` on."""
     model = tiny_model()
@@ -134,7 +134,7 @@ def test_a_stream_that_training_draws_from_is_the_likely_cause(tmp_path, cli, st
 
 
 def test_several_streams_in_one_note_as_nanogpt_has_them(tmp_path, cli):
-    def run(path: Path, seed: int) -> stepdump.Run:
+    def run(path: Path, seed: int) -> stepdump.types.Run:
         model = tiny_model()  # seeds torch, as nanoGPT does; numpy and random are left as they are
         random.seed(seed)
         np.random.seed(seed)

@@ -77,13 +77,13 @@ def test_layout_is_one_store_per_rank_with_ranks_json(job: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["rank00000", "rank00001", "ranks.json"]
     for r in range(WORLD):
         with stepdump.open(root / f"rank{r:05d}") as one:  # each rank's part is an ordinary run
-            assert isinstance(one, stepdump.Run)
+            assert isinstance(one, stepdump.types.Run)
             assert one.meta["distributed"]["rank"] == r and one.meta["distributed"]["world_size"] == 2
             assert one.meta["distributed"]["sharding"] == {}  # DDP: full replicas
             assert one.steps == [0, 1, 2, 3, 4, 5] and one.meta["final_step"] == 5  # each rank closes its part
             assert one.tensors(5, "grads") == {}
     with stepdump.open(root) as run:
-        assert isinstance(run, stepdump.DistributedRun)
+        assert isinstance(run, stepdump.types.DistributedRun)
         assert (run.world_size, run.ranks, run.primary) == (2, [0, 1], 0)
         assert run.steps == [0, 1, 2, 3, 4, 5] and run.names("params")[0] == "module.0.weight"
         assert run.meta["final_step"] == 5
@@ -169,7 +169,7 @@ def test_only_the_chosen_ranks_record(job: Path) -> None:
 
 def test_ddp_published_to_a_url(job: Path) -> None:
     with stepdump.open((job / "remote").as_uri(), cache_dir=job / "cache") as run:
-        assert isinstance(run, stepdump.DistributedRun) and isinstance(run.rank(1), stepdump.RemoteRun)
+        assert isinstance(run, stepdump.types.DistributedRun) and isinstance(run.rank(1), stepdump.types.RemoteRun)
         assert run.steps == [0, 1, 2, 3] and run.meta["final_step"] == 3
         assert assert_matches_side(run, job, "remote") > 0
 
@@ -262,7 +262,7 @@ def test_layout_rules_in_a_one_rank_group(tmp_path: Path, one_rank_group: None) 
     with stepdump.Recorder(tmp_path / "single", model, opt, ranks=None):
         _one_step(model, opt)
     with stepdump.open(tmp_path / "single") as single:
-        assert isinstance(single, stepdump.Run)
+        assert isinstance(single, stepdump.types.Run)
     with pytest.raises(RunExistsError, match="single-process run"):
         stepdump.Recorder(tmp_path / "single", model, opt)
     # Another job's ranks.json is never mixed with this one.

@@ -121,7 +121,7 @@ def test_trainer_resumed_from_export_ends_bit_identical(original: dict[str, Any]
         assert_resumed_records_equal(run, resumed, step)
 
 
-def assert_resumed_records_equal(run: stepdump.Run, resumed: stepdump.Run, step: int) -> None:
+def assert_resumed_records_equal(run: stepdump.types.Run, resumed: stepdump.types.Run, step: int) -> None:
     """``diff(original, resumed)`` is identical over the resumed steps, RNG included: the first
     resumed record holds the RNG the trainer restored (issue 22, item 8), not the one before."""
     res = stepdump.diff(run, resumed)

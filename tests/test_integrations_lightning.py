@@ -87,7 +87,7 @@ class Probe(L.Callback):
         })
 
 
-def _check_records(run: stepdump.Run, seen: list[dict]) -> None:
+def _check_records(run: stepdump.types.Run, seen: list[dict]) -> None:
     # one record per update seen, then the final record close() writes (no grads)
     assert run.all_steps == list(range(len(seen) + 1)) and run.meta["final_step"] == len(seen)
     assert run.tensors(len(seen), "grads") == {}

@@ -58,7 +58,7 @@ class Probe(TrainerCallback):
         })
 
 
-def _check(run: stepdump.Run, seen: list[dict], first: int = 0) -> None:
+def _check(run: stepdump.types.Run, seen: list[dict], first: int = 0) -> None:
     assert_seen_records(run, seen, first)
     for i, s in enumerate(seen):
         assert run.scheduler_state_dict(first + i) == s["sched"]

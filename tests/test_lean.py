@@ -40,7 +40,7 @@ def _fps(snap: dict[str, dict[str, torch.Tensor]]) -> dict[tuple[str, str], int]
             for kind, tensors in snap.items() for name, t in tensors.items()}
 
 
-def _recorded_fps(run: stepdump.Run, step: int) -> dict[tuple[str, str], int]:
+def _recorded_fps(run: stepdump.types.Run, step: int) -> dict[tuple[str, str], int]:
     return {k: v for k, v in run.fingerprints(step).items() if k[0] in ("params", "grads", "optimizer")}
 
 

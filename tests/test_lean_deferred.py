@@ -98,7 +98,7 @@ def test_rows_describe_the_bytes_at_the_step_though_the_writer_reads_after_the_u
 def test_the_rows_equal_those_computed_on_the_training_thread_bitwise(tmp_path, monkeypatch) -> None:
     # The same recording twice: rows described by the writer (now), and by the training thread at
     # the step (lean.DEFER_PACKED = False: Plan.rows at the pre-hook, no snapshot handed on).
-    def record(path, defer: bool) -> stepdump.Run:
+    def record(path, defer: bool) -> stepdump.types.Run:
         monkeypatch.setattr(lean, "DEFER_PACKED", defer)  # False: the rows are computed at the pre-hook
         model, opt = _model()
         with stepdump.Recorder(path, model, opt, on_error="raise", **LEAN):

@@ -28,7 +28,7 @@ INIT = Path(stepdump.__file__)
 PUBLIC_SUBMODULES = ("checks", "export", "options", "types")
 TOP_LEVEL = sorted([
     "Recorder", "check", "diff", "verify", "replay", "reexecute", "localize", "FORMAT_VERSION", "__version__",
-    "StepdumpError", "ConfigError", "CorruptDataError", "FormatVersionError", "InterruptedWriteError",
+    "StepdumpError", "BatchMismatchError", "ConfigError", "CorruptDataError", "FormatVersionError", "InterruptedWriteError",
     "NotARunError", "ReadBudgetError", "RebuildError", "ReplayDiverged", "RestoreMismatchError", "RunExistsError",
     "RunLockedError", "StepNotFoundError", "TensorNotFoundError", "WriterError",
 ])
@@ -36,16 +36,12 @@ OPTIONS = ["GradientLogSchedule", "KeyframeSchedule", "RecordOptions", "Remote",
            "Schedule", "StepSchedule", "StoreOptions"]
 TYPES = ["DiffResult", "DistributedRun", "Finding", "JointRun", "Localization", "LocalizeSetup", "OpLocalization",
          "ReexecResult", "ReplayResult", "RemoteRun", "Run", "RunReader", "Severity", "VerifyReport"]
-# Old top-level spellings (issue 23 moved them): they warn, naming the new home, for one release.
-MOVED = {"RecordOptions": "options.RecordOptions", "StepSchedule": "options.StepSchedule",
-         "KeyframeSchedule": "options.KeyframeSchedule", "GradientLogSchedule": "options.GradientLogSchedule",
-         "RingSchedule": "options.RingSchedule", "StoreOptions": "options.StoreOptions",
-         "RecorderOptions": "options.ResolvedOptions", "Remote": "options.Remote", "RunReader": "types.RunReader",
-         "Run": "types.Run", "DistributedRun": "types.DistributedRun", "RemoteRun": "types.RemoteRun",
-         "Finding": "types.Finding", "Severity": "types.Severity", "DiffResult": "types.DiffResult",
-         "VerifyReport": "types.VerifyReport", "Localization": "types.Localization", "Setup": "types.LocalizeSetup",
-         "ReplayResult": "types.ReplayResult", "ReexecResult": "types.ReexecResult"}
-INTERNAL_PACKAGES = ("capture", "store", "read", "analysis", "render", "core", "cli")
+# Top-level spellings 0.1.0 shipped as deprecated aliases before any release; removed, not kept.
+OLD_SPELLINGS = ("RecordOptions", "StepSchedule", "KeyframeSchedule", "GradientLogSchedule", "RingSchedule",
+                 "StoreOptions", "RecorderOptions", "Remote", "RunReader", "Run", "DistributedRun", "RemoteRun",
+                 "Finding", "Severity", "DiffResult", "VerifyReport", "Localization", "Setup", "ReplayResult",
+                 "ReexecResult")
+INTERNAL_PACKAGES = ("capture", "store", "read", "analysis", "render", "core", "cli", "reexec")
 # Heavy modules a bare `import stepdump` must not load (pandas ~0.3 s, torch.distributed.tensor
 # pulls in sympy: ~1 s).
 HEAVY = ("torch", "pandas", "rich", "torch.distributed.tensor", "sympy")
@@ -150,13 +146,22 @@ def test_no_near_twins_or_generic_names() -> None:
     assert len(set(stems)) == len(stems)
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_a_moved_name_warns_with_its_new_home(old: str) -> None:
-    module, new = MOVED[old].split(".")
-    with pytest.warns(DeprecationWarning, match=rf"stepdump\.{old} moved to stepdump\.{module}\.{new}"):
-        value = getattr(stepdump, old)
-    assert value is getattr(importlib.import_module(f"stepdump.{module}"), new)
-    assert old not in stepdump.__all__
+def test_the_old_top_level_spellings_are_gone() -> None:
+    """Nothing was released with them: each lives in one place (stepdump.options / stepdump.types)."""
+    present = [old for old in OLD_SPELLINGS if hasattr(stepdump, old)]
+    assert present == []
+    with pytest.raises(AttributeError, match="has no attribute 'Run'"):
+        stepdump.Run  # noqa: B018
+    assert stepdump.types.Run and stepdump.options.StoreOptions  # their one home
+
+
+def test_every_error_the_library_defines_is_exported() -> None:
+    """An error a public function raises (BatchMismatchError from reexecute) can be caught by name."""
+    import stepdump.errors
+
+    defined = sorted(n for n, v in vars(stepdump.errors).items()
+                     if isinstance(v, type) and issubclass(v, stepdump.StepdumpError))
+    assert [n for n in defined if n not in stepdump.__all__] == []
 
 
 def test_the_api_names_the_contract() -> None:
@@ -210,7 +215,7 @@ def test_internal_packages_say_so() -> None:
 
 # -- what the docs import --------------------------------------------------------------------------
 
-_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 _IMPORT = re.compile(r"^\s*(from stepdump[\w.]* import .+|import stepdump[\w.]*.*)$")
 
@@ -241,3 +246,71 @@ def test_documented_import_runs(doc: str, line: str) -> None:
 def test_documented_imports_use_the_public_api(doc: str, line: str) -> None:
     internal = re.search(rf"stepdump\.({'|'.join(INTERNAL_PACKAGES)})\b", line)
     assert internal is None, f"{doc} imports from internal stepdump.{internal and internal.group(1)}: {line}"
+
+
+# -- what the docs send users to -------------------------------------------------------------------
+
+# Public beyond __all__ and PUBLIC_SUBMODULES: documented modules a user imports or names.
+PUBLIC_MODULES = (*PUBLIC_SUBMODULES, "integrations", "demo")
+# A dotted name in running text or code: not a file name (profile_stepdump.py, src/stepdump/...),
+# not inside a string literal (a metadata key "stepdump.trainer", a logger or profiler range name).
+_DOTTED = re.compile(r"""(?<![\w/.\-"'])stepdump((?:\.[A-Za-z_]\w*)+)(?::(\w+))?""")
+_FROM = re.compile(r"^\s*from (stepdump[\w.]*) import \(?([\w ,]+)", re.M)
+
+
+def _public(dotted: str) -> str | None:
+    """None if ``dotted`` (``stepdump.a.b``) is a public name; else why not."""
+    parts = dotted.split(".")[1:]
+    head, rest = parts[0], parts[1:]
+    if head in stepdump.__all__ or head in ("open", "__all__"):
+        obj: object = getattr(stepdump, head)
+    elif head in PUBLIC_MODULES and head != "integrations":
+        obj = importlib.import_module(f"stepdump.{head}")
+        exported = getattr(obj, "__all__", None)
+        if rest and exported is not None and rest[0] not in exported:
+            return f"stepdump.{head}.{rest[0]} is not in stepdump.{head}.__all__"
+    elif head == "integrations":
+        # Checked without importing Lightning / transformers: a public module that defines the name.
+        if not rest:
+            return None
+        source = INIT.parent / "integrations" / f"{rest[0]}.py"
+        if rest[0].startswith("_") or not source.exists():
+            return f"no public module stepdump.integrations.{rest[0]}"
+        defined = {n.name for n in ast.parse(source.read_text()).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+        return None if len(rest) == 1 or rest[1] in defined else f"stepdump.integrations.{rest[0]} has no {rest[1]}"
+    else:
+        return f"stepdump.{head} is neither in stepdump.__all__ nor a public module"
+    for part in rest:
+        if part.startswith("_") or not hasattr(obj, part):
+            return f"{dotted}: no public {part}"
+        obj = getattr(obj, part)
+    return None
+
+
+def _doc_references() -> dict[str, list[str]]:
+    """Every ``stepdump.<dotted name>`` (and ``from stepdump... import x``) of README and docs/, by doc."""
+    refs: dict[str, list[str]] = {}
+    for doc in _DOCS:
+        text = doc.read_text()
+        found = [m.group(0) for m in _DOTTED.finditer(text)]
+        found += [m.group(1) + "." + n.split(" as ")[0].strip() for m in _FROM.finditer(text)
+                  for n in m.group(2).split(",") if n.strip()]
+        refs[str(doc.relative_to(ROOT))] = found
+    return refs
+
+
+def test_the_docs_send_users_only_to_public_names() -> None:
+    """Every name README and docs/ send a user to is public: in stepdump.__all__, or exported by a
+    public module (stepdump.options, types, checks, export, integrations, demo). Internals are named
+    by their source file (``reexec/bundle.py``) where a doc explains how something works."""
+    refs = _doc_references()
+    assert sum(map(len, refs.values())) > 150  # the scan finds the docs' references
+    bad = []
+    for doc, names in refs.items():
+        for name in names:
+            dotted, _, attr = name.partition(":")
+            why = _public(dotted) or (None if not attr or hasattr(importlib.import_module(dotted), attr)
+                                      else f"{dotted} has no {attr}")
+            if why:
+                bad.append(f"{doc}: {name}: {why}")
+    assert bad == []

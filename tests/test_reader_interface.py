@@ -107,7 +107,7 @@ def _record_single(path: Any) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     record_run(path, steps=STEPS, model=model, opt=opt, scheduler=sched, batch=batch, before_step=keep, log=log,
-               **({"remote": stepdump.Remote(upload_every=1)} if isinstance(path, str) else {}))
+               **({"remote": stepdump.options.Remote(upload_every=1)} if isinstance(path, str) else {}))
     return truth
 
 
@@ -159,14 +159,14 @@ def test_kind_and_identity(reader: Any) -> None:
 
     kind, run, truth = reader
     assert isinstance(run, RunReader)
-    want = {"local": stepdump.Run, "remote": stepdump.RemoteRun, "ranks": stepdump.DistributedRun}[kind]
+    want = {"local": stepdump.types.Run, "remote": stepdump.types.RemoteRun, "ranks": stepdump.types.DistributedRun}[kind]
     assert type(run) is want
     assert run.format_version == FIRST_FORMAT_VERSION == run.meta["format_version"]  # xxh3 only: format 1
     assert run.meta["optimizer_class"] == "Adam"
     assert run.live is False
     stores = list(run.stores())
     assert [r for r, _ in stores] == list(truth)
-    assert all(isinstance(s, stepdump.Run) for _, s in stores)
+    assert all(isinstance(s, stepdump.types.Run) for _, s in stores)
     if kind != "ranks":
         assert stores[0][1] is run
 

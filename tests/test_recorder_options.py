@@ -24,14 +24,13 @@ from helpers import assert_same
 from torch import nn
 
 import stepdump
-from stepdump import (
-    ConfigError,
+from stepdump import ConfigError, StepdumpError
+from stepdump.options import (
     KeyframeSchedule,
-    RecorderOptions,
     RecordOptions,
     Remote,
+    ResolvedOptions,
     RingSchedule,
-    StepdumpError,
     StepSchedule,
     StoreOptions,
 )
@@ -52,7 +51,7 @@ def _batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
 
 
-def _train(path: Path, steps: int = 8, nan_at: int | None = None, **rec_kwargs) -> RecorderOptions:
+def _train(path: Path, steps: int = 8, nan_at: int | None = None, **rec_kwargs) -> ResolvedOptions:
     """Train a small model under a Recorder built with ``rec_kwargs``; return its options."""
     model, opt = _setup()
     with stepdump.Recorder(path, model, opt, **rec_kwargs) as rec:
@@ -125,7 +124,7 @@ INVALID = {
     "queue depth float": ({"queue_depth": 2.5}, "queue_depth=2.5"),
     "durability": ({"durability": "sync"}, "durability='sync': choose 'flush' or 'fsync'"),
     "segment bytes 0": ({"segment_bytes": 0}, "segment_bytes=0: give the size of a segment file"),
-    "remote not a Remote": ({"remote": 5}, "remote= must be a stepdump.Remote or a dict"),
+    "remote not a Remote": ({"remote": 5}, "remote= must be a stepdump.options.Remote or a dict"),
     "remote for a local path": ({"remote": Remote()}, "remote= applies to URLs"),
     "on_error": ({"on_error": "ignore"}, "on_error='ignore': choose 'raise' or 'warn'"),
     "resume not bool": ({"resume": "yes"}, "resume='yes': give True or False"),
@@ -149,7 +148,7 @@ INVALID = {
                                        "trigger= is also set by schedule="),
     # a group of the wrong type
     "schedule of the wrong type": ({"schedule": RecordOptions()}, "schedule= takes a StepSchedule, KeyframeSchedule"),
-    "store as a dict": ({"store": {"codec": "raw"}}, r"store= takes StoreOptions \(from stepdump.capture.options\)"),
+    "store as a dict": ({"store": {"codec": "raw"}}, r"store= takes StoreOptions \(from stepdump.options\)"),
 }
 
 
@@ -170,7 +169,7 @@ def test_every_invalid_combination_is_a_config_error_that_says_what_to_do(tmp_pa
     (lambda: StoreOptions(codec="nope"), "unknown codec 'nope'"),
     (lambda: StoreOptions(delta_chain=10**6), "readers follow no longer chains"),
     (lambda: RecordOptions(capture=("grads",), modules="fc*"), "add one of them to capture="),
-    (lambda: RecorderOptions(on_error="loud"), "on_error='loud'"),
+    (lambda: ResolvedOptions(on_error="loud"), "on_error='loud'"),
 ])
 def test_option_objects_check_themselves_when_built(build, message):
     with pytest.raises(ConfigError, match=message):
@@ -193,7 +192,7 @@ def test_options_are_keyword_only():
     (KeyframeSchedule(every=4), "every", 8),
     (RingSchedule(size=3), "trigger", "loss_spike"),
     (StoreOptions(), "codec", "zstd"),
-    (RecorderOptions(), "on_error", "raise"),
+    (ResolvedOptions(), "on_error", "raise"),
 ])
 def test_options_cannot_be_mutated(obj, field, value):
     before = getattr(obj, field)
@@ -275,7 +274,7 @@ def test_flat_and_grouped_spellings_record_the_same_run(tmp_path, case):
 
 def test_the_common_case_is_unchanged(tmp_path):
     opts = _train(tmp_path / "run", every=4)
-    assert opts == RecorderOptions(schedule=StepSchedule(every=4))
+    assert opts == ResolvedOptions(schedule=StepSchedule(every=4))
     assert opts.record.capture == KINDS and opts.store.codec == "raw" and opts.on_error == "warn"
     with stepdump.open(tmp_path / "run") as run:
         assert run.steps == [0, 4, 8] and run.stats_steps == list(range(9)) and run.meta["final_step"] == 8
@@ -292,7 +291,7 @@ def test_help_shows_the_real_parameters_grouped_as_the_option_objects():
     assert list(params)[:5] == ["path", "model", "optimizer", "scheduler", "scaler"]
     keyword_only = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert keyword_only[:4] == ["models", "optimizers", "schedulers", "scalers"]  # the joint spelling
-    resolved = {f.name: f for f in dataclasses.fields(RecorderOptions)}
+    resolved = {f.name: f for f in dataclasses.fields(ResolvedOptions)}
     assert set(resolved) <= set(keyword_only)
     for name in ("on_error", "resume", "start_step", "metadata", "ranks", "auto_capture"):
         assert params[name].default == resolved[name].default, name

@@ -56,9 +56,9 @@ def assert_same_run(run, ref_path: Path) -> None:
 
 def test_memory_url_round_trip(reference: Path, tmp_path: Path) -> None:
     where = url()
-    record_run(where, steps=STEPS, remote=stepdump.Remote(upload_every=2))
+    record_run(where, steps=STEPS, remote=stepdump.options.Remote(upload_every=2))
     with stepdump.open(where, cache_dir=tmp_path / "cache") as run:
-        assert isinstance(run, stepdump.RemoteRun) and run.url == where
+        assert isinstance(run, stepdump.types.RemoteRun) and run.url == where
         assert_same_run(run, reference)
         # Restore from the remote copy, then the next step reproduces the recorded one.
         model = tiny_model(5)
@@ -76,7 +76,7 @@ def test_memory_url_round_trip(reference: Path, tmp_path: Path) -> None:
 
 def test_staging_is_removed_after_upload_unless_kept(tmp_path: Path) -> None:
     staging = tmp_path / "stage"
-    record_run(url(), steps=2, remote=stepdump.Remote(staging=staging))
+    record_run(url(), steps=2, remote=stepdump.options.Remote(staging=staging))
     assert not staging.exists()
     record_run(url(), steps=2, remote={"staging": str(staging), "keep_staging": True})
     with stepdump.open(staging) as local:  # the staging directory is an ordinary run
@@ -88,7 +88,7 @@ def test_published_steps_are_visible_while_recording(tmp_path: Path) -> None:
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seen = []
-    with stepdump.Recorder(where, model, opt, remote=stepdump.Remote(upload_every=2, upload_interval=None)) as rec:
+    with stepdump.Recorder(where, model, opt, remote=stepdump.options.Remote(upload_every=2, upload_interval=None)) as rec:
         for step in range(7):
             opt.zero_grad()
             model(torch.randn(4, 8)).square().mean().backward()
@@ -128,12 +128,12 @@ def test_url_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="resume=True is not supported"):
         stepdump.Recorder(url(), model, opt, resume=True)
     with pytest.raises(ConfigError, match="applies to URLs"):
-        stepdump.Recorder(tmp_path / "local", model, opt, remote=stepdump.Remote())
+        stepdump.Recorder(tmp_path / "local", model, opt, remote=stepdump.options.Remote())
     with pytest.raises(ConfigError, match="apply to URLs"):
         stepdump.open(tmp_path, storage_options={})
     for bad in ({"upload_every": 0}, {"upload_interval": -1.0}, {"segment_bytes": 0}, {"storage_options": 3}):
         with pytest.raises(ConfigError):
-            stepdump.Remote(**bad)
+            stepdump.options.Remote(**bad)
     with pytest.raises(ConfigError, match="remote="):
         stepdump.Recorder(url(), model, opt, remote={"bogus": 1})
     with pytest.raises(NotARunError, match="holds no stepdump run"):
@@ -148,7 +148,7 @@ def test_failed_upload_raises_at_close_and_keeps_the_staging_run(monkeypatch: py
     monkeypatch.setattr(FsspecStorage, "put_file", refuse)
     staging = tmp_path / "stage"
     with pytest.raises(WriterError, match="could not upload .*bucket is read-only.*staging directory"):
-        record_run(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1), on_error="raise")
+        record_run(url(), steps=3, remote=stepdump.options.Remote(staging=staging, upload_every=1), on_error="raise")
     with stepdump.open(staging) as local:  # complete, final record 3 included: only the upload failed
         assert local.steps == [0, 1, 2, 3] and local.meta["final_step"] == 3
 
@@ -161,7 +161,7 @@ def test_failed_upload_warns_by_default_and_the_training_script_goes_on(monkeypa
     monkeypatch.setattr(FsspecStorage, "put_file", refuse)
     staging = tmp_path / "stage"
     with caplog.at_level("WARNING", logger="stepdump"):
-        record_run(url(), steps=3, remote=stepdump.Remote(staging=staging, upload_every=1))  # close() does not raise
+        record_run(url(), steps=3, remote=stepdump.options.Remote(staging=staging, upload_every=1))  # close() does not raise
     assert any("could not upload" in r.getMessage() and str(staging) in r.getMessage() for r in caplog.records)
     with stepdump.open(staging) as local:
         assert local.steps == [0, 1, 2, 3] and local.meta["final_step"] == 3
@@ -216,7 +216,7 @@ def test_fsspec_storage_read_protocol(tmp_path: Path) -> None:
 
 def test_file_url(reference: Path, tmp_path: Path) -> None:
     where = (tmp_path / "published").as_uri()
-    record_run(where, steps=STEPS, remote=stepdump.Remote(upload_every=3))
+    record_run(where, steps=STEPS, remote=stepdump.options.Remote(upload_every=3))
     with stepdump.open(where, cache_dir=tmp_path / "cache") as run:
         assert_same_run(run, reference)
     assert not list((tmp_path / "published").rglob("*.part-*"))  # atomic replaces left no temporaries
@@ -251,7 +251,7 @@ def s3() -> dict:
 
 def test_s3_round_trip(s3: dict, reference: Path, tmp_path: Path) -> None:
     where = f"s3://stepdump-bucket/runs/{uuid.uuid4().hex}"
-    record_run(where, steps=STEPS, remote=stepdump.Remote(storage_options=s3, upload_every=2, segment_bytes=4096))
+    record_run(where, steps=STEPS, remote=stepdump.options.Remote(storage_options=s3, upload_every=2, segment_bytes=4096))
     storage = FsspecStorage(where, s3)
     keys = sorted(k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1] if "/segments/" in k else k.rsplit("/", 1)[-1]
                   for k in storage.fs.find(storage.root))

@@ -60,7 +60,7 @@ def _events(logdir: Path) -> EventAccumulator:
     return ea
 
 
-def _series(run: stepdump.Run, name: str) -> dict[int, float]:
+def _series(run: stepdump.types.Run, name: str) -> dict[int, float]:
     return {s: (np.nan if v is None else float(v)) for s, n, v in run.scalar_rows() if n == name}
 
 

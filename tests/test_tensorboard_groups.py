@@ -63,7 +63,7 @@ def exported(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[E
     return ea, out.group_histograms
 
 
-def _blocks(run: stepdump.Run, kind: str) -> dict[str, list[str]]:
+def _blocks(run: stepdump.types.Run, kind: str) -> dict[str, list[str]]:
     g = tensor_groups(run.names(kind))
     out: dict[str, list[str]] = {}
     for name in run.names(kind):

@@ -10,9 +10,12 @@ errors (``__all__``; ``open`` is left out of ``__all__`` so that
 submodules hold the rest: :mod:`stepdump.options` (the Recorder's option
 groups), :mod:`stepdump.types` (the readers and result types),
 :mod:`stepdump.checks` (rules and findings) and :mod:`stepdump.export`
-(checkpoints, safetensors, TensorBoard, the HTML report). Every other package
-(``capture``, ``store``, ``read``, ``analysis``, ``render``, ``core``,
-``reexec``, ``cli``) is internal and may change without notice.
+(checkpoints, safetensors, TensorBoard, the HTML report, one-step bundles).
+:mod:`stepdump.integrations` (framework callbacks) and :mod:`stepdump.demo`
+(the demo job, ``--entry stepdump.demo:make_step``) are public too. Every other
+package (``capture``, ``store``, ``read``, ``analysis``, ``render``, ``core``,
+``reexec``, ``cli``) is internal and may change without notice; the docs send
+users only to public names (tests/test_public_api.py checks them).
 
 Names are loaded on first use (PEP 562 ``__getattr__``): ``import stepdump``
 stays cheap for the CLI and for code that only wants the errors, and torch,
@@ -22,12 +25,12 @@ pandas and the analysis stack load when a name that needs them is touched.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 # The errors and the format version are light (no torch), so they load eagerly:
 # ``except stepdump.StepdumpError`` must not pay for an import.
 from stepdump.errors import (
+    BatchMismatchError,
     ConfigError,
     CorruptDataError,
     FormatVersionError,
@@ -63,36 +66,11 @@ _LAZY: dict[str, str] = {
     "localize": "stepdump.reexec.localize",  # level="module" is analysis.localize, level="op" reexec.ops
 }
 
-# Names that moved to a submodule: old top-level name -> (module, name there). They keep working
-# for one release (0.2 removes them) with a DeprecationWarning that names the new home.
-_MOVED: dict[str, tuple[str, str]] = {
-    "RecordOptions": ("stepdump.options", "RecordOptions"),
-    "StepSchedule": ("stepdump.options", "StepSchedule"),
-    "KeyframeSchedule": ("stepdump.options", "KeyframeSchedule"),
-    "GradientLogSchedule": ("stepdump.options", "GradientLogSchedule"),
-    "RingSchedule": ("stepdump.options", "RingSchedule"),
-    "StoreOptions": ("stepdump.options", "StoreOptions"),
-    "RecorderOptions": ("stepdump.options", "ResolvedOptions"),
-    "Remote": ("stepdump.options", "Remote"),
-    "RunReader": ("stepdump.types", "RunReader"),
-    "Run": ("stepdump.types", "Run"),
-    "DistributedRun": ("stepdump.types", "DistributedRun"),
-    "RemoteRun": ("stepdump.types", "RemoteRun"),
-    "Finding": ("stepdump.types", "Finding"),
-    "Severity": ("stepdump.types", "Severity"),
-    "DiffResult": ("stepdump.types", "DiffResult"),
-    "VerifyReport": ("stepdump.types", "VerifyReport"),
-    "Localization": ("stepdump.types", "Localization"),
-    "Setup": ("stepdump.types", "LocalizeSetup"),
-    "ReplayResult": ("stepdump.types", "ReplayResult"),
-    "ReexecResult": ("stepdump.types", "ReexecResult"),
-}
-
 # Documented public submodules, reachable as attributes after a bare ``import stepdump``.
 _SUBMODULES = ("checks", "export", "options", "types")
 
 _ERRORS = (
-    "StepdumpError", "ConfigError", "CorruptDataError", "FormatVersionError", "InterruptedWriteError",
+    "StepdumpError", "BatchMismatchError", "ConfigError", "CorruptDataError", "FormatVersionError", "InterruptedWriteError",
     "NotARunError", "ReadBudgetError", "RebuildError", "ReplayDiverged", "RestoreMismatchError",
     "RunExistsError", "RunLockedError", "StepNotFoundError", "TensorNotFoundError", "WriterError",
 )
@@ -116,17 +94,11 @@ __all__ = sorted([*(n for n in _LAZY if n != "open"), *_ERRORS, "FORMAT_VERSION"
 
 
 def __getattr__(name: str) -> Any:
-    """Load a public name (or public submodule) on first access, then cache it; a moved name
-    warns and is looked up in its new home."""
+    """Load a public name (or public submodule) on first access, then cache it."""
     # Only names from the constant tables above are imported (never a computed
     # one): tests/test_reliability_security.py allows these calls for that reason.
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif name in _MOVED:
-        module, new = _MOVED[name]
-        warnings.warn(f"stepdump.{name} moved to {module}.{new}; import it from there (the old name is removed "
-                      "in stepdump 0.2)", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_MOVED[name][0]), new)  # not cached: every use warns
     elif name in _SUBMODULES:
         value = importlib.import_module(f"stepdump.{name}")
     else:

@@ -14,26 +14,36 @@
 * :func:`export_tensorboard` writes scalars, per-tensor stats and histograms as
   TensorBoard event files (:class:`TensorBoardExport` says what was written).
   Also ``stepdump export-tb``.
+* :func:`export_tensorboard_runs` writes several runs side by side with their comparison with
+  the first (:class:`TensorBoardRuns`). Also ``stepdump export-tb A LOGDIR --compare B``.
 * :func:`write_report` writes the HTML report of one run or of several runs
   overlaid (``labels=``). Also ``stepdump report``; docs/report.md.
+* :func:`bundle` writes one step as a small self-contained store, for a bug report
+  (:class:`BundleResult`). Also ``stepdump bundle``; docs/reexecute.md.
 
-The implementations live in the internal packages ``stepdump.read`` and
-``stepdump.render``; import from here, whose names are kept stable.
+The implementations live in the internal packages ``stepdump.read``, ``stepdump.render`` and
+``stepdump.reexec``; import from here, whose names are kept stable.
 """
 
 from __future__ import annotations
 
 from stepdump.read.export import FORMATS as CHECKPOINT_FORMATS
 from stepdump.read.export import export as export_checkpoint
-from stepdump.render.tensorboard import DEFAULT_STATS as TENSORBOARD_STATS
+from stepdump.reexec.bundle import BundleResult, bundle
 from stepdump.render.html import write_report
+from stepdump.render.tensorboard import DEFAULT_STATS as TENSORBOARD_STATS
 from stepdump.render.tensorboard import TensorBoardExport, export_tensorboard
+from stepdump.render.tensorboard_compare import TensorBoardRuns, export_tensorboard_runs
 
 __all__ = [
     "CHECKPOINT_FORMATS",
     "TENSORBOARD_STATS",
+    "BundleResult",
     "TensorBoardExport",
+    "TensorBoardRuns",
+    "bundle",
     "export_checkpoint",
     "export_tensorboard",
+    "export_tensorboard_runs",
     "write_report",
 ]

@@ -102,7 +102,7 @@ def run_load(path: Path, steps: int, every: Any = None, checkpoints: int = 5, wa
     return res
 
 
-def _time_queries(run: stepdump.Run, t: int) -> dict[str, float]:
+def _time_queries(run: stepdump.types.Run, t: int) -> dict[str, float]:
     out: dict[str, float] = {"step": t}
 
     def timed(name: str, fn: Any) -> Any:

@@ -50,7 +50,7 @@ def check(
     """Check a recorded run for trouble: NaN/Inf, exploding gradients, loss spikes, ...
 
     Args:
-        run: A :class:`stepdump.Run` (or the path of one).
+        run: A :class:`stepdump.types.Run` (or the path of one).
         rules: Which rules to run (default: every built-in rule). Each item is
             a rule name (``"loss_spike"``), a rule instance (``LossSpike(z=8)``),
             a :class:`Rule` subclass, or any callable ``(run) -> Iterable[Finding]``

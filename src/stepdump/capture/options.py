@@ -102,7 +102,7 @@ class RecordOptions:
             with ``activations`` / ``activation_grads`` in ``capture``
             (default: every module).
         profile: Record per-step timing and memory as ``sys/*`` scalars
-            (see :meth:`stepdump.Run.profile`).
+            (see :meth:`stepdump.types.Run.profile`).
         extra_state: Objects recorded beside the model, by name:
             ``{"ema": ema_model}`` (an ``AveragedModel``, a timm / torch-ema EMA, anything with
             ``state_dict()`` and ``load_state_dict()``). Each one's ``state_dict()`` is recorded
@@ -277,7 +277,7 @@ class StoreOptions:
             (also survives power loss, slower); docs/reliability.md has numbers.
         segment_bytes: Size at which a new segment file is started.
         remote: For a URL path (``s3://bucket/run``): how the run is published,
-            a :class:`stepdump.Remote` or a dict of its fields.
+            a :class:`stepdump.options.Remote` or a dict of its fields.
         storage: Builds what segment files are written through, from this
             rank's local directory: a callable returning a
             :class:`~stepdump.store.storage.Storage` (None: files,
@@ -399,7 +399,7 @@ class RecorderOptions:
     def __post_init__(self) -> None:
         for name, cls in (("record", RecordOptions), ("schedule", SCHEDULES), ("store", StoreOptions)):
             if not isinstance(getattr(self, name), cls):
-                raise ConfigError(f"{name}= takes {_GROUP_CLASS[name]} (from stepdump.capture.options), "
+                raise ConfigError(f"{name}= takes {_GROUP_CLASS[name]} (from stepdump.options), "
                                   f"got {type(getattr(self, name)).__name__}")
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"on_error={self.on_error!r}: choose 'raise' or 'warn'")

@@ -85,8 +85,8 @@ class Remote:
             try:
                 return cls(**value)
             except TypeError as e:
-                raise ConfigError(f"remote=: {e}; see stepdump.Remote for the options") from None
-        raise ConfigError(f"remote= must be a stepdump.Remote or a dict of its options, got {type(value).__name__}")
+                raise ConfigError(f"remote=: {e}; see stepdump.options.Remote for the options") from None
+        raise ConfigError(f"remote= must be a stepdump.options.Remote or a dict of its options, got {type(value).__name__}")
 
 
 class Uploader(threading.Thread):

@@ -189,7 +189,7 @@ def report_no_match(what: str, patterns: Iterable[str], available: Iterable[str]
     return Exit.NOT_FOUND
 
 
-def open_run(path: str) -> stepdump.RunReader:
+def open_run(path: str) -> stepdump.types.RunReader:
     """Open the run a command names (``~`` expanded): any reader kind, local, remote or multi-rank."""
     return stepdump.open(os.path.expanduser(path))
 

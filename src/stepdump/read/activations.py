@@ -49,7 +49,7 @@ def reexecutions(run: Any) -> dict[int, dict[str, Any]]:
 
 
 def activations(run: Any, step: int, *, grads: bool = False, reexecuted: bool | None = None) -> Activations:
-    """See :meth:`stepdump.Run.activations`."""
+    """See :meth:`stepdump.types.Run.activations`."""
     if reexecuted not in (None, True, False):
         raise ConfigError(f"reexecuted={reexecuted!r}: give None (recorded ones, else re-executed), True or False")
     recorded_kind = "activation_grads" if grads else "activations"

@@ -139,7 +139,7 @@ class DistributedRun:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"<stepdump.DistributedRun {str(self.path)!r}: world_size {self.world_size}, "
+        return (f"<stepdump.types.DistributedRun {str(self.path)!r}: world_size {self.world_size}, "
                 f"ranks {self.ranks}, {len(self.all_steps)} steps>")
 
     @property

@@ -75,4 +75,4 @@ class RemoteRun(Run):
         return False
 
     def __repr__(self) -> str:
-        return f"<stepdump.RemoteRun {self.url!r}: {len(self.all_steps)} steps>"
+        return f"<stepdump.types.RemoteRun {self.url!r}: {len(self.all_steps)} steps>"

@@ -115,7 +115,7 @@ class Run:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<stepdump.Run {str(self.path)!r}: {len(self.all_steps)} steps>"
+        return f"<stepdump.types.Run {str(self.path)!r}: {len(self.all_steps)} steps>"
 
     @property
     def live(self) -> bool:

@@ -2,6 +2,9 @@
 
 This package sits above both ``read/`` (restore, replay, the gradient log) and ``capture/`` (how
 ``log_batch`` names a batch): it is the one place that uses both, so neither has to import the other.
+
+Internal; public names are in stepdump/__init__.py (``reexecute``, ``localize``), stepdump.types
+(``ReexecResult``) and stepdump.export (``bundle``).
 """
 
 from __future__ import annotations

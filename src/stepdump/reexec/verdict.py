@@ -199,7 +199,7 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
     """Re-execute step ``step`` of ``run`` ``repeat`` times and compare with the record, bitwise.
 
     Args:
-        run: A :class:`stepdump.Run`, a run directory or a one-step bundle (``stepdump bundle``).
+        run: A :class:`stepdump.types.Run`, a run directory or a one-step bundle (``stepdump bundle``).
         step: The recorded step to re-execute.
         model, optimizer, scheduler, scaler: Objects of the kind the run recorded; they are put in
             the state of record ``step`` (restore, gradient-log rebuild, replay from a keyframe,
