@@ -36,11 +36,20 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import NamedTuple
 
 from stepdump.errors import WriterError
 from stepdump.store.storage import Storage
 
-_Job = tuple[str, bytes | bytearray | memoryview, int, int]  # key, data, offset, owned bytes
+
+class _Job(NamedTuple):
+    """One queued append."""
+
+    key: str
+    data: bytes | bytearray | memoryview
+    offset: int
+    owned: int  # bytes counted against max_pending (0: the caller's memory)
+
 
 DEFAULT_MAX_PENDING = 64 << 20
 
@@ -67,13 +76,13 @@ class Appender(threading.Thread):
                 if job is None:
                     return
                 if self.error is None:  # after a failure, later bytes would land at wrong offsets
-                    self._land(*job[:3])
+                    self._land(job.key, job.data, job.offset)
             except BaseException as e:  # noqa: BLE001 - handed to the writer in wait()
                 self.error = e
             finally:
-                if job is not None and job[3]:
+                if job is not None and job.owned:
                     with self._room:
-                        self.pending -= job[3]
+                        self.pending -= job.owned
                         self._room.notify_all()
                 self._queue.task_done()
 
@@ -97,7 +106,7 @@ class Appender(threading.Thread):
                 while self.pending and self.pending + n > self.max_pending and self.error is None:
                     self._room.wait()
                 self.pending += n
-        self._queue.put((key, data, offset, n))
+        self._queue.put(_Job(key, data, offset, n))
 
     def _land(self, key: str, data: bytes | bytearray | memoryview, offset: int) -> None:
         landed = self.storage.append(key, data)

@@ -65,7 +65,7 @@ class Assembler:
         # params from the updates, and a re-execution compares an update's output with it (outside.py).
         self.watch = ParamWatch(strict=self.gradlog) if "params" in self.kinds else None
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
-        self._selected_of: tuple[Layout, list[tuple[str, torch.Tensor]], list[Entry]] | None = None
+        self._selected_of: tuple[Layout | None, list[tuple[str, torch.Tensor]], list[Entry]] = (None, [], [])
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
         # The model's structure: a watch on registrations (set by the Recorder, which removes its hooks),
         # the earlier layouts (meta ``layouts``), the meta for the next record, the step of the last change.
@@ -80,11 +80,11 @@ class Assembler:
     def _watched(self) -> dict[str, torch.Tensor]:
         """The selected params, made once per layout (a name match per param at every step added
         a Python call per param to both hashing moments)."""
-        kept = getattr(self, "_watched_of", None)
-        if kept is None or kept[0] is not self.layout:
-            kept = self._watched_of = (self.layout, {n: p for n, p in self.layout.params.items()
-                                                     if self.selected(n) and n not in self.foreign})
-        return kept[1]
+        layout, watched = getattr(self, "_watched_of", (None, {}))
+        if layout is not self.layout:
+            watched = {n: p for n, p in self.layout.params.items() if self.selected(n) and n not in self.foreign}
+            self._watched_of = (self.layout, watched)
+        return watched
 
     def resumed(self, earlier: list[dict[str, Any]]) -> None:
         """A resumed run's earlier layouts (meta ``layouts``, cut at the step resumed at): a structure
@@ -194,10 +194,11 @@ class Assembler:
         the optimizer state (a lean step reads it every ``OPTIMIZER_EVERY`` steps; walking it cost a
         dict lookup through ``Tensor.__hash__`` and a tuple per tensor at every step). The entries
         made at every step are made by :func:`as_entries` (no Python call per entry)."""
-        if self._selected_of is None or self._selected_of[0] is not self.layout:
+        layout, params, param_entries = self._selected_of
+        if layout is not self.layout:
             params = [(n, p) for n, p in self.layout.params.items() if self.selected(n)]
-            self._selected_of = (self.layout, params, [Entry("params", n, p, False) for n, p in params])
-        _, params, param_entries = self._selected_of
+            param_entries = [Entry("params", n, p, False) for n, p in params]
+            self._selected_of = (self.layout, params, param_entries)
         out = list(param_entries) if "params" in self.kinds else []
         if "grads" in self.kinds:
             out += as_entries([("grads", n, g, False, None, None) for n, p in params if (g := p.grad) is not None])

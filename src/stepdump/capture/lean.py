@@ -157,7 +157,7 @@ def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[li
 
     def describe() -> list[LeanRow]:  # packed.packed_rows: a few vectorised passes per batch
         return [LeanRow(*head, *got) for heads, buf, ns in done
-                for head, got in zip(heads, zip(*packed_rows([h[0] for h in heads], buf, ns)), strict=True)]
+                for head, got in zip(heads, zip(*packed_rows([kind for kind, *_ in heads], buf, ns)), strict=True)]
 
     return rest, describe
 

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -268,7 +268,15 @@ class StagingPool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # Layouts whose plans a slot keeps (a gradient log alternates two: its steps and its keyframes).
 _PLANS_KEPT = 4
-_Plan = tuple[list[tuple], list["Item"], list[torch.Tensor], int]  # key, items, buffers, slot generation
+
+
+class _Plan(NamedTuple):
+    """How a layout was staged into a slot with every tensor copied into a buffer of it."""
+
+    key: list[tuple]  # _layout_key of the entries
+    items: list[Item]
+    buffers: list[torch.Tensor]  # each item's buffer, in the entries' order
+    generation: int  # the slot's generation then: its buffers are still those while it stays
 
 
 def _layout_key(items: list[Entry]) -> list[tuple]:
@@ -358,9 +366,9 @@ class Stager:
         layout = _layout_key(items)
         plans = self._plans.setdefault(slot.index, [])
         for plan in plans:
-            if plan[0] == layout and plan[3] == slot.generation:
+            if plan.key == layout and plan.generation == slot.generation:
                 return self._restage(slot, plan, items)
-        plans[:] = [plan for plan in plans if plan[3] == slot.generation]  # the others' buffers are gone
+        plans[:] = [plan for plan in plans if plan.generation == slot.generation]  # the others' buffers are gone
         copied: list[Item] = []
         live: list[Item] = []
         cuda_entries = []
@@ -401,7 +409,7 @@ class Stager:
         slot.has_live = bool(live)
         if not live and not cuda_entries and len(copied) == len(items) and all(i.raw is not None for i in copied) \
                 and all(type(e.tensor) in _PLAIN for e in items):
-            plans.insert(0, (layout, list(copied), dsts, slot.generation))
+            plans.insert(0, _Plan(layout, list(copied), dsts, slot.generation))
             del plans[_PLANS_KEPT:]
         if slot.deferred:
             if any(item.kind not in defer for item in live):  # some went live for the budget: wait now
@@ -417,10 +425,10 @@ class Stager:
         slot.live_done.clear()
         slot.deferred = []
         slot.has_live = False
-        if plan[2]:  # (torch refuses an empty list)
+        if plan.buffers:  # (torch refuses an empty list)
             with torch.no_grad():
-                torch._foreach_copy_(plan[2], [e.tensor for e in items])
-        return list(plan[1])
+                torch._foreach_copy_(plan.buffers, [e.tensor for e in items])
+        return list(plan.items)
 
     def _stage_device_lean(self, slot: Slot, prepared: Prepared) -> None:  # pragma: no cover - needs a GPU
         """A stats-only step whose every entry is a plain dense CUDA tensor (the common GPU lean
