@@ -315,6 +315,21 @@ def test_help_shows_the_real_parameters_grouped_as_the_option_objects():
     assert "Recorder(path, models=" in doc  # the joint spelling says itself
 
 
+def test_concepts_lists_the_recorders_parameters_in_order_with_their_defaults():
+    """docs/concepts.md's table of the Recorder's parameters is the signature, in order, with its defaults."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "concepts.md").read_text()
+    table = text[text.index("| group | parameters (defaults) |"):]
+    table = table[:table.index("\n\n")]
+    listed = re.findall(r"`(\w+)(?:=([^`]+))?`", "".join(row.split("|")[2] for row in table.splitlines()[2:]))
+    params = inspect.signature(stepdump.Recorder).parameters
+    assert [name for name, _ in listed if name in params] == list(params)
+    for name, default in listed:
+        if name in params and default:
+            assert repr(eval(default, {})) == repr(params[name].default), name  # noqa: S307 - our own docs
+        elif name in params:
+            assert params[name].default is inspect.Parameter.empty, name
+
+
 # -- the public capture hooks --------------------------------------------------------------------
 
 
