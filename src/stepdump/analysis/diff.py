@@ -40,7 +40,7 @@ from stepdump.analysis.diff_joint import diff_joint
 from stepdump.analysis.diff_noise import noise_diff
 from stepdump.analysis.diff_reading import reading, rng_notes
 from stepdump.analysis.diff_structure import structure_notes, structure_reading
-from stepdump.analysis.diff_result import Coverage, DiffResult, Key
+from stepdump.analysis.diff_result import Coverage, DiffResult
 from stepdump.analysis.diff_state import (KIND_STAGE, STAGES, Difference, RngDiff, config_differences, parse_state,
                                           scalar_differences, scalar_table, scalars_equal, state_differences)
 from stepdump.analysis.diff_values import TensorDiff, compare_tensors
@@ -49,6 +49,7 @@ from stepdump.errors import ConfigError, StepNotFoundError
 from stepdump.read.joint import is_joint
 from stepdump.read.reader import RunReader
 from stepdump.read.rows import fp_kind_map
+from stepdump.store.format import Key
 
 __all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "RngDiff", "TensorDiff", "compare_tensors", "diff"]
 

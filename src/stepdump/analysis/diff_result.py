@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 from stepdump.analysis.diff_reading import headline, summary_lines
 from stepdump.analysis.diff_state import Difference, RngDiff
 from stepdump.analysis.diff_values import TensorDiff
+from stepdump.store.format import Key
 
 if TYPE_CHECKING:  # an annotation only: diff_noise builds DiffResults, so it imports this module
     from stepdump.analysis.diff_noise import NoiseDiff
 
-Key = tuple[str, str]
 
 
 @dataclass

@@ -61,7 +61,6 @@ from stepdump.read.gradlog_parts import (
     REBUILT_KINDS,
     Chain,
     GroupsChanged,
-    Key,
     SegmentReport,
     Snapshot,
     Trusted,
@@ -85,6 +84,7 @@ from stepdump.store.format import (
     LEVEL_FULL,
     LEVEL_STATS,
     STATE_OUTSIDE_OPTIMIZER,
+    Key,
     sparse_values_dtype,
 )
 

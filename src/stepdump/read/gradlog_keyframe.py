@@ -24,8 +24,9 @@ from stepdump.core.classes import torch_optimizer
 from stepdump.core.hashing import XXH3
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
-from stepdump.read.gradlog_parts import Chain, Key, Trusted, read_ahead, read_grads, trust, warm_allocator
+from stepdump.read.gradlog_parts import Chain, Trusted, read_ahead, read_grads, trust, warm_allocator
 from stepdump.read.state import optimizer_state_dict, param_indices, recorded_groups
+from stepdump.store.format import Key
 
 if TYPE_CHECKING:
     from stepdump.read.blobs import BlobReader

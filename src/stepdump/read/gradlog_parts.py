@@ -16,14 +16,13 @@ from stepdump.core.classes import described, torch_optimizer
 from stepdump.core.hashing import fingerprint
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
-from stepdump.store.format import SPARSE_COO_PREFIX
+from stepdump.store.format import SPARSE_COO_PREFIX, Key
 
 if TYPE_CHECKING:
     from stepdump.read.blobs import BlobReader
     from stepdump.read.run import Run
     from stepdump.store.schema import BlobRow
 
-Key = tuple[str, str]
 T = TypeVar("T")
 Buffers = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # a chain's two sets of grad buffers
 #: data pointer -> (fingerprint, bytes): memory read verified against that fingerprint (see trust)

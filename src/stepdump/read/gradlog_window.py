@@ -23,13 +23,13 @@ from stepdump.core.hashing import XXH3
 from stepdump.errors import CorruptDataError, StepdumpError
 from stepdump.read.rows import fp_kind_map
 from stepdump.read.state import recorded_groups
+from stepdump.store.format import Key
 
 if TYPE_CHECKING:
     from stepdump.read.blobs import BlobReader
     from stepdump.read.run import Run
     from stepdump.store.schema import BlobRow
 
-Key = tuple[str, str]
 #: Steps read per catalog query: enough to make the queries negligible next to the updates, few
 #: enough that a window's rows stay small (rows of WINDOW steps of every tensor).
 WINDOW = 16

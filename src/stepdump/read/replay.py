@@ -37,13 +37,12 @@ from stepdump.errors import (
     nearest_steps,
 )
 from stepdump.read.rows import fp_kind_map
-from stepdump.store.format import STATE_FORWARD_RNG, STATE_OUTSIDE_OPTIMIZER
+from stepdump.store.format import STATE_FORWARD_RNG, STATE_OUTSIDE_OPTIMIZER, Key
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
-Key = tuple[str, str]
 
 
 @dataclass

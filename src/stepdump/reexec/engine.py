@@ -30,10 +30,9 @@ from stepdump.errors import BatchMismatchError, ConfigError, ReplayDiverged, Ste
 from stepdump.read.replay import _live_tensors, batch_calls, recorded_batch, replay
 from stepdump.read.rows import fp_kind_map
 from stepdump.reexec.capture import Captured, capturing
-from stepdump.store.format import STATE_AFTER_UPDATE, STATE_FORWARD_RNG, STATE_OUTSIDE_OPTIMIZER
+from stepdump.store.format import STATE_AFTER_UPDATE, STATE_FORWARD_RNG, STATE_OUTSIDE_OPTIMIZER, Key
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
-Key = tuple[str, str]
 
 # Where each compared quantity comes from: the loss (a logged scalar), the grads the update used
 # (record k), and the params / optimizer state the update left (record k+1).

@@ -21,7 +21,8 @@ from typing import Any
 from stepdump.core.hashing import XXH3
 from stepdump.errors import ConfigError
 from stepdump.read.rows import fp_kind_map
-from stepdump.reexec.engine import GRADS, Key, differing
+from stepdump.reexec.engine import GRADS, differing
+from stepdump.store.format import Key
 
 
 def is_multi_rank(run: Any) -> bool:

@@ -39,7 +39,6 @@ from stepdump.reexec.engine import (
     float_bits,
     LOSS,
     PARAMS_AFTER,
-    Key,
     recorded_inputs,
     TrainStep,
     check_batch,
@@ -51,6 +50,7 @@ from stepdump.reexec.engine import (
 )
 from stepdump.reexec.writeback import check_writable
 from stepdump.reexec.writeback import write_back as write_back_into
+from stepdump.store.format import Key
 
 REPRODUCES, NONDETERMINISTIC, DIFFERS = "reproduces", "nondeterministic", "differs from the record"
 DAMAGED = "the record is damaged"

@@ -43,6 +43,8 @@ REEXEC_KINDS = ("reexec_activations", "reexec_activation_grads")
 # The meta key holding each written-back re-execution's verdict and evidence, by step (FORMAT.md).
 META_REEXECUTIONS = "reexecutions"
 ALL_KINDS = TENSOR_KINDS + INTERNAL_KINDS + REEXEC_KINDS
+#: A series, as the catalog names it: (kind, name), e.g. ``("grads", "fc1.weight")``.
+Key = tuple[str, str]
 
 # Step levels in the catalog.
 LEVEL_NONE = 0  # only the step row and its scalars
