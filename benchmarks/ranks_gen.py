@@ -73,8 +73,9 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, rec: Any, rank: int, wo
                 simulated[step] = torch.cat(xs), torch.cat(ys)
             gx, gy = simulated[step]
             nn.functional.mse_loss(model(gx), gy).backward()
-            with torch.no_grad():
-                loss = nn.functional.mse_loss(model(x), y)
+            with torch.no_grad():  # through the inner module: an evaluation of the recorded model would
+                # move the iteration's start RNG after it (capture/iteration.py), which real DDP does not do
+                loss = nn.functional.mse_loss(model.module(x), y)
         else:
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()  # DDP averages the grads over the ranks
