@@ -267,35 +267,11 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
     if damaged:  # judged before anything is restored from it
         return ReexecResult(step=step, verdict=DAMAGED, damaged=damaged, how="not re-executed")
     prep = prepare(run, step, model, optimizer, train_step, scheduler, scaler)
-    if batch is not None and not batch_checked:
-        prep.notes.append(f"the batch given could not be checked: step {step} holds no batch fingerprint (the loop "
-                          "did not call rec.log_batch)")
-    if batch is None:
-        st = run.step_state(step) if run.catalog.has_state(step) else {}
-        if st.get("batch") is None and not recorded_inputs(run, step):
-            # The loop logged no batch: train_step(model, optimizer, None) draws its own, as the
-            # recorded loop did (a verified replay up to here drew the same ones).
-            prep.notes.append(f"no batch was logged at step {step}: train_step was given None and drew its own")
-            batch = None
-        else:
-            batch = stored_batch(run, step, st)
-            if recorded_inputs(run, step):
-                check_batch(run, step, batch)  # the stored batch is the one fingerprinted at record time
-                batch_checked = True
-    runs = []
-    for i in range(repeat):
-        try:
-            runs.append(execute(prep, batch, model, optimizer, train_step, scheduler, scaler,
+    batch, batch_checked = _batch_to_feed(run, step, prep, batch, batch_checked)
+    runs = [_execute_or_explain(run, step, i, prep, batch, model, optimizer, train_step, scheduler, scaler,
                                 trace=bool(trace) or (find_nan and i == 0), capture=globs if i == 0 else None,
-                                forward_rng=replay_forward_rng))
-        except Exception as e:
-            if batch is not None or i > 0:
-                raise
-            raise ConfigError(
-                f"step {step} of {run.path} holds no batch (the loop never called rec.log_batch), so train_step was "
-                f"given None and failed ({type(e).__name__}: {e}); log the batch in the loop "
-                "(rec.log_batch(batch)), pass batch=, or let train_step draw its own batch when it is given None, "
-                "as the recorded loop drew it") from e
+                                forward_rng=replay_forward_rng)
+            for i in range(repeat)]
     result = _judge(run, step, prep, runs, batch, model, optimizer, train_step, scheduler, scaler, trace, find_nan,
                     loss, repeat)
     result.edited = sorted(prep.edited)
@@ -316,6 +292,41 @@ def reexecute(run: Any, step: int, model: torch.nn.Module, optimizer: torch.opti
         write_back_into(run, result, captured)
         result.written_back = True
     return result
+
+
+def _batch_to_feed(run: Any, step: int, prep: Any, batch: Any, checked: bool) -> tuple[Any, bool]:
+    """The batch each re-execution is handed (the one given, the stored one, or None where the loop
+    logged none and train_step draws its own), and whether it matches the recorded fingerprint."""
+    if batch is not None:
+        if not checked:
+            prep.notes.append(f"the batch given could not be checked: step {step} holds no batch fingerprint (the "
+                              "loop did not call rec.log_batch)")
+        return batch, checked
+    st = run.step_state(step) if run.catalog.has_state(step) else {}
+    if st.get("batch") is None and not recorded_inputs(run, step):
+        # The loop logged no batch: train_step(model, optimizer, None) draws its own, as the recorded
+        # loop did (a verified replay up to here drew the same ones).
+        prep.notes.append(f"no batch was logged at step {step}: train_step was given None and drew its own")
+        return None, False
+    batch = stored_batch(run, step, st)
+    if not recorded_inputs(run, step):
+        return batch, False
+    check_batch(run, step, batch)  # the stored batch is the one fingerprinted at record time
+    return batch, True
+
+
+def _execute_or_explain(run: Any, step: int, i: int, prep: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """:func:`execute`; a first one handed no batch that fails is a ConfigError saying why."""
+    try:
+        return execute(prep, batch, *args, **kwargs)
+    except Exception as e:
+        if batch is not None or i > 0:
+            raise
+        raise ConfigError(
+            f"step {step} of {run.path} holds no batch (the loop never called rec.log_batch), so train_step was "
+            f"given None and failed ({type(e).__name__}: {e}); log the batch in the loop (rec.log_batch(batch)), "
+            "pass batch=, or let train_step draw its own batch when it is given None, as the recorded loop drew "
+            "it") from e
 
 
 def _judge(run: Any, step: int, prep: Any, runs: list[Any], batch: Any, model: torch.nn.Module,
