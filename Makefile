@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 # torch is pinned to the CPU wheel that lies on this machine's disk so that no
-# multi-GB CUDA build is downloaded; any torch>=2.2 works with stepdump itself.
+# multi-GB CUDA build is downloaded; pyproject's floor is this version, the one the suite runs on.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -17,15 +17,39 @@ directory, so the checkout's editable finder stays off: the test asserts that
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)`` (trailing zeros dropped: 2.13 and 2.13.0 are one release)."""
+    parts = [int(p) for p in re.match(r"\d+(\.\d+)*", version).group(0).split(".")]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def test_the_torch_floor_is_the_torch_the_suite_runs_on() -> None:
+    """pyproject's torch floor is the version `make install-test` pins and this suite runs on (no
+    older torch has been run), and README says it."""
+    import torch
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = [m.group(1) for d in deps if (m := re.fullmatch(r"torch\s*>=\s*([\w.]+)", d.strip()))]
+    pin = re.search(r"^TORCH\s*\?=\s*torch==(\S+)", (ROOT / "Makefile").read_text(), re.M)
+    assert len(floors) == 1 and pin is not None, (deps, "Makefile TORCH")
+    assert _release(floors[0]) == _release(pin.group(1))
+    assert _release(torch.__version__) == _release(pin.group(1))  # this suite runs on the floor
+    assert f"torch ≥ {floors[0]}" in (ROOT / "README.md").read_text()
 
 RECORD = """
 import torch, stepdump
