@@ -33,7 +33,7 @@ TOP_LEVEL = sorted([
     "RunLockedError", "StepNotFoundError", "TensorNotFoundError", "WriterError",
 ])
 OPTIONS = ["GradientLogSchedule", "KeyframeSchedule", "RecordOptions", "Remote", "ResolvedOptions", "RingSchedule",
-           "Schedule", "StepSchedule", "StoreOptions"]
+           "Schedule", "StepSchedule", "StoreOptions", "TriggerInfo"]
 TYPES = ["DiffResult", "DistributedRun", "Finding", "JointRun", "Localization", "LocalizeSetup", "OpLocalization",
          "ReexecResult", "ReplayResult", "RemoteRun", "Run", "RunReader", "Severity", "VerifyReport"]
 # Top-level spellings 0.1.0 shipped as deprecated aliases before any release; removed, not kept.

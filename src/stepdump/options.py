@@ -12,7 +12,8 @@ spelling and mean the same thing::
   :class:`GradientLogSchedule`, :class:`RingSchedule`;
 * :class:`StoreOptions` (``store=``): how: codec, delta chains, queues, durability, and
   :class:`Remote` (``remote=``): publishing to an fsspec URL;
-* :class:`ResolvedOptions`: what a Recorder was given, all groups resolved (``rec.options``).
+* :class:`ResolvedOptions`: what a Recorder was given, all groups resolved (``rec.options``);
+* :class:`TriggerInfo`: what a ring's trigger callable (``trigger=``) is given at each step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from stepdump.capture.options import (
     StoreOptions,
 )
 from stepdump.capture.options import RecorderOptions as ResolvedOptions
+from stepdump.capture.triggers import TriggerInfo
 from stepdump.capture.upload import Remote
 
 __all__ = [
@@ -39,4 +41,5 @@ __all__ = [
     "Schedule",
     "StepSchedule",
     "StoreOptions",
+    "TriggerInfo",
 ]

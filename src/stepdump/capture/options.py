@@ -200,7 +200,7 @@ class RingSchedule:
     Attributes:
         size: Steps kept in memory.
         trigger: ``"nan_inf"`` (default), ``"loss_spike"``, or a callable
-            ``(stepdump.capture.triggers.TriggerInfo) -> bool``.
+            ``(stepdump.options.TriggerInfo) -> bool``.
         after: Steps recorded in full after the trigger step (default
             ``size``), before going back to holding steps in memory.
     """

@@ -98,8 +98,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         models, optimizers, schedulers, scalers: Instead of the four above, dicts by pair
             name (``models={"G": netG, "D": netD}, optimizers={"G": opt_g, "D": opt_d}``): one
             run over several (model, optimizer) pairs with one step counter, names stored
-            per pair (``G/fc.weight``); see :mod:`stepdump.capture.joint` and
-            docs/recipes/gan-and-multi-model-loops.md.
+            per pair (``G/fc.weight``); see docs/recipes/gan-and-multi-model-loops.md.
         record: What to record, as one :class:`stepdump.options.RecordOptions`, or its fields as the
             keywords below.
         schedule: When; one of the recording modes (README "Recording modes" says when to use each):
@@ -165,7 +164,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         ring: N: the last N steps kept in memory and written when ``trigger`` fires
             (:class:`stepdump.options.RingSchedule`).
         trigger: With ``ring``: ``"nan_inf"``, ``"loss_spike"`` or a callable
-            ``(stepdump.capture.triggers.TriggerInfo) -> bool``.
+            ``(stepdump.options.TriggerInfo) -> bool``.
         after: With ``ring``: steps recorded in full after the trigger step (None: ``ring`` of them).
 
     How to store it (``store=``, :class:`stepdump.options.StoreOptions`):
