@@ -68,6 +68,7 @@ from stepdump.store.lock import RunLock
 from stepdump.store.storage import LocalStorage
 
 if TYPE_CHECKING:
+    from stepdump.capture.options import RecordOptions, Schedule, StoreOptions
     from stepdump.capture.selection import Every
     from stepdump.capture.triggers import Trigger
     from stepdump.capture.upload import Remote
@@ -211,9 +212,9 @@ class Recorder(UserLog, _iteration.IterationStart):
         optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
         schedulers: Mapping[str, Any] | None = None,
         scalers: Mapping[str, Any] | None = None,
-        record: _options.RecordOptions | None = None,
-        schedule: _options.Schedule | None = None,
-        store: _options.StoreOptions | None = None,
+        record: RecordOptions | None = None,
+        schedule: Schedule | None = None,
+        store: StoreOptions | None = None,
         on_error: str = "warn",
         resume: bool = False,
         start_step: int | None = None,
