@@ -22,7 +22,7 @@ import torch
 
 from stepdump.core.hashing import XXH3
 from stepdump.errors import RebuildError, StepNotFoundError, nearest_steps
-from stepdump.read.rows import differs_from_row, fp_kind_map
+from stepdump.read.rows import Recorded, differs_from_row, fp_kind_map
 from stepdump.read.state import layout_entries
 
 if TYPE_CHECKING:
@@ -133,15 +133,17 @@ def _standin(run: Run, sd: dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def _rows(run: Run, step: int, name: str) -> dict[str, tuple[Any, Any, Any]]:
-    """ref -> (dtype, shape, fingerprint) of the extra tensors of ``name`` at ``step``."""
+def _rows(run: Run, step: int, name: str) -> dict[str, Recorded]:
+    """ref -> the dtype, shape and fingerprint of each extra tensor of ``name`` at ``step`` (equal
+    at two steps: not updated between them)."""
     prefix = f"{name}/"
-    return {n[len(prefix):]: (dtype, shape, fp) for _, kind, n, dtype, shape, fp, _ in
-            run.catalog.fingerprint_block(step, step) if kind == "extra" and isinstance(n, str) and n.startswith(prefix)}
+    return {r.name[len(prefix):]: Recorded(r.dtype, r.shape, r.fingerprint)
+            for r in run.catalog.fingerprint_block(step, step)
+            if r.kind == "extra" and isinstance(r.name, str) and r.name.startswith(prefix)}
 
 
 def _verify(run: Run, target: int, s: int, name: str, averaged: torch.nn.Module,
-            rows: dict[str, tuple[Any, Any, Any]], fp_kinds: dict[tuple[str, str], str]) -> None:
+            rows: dict[str, Recorded], fp_kinds: dict[tuple[str, str], str]) -> None:
     rebuilt = averaged.state_dict()
     for key in sorted(set(rows) | set(rebuilt)):
         t, row = rebuilt.get(key), rows.get(key)

@@ -79,7 +79,7 @@ from stepdump.read.state import assemble_model_state, assemble_optimizer_state
 from stepdump.read.gradlog_budget import RebuildBudget
 from stepdump.read.gradlog_why import mismatch_cause
 from stepdump.read.gradlog_window import Window
-from stepdump.read.rows import differs_from_row
+from stepdump.read.rows import Recorded, differs_from_row
 from stepdump.store.format import (
     LEVEL_FULL,
     LEVEL_STATS,
@@ -190,7 +190,7 @@ class GradientLog:
     def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
         """``model.state_dict()`` at ``step``: rebuilt params, and the module buffers stored at that step."""
         snap = self._state(step, "params")
-        stored = {n: row for n, row in self._rows(step).items() if n[0] == "buffers" and row[3] is not None}
+        stored = {key: row for key, row in self._rows(step).items() if key[0] == "buffers" and row.blob is not None}
 
         foreign = self._foreign()
 
@@ -207,7 +207,7 @@ class GradientLog:
                     f"(BatchNorm running stats) cannot be rebuilt from gradients; "
                     f"{nearest_steps(step, self.keyframes())} have them"
                 )
-            return self._blobs.tensor(row[3], row[0], row[1], row[2], row[4])
+            return self._blobs.tensor(row.blob, row.dtype, row.shape, row.fingerprint, row.fp_kind)
 
         return assemble_model_state(self._run, step, load)
 
@@ -234,7 +234,7 @@ class GradientLog:
                                "Open the joint run (stepdump.open of the parent directory) to read it")
         value = source(name, step)
         row = self._rows(step).get(("params", name))
-        why = "has no record at that step" if row is None else differs_from_row(value, row, fp_kind=row[4])
+        why = "has no record at that step" if row is None else differs_from_row(value, row, fp_kind=row.fp_kind)
         if why is not None:
             raise self._error(step, step, "params", name, f"param {name!r} taken from pair {pair!r} for step {step} "
                               f"{why}", mismatch=True)
@@ -377,7 +377,7 @@ class GradientLog:
                                chain.grads, t, rows, self._window.blob_row)
         for names, wait in ((mine, False), (theirs, True)):
             # name -> the row read from; waits for the worker: the buffers are ours
-            ready: dict[str, tuple[Any, ...]] = ready_grads(ahead, t) if wait else {}
+            ready: dict[str, Recorded] = ready_grads(ahead, t) if wait else {}
             for n in names:
                 p, row = chain.params[n], rows.get(("grads", n))
                 if row is None:
@@ -411,15 +411,15 @@ class GradientLog:
         step = chain.step
         rows = chain.rows = chain.rows or self._rows(step)
         stored = {n: row for (kind, n), row in rows.items()
-                  if kind == "params" and row[3] is not None and n in chain.params}
+                  if kind == "params" and row.blob is not None and n in chain.params}
         if not stored:
             return
         level = self._run.catalog.level(step)
         if isinstance(level, int) and level >= LEVEL_FULL:
             named = self._run.step_state(step).get(STATE_OUTSIDE_OPTIMIZER)
             stored = {n: row for n, row in stored.items() if isinstance(named, list) and n in named}
-        for n, (dtype, shape, fp, blob, fk) in stored.items():
-            p, value = chain.params[n], self._read(blob, dtype, shape, fp, fp_kind=fk)
+        for n, row in stored.items():
+            p, value = chain.params[n], self._read(row.blob, row.dtype, row.shape, row.fingerprint, fp_kind=row.fp_kind)
             if value.dtype != p.dtype or value.shape != p.shape:
                 raise self._error(target, step, "params", n, f"param {n!r} is stored at step {step} as {value.dtype} "
                                   f"{tuple(value.shape)} but is {p.dtype} {tuple(p.shape)} at keyframe {chain.keyframe}")
@@ -427,10 +427,10 @@ class GradientLog:
                 p.copy_(value)
 
     def _grad(self, chain: Chain, target: int, t: int, n: str, p: torch.Tensor,
-              row: tuple[Any, ...], ready: bool) -> torch.Tensor:
+              row: Recorded, ready: bool) -> torch.Tensor:
         """The recorded gradient of ``n`` at step ``t``, in the chain's buffer for ``n`` and ``t``:
         read here unless ``ready`` (the worker read and verified it there, from this ``row``)."""
-        dtype, shape, fp, blob, fk = row
+        dtype, shape, fp, blob, fk = row.dtype, row.shape, row.fingerprint, row.blob, row.fp_kind
         if blob is None:
             raise self._error(target, t, "grads", n, f"the gradient of {n!r} at step {t} has stats only, its "
                               f"values were not stored, so update {t} cannot be re-applied")
@@ -481,7 +481,7 @@ class GradientLog:
                     and (kinds is None or kind in kinds)}
         # xxh3 hashed here, two threads (the fast path); a series of another kind by differs_from_row.
         fps = fingerprints(self._pool, {key: t for key, t in rebuilt.items() if key[0] in compared and key in recorded
-                                        and recorded[key][4] == XXH3}, trusted or {})
+                                        and recorded[key].fp_kind == XXH3}, trusted or {})
         for key in sorted(set(recorded) | set(rebuilt), key=lambda k: (k[0] != "params", k[1])):
             if key[0] not in compared:
                 continue
@@ -491,7 +491,7 @@ class GradientLog:
             elif t is None:
                 why = "is in the record but the rebuild has none"
             else:
-                why = differs_from_row(t, row, fps.get(key), fp_kind=row[4])
+                why = differs_from_row(t, row, fps.get(key), fp_kind=row.fp_kind)
             if why is None:
                 continue
             raise self._error(step if target is None else target, step, key[0], key[1],
@@ -511,8 +511,8 @@ class GradientLog:
             self._snapshot = None
 
     # -- what the run says -------------------------------------------------------------
-    def _rows(self, step: int) -> dict[Key, tuple[Any, ...]]:
-        """(kind, name) -> (dtype, shape, fingerprint, blob, fingerprint kind) of every tensor row at ``step``."""
+    def _rows(self, step: int) -> dict[Key, Recorded]:
+        """(kind, name) -> what the record says of each tensor at ``step``."""
         return self._window.rows(step)
 
     def _skipped(self, step: int) -> bool:

@@ -25,6 +25,7 @@ from stepdump.core.hashing import XXH3
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
 from stepdump.read.gradlog_parts import Chain, Trusted, read_ahead, read_grads, trust, warm_allocator
+from stepdump.read.rows import Recorded
 from stepdump.read.state import optimizer_state_dict, param_indices, recorded_groups
 from stepdump.store.format import Key
 
@@ -47,7 +48,7 @@ def read_tensor(blobs: BlobReader, blob: Any, dtype: Any, shape: Any, fp: int,
     return t
 
 
-def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, tuple[Any, ...]], names: list[str],
+def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, Recorded], names: list[str],
                  trusted: Trusted) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     """The keyframe's params ``names``, read on the read call's worker (while this thread reads
     the optimizer state, twice their size for Adam): their buffers, and a function that waits
@@ -56,28 +57,28 @@ def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, tuple[A
     bufs: dict[str, torch.Tensor] = {}
     jobs = []
     for n in names:
-        dtype, shape, fp, blob, fk = rows[("params", n)]
+        row = rows[("params", n)]
         try:
-            tdtype, dims, _ = check_layout(dtype, shape)
-            b = blobs.blob_row(blob) if engine._pool is not None else None
+            tdtype, dims, _ = check_layout(row.dtype, row.shape)
+            b = blobs.blob_row(row.blob) if engine._pool is not None else None
         except StepdumpError:
             continue  # left to ``finish``, which raises it
         bufs[n] = torch.empty(dims, dtype=tdtype)
         if b is not None:
-            jobs.append((n, bufs[n], b, fp, fk))
+            jobs.append((n, bufs[n], b, row.fingerprint, row.fp_kind))
     done = engine._pool.submit(read_grads, blobs, jobs) if engine._pool is not None and jobs else None
 
     def finish() -> None:
         ok = done.result() if done is not None else set()  # read_grads never raises
         for n in names:
-            dtype, shape, fp, blob, fk = rows[("params", n)]
+            row = rows[("params", n)]
             if n in ok:
                 with blobs.call() as scope:
-                    scope.returned += check_layout(dtype, shape)[2]  # what read_into counts
-                if fp is not None:
-                    trust(trusted, bufs[n], fp)
+                    scope.returned += check_layout(row.dtype, row.shape)[2]  # what read_into counts
+                if row.fingerprint is not None:
+                    trust(trusted, bufs[n], row.fingerprint)
             else:
-                bufs[n] = engine._read(blob, dtype, shape, fp, trusted, fk)
+                bufs[n] = engine._read(row.blob, row.dtype, row.shape, row.fingerprint, trusted, row.fp_kind)
 
     return bufs, finish
 
@@ -93,7 +94,7 @@ def start_chain(engine: GradientLog, blobs: BlobReader, k: int) -> Chain:
     groups = [list(g["params"]) for g in recorded_groups(run, k, state)]
     hyper = [dict(g["hyper"]) for g in recorded_groups(run, k, state)]
     rows = engine._rows(k)
-    stored = [n for (kind, n), row in rows.items() if kind == "params" and row[3] is not None]
+    stored = [n for (kind, n), row in rows.items() if kind == "params" and row.blob is not None]
     device = engine._device()
     # Every param stored at the keyframe: those the optimizer steps, and the model's others
     # (not optimized: they keep their keyframe value, which each step's fingerprints confirm).

@@ -16,6 +16,7 @@ from stepdump.core.classes import described, torch_optimizer
 from stepdump.core.hashing import fingerprint
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
+from stepdump.read.rows import Recorded
 from stepdump.store.format import SPARSE_COO_PREFIX, Key
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Chain:
     optimized: set[str]  # the params of ``params`` the optimizer steps
     optimizer: torch.optim.Optimizer
     checked: frozenset[str] = frozenset()  # kinds whose state at ``step`` matched that step's record
-    rows: dict[Key, tuple[Any, ...]] = field(default_factory=dict)  # step's rows: (dtype, shape, fp, blob, fp kind)
+    rows: dict[Key, Recorded] = field(default_factory=dict)  # the step's rows
     # Two host buffers per param, reused every update: update t reads its grads from set t % 2,
     # so those of t + 1 can be read into the other set while update t runs (see Ahead).
     grads: Buffers = field(default_factory=lambda: ({}, {}))
@@ -80,7 +81,7 @@ class Ahead:
     their checksums and fingerprints; the update reads any other grad itself (read_grads)."""
 
     step: int
-    rows: dict[Key, tuple[Any, ...]]
+    rows: dict[Key, Recorded]
     done: Future[set[str]]
 
 
@@ -97,7 +98,7 @@ def read_grads(blobs: BlobReader, jobs: list[tuple[str, torch.Tensor, BlobRow, i
 
 
 def read_ahead(pool: ThreadPoolExecutor, blobs: BlobReader, params: dict[str, torch.Tensor],
-               optimized: set[str], grads: Buffers, s: int, rows: dict[Key, tuple[Any, ...]],
+               optimized: set[str], grads: Buffers, s: int, rows: dict[Key, Recorded],
                blob_row: Callable[[Any], BlobRow]) -> Ahead:
     """Start reading the grads of update ``s`` (``rows``: the step's) on ``pool``'s worker, into
     a chain's buffers for ``s`` (``grads``; ``params`` and ``optimized``: its params), the other
@@ -108,19 +109,19 @@ def read_ahead(pool: ThreadPoolExecutor, blobs: BlobReader, params: dict[str, to
     jobs = []
     for n, p in params.items():
         row = rows.get(("grads", n))
-        if n not in optimized or row is None or row[3] is None:
+        if n not in optimized or row is None or row.blob is None:
             continue
         try:
-            tdtype, dims, _ = check_layout(row[0], row[1])
-            b = blob_row(row[3])
+            tdtype, dims, _ = check_layout(row.dtype, row.shape)
+            b = blob_row(row.blob)
         except StepdumpError:
             continue
         if tdtype == p.dtype and dims == tuple(p.shape):
-            jobs.append((n, grad_buffer(grads, s, n, tdtype, dims), b, row[2], row[4]))
+            jobs.append((n, grad_buffer(grads, s, n, tdtype, dims), b, row.fingerprint, row.fp_kind))
     return Ahead(s, rows, pool.submit(read_grads, blobs, jobs))
 
 
-def ready_grads(ahead: Ahead | None, t: int) -> dict[str, tuple[Any, ...]]:
+def ready_grads(ahead: Ahead | None, t: int) -> dict[str, Recorded]:
     """The grads of update ``t`` the worker read and verified, once it is done with them: name ->
     the row it read (the update takes a grad read ahead only from the row it reads itself)."""
     if ahead is None:

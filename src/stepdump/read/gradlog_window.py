@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from stepdump.core import tjson
 from stepdump.core.hashing import XXH3
 from stepdump.errors import CorruptDataError, StepdumpError
-from stepdump.read.rows import fp_kind_map
+from stepdump.read.rows import Recorded, fp_kind_map
 from stepdump.read.state import recorded_groups
 from stepdump.store.format import Key
 
@@ -42,7 +42,7 @@ class Window:
         self._run = run
         self._blobs = blobs
         self._steps: dict[int, tuple[Any, Any]] = {}  # step -> (skipped, state text)
-        self._rows: dict[int, dict[Key, tuple[Any, ...]]] = {}
+        self._rows: dict[int, dict[Key, Recorded]] = {}
         self._blob_rows: dict[int, BlobRow] = {}
         self._groups: dict[int, list[dict[str, Any]]] = {}
         self._fp_kinds: dict[Key, str] | None = None  # series not fingerprinted with xxh3, read once
@@ -63,31 +63,32 @@ class Window:
         cat = self._run.catalog
         # Steps first: a step listed here has committed, so its tensor rows below are complete.
         steps = {s: (skipped, state) for s, skipped, state in cat.step_block(first, last) if isinstance(s, int)}
-        rows: dict[int, dict[Key, tuple[Any, ...]]] = {s: {} for s in steps}
+        rows: dict[int, dict[Key, Recorded]] = {s: {} for s in steps}
         self.fp_kind(("", ""))  # the kinds, read once per reader
         kinds = self._fp_kinds or {}
-        for s, kind, name, dtype, shape, fp, blob in cat.fingerprint_block(first, last):
-            if s in rows:
-                key = (kind, name)
-                rows[s][key] = (dtype, shape, fp, blob, kinds.get(key, XXH3) if kinds else XXH3)
+        for r in cat.fingerprint_block(first, last):
+            if r.step in rows:
+                key = (r.kind, r.name)
+                rows[r.step][key] = Recorded(r.dtype, r.shape, r.fingerprint, r.blob,
+                                             kinds.get(key, XXH3) if kinds else XXH3)
         # The two steps before ``first`` stay: an update asks for its own step's facts after the
         # next step's (the grads read ahead), and the windows must not take turns.
         kept = [s for s in self._steps if step - 2 <= s < step]
         blob_rows = self._blobs.blob_rows_of("grads", first, last)
         for s in kept:
             steps[s], rows[s] = self._steps[s], self._rows[s]
-            blob_rows.update({row[3]: self._blob_rows[row[3]] for key, row in rows[s].items()
-                              if key[0] == "grads" and row[3] in self._blob_rows})
+            blob_rows.update({row.blob: self._blob_rows[row.blob] for key, row in rows[s].items()
+                              if key[0] == "grads" and row.blob in self._blob_rows})
         self._steps, self._rows, self._blob_rows = steps, rows, blob_rows
         self._groups = {s: g for s, g in self._groups.items() if s in kept}
 
-    def rows(self, step: int) -> dict[Key, tuple[Any, ...]]:
-        """(kind, name) -> (dtype, shape, fingerprint, blob, fingerprint kind) of every tensor row at ``step``."""
+    def rows(self, step: int) -> dict[Key, Recorded]:
+        """(kind, name) -> what the record says of each tensor at ``step``."""
         self._load(step)
         rows = self._rows.get(step)
         if rows is None:  # not recorded (yet): asked directly
-            return {(kind, name): (dtype, shape, fp, blob, self.fp_kind((kind, name)))
-                    for _, kind, name, dtype, shape, fp, blob in self._run.catalog.fingerprint_block(step, step)}
+            return {(r.kind, r.name): Recorded(r.dtype, r.shape, r.fingerprint, r.blob, self.fp_kind((r.kind, r.name)))
+                    for r in self._run.catalog.fingerprint_block(step, step)}
         return rows
 
     def skipped(self, step: int) -> bool:

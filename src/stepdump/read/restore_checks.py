@@ -117,7 +117,7 @@ def fingerprint_model_state(run: Run, step: int, model: torch.nn.Module) -> Orde
     after checking it is the recorded one, bit for bit."""
     from stepdump.read.state import assemble_model_state, layout_entries
 
-    rows = {(k, n): (d, sh, fp, b) for _, k, n, d, sh, fp, b in run.catalog.fingerprint_block(step, step)}
+    rows = {(r.kind, r.name): r for r in run.catalog.fingerprint_block(step, step)}
     fp_kinds = fp_kind_map(run.catalog)  # a frozen tensor is checked under its series' fingerprint kind
     live = model.state_dict()
     key_of = {(kind, name): key for key, kind, name in layout_entries(run, step)}
@@ -126,8 +126,8 @@ def fingerprint_model_state(run: Run, step: int, model: torch.nn.Module) -> Orde
         row = rows.get((kind, name))
         if row is None:
             return None
-        dtype, shape, fp, blob = row
-        if blob is not None:
+        dtype, shape, fp = row.dtype, row.shape, row.fingerprint
+        if row.blob is not None:
             return run.tensor(name, step, kind=kind)
         key = key_of.get((kind, name))
         t = live.get(key) if key is not None else None

@@ -8,7 +8,7 @@ functions take its answers (and it, where the check needs another query).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepdump.errors import (
     CorruptDataError,
@@ -19,10 +19,21 @@ from stepdump.errors import (
 from stepdump.core.dtypes import DTYPE_NAMES
 from stepdump.core.hashing import XXH3, fingerprint, fingerprint_as
 from stepdump.store.format import ALL_KINDS, LEVEL_FULL, format_shape
-from stepdump.store.queries import CatalogReader, as_step
+from stepdump.store.queries import CatalogReader, FingerprintRow, TensorRow, as_step
 
-__all__ = ["as_step", "check_fingerprint", "check_kind", "check_level", "check_scalar", "fp_kind_map",
-           "require_full"]
+__all__ = ["Recorded", "as_step", "check_fingerprint", "check_kind", "check_level", "check_scalar",
+           "differs_from_row", "fp_kind_map", "require_full"]
+
+
+class Recorded(NamedTuple):
+    """What the record says of one tensor at one step, as a rebuild reads and checks it: its dtype,
+    shape and fingerprint (of ``fp_kind``, its series'), and its blob (None: not stored)."""
+
+    dtype: Any
+    shape: Any
+    fingerprint: Any
+    blob: Any = None
+    fp_kind: str = XXH3
 
 
 def check_level(level: Any, step: int) -> None:
@@ -77,15 +88,16 @@ def fp_kind_map(catalog: CatalogReader) -> dict[tuple[str, str], str]:
     return catalog.fp_kinds_by_name()
 
 
-def differs_from_row(t: Any, row: tuple[Any, ...], fp: int | None = None, fp_kind: str = XXH3) -> str | None:
-    """How a rebuilt tensor differs from its recorded ``(dtype, shape, fingerprint)`` row, or None
+def differs_from_row(t: Any, row: Recorded | FingerprintRow | TensorRow, fp: int | None = None,
+                     fp_kind: str = XXH3) -> str | None:
+    """How a rebuilt tensor differs from its recorded row (its dtype, shape and fingerprint), or None
     when it is the recorded tensor (a rebuild returns only what this says is exact). ``fp``: the
     tensor's fingerprint under ``fp_kind`` (the row's), when the caller has it already (hashed on
     another thread)."""
-    if DTYPE_NAMES.get(t.dtype) != row[0] or format_shape(t.shape) != row[1]:
-        return f"is {t.dtype} {tuple(t.shape)} in the rebuild, {row[0]} {row[1]} in the record"
+    if DTYPE_NAMES.get(t.dtype) != row.dtype or format_shape(t.shape) != row.shape:
+        return f"is {t.dtype} {tuple(t.shape)} in the rebuild, {row.dtype} {row.shape} in the record"
     if fp is None:
         fp = fingerprint(t) if fp_kind == XXH3 else fingerprint_as(fp_kind, t)
-    if fp != row[2]:
+    if fp != row.fingerprint:
         return "differs from its recorded fingerprint" + ("" if fp_kind == XXH3 else f" ({fp_kind})")
     return None

@@ -176,13 +176,14 @@ class Run:
         step = _as_step(step)
         sid = self._series_id(kind, name)
         row = self._catalog.tensor_row(sid, step)
-        if row is None or row[0] is None:
+        if row is None or row.blob is None:
             if self._gradlog is not None and self._gradlog.rebuilds(step, kind):
                 with self._blobs.call():
                     return self._gradlog.tensor(name, step, kind)
             self._missing(name, step, kind, stats_only=row is not None)
         fp_kind = self._catalog.fp_kinds().get(sid, DEFAULT_FP_KIND)  # the row's fingerprint is of its series' kind
-        return self._blobs.tensor(row[0], row[1], row[2], check_fingerprint(row[3], self.path), fp_kind)
+        return self._blobs.tensor(row.blob, row.dtype, row.shape, check_fingerprint(row.fingerprint, self.path),
+                                  fp_kind)
 
     def tensors(self, step: int, kind: str = "params") -> dict[str, torch.Tensor]:
         """Every stored tensor of ``kind`` at ``step``, by name."""
@@ -196,9 +197,9 @@ class Run:
         self._check_series()
         fp_kinds = self._catalog.fp_kinds_by_name()  # each row's fingerprint is of its series' kind
         with self._blobs.call():  # one budget, and rows naming one blob share its tensor memory
-            return {n: self._blobs.tensor(b, d, sh, check_fingerprint(fp, self.path),
-                                          fp_kinds.get((kind, n), DEFAULT_FP_KIND))
-                    for _, n, _, _, b, d, sh, fp in rows}
+            return {r.name: self._blobs.tensor(r.blob, r.dtype, r.shape, check_fingerprint(r.fingerprint, self.path),
+                                               fp_kinds.get((kind, r.name), DEFAULT_FP_KIND))
+                    for r in rows}
 
     def stored_names(self, step: int, kind: str = "params") -> list[str]:
         """Names of the ``kind`` tensors stored in full at ``step`` (what :meth:`tensors` returns)."""

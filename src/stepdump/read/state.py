@@ -80,7 +80,8 @@ def describe_change(before: dict[str, Any], after: dict[str, Any]) -> str:
     """What changed between two layouts (meta ``layout`` objects), in words: the state_dict keys
     removed and added, else the params the optimizer steps that were renamed (a module replaced)."""
     def keys(layout: dict[str, Any]) -> dict[str, str]:
-        return {e[0]: e[1] for e in layout.get("state_dict", []) if isinstance(e, list) and len(e) == 3}
+        return {key: kind for e in layout.get("state_dict", []) if isinstance(e, list) and len(e) == 3
+                for key, kind, _name in (e,)}
 
     def stepped(layout: dict[str, Any]) -> list[str]:
         return [n for g in layout.get("groups", []) if isinstance(g, list) for n in g]
@@ -120,13 +121,13 @@ def model_state_dict(run: Run, blobs: BlobReader, step: int) -> OrderedDict[str,
 
     ``blobs``: the Run's blob reader (the caller's read scope is in it)."""
     require_full(run.catalog, step, run.path)
-    stored = {(k, n): (b, d, sh, fp)
-              for k, n, _, _, b, d, sh, fp in run.catalog.stored_tensors(step, ("params", "buffers"))}
+    stored = {(r.kind, r.name): r for r in run.catalog.stored_tensors(step, ("params", "buffers"))}
     fp_kinds = fp_kind_map(run.catalog)  # each row's fingerprint is of its series' kind
 
     def load(kind: str, name: str) -> torch.Tensor | None:
         row = stored.get((kind, name))
-        return None if row is None else blobs.tensor(*row[:3], check_fingerprint(row[3], run.path),
+        return None if row is None else blobs.tensor(row.blob, row.dtype, row.shape,
+                                                     check_fingerprint(row.fingerprint, run.path),
                                                      fp_kinds.get((kind, name), XXH3))
 
     return assemble_model_state(run, step, load)
@@ -178,11 +179,13 @@ def optimizer_state_dict(run: Run, blobs: BlobReader, step: int,
     read = read or blobs.tensor
     per_param: dict[str, dict[str, Any]] = {}
     fp_kinds = fp_kind_map(run.catalog)  # each row's fingerprint is of its series' kind
-    for _, name, param, key, blob, dtype, shape, fp in run.catalog.stored_tensors(step, ("optimizer",)):
+    for r in run.catalog.stored_tensors(step, ("optimizer",)):
+        param, key = r.param, r.key
         if not isinstance(param, str) or not isinstance(key, str):
             raise CorruptDataError(f"an optimizer series of {run.path} has param {param!r} and key {key!r}")
-        per_param.setdefault(param, {})[key] = read(blob, dtype, shape, check_fingerprint(fp, run.path),
-                                                    fp_kind=fp_kinds.get(("optimizer", name), XXH3))
+        per_param.setdefault(param, {})[key] = read(r.blob, r.dtype, r.shape,
+                                                    check_fingerprint(r.fingerprint, run.path),
+                                                    fp_kind=fp_kinds.get(("optimizer", r.name), XXH3))
     return assemble_optimizer_state(run, step, state, per_param)
 
 

@@ -42,6 +42,7 @@ from stepdump.store import catalog
 from stepdump.store.codecs import get_codec
 from stepdump.store.format import LEVEL_FULL, LEVEL_STATS
 from stepdump.store.lock import RunLock
+from stepdump.store.queries import StepRow
 from stepdump.store.storage import LocalStorage
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ STORED_KINDS = ("params", "buffers", "optimizer", "extra", "state", "inputs")
 # Meta keys of the source that say how *it* was recorded or written, not what a bundle is.
 _DROPPED_META = ("format_version", "run_id", "final_step", "history", "recording_stopped", "distributed", "url",
                  "outside_edits")
-_ROW_STATS = slice(6, 16)  # STAT_COLUMNS in a step_rows row
 
 
 @dataclass
@@ -110,7 +110,7 @@ def bundle(run: Any, step: int, path: str | Path, *, model: torch.nn.Module | No
     out = BundleResult(Path(path), step, how)
     fp_kinds = fp_kind_map(run.catalog)  # the bundle keeps each series' fingerprint kind
     items, lean, state_json = _step_k(run, step, live, out, fp_kinds)
-    nxt = [_lean_row(r, fp_kinds) for r in run.catalog.step_rows(step + 1) if r[0] != "state"] \
+    nxt = [_lean_row(r, fp_kinds) for r in run.catalog.step_rows(step + 1) if r.kind != "state"] \
         if step + 1 in run.stats_steps else []
     if not nxt:
         out.notes.append(f"step {step + 1} has no record: a re-execution cannot compare the update's result")
@@ -169,9 +169,9 @@ def _state_source(run: Any, step: int, model: Any, optimizer: Any, train_step: A
     return live, prep.how
 
 
-def _lean_row(r: tuple[Any, ...], fp_kinds: dict[tuple[str, str], str]) -> LeanRow:
-    fk = fp_kinds.get((r[0], r[1]))  # None: xxh3 (LeanRow's convention)
-    return LeanRow(r[0], r[1], r[2], r[3], r[4], r[5], tuple(r[_ROW_STATS]), r[16], fp_kind=fk)  # type: ignore[arg-type]
+def _lean_row(r: StepRow, fp_kinds: dict[tuple[str, str], str]) -> LeanRow:
+    fk = fp_kinds.get((r.kind, r.name))  # None: xxh3 (LeanRow's convention)
+    return LeanRow(r.kind, r.name, r.param, r.key, r.dtype, r.shape, r.stats, r.fingerprint, fp_kind=fk)
 
 
 def _step_k(run: Any, step: int, live: dict[Any, Any] | None, out: BundleResult,
@@ -186,7 +186,7 @@ def _step_k(run: Any, step: int, live: dict[Any, Any] | None, out: BundleResult,
     lean: list[LeanRow] = []
     rebuilt: dict[str, dict[str, torch.Tensor]] = {}
     for r in rows:
-        kind, name, param, key, fp, stored = r[0], r[1], r[2], r[3], r[16], bool(r[17])
+        kind, name, param, key, fp, stored = r.kind, r.name, r.param, r.key, r.fingerprint, bool(r.stored)
         t: torch.Tensor | None = None
         if kind in STORED_KINDS:
             if stored:
@@ -215,7 +215,7 @@ def _step_k(run: Any, step: int, live: dict[Any, Any] | None, out: BundleResult,
         elif kind == "inputs":
             out.batch_bytes += nbytes
     if live is not None:
-        seen = {(r[0], r[1]) for r in rows}
+        seen = {(r.kind, r.name) for r in rows}
         for (kind, name), (t, param, key) in live.items():
             if (kind, name) not in seen:  # no recorded fingerprint: from the verified replay
                 items.append(Item(kind, name, t.detach().cpu().contiguous(), True, param, key,

@@ -17,8 +17,9 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
@@ -33,6 +34,85 @@ STAT_ROW_COLUMNS = ("step", "kind", "name", "dtype", "shape", *STAT_COLUMNS, "fi
 
 _STORED = "t.blob IS NOT NULL"
 _JOIN = "FROM tensors t JOIN series s ON s.id = t.series"
+
+
+# Rows that readers take apart, as typed records (the values as SQLite gives them: the callers
+# check the types of what they use).
+
+class TensorRow(NamedTuple):
+    """One tensor row at one step (:meth:`CatalogReader.tensor_row`)."""
+
+    blob: Any  # the blob id; None: stats and fingerprint only
+    dtype: Any
+    shape: Any
+    fingerprint: Any
+
+
+class StoredTensor(NamedTuple):
+    """A tensor stored in full at one step (:meth:`CatalogReader.stored_tensors`)."""
+
+    kind: Any
+    name: Any
+    param: Any  # optimizer state: the param it belongs to (else None)
+    key: Any  # optimizer state: its key in that param's state (else None)
+    blob: Any
+    dtype: Any
+    shape: Any
+    fingerprint: Any
+
+
+class FingerprintRow(NamedTuple):
+    """A tensor row's facts a rebuilt or live tensor is checked against (:meth:`CatalogReader.fingerprint_block`)."""
+
+    step: Any
+    kind: Any
+    name: Any
+    dtype: Any
+    shape: Any
+    fingerprint: Any
+    blob: Any  # None: stats and fingerprint only
+
+
+class StepRow(NamedTuple):
+    """A tensor row of one step, all of it (:meth:`CatalogReader.step_rows`)."""
+
+    kind: Any
+    name: Any
+    param: Any
+    key: Any
+    dtype: Any
+    shape: Any
+    numel: Any  # numel ... zero_frac: the stats (STAT_COLUMNS)
+    nan: Any
+    posinf: Any
+    neginf: Any
+    min: Any
+    max: Any
+    mean: Any
+    std: Any
+    norm: Any
+    zero_frac: Any
+    fingerprint: Any
+    stored: Any  # 1: its bytes are in a blob
+
+    @property
+    def stats(self) -> tuple[Any, ...]:
+        """The values of STAT_COLUMNS, in order."""
+        return (self.numel, self.nan, self.posinf, self.neginf, self.min, self.max, self.mean, self.std, self.norm,
+                self.zero_frac)
+
+
+# StepRow's columns, selected by its field names (a series' in s, a tensor row's in t).
+_STEP_ROW_COLUMNS = ", ".join({"kind": "s.kind", "name": "s.name", "param": "s.param", "key": "s.key",
+                               "stored": _STORED}.get(f, f"t.{f}") for f in StepRow._fields)
+
+_Row = TypeVar("_Row", bound=tuple)
+
+
+def _typed(record: type[_Row], rows: list[Any]) -> list[_Row]:
+    """``rows`` (SQLite's tuples, in ``record``'s field order) as ``record``s, made by C calls only
+    (``record._make`` is a Python call per row: a gradient-log window reads thousands)."""
+    return list(map(tuple.__new__, repeat(record), rows))
 
 
 #: The largest step a catalog can hold (SQLite stores 64-bit integers).
@@ -255,41 +335,39 @@ class CatalogReader:
         return (rows[0][0], rows[0][1]) if rows else None
 
     # -- tensors ---------------------------------------------------------------
-    def tensor_row(self, series: int, step: int) -> tuple[Any, Any, Any, Any] | None:
-        """(blob, dtype, shape, fingerprint) of one series at ``step``; blob None: stats only."""
+    def tensor_row(self, series: int, step: int) -> TensorRow | None:
+        """The row of one series at ``step`` (None: none)."""
         rows = self._q("SELECT blob, dtype, shape, fingerprint FROM tensors WHERE series = ? AND step = ?",
                        (series, step))
-        return tuple(rows[0]) if rows else None  # type: ignore[return-value]
+        return TensorRow(*rows[0]) if rows else None
 
-    def stored_tensors(self, step: int, kinds: Iterable[str]) -> list[tuple[Any, ...]]:
-        """(kind, name, param, key, blob, dtype, shape, fingerprint) of every tensor of ``kinds``
-        stored in full at ``step``, in recording order."""
+    def stored_tensors(self, step: int, kinds: Iterable[str]) -> list[StoredTensor]:
+        """Every tensor of ``kinds`` stored in full at ``step``, in recording order."""
         kinds = list(kinds)
-        return self._q(
+        return _typed(StoredTensor, self._q(
             f"SELECT s.kind, s.name, s.param, s.key, t.blob, t.dtype, t.shape, t.fingerprint {_JOIN} "
             f"WHERE t.step = ? AND s.kind IN ({','.join('?' * len(kinds))}) AND {_STORED} ORDER BY s.id",
-            (step, *kinds))
+            (step, *kinds)))
 
     def stored_names(self, step: int, kind: str) -> list[Any]:
         """Names of the ``kind`` tensors stored in full at ``step``, in recording order."""
-        return [r[1] for r in self.stored_tensors(step, (kind,))]
+        return [r.name for r in self.stored_tensors(step, (kind,))]
 
     def fingerprints(self, step: int) -> list[tuple[Any, Any, Any]]:
         """(kind, name, fingerprint) of every tensor with stats at ``step`` (not the ``state`` kind)."""
         return self._q(f"SELECT s.kind, s.name, t.fingerprint {_JOIN} WHERE t.step = ? AND s.kind != 'state'",
                        (step,))
 
-    def step_rows(self, step: int) -> list[tuple[Any, ...]]:
-        """(kind, name, param, key, dtype, shape, *STAT_COLUMNS, fingerprint, stored) of every tensor
-        row at ``step``, ``state`` included, in recording order (what a one-step bundle copies)."""
-        cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
-        return self._q(f"SELECT s.kind, s.name, s.param, s.key, t.dtype, t.shape, {cols}, t.fingerprint, {_STORED} "
-                       f"{_JOIN} WHERE t.step = ? ORDER BY s.id", (step,))
+    def step_rows(self, step: int) -> list[StepRow]:
+        """Every tensor row at ``step``, ``state`` included, in recording order (what a one-step
+        bundle copies)."""
+        return _typed(StepRow, self._q(f"SELECT {_STEP_ROW_COLUMNS} {_JOIN} WHERE t.step = ? ORDER BY s.id", (step,)))
 
-    def fingerprint_block(self, first: int, last: int) -> list[tuple[Any, ...]]:
-        """(step, kind, name, dtype, shape, fingerprint, blob) of every tensor at steps ``first..last``."""
-        return self._q(f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, t.fingerprint, t.blob {_JOIN} "
-                       "WHERE t.step >= ? AND t.step <= ?", (first, last))
+    def fingerprint_block(self, first: int, last: int) -> list[FingerprintRow]:
+        """Every tensor row at steps ``first..last``."""
+        return _typed(FingerprintRow, self._q(
+            f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, t.fingerprint, t.blob {_JOIN} "
+            "WHERE t.step >= ? AND t.step <= ?", (first, last)))
 
     # -- stats -----------------------------------------------------------------
     def _series_where(self, kind: str | None, name_glob: str | None) -> tuple[str, list[Any]]:
@@ -468,4 +546,5 @@ class CatalogReader:
         return self._ints("PRAGMA integrity_check")
 
 
-__all__ = ["STAT_ROW_COLUMNS", "CatalogReader", "StepRange", "as_step", "step_filter"]
+__all__ = ["STAT_ROW_COLUMNS", "CatalogReader", "FingerprintRow", "StepRange", "StepRow", "StoredTensor", "TensorRow",
+           "as_step", "step_filter"]

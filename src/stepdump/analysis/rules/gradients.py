@@ -319,10 +319,11 @@ def sparse_by_construction(run: Any) -> set[str]:
     if not isinstance(layout, dict):
         return set()
     out = {str(n) for n in layout.get("embeddings", []) or []}
-    buffers = {str(e[2]) for e in layout.get("state_dict", []) or [] if isinstance(e, list) and len(e) == 3
-               and e[1] == "buffers"}
-    for e in layout.get("state_dict", []) or []:
-        if isinstance(e, list) and len(e) == 3 and e[1] == "params" and str(e[2]).endswith("_orig"):
-            if str(e[2])[: -len("_orig")] + "_mask" in buffers:
-                out.add(str(e[2]))
+    # (kind, recorded name) of each state_dict entry ([key, kind, name], FORMAT.md)
+    entries = [(kind, str(name)) for e in layout.get("state_dict", []) or [] if isinstance(e, list) and len(e) == 3
+               for _key, kind, name in (e,)]
+    buffers = {name for kind, name in entries if kind == "buffers"}
+    for kind, name in entries:
+        if kind == "params" and name.endswith("_orig") and name[: -len("_orig")] + "_mask" in buffers:
+            out.add(name)
     return out
