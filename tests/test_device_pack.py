@@ -13,7 +13,7 @@ from helpers import python_calls, record_run
 
 from stepdump.capture.device_pack import DeviceLean, DevicePack, HeadsCache, catalog_rows, heads, pack_on_device, rows
 from stepdump.capture.step_state import Entry
-from stepdump.capture.writer_lean import LeanRowsMixin
+from stepdump.capture.writer_lean import LeanRows
 from stepdump.core.device_lean import DEVICE_FP_KIND
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import raw_bytes
@@ -113,11 +113,6 @@ def test_catalog_rows_are_the_lean_rows_the_writer_made(nonfinite: bool) -> None
     assert catalog_rows(DevicePack([], pack_on_device([], pin=False)), 7, []) == []
 
 
-class _Rows(LeanRowsMixin):
-    def __init__(self) -> None:
-        self._kind_warned = set()
-
-
 def test_writer_looks_series_up_once_per_heads_list_and_again_after_a_rollback(tmp_path: Path,
                                                                                caplog: pytest.LogCaptureFixture) -> None:
     """The writer's device rows: series made dmix64 on first sight, their ids reused while the heads
@@ -130,19 +125,19 @@ def test_writer_looks_series_up_once_per_heads_list_and_again_after_a_rollback(t
     real = cat.series_id
     cat.series_id = lambda *a: calls.append(a) or real(*a)  # type: ignore[method-assign]
     entries = _entries(False)
-    w = _Rows()
+    w = LeanRows()
     hs = heads(entries)
     out: list[tuple] = []
-    w._device_rows(cat, 5, DevicePack(hs, pack_on_device(entries, pin=False)), out)
+    w.device_rows(cat, 5, DevicePack(hs, pack_on_device(entries, pin=False)), out)
     assert len(calls) == len(entries) and len(out) == len(entries)
     assert {cat.fp_kind(r[0]) for r in out} == {DEVICE_FP_KIND}
     out2: list[tuple] = []
-    w._device_rows(cat, 6, DevicePack(hs, pack_on_device(entries, pin=False)), out2)
+    w.device_rows(cat, 6, DevicePack(hs, pack_on_device(entries, pin=False)), out2)
     assert len(calls) == len(entries)  # the same heads list: no lookup
     assert [r[0] for r in out2] == [r[0] for r in out] and {r[1] for r in out2} == {6}
     cat.rollback()  # the series made in the rolled-back transaction are gone
     out3: list[tuple] = []
-    w._device_rows(cat, 6, DevicePack(hs, pack_on_device(entries, pin=False)), out3)
+    w.device_rows(cat, 6, DevicePack(hs, pack_on_device(entries, pin=False)), out3)
     assert len(calls) == 2 * len(entries)
     assert {cat.fp_kind(r[0]) for r in out3} == {DEVICE_FP_KIND}
     # A series that is xxh3 in this store (a recorded param of the CPU run) gets no dmix64 row.
@@ -151,23 +146,23 @@ def test_writer_looks_series_up_once_per_heads_list_and_again_after_a_rollback(t
     out4: list[tuple] = []
     with caplog.at_level("WARNING", logger="stepdump.capture.writer"):
         for _ in range(2):
-            w._device_rows(cat, 8, DevicePack(heads(mixed), pack_on_device(mixed, pin=False)), out4)
+            w.device_rows(cat, 8, DevicePack(heads(mixed), pack_on_device(mixed, pin=False)), out4)
     assert len(out4) == 2 * len(entries)
     assert all(cat.fp_kind(r[0]) == DEVICE_FP_KIND for r in out4)
     assert sum("fingerprints in this run" in r.message for r in caplog.records) == 1
     # Series ids may also go with drop_empty_series, and another catalog has ids of its own.
-    w._device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
+    w.device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
     n = len(calls)
-    w._device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
+    w.device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
     assert len(calls) == n  # the control: cached
     cat.drop_empty_series(("grads",))
-    w._device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
+    w.device_rows(cat, 9, DevicePack(hs, pack_on_device(entries, pin=False)), [])
     assert len(calls) == n + len(entries)
     cat.close()
     cat2 = CatalogWriter(run)  # ids of its own: looked up again, whatever its generation
     real2 = cat2.series_id
     cat2.series_id = lambda *a: calls.append(a) or real2(*a)  # type: ignore[method-assign]
-    w._device_rows(cat2, 10, DevicePack(hs, pack_on_device(entries, pin=False)), [])
+    w.device_rows(cat2, 10, DevicePack(hs, pack_on_device(entries, pin=False)), [])
     assert len(calls) == n + 2 * len(entries)
     cat2.close()
 

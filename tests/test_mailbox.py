@@ -27,7 +27,7 @@ from stepdump.store.format import LEVEL_FULL, LEVEL_STATS
 
 def _count_wakes(rec: stepdump.Recorder, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The items put in the writer's queue from now on (each one wakes it)."""
-    q = rec._writer.queue
+    q = rec._link.writer.queue
     put = q.put
     seen: list[Any] = []
 
@@ -43,13 +43,13 @@ def _stall_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make the writer take no mail until the event returned is set (a slow disk, or a loaded
     machine where the writer thread does not get to run): set it before closing the Recorder."""
     gate = threading.Event()
-    real = writer_mod.Writer._take_mail
+    real = mailbox_mod.MailReader.take
 
-    def stalled(self: Any) -> bool:
+    def stalled(self: Any, handle: Any) -> bool:
         gate.wait()
-        return real(self)
+        return real(self, handle)
 
-    monkeypatch.setattr(writer_mod.Writer, "_take_mail", stalled)
+    monkeypatch.setattr(mailbox_mod.MailReader, "take", stalled)
     return gate
 
 
@@ -117,7 +117,7 @@ def test_a_loop_that_stops_has_its_waiting_steps_written_within_the_window(tmp_p
             seen = catalog_sql(path, "SELECT step FROM steps ORDER BY step")
             time.sleep(0.02)
         assert [s for (s,) in seen] == list(range(6))
-        assert len(rec._writer.mailbox) == 0
+        assert len(rec._link.writer.mailbox) == 0
     finally:
         rec.close()
 
@@ -133,8 +133,8 @@ def test_a_waiting_step_holds_no_staging_slot(tmp_path: Path, monkeypatch: pytes
     try:
         pool = rec._pool
         train_logging(rec, model, opt, 3 * len(pool._slots) + 2)  # more steps than slots, all waiting
-        assert len(rec._writer.mailbox) == 3 * len(pool._slots) + 2
-        assert all(m.slot is None for m, _ in list(rec._writer.mailbox._box))
+        assert len(rec._link.writer.mailbox) == 3 * len(pool._slots) + 2
+        assert all(m.slot is None for m, _ in list(rec._link.writer.mailbox._box))
         assert pool._free.qsize() == len(pool._slots)
     finally:
         gate.set()
@@ -198,7 +198,7 @@ def test_copies_waiting_in_the_mailbox_stay_under_its_byte_cap(tmp_path: Path, m
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
-        box = rec._writer.mailbox
+        box = rec._link.writer.mailbox
         train_logging(rec, model, opt, 3)
         step_bytes = max(sizes)
         assert step_bytes > 0  # the copies are what this test is about
@@ -223,7 +223,7 @@ def test_a_writer_that_does_not_keep_up_holds_the_training_thread_back(
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     rec = stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1)
-    box = rec._writer.mailbox
+    box = rec._link.writer.mailbox
     done = threading.Event()
 
     def train() -> None:

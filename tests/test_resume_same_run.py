@@ -170,8 +170,8 @@ def test_resume_after_a_crash_without_start_step_goes_on_after_the_last_committe
     model, opt, sched = _objects()
     rec = stepdump.Recorder(run_dir, model, opt, sched)
     _train(rec, model, opt, sched, range(3))
-    rec._writer.queue.put(None)  # what a kill leaves: steps committed, no close(), no final record
-    rec._writer.join()
+    rec._link.writer.queue.put(None)  # what a kill leaves: steps committed, no close(), no final record
+    rec._link.writer.join()
     rec._lock.release()
     rec._finalizer.detach()
     with stepdump.Recorder(run_dir, model, opt, sched, resume=True) as rec2:

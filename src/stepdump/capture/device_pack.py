@@ -137,7 +137,7 @@ def heads(entries: list[Entry]) -> list[Head]:
 class HeadsCache:
     """:func:`heads` of a step, the same list object while the entries' kinds, names, params, keys,
     dtypes and shapes stay those of the last call: a steady run's steps share one heads list, on
-    which the writer keys the rows' series ids (:meth:`LeanRowsMixin._device_rows`), so neither
+    which the writer keys the rows' series ids (writer_lean.LeanRows.device_rows), so neither
     thread does Python per tensor for them at a steady step."""
 
     def __init__(self) -> None:
@@ -201,7 +201,7 @@ _H_DTYPE, _H_SHAPE = operator.itemgetter(4), operator.itemgetter(5)
 
 def catalog_rows(pack: DevicePack, step: int | None, series: list[int], keep: list[bool] | None = None) -> list[tuple]:
     """The pack's rows as the catalog inserts them (``(series, step, dtype, shape, blob, *stats, fp)``,
-    what :func:`rows` and the writer's ``_lean_rows`` make, without a LeanRow per tensor):
+    what :func:`rows` and the writer's ``LeanRows.rows`` make, without a LeanRow per tensor):
     ``series`` the series id of each head, ``keep`` (None: all) which rows to keep."""
     counts, rest, fps = _columns(pack)
     h = pack.heads

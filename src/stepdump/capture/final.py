@@ -22,9 +22,10 @@ import torch
 
 from stepdump.capture.assemble import Assembler
 from stepdump.capture.extra import take as take_extra
+from stepdump.capture.handoff import WriterLink
 from stepdump.capture.step_state import full_state, state_json, tensor_entries
 from stepdump.capture.staging import StagingPool
-from stepdump.capture.writer import StepMessage, Writer
+from stepdump.capture.writer import StepMessage
 from stepdump.core import rng as _rng
 from stepdump.store.format import LEVEL_FULL
 
@@ -104,8 +105,9 @@ class FinalRecord:
                 and any(k in kinds for k in ("params", "optimizer")))
 
     def message(self, asm: Assembler, model: torch.nn.Module, step: int, pool: StagingPool,
-                writer: Writer) -> StepMessage:
-        """The final record ``step``'s message, its tensors staged into a slot of ``pool``."""
+                link: WriterLink) -> StepMessage:
+        """The final record ``step``'s message, its tensors staged into a slot of ``pool`` (``link``:
+        the writer's, whose failure ends a wait for a free slot)."""
         meta = asm.refresh_layout(model, step) or {}  # add_param_group after the last record
         kinds = tuple(k for k in asm.kinds if k in ("params", "optimizer"))
         buffers = {n: b for n, b in asm.layout.buffers.items() if asm.selected(n)} if "params" in kinds else {}
@@ -116,7 +118,7 @@ class FinalRecord:
         state.update(asm.edits_state(outside))
         msg = StepMessage(step=step, level=LEVEL_FULL, meta={**meta, "final_step": step})
         msg.state_json = state_json(state, {"rng": self.rng.state()}, None, entries, extra)
-        msg.slot = slot = pool.acquire(lambda: writer.error)
+        msg.slot = slot = pool.acquire(lambda: link.error)
         try:
             msg.items = asm.stager.stage(slot, entries)
         except BaseException:

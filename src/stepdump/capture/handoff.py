@@ -61,6 +61,30 @@ class WriterLink:
             raise
 
     @property
+    def error(self) -> BaseException | None:
+        """What the writer met (None: nothing), as it stands; :meth:`failed` acts on it."""
+        return self.writer.error
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step the writer committed (None: none yet)."""
+        return self.writer.last_step
+
+    @property
+    def steps_written(self) -> int:
+        """Steps the writer has committed."""
+        return self.writer.steps_written
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of tensor data the writer has appended to segment files."""
+        return self.writer.bytes_written
+
+    def is_alive(self) -> bool:
+        """Whether the writer thread still runs (it takes messages)."""
+        return self.writer.is_alive()
+
+    @property
     def threads(self) -> tuple[threading.Thread | None, ...]:
         """The writer's threads (its own and its appender's), for sys/recorder_bg_ms."""
         return self.writer, getattr(self.writer, "_appender", None)

@@ -247,5 +247,5 @@ class JointRecorder(Recorder):
         if not self.options.on_error == "raise":
             for r in self.pairs.values():
                 if not r._guard.stopped:
-                    r._guard.fail(err, "joint run", r.step, r._writer.last_step)
+                    r._guard.fail(err, "joint run", r.step, r._link.last_step)
         raise err

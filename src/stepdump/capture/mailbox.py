@@ -134,61 +134,51 @@ class Written:
 
 
 class MailReader:
-    """The writer's side of the mailbox: a mixin of :class:`stepdump.capture.writer.Writer`, which
-    provides ``queue``, ``mailbox``, ``written``, ``_due`` (when held steps must commit), ``_window()``,
-    ``_handle()`` and ``_done_with()``."""
+    """The writer's side of the mailbox: the queue of tokens, the mailbox and the count of messages
+    written, read in order. The writer holds one and gives each call what it needs of the writer's
+    own: how to write a message (``handle``), how to hand one back unwritten (``done_with``), when
+    its held steps are due and its commit window."""
 
-    queue: queue.Queue[Any]
-    mailbox: Mailbox
-    written: Written
-    _due: float | None
+    __slots__ = ("queue", "mailbox", "written")
 
-    def _window(self) -> float:
-        raise NotImplementedError
+    def __init__(self, q: queue.Queue[Any], box: Mailbox, written: Written) -> None:
+        self.queue = q  # tokens (MAIL), the end (None), or a message put straight in (no mailbox)
+        self.mailbox = box
+        self.written = written
 
-    def _handle(self, msg: Any) -> bool:
-        raise NotImplementedError
-
-    def _done_with(self, msg: Any) -> None:
-        raise NotImplementedError
-
-    def can_mail(self, msg: Any) -> bool:
-        """Whether ``msg`` may wait in the mailbox without waking the writer (:func:`mailable`)."""
-        return mailable(msg, self._window())
-
-    def _take_mail(self) -> bool:
-        """Write the mail posted so far, oldest first; False once the writer has failed."""
+    def take(self, handle: Callable[[Any], bool]) -> bool:
+        """Write the mail posted so far with ``handle``, oldest first; False once it has failed."""
         for msg in self.mailbox.take():
-            if not self._handle(msg):
+            if not handle(msg):
                 return False
             self.written.add()
         return True
 
-    def _next(self) -> Any:
-        """The next queue item; :class:`queue.Empty` once held steps are due, and at least once a
-        window while mail may come (it comes without waking the writer)."""
-        window = self._window()
+    def next(self, due: float | None, window: float) -> Any:
+        """The next queue item; :class:`queue.Empty` once held steps are ``due`` (monotonic time,
+        None: none held), and at least once a ``window`` (0: none) while mail may come (it comes
+        without waking the writer)."""
         waits = [window] if window > 0 else []
-        if self._due is not None:
-            waits.append(self._due - time.monotonic())
+        if due is not None:
+            waits.append(due - time.monotonic())
         if not waits:
             return self.queue.get()
         wait = min(waits)
         return self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
 
-    def _drain(self) -> None:
-        """After a failure keep taking messages (mail too) so the training thread never blocks on
-        a put and no slot stays taken; until the end (None)."""
+    def drain(self, done_with: Callable[[Any], None]) -> None:
+        """After a failure keep taking messages (mail too) and hand each to ``done_with``, so the
+        training thread never blocks on a put and no slot stays taken; until the end (None)."""
         while True:
-            self._discard_mail()
+            self.discard(done_with)
             msg = self.queue.get()
             if msg is None:
-                self._discard_mail()
+                self.discard(done_with)
                 return
             if msg is not MAIL:
-                self._done_with(msg)
+                done_with(msg)
 
-    def _discard_mail(self) -> None:
-        """The mail posted so far, taken and not written (after a failure)."""
+    def discard(self, done_with: Callable[[Any], None]) -> None:
+        """The mail posted so far, taken and handed to ``done_with``, not written (after a failure)."""
         for mail in self.mailbox.take():
-            self._done_with(mail)
+            done_with(mail)

@@ -358,8 +358,7 @@ class Recorder(UserLog, _iteration.IterationStart):
                                 segment_bytes=self._target.segment_bytes(store.segment_bytes),
                                 delta_chain=store.delta_chain, storage=(store.storage or LocalStorage)(self.path),
                                 fingerprint=fingerprint)
-        self._writer = self._link.writer
-        self._target.start(lambda: self._writer.steps_written)
+        self._target.start(lambda: self._link.steps_written)
         self._overhead, self._iter_start = 0.0, time.perf_counter()
         # sys/recorder_bg_ms: CPU time of the recorder's own threads in each iteration (profiling.py)
         self._bg = BackgroundClock(lambda: (*self._link.threads, *self._lean.threads))
@@ -430,13 +429,13 @@ class Recorder(UserLog, _iteration.IterationStart):
         try:
             self._send_held()
             if self._final.due(self._step, self._captured_at, self.kinds) and not self._guard.stopped:
-                self._link.put(self._final.message(self._asm, self.model, self._step, self._pool, self._writer))
+                self._link.put(self._final.message(self._asm, self.model, self._step, self._pool, self._link))
             if self._unstepped is not None:  # no step recorded: every value logged kept, a row per iteration
                 rows = self._unstepped.rows(self._pending.pop(self._step, {}))
                 self._pending.update({self._step + i: row for i, row in enumerate(rows)})
             scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
             self._pending.clear()
-            if scalars and self._writer.error is None and not self._guard.stopped:
+            if scalars and self._link.error is None and not self._guard.stopped:
                 self._link.put(StepMessage(step=None, scalars=scalars))
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "close()")
@@ -452,7 +451,7 @@ class Recorder(UserLog, _iteration.IterationStart):
     @property
     def bytes_written(self) -> int:
         """Bytes of tensor data appended to segment files so far."""
-        return self._writer.bytes_written if self.recording else 0
+        return self._link.bytes_written if self.recording else 0
 
     def __repr__(self) -> str:
         where = "closed" if self._closed else f"at step {self._step}"
@@ -577,7 +576,7 @@ class Recorder(UserLog, _iteration.IterationStart):
             held = False  # a lean step's message waits for its grads' rows (sent by end_step)
             if level != LEVEL_NONE:
                 ring = self._ring if level == LEVEL_STATS else None  # the ring decides on a full copy
-                msg.slot = slot = self._pool.acquire(lambda: self._writer.error)
+                msg.slot = slot = self._pool.acquire(lambda: self._link.error)
                 try:
                     held = self._asm.fill(msg, slot, level == LEVEL_FULL or ring is not None, self._begin,
                                           self._batch, captured)
@@ -611,7 +610,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         # to compare with (a callable schedule may decide later: taken as full).
         lv = self._level
         self._asm.after_update(LEVEL_FULL if lv.full.dynamic or lv.stats.dynamic else lv(self._step + 1))
-        self._asm.stager.wait_deferred(self._writer.is_alive)  # a gradient log's grads, written during the update
+        self._asm.stager.wait_deferred(self._link.is_alive)  # a gradient log's grads, written during the update
         if self._waits is not None:
             bg = self._bg.take()
             profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,

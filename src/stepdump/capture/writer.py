@@ -43,9 +43,9 @@ from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
 from stepdump.capture.gradlog_rows import small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.lean import LeanRow
-from stepdump.capture.mailbox import MAIL, Mailbox, MailReader, Written
+from stepdump.capture.mailbox import MAIL, Mailbox, MailReader, Written, mailable
 from stepdump.capture.packed import Snapshot
-from stepdump.capture.writer_lean import LeanRowsMixin
+from stepdump.capture.writer_lean import LeanRows
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
 from stepdump.capture.staging import Copied, Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
@@ -102,8 +102,11 @@ class StepMessage:
     copied: Copied | None = None
 
 
-class Writer(LeanRowsMixin, MailReader, threading.Thread):
+class Writer(threading.Thread):
     """Consumes StepMessages from a bounded queue until it gets ``None``.
+
+    Composed of a :class:`MailReader` (the messages in order: capture/mailbox.py) and a
+    :class:`LeanRows` (stats-only rows: capture/writer_lean.py), each given what it needs per call.
 
     ``run_dir`` holds the catalog; segment bytes go through ``storage`` (the
     Recorder's, files under ``run_dir`` by default), which the writer closes when
@@ -127,7 +130,6 @@ class Writer(LeanRowsMixin, MailReader, threading.Thread):
         # Recorder(fingerprint=): "dmix64" gives every new series dmix64; otherwise a row's kind is
         # its own (a CUDA tensor's dmix64 from the device, else xxh3). A series keeps its first kind.
         self._fp_kind = DEVICE_FP_KIND if fingerprint == DEVICE_FP_KIND else None
-        self._kind_warned: set[tuple[str, str]] = set()  # lean rows of another kind than their series'
         self._check_kinds = False  # this step's rows need their kinds checked (_write)
         self.run_dir = run_dir
         self.pool = pool
@@ -139,6 +141,8 @@ class Writer(LeanRowsMixin, MailReader, threading.Thread):
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self.mailbox = Mailbox()  # the Recorder's messages, in order (capture/mailbox.py)
         self.written = Written(notify=self.durable)  # what of it is written: fsync's bound on steps in flight
+        self._mail = MailReader(self.queue, self.mailbox, self.written)
+        self._lean = LeanRows()  # stats-only rows into catalog rows (capture/writer_lean.py)
         self.error: BaseException | None = None
         self.storage = storage
         # Owned bytes waiting for the disk (codec output) are capped like staging itself.
@@ -181,37 +185,41 @@ class Writer(LeanRowsMixin, MailReader, threading.Thread):
         except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
             self.error = e
             self._ready.set()
-            self._drain()
+            self._mail.drain(self._done_with)
             return
         self._ready.set()
         while True:
             msg: Any
             try:
-                msg = self._next()
+                msg = self._mail.next(self._due, self._window())
             except queue.Empty:  # held steps waited long enough, or it is time to look at the mail
                 msg = _DUE
-            ok = self._take_mail()
+            ok = self._mail.take(self._handle)
             if msg is None:  # the end: held steps commit before the catalog closes (a failure sets self.error)
                 if ok:
                     self._handle(None)
                 else:
-                    self._discard_mail()
+                    self._mail.discard(self._done_with)
                 break
             if not ok:
                 if msg is not MAIL and msg is not _DUE:
                     self._done_with(msg)
-                self._drain()
+                self._mail.drain(self._done_with)
                 break
             if msg is MAIL or (msg is _DUE and self._due is None):
                 continue
             if not self._handle(None if msg is _DUE else msg):
-                self._drain()
+                self._mail.drain(self._done_with)
                 break
         self._shutdown()
 
     def _window(self) -> float:
         """Seconds a step below full may wait for its commit (0: none waits)."""
         return 0.0 if self.durable else COMMIT_WINDOW
+
+    def can_mail(self, msg: StepMessage) -> bool:
+        """Whether ``msg`` may wait in the mailbox without waking the writer (mailbox.mailable)."""
+        return mailable(msg, self._window())
 
     def _handle(self, msg: StepMessage | None) -> bool:
         """Write ``msg`` (None: only commit the held steps); False once the writer has failed."""
@@ -324,9 +332,9 @@ class Writer(LeanRowsMixin, MailReader, threading.Thread):
                 # once the training thread goes on, so the appends are done first.
                 self._appender.wait()
                 msg.slot.live_done.set()
-        self._lean_rows(cat, msg.step, msg.lean, check, rows)  # computed before the message was sent
+        self._lean.rows(cat, msg.step, msg.lean, check, rows)  # computed before the message was sent
         if device_pack is not None:  # pragma: no cover - CUDA only
-            self._device_rows(cat, msg.step, device_pack, rows)  # type: ignore[arg-type]
+            self._lean.device_rows(cat, msg.step, device_pack, rows)  # type: ignore[arg-type]
         self._held_blobs.extend(self._blob_rows)
         stepped = msg.level is not None and msg.step is not None
         if stepped:
@@ -372,6 +380,11 @@ class Writer(LeanRowsMixin, MailReader, threading.Thread):
             self.steps_written += len(self._held_steps)
             self.last_step = self._held_steps[-1][0]
         self._forget_held()
+
+    def _describe_held(self, cat: CatalogWriter) -> None:
+        """The held steps' copies (``StepMessage.packed``) described, into the held tensor rows."""
+        held, self._held_packed, self._held_packed_bytes = self._held_packed, [], 0
+        self._lean.describe(cat, held, self._held_tensors)
 
     def _forget_held(self) -> None:
         self._held_tensors, self._held_steps, self._held_scalars, self._held_blobs = [], [], [], []

@@ -1,15 +1,16 @@
-"""The writer's stats-only rows: a step's lean rows into catalog rows, and held steps' copies described.
+"""The writer's stats-only rows: lean rows into catalog rows, and held steps' copies described.
 
-A mixin of :class:`stepdump.capture.writer.Writer` (its own idea: rows that carry stats and a
-fingerprint but no bytes), as capture/iteration.py is of the Recorder. It uses the writer's
-``_held_packed`` (steps' ``StepMessage.packed`` copies not described yet, and their bytes),
-``_held_tensors`` and ``_kind_warned``.
+Its own idea beside the writer (capture/writer.py): rows that carry stats and a fingerprint but
+no bytes. :class:`LeanRows` is a collaborator the writer holds; every call is given the catalog
+(whose series ids the rows name) and the list the rows go to, and it keeps only what is its own:
+the series ids of the last device pack's heads, and which tensors it has warned about.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from stepdump.capture.device_pack import DevicePack, Head, catalog_rows
 from stepdump.capture.packed import LeanRow, Snapshot, describe_all
@@ -19,26 +20,33 @@ from stepdump.store.catalog import CatalogWriter
 log = logging.getLogger("stepdump.capture.writer")
 
 
-class LeanRowsMixin:
-    """Lean rows into the held tensor rows (module docstring)."""
+class _DeviceSeries(NamedTuple):
+    """The series ids of one device pack's heads, valid while heads, catalog and generation match."""
 
-    _held_packed: list[tuple[int, Snapshot]]
-    _held_packed_bytes: int
-    _held_tensors: list[tuple[Any, ...]]
-    _kind_warned: set[tuple[str, str]]
-    # (heads, catalog, its series generation, series ids, rows kept or None) of the last device pack
-    _device_series: tuple[list[Head], CatalogWriter, int, list[int], list[bool] | None] | None = None
+    heads: list[Head]
+    catalog: CatalogWriter
+    generation: int  # the catalog's series_generation when the ids were looked up
+    sids: list[int]
+    keep: list[bool] | None  # which rows are kept (a series of another kind is left out); None: all
 
-    def _describe_held(self, cat: CatalogWriter) -> None:
-        """The held steps' copies (``StepMessage.packed``) described, into the held tensor rows."""
-        held, self._held_packed, self._held_packed_bytes = self._held_packed, [], 0
+
+class LeanRows:
+    """The catalog rows of a step's lean rows (stats and fingerprint only, no blob) (module docstring)."""
+
+    def __init__(self) -> None:
+        self._kind_warned: set[tuple[str, str]] = set()  # lean rows of another kind than their series'
+        self._device_series: _DeviceSeries | None = None  # of the last device pack
+
+    def describe(self, cat: CatalogWriter, held: Sequence[tuple[int, Snapshot]], out: list[tuple[Any, ...]]) -> None:
+        """The rows of held steps' copies (``(step, StepMessage.packed)``, described in one pass per
+        layout: packed.describe_all), appended to ``out``."""
         if held:
             check = cat.any_fp_kind
             for (step, _), lean in zip(held, describe_all([snap for _, snap in held]), strict=True):
-                self._lean_rows(cat, step, lean, check, self._held_tensors)
+                self.rows(cat, step, lean, check, out)
 
-    def _lean_rows(self, cat: CatalogWriter, step: int | None, lean: list[LeanRow], check: bool,
-                   out: list[tuple[Any, ...]]) -> None:
+    def rows(self, cat: CatalogWriter, step: int | None, lean: list[LeanRow], check: bool,
+             out: list[tuple[Any, ...]]) -> None:
         """The catalog rows of ``lean`` (stats and fingerprint only) at ``step``, appended to ``out``;
         ``check``: whether the store has series of a kind other than xxh3 (then each row's kind is
         checked against its series')."""
@@ -49,13 +57,13 @@ class LeanRowsMixin:
                 continue
             out.append((sid, step, r.dtype, r.shape, None, *r.stats, r.fp))
 
-    def _device_rows(self, cat: CatalogWriter, step: int | None, pack: DevicePack, out: list[tuple[Any, ...]]) -> None:
+    def device_rows(self, cat: CatalogWriter, step: int | None, pack: DevicePack, out: list[tuple[Any, ...]]) -> None:
         """The catalog rows of a lean CUDA step's device pack, appended to ``out``: the rows
-        :meth:`_lean_rows` makes of ``device_pack.rows(pack)``. The series ids (and whether each
+        :meth:`rows` makes of ``device_pack.rows(pack)``. The series ids (and whether each
         series is dmix64) are looked up once per heads list (a steady run sends the same list
         each step: device_pack.HeadsCache) and catalog, again when its ids may have changed."""
         c = self._device_series
-        if c is None or c[0] is not pack.heads or c[1] is not cat or c[2] != cat.series_generation:
+        if c is None or c.heads is not pack.heads or c.catalog is not cat or c.generation != cat.series_generation:
             sids: list[int] = []
             keep: list[bool] = []
             for head in pack.heads:
@@ -65,8 +73,9 @@ class LeanRowsMixin:
                     self._other_kind(have, LeanRow(*head, (), 0, DEVICE_FP_KIND))  # type: ignore[arg-type]
                 sids.append(sid)
                 keep.append(have == DEVICE_FP_KIND)
-            c = self._device_series = (pack.heads, cat, cat.series_generation, sids, None if all(keep) else keep)
-        out.extend(catalog_rows(pack, step, c[3], c[4]))
+            c = self._device_series = _DeviceSeries(pack.heads, cat, cat.series_generation, sids,
+                                                    None if all(keep) else keep)
+        out.extend(catalog_rows(pack, step, c.sids, c.keep))
 
     def _other_kind(self, have: str, r: LeanRow) -> None:
         """A lean row whose fingerprint is not of its series' kind (a tensor that moved between the
