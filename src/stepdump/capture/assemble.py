@@ -24,9 +24,10 @@ import torch
 from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
-from stepdump.capture.step_state import Entry, StateBefore, as_entries, full_state, state_json, tensor_entries
+from stepdump.capture.step_state import Entry, StateBefore, full_state, state_json, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch, fingerprints
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, STATE_AFTER_UPDATE
+from stepdump.store.records import as_records
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, OwnedCopier, Slot, Stager
 from stepdump.capture.structure import StructureWatch, structure_change
@@ -193,7 +194,7 @@ class Assembler:
         of a small model paid a name match and a tuple per param for them). Not ``optimizer``: without
         the optimizer state (a lean step reads it every ``OPTIMIZER_EVERY`` steps; walking it cost a
         dict lookup through ``Tensor.__hash__`` and a tuple per tensor at every step). The entries
-        made at every step are made by :func:`as_entries` (no Python call per entry)."""
+        made at every step are made by :func:`as_records` (no Python call per entry)."""
         layout, params, param_entries = self._selected_of
         if layout is not self.layout:
             params = [(n, p) for n, p in self.layout.params.items() if self.selected(n)]
@@ -201,11 +202,12 @@ class Assembler:
             self._selected_of = (self.layout, params, param_entries)
         out = list(param_entries) if "params" in self.kinds else []
         if "grads" in self.kinds:
-            out += as_entries([("grads", n, g, False, None, None) for n, p in params if (g := p.grad) is not None])
+            out += as_records(Entry, [("grads", n, g, False, None, None)
+                                      for n, p in params if (g := p.grad) is not None])
         if optimizer and "optimizer" in self.kinds:
             opt_state = self.optimizer.state
-            out += as_entries([("optimizer", f"{n}.{k}", v, False, n, k) for n, p in params
-                               for k, v in opt_state.get(p, {}).items() if isinstance(v, torch.Tensor)])
+            out += as_records(Entry, [("optimizer", f"{n}.{k}", v, False, n, k) for n, p in params
+                                      for k, v in opt_state.get(p, {}).items() if isinstance(v, torch.Tensor)])
         return out
 
     def fill(self, msg: StepMessage, slot: Slot, full: bool, begin: dict[str, Any] | None, batch: Any,

@@ -8,8 +8,7 @@ back what :func:`state_json` writes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from itertools import repeat
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -52,15 +51,6 @@ class Entry(NamedTuple):
     full: bool  # its bytes are stored; False: its stats and fingerprint only
     param: str | None = None  # optimizer state: the param it belongs to
     key: str | None = None  # optimizer state: its key in that param's state ("exp_avg")
-
-
-_new_tuple = tuple.__new__
-
-
-def as_entries(fields: Iterable[tuple[str, str, torch.Tensor, bool, str | None, str | None]]) -> list[Entry]:
-    """Entries from their fields in order, made by C calls only: ``Entry(...)`` is a Python call
-    per entry (NamedTuple's ``__new__``), which a lean step of a small model pays per grad."""
-    return list(map(_new_tuple, repeat(Entry), fields))
 
 
 def tensor_entries(layout: Layout, optimizer: torch.optim.Optimizer, kinds: tuple[str, ...],

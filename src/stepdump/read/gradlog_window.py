@@ -24,6 +24,7 @@ from stepdump.errors import CorruptDataError, StepdumpError
 from stepdump.read.rows import Recorded, fp_kind_map
 from stepdump.read.state import recorded_groups
 from stepdump.store.format import Key
+from stepdump.store.records import as_records
 
 if TYPE_CHECKING:
     from stepdump.read.blobs import BlobReader
@@ -66,11 +67,11 @@ class Window:
         rows: dict[int, dict[Key, Recorded]] = {s: {} for s in steps}
         self.fp_kind(("", ""))  # the kinds, read once per reader
         kinds = self._fp_kinds or {}
-        for r in cat.fingerprint_block(first, last):
-            if r.step in rows:
-                key = (r.kind, r.name)
-                rows[r.step][key] = Recorded(r.dtype, r.shape, r.fingerprint, r.blob,
-                                             kinds.get(key, XXH3) if kinds else XXH3)
+        block = [r for r in cat.fingerprint_block(first, last) if r.step in rows]
+        facts = as_records(Recorded, [(r.dtype, r.shape, r.fingerprint, r.blob,
+                                       kinds.get((r.kind, r.name), XXH3) if kinds else XXH3) for r in block])
+        for r, fact in zip(block, facts, strict=True):
+            rows[r.step][(r.kind, r.name)] = fact
         # The two steps before ``first`` stay: an update asks for its own step's facts after the
         # next step's (the grads read ahead), and the windows must not take turns.
         kept = [s for s in self._steps if step - 2 <= s < step]
@@ -87,8 +88,10 @@ class Window:
         self._load(step)
         rows = self._rows.get(step)
         if rows is None:  # not recorded (yet): asked directly
-            return {(r.kind, r.name): Recorded(r.dtype, r.shape, r.fingerprint, r.blob, self.fp_kind((r.kind, r.name)))
-                    for r in self._run.catalog.fingerprint_block(step, step)}
+            block = self._run.catalog.fingerprint_block(step, step)
+            facts = as_records(Recorded, [(r.dtype, r.shape, r.fingerprint, r.blob, self.fp_kind((r.kind, r.name)))
+                                          for r in block])
+            return {(r.kind, r.name): fact for r, fact in zip(block, facts, strict=True)}
         return rows
 
     def skipped(self, step: int) -> bool:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Iterable, Sequence
-from itertools import repeat
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
 from stepdump.store.format import FP_KIND_XXH3, KNOWN_FP_KINDS
+from stepdump.store.records import as_records
 from stepdump.store.schema import FP_KINDS_TABLE, STAT_COLUMNS
 
 #: What a ``steps=`` argument takes: a step, a range, a slice, an iterable of steps, or None (all).
@@ -105,14 +105,6 @@ class StepRow(NamedTuple):
 # StepRow's columns, selected by its field names (a series' in s, a tensor row's in t).
 _STEP_ROW_COLUMNS = ", ".join({"kind": "s.kind", "name": "s.name", "param": "s.param", "key": "s.key",
                                "stored": _STORED}.get(f, f"t.{f}") for f in StepRow._fields)
-
-_Row = TypeVar("_Row", bound=tuple)
-
-
-def _typed(record: type[_Row], rows: list[Any]) -> list[_Row]:
-    """``rows`` (SQLite's tuples, in ``record``'s field order) as ``record``s, made by C calls only
-    (``record._make`` is a Python call per row: a gradient-log window reads thousands)."""
-    return list(map(tuple.__new__, repeat(record), rows))
 
 
 #: The largest step a catalog can hold (SQLite stores 64-bit integers).
@@ -344,7 +336,7 @@ class CatalogReader:
     def stored_tensors(self, step: int, kinds: Iterable[str]) -> list[StoredTensor]:
         """Every tensor of ``kinds`` stored in full at ``step``, in recording order."""
         kinds = list(kinds)
-        return _typed(StoredTensor, self._q(
+        return as_records(StoredTensor, self._q(
             f"SELECT s.kind, s.name, s.param, s.key, t.blob, t.dtype, t.shape, t.fingerprint {_JOIN} "
             f"WHERE t.step = ? AND s.kind IN ({','.join('?' * len(kinds))}) AND {_STORED} ORDER BY s.id",
             (step, *kinds)))
@@ -361,11 +353,12 @@ class CatalogReader:
     def step_rows(self, step: int) -> list[StepRow]:
         """Every tensor row at ``step``, ``state`` included, in recording order (what a one-step
         bundle copies)."""
-        return _typed(StepRow, self._q(f"SELECT {_STEP_ROW_COLUMNS} {_JOIN} WHERE t.step = ? ORDER BY s.id", (step,)))
+        return as_records(StepRow, self._q(f"SELECT {_STEP_ROW_COLUMNS} {_JOIN} WHERE t.step = ? ORDER BY s.id",
+                                           (step,)))
 
     def fingerprint_block(self, first: int, last: int) -> list[FingerprintRow]:
         """Every tensor row at steps ``first..last``."""
-        return _typed(FingerprintRow, self._q(
+        return as_records(FingerprintRow, self._q(
             f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, t.fingerprint, t.blob {_JOIN} "
             "WHERE t.step >= ? AND t.step <= ?", (first, last)))
 
