@@ -190,9 +190,10 @@ class BlobReader:
         left out, for :meth:`blob_row` to refuse when it is read."""
         out: dict[int, BlobRow] = {}
         for row in self.con.blob_rows_of(kind, first, last):
+            blob_id, *_ = row  # BlobRow's fields, the id first
             try:
-                if _is_int(row[0]):
-                    out[row[0]] = self._checked_row(row[0], row)
+                if _is_int(blob_id):
+                    out[blob_id] = self._checked_row(blob_id, row)
             except CorruptDataError:
                 continue
         return out

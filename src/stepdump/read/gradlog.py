@@ -94,6 +94,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+def _params_first(key: Key) -> tuple[bool, str]:
+    """The order the tensors of a step are compared in: params first, then by name."""
+    kind, name = key
+    return kind != "params", name
+
 class GradientLog:
     """The rebuild engine of one run (a :class:`~stepdump.read.run.Run` holds one when its meta
     says ``gradient_log``).
@@ -190,7 +196,8 @@ class GradientLog:
     def state_dict(self, step: int) -> OrderedDict[str, torch.Tensor]:
         """``model.state_dict()`` at ``step``: rebuilt params, and the module buffers stored at that step."""
         snap = self._state(step, "params")
-        stored = {key: row for key, row in self._rows(step).items() if key[0] == "buffers" and row.blob is not None}
+        stored = {(kind, n): row for (kind, n), row in self._rows(step).items()
+                  if kind == "buffers" and row.blob is not None}
 
         foreign = self._foreign()
 
@@ -468,22 +475,24 @@ class GradientLog:
         hashed again. ``kinds``: compare only these (default: every kind)."""
         step = chain.step
         rows = chain.rows = chain.rows or self._rows(step)
-        recorded = {key: row for key, row in rows.items() if key[0] in REBUILT_KINDS}
+        recorded = {(kind, n): row for (kind, n), row in rows.items() if kind in REBUILT_KINDS}
         rebuilt = live(chain)
         foreign = self._foreign()  # not derived here: read from their pair, checked there (_borrow)
         if foreign:
-            recorded = {k: r for k, r in recorded.items() if not (k[0] == "params" and k[1] in foreign)}
-            rebuilt = {k: t for k, t in rebuilt.items() if not (k[0] == "params" and k[1] in foreign)}
+            recorded = {(kind, n): r for (kind, n), r in recorded.items() if not (kind == "params" and n in foreign)}
+            rebuilt = {(kind, n): t for (kind, n), t in rebuilt.items() if not (kind == "params" and n in foreign)}
         captured = set(self._run.meta.get("capture") or REBUILT_KINDS)
         # A kind is compared where the step records it: a stats-only step may leave the optimizer
         # state out (the lean capture reads it every few steps), a step without stats has none.
         compared = {kind for kind in REBUILT_KINDS if kind in captured and any(k == kind for k, _ in recorded)
                     and (kinds is None or kind in kinds)}
         # xxh3 hashed here, two threads (the fast path); a series of another kind by differs_from_row.
-        fps = fingerprints(self._pool, {key: t for key, t in rebuilt.items() if key[0] in compared and key in recorded
-                                        and recorded[key].fp_kind == XXH3}, trusted or {})
-        for key in sorted(set(recorded) | set(rebuilt), key=lambda k: (k[0] != "params", k[1])):
-            if key[0] not in compared:
+        fps = fingerprints(self._pool, {(kind, n): t for (kind, n), t in rebuilt.items() if kind in compared
+                                        and (kind, n) in recorded and recorded[(kind, n)].fp_kind == XXH3},
+                           trusted or {})
+        for key in sorted(set(recorded) | set(rebuilt), key=_params_first):
+            kind, name = key
+            if kind not in compared:
                 continue
             row, t = recorded.get(key), rebuilt.get(key)
             if row is None:
@@ -494,9 +503,9 @@ class GradientLog:
                 why = differs_from_row(t, row, fps.get(key), fp_kind=row.fp_kind)
             if why is None:
                 continue
-            raise self._error(step if target is None else target, step, key[0], key[1],
-                              f"re-applying the recorded updates from keyframe {chain.keyframe} gives {key[0]} "
-                              f"{key[1]!r} at step {step} that {why}", mismatch=True)
+            raise self._error(step if target is None else target, step, kind, name,
+                              f"re-applying the recorded updates from keyframe {chain.keyframe} gives {kind} "
+                              f"{name!r} at step {step} that {why}", mismatch=True)
         # Nothing recorded and nothing rebuilt (a stateless SGD's optimizer state) agree as well.
         empty = {kind for kind in REBUILT_KINDS if not any(k == kind for k, _ in recorded)
                  and not any(k == kind for k, _ in rebuilt)}

@@ -16,7 +16,7 @@ read again when asked for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from stepdump.core import tjson
 from stepdump.core.hashing import XXH3
@@ -36,13 +36,20 @@ if TYPE_CHECKING:
 WINDOW = 16
 
 
+class _Step(NamedTuple):
+    """A step's row: whether its update was skipped, and its state's typed-JSON text."""
+
+    skipped: Any
+    state: Any
+
+
 class Window:
     """Catalog facts of the steps ``first .. first + WINDOW - 1`` of one run (see the module docstring)."""
 
     def __init__(self, run: Run, blobs: BlobReader) -> None:
         self._run = run
         self._blobs = blobs
-        self._steps: dict[int, tuple[Any, Any]] = {}  # step -> (skipped, state text)
+        self._steps: dict[int, _Step] = {}
         self._rows: dict[int, dict[Key, Recorded]] = {}
         self._blob_rows: dict[int, BlobRow] = {}
         self._groups: dict[int, list[dict[str, Any]]] = {}
@@ -63,7 +70,7 @@ class Window:
         first, last = step, step + WINDOW - 1
         cat = self._run.catalog
         # Steps first: a step listed here has committed, so its tensor rows below are complete.
-        steps = {s: (skipped, state) for s, skipped, state in cat.step_block(first, last) if isinstance(s, int)}
+        steps = {s: _Step(skipped, state) for s, skipped, state in cat.step_block(first, last) if isinstance(s, int)}
         rows: dict[int, dict[Key, Recorded]] = {s: {} for s in steps}
         self.fp_kind(("", ""))  # the kinds, read once per reader
         kinds = self._fp_kinds or {}
@@ -78,8 +85,8 @@ class Window:
         blob_rows = self._blobs.blob_rows_of("grads", first, last)
         for s in kept:
             steps[s], rows[s] = self._steps[s], self._rows[s]
-            blob_rows.update({row.blob: self._blob_rows[row.blob] for key, row in rows[s].items()
-                              if key[0] == "grads" and row.blob in self._blob_rows})
+            blob_rows.update({row.blob: self._blob_rows[row.blob] for (kind, _), row in rows[s].items()
+                              if kind == "grads" and row.blob in self._blob_rows})
         self._steps, self._rows, self._blob_rows = steps, rows, blob_rows
         self._groups = {s: g for s, g in self._groups.items() if s in kept}
 
@@ -99,7 +106,7 @@ class Window:
         self._load(step)
         if step not in self._steps:
             return any(bool(v) for _, v in self._run.catalog.skipped_flags(step))
-        return bool(self._steps[step][0])
+        return bool(self._steps[step].skipped)
 
     def blob_row(self, blob_id: Any) -> BlobRow:
         """The checked catalog row of a grad's blob (:meth:`BlobReader.blob_row`)."""
@@ -113,10 +120,10 @@ class Window:
         if got is not None:
             return got
         entry = self._steps.get(step)
-        if entry is None or not isinstance(entry[1], str):  # not recorded or no state: the usual error
+        if entry is None or not isinstance(entry.state, str):  # not recorded or no state: the usual error
             return recorded_groups(self._run, step, self._run.step_state(step))
         try:  # only the groups: the rest of the state (RNG tensors, extras) is not the rebuild's
-            tree = tjson.loads(entry[1], f"the recorded state of step {step} in {self._run.path}")
+            tree = tjson.loads(entry.state, f"the recorded state of step {step} in {self._run.path}")
             raw = tree.get("groups") if isinstance(tree, dict) else None
             with self._blobs.call():  # a hyperparameter stored as a tensor (a tensor lr) is read as step_state reads it
                 decoded = tjson.decode(raw, lambda ref: self._run.tensor(ref, step, kind="state"))

@@ -46,6 +46,12 @@ def is_joint(run: Any) -> TypeGuard[JointRun]:
     return isinstance(run, JointRun)
 
 
+def _by_name_then_step(row: tuple[int, str, float | None]) -> tuple[str, int]:
+    """The order of ``scalar_rows``: by name, then step."""
+    step, name, _value = row
+    return name, step
+
+
 class JointRun:
     """A run recorded over named (model, optimizer) pairs; open with :func:`stepdump.open`.
 
@@ -208,7 +214,7 @@ class JointRun:
         """(step, name, value) of every scalar: logged ones as logged, each pair's own prefixed."""
         rows = [(s, self._rename(n, k), v) for n, r in self.pair_stores() for s, k, v in r.scalar_rows(
             steps, nan_only=nan_only) if n == self.pair_names[0] or _OWN.fullmatch(k)]
-        return sorted(rows, key=lambda row: (row[1], row[0]))
+        return sorted(rows, key=_by_name_then_step)
 
     def scalars(self, names: str | Iterable[str] | None = None, steps: StepRange = None) -> pd.DataFrame:
         """One row per step, one column per scalar (see the module docstring), plus ``skipped``."""

@@ -239,8 +239,11 @@ def _verify(run: Run, t: int, live: dict[Key, torch.Tensor], step_grads: bool = 
         kind = kinds.get(key, XXH3)
         return fingerprint(live[key]) if kind == XXH3 else fingerprint_as(kind, live[key])
 
-    bad = [key for key in sorted(recorded, key=lambda k: (order.get(k[0], 9), k[1]))
-           if key in live and fp(key) != recorded[key]]
+    def ranked(key: Key) -> tuple[int, str]:
+        kind, name = key
+        return order.get(kind, 9), name
+
+    bad = [key for key in sorted(recorded, key=ranked) if key in live and fp(key) != recorded[key]]
     missing = [key for key in recorded if key not in live]
     if bad or missing:
         kind, name = (bad or missing)[0]
