@@ -46,7 +46,6 @@ from stepdump.core.hashing import XXH3
 from stepdump.errors import ConfigError
 from stepdump.read.rows import fp_kind_map
 
-_NORM, _NONFINITE, _FP = 13, (6, 7, 8), 15  # columns of a stat_rows row
 _F32_EPS = 2.0 ** -23  # float32's relative rounding: the resolution of a recorded norm or float32 value
 #: Below this critical value a change a few times the noise is seen; above it, notes suggest more repeats.
 _SHARP = 10.0
@@ -127,11 +126,13 @@ def _values(run: Any, kinds: Sequence[str], scalar_left_out: Any) -> Values:
             continue
         for step, v in by_step.items():
             out.setdefault(step, {})[("scalar", name)] = _Value(v, None, 0)
-    for r in run.catalog.stat_rows():
-        if r[1] in kinds:
-            fk = fp_kinds.get((r[1], r[2]), XXH3)
-            fp = r[_FP] if fk == XXH3 else (fk, r[_FP])
-            out.setdefault(r[0], {})[(r[1], r[2])] = _Value(r[_NORM], fp, sum(r[i] or 0 for i in _NONFINITE))
+    # (unpacked by name: STAT_ROW_COLUMNS; one more column fails here, not reads the wrong one)
+    for (step, kind, name, _dtype, _shape, _numel, nan, posinf, neginf, _min, _max, _mean, _std, norm, _zero_frac,
+         fingerprint, _stored) in run.catalog.stat_rows():
+        if kind in kinds:
+            fk = fp_kinds.get((kind, name), XXH3)
+            fp = fingerprint if fk == XXH3 else (fk, fingerprint)
+            out.setdefault(step, {})[(kind, name)] = _Value(norm, fp, (nan or 0) + (posinf or 0) + (neginf or 0))
     return out
 
 

@@ -41,9 +41,9 @@ def scalar_charts(run: Any, max_points: int, *, in_sql: bool | None = None) -> l
     ``in_sql``: True shrinks the series in SQLite, False reads every row (the reference path);
     None (the default) picks SQLite when some series has more than ``max_points`` rows.
     """
-    summary = {str(r[0]): r for r in q.scalar_summary(run.catalog)}
+    summary = {str(r.name): r for r in q.scalar_summary(run.catalog)}
     if in_sql is None:
-        in_sql = any(int(r[1]) > max_points for r in summary.values())
+        in_sql = any(int(r.rows) > max_points for r in summary.values())
     if not in_sql:
         return _python_charts(run, max_points)
     return _sql_charts(run, summary, max_points)
@@ -61,9 +61,9 @@ def _python_charts(run: Any, max_points: int) -> list[ScalarChart]:
     return out
 
 
-def _sql_charts(run: Any, summary: dict[str, tuple[Any, ...]], max_points: int) -> list[ScalarChart]:
+def _sql_charts(run: Any, summary: dict[str, q.ScalarSummary], max_points: int) -> list[ScalarChart]:
     cat = run.catalog
-    sizes = {n: int(r[1]) for n, r in summary.items()}
+    sizes = {n: int(r.rows) for n, r in summary.items()}
 
     def same_at(a: str, b: str, shift: int) -> bool:
         considered, differ = q.scalar_same_at(cat, a, b, shift)
@@ -77,14 +77,15 @@ def _sql_charts(run: Any, summary: dict[str, tuple[Any, ...]], max_points: int) 
     out = []
     for g in fold_groups(sizes, same_at):
         row = summary[g.name]
-        n, bad = int(row[1]), int(row[2] or 0)
+        n, bad = int(row.rows), int(row.nonfinite or 0)
         if n <= max_points:
             pts = np.array(q.scalar_rows_of(cat, g.name), dtype=object).reshape(-1, 2)
         else:
             per_bucket = 2 if bad == 0 else 3
             buckets = max(1, min(n, max_points // per_bucket))
             later, earlier = edge_moves(n, buckets)
-            pts = np.array([r[1:] for r in q.scalar_minmax_buckets(cat, g.name, n, buckets, later, earlier)],
+            pts = np.array([(step, value) for _index, step, value in
+                            q.scalar_minmax_buckets(cat, g.name, n, buckets, later, earlier)],
                            dtype=object).reshape(-1, 2)
         x, y = _arrays(run, pts)
         nonfinite = np.array(q.scalar_nonfinite_steps(cat, g.name, max_points), dtype=np.int64) if bad else \
@@ -108,9 +109,9 @@ def edge_moves(n: int, buckets: int) -> tuple[list[int], list[int]]:
     return later, earlier
 
 
-def _wants_log(row: tuple[Any, ...], middle: list[float]) -> bool:
+def _wants_log(row: q.ScalarSummary, middle: list[float]) -> bool:
     """:func:`wants_log` from the catalog's aggregates (finite count, min, max, count <= 0, median)."""
-    finite, lo, hi, nonpositive = int(row[3] or 0), row[4], row[5], int(row[6] or 0)
+    finite, lo, hi, nonpositive = int(row.finite or 0), row.min, row.max, int(row.nonpositive or 0)
     if finite < 2 or nonpositive:
         return False
     med = middle[0] if len(middle) == 1 else (middle[0] + middle[1]) / 2

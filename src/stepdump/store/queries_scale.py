@@ -17,20 +17,32 @@ import os
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepdump.store.queries import CatalogReader
+from stepdump.store.records import as_records
 from stepdump.store.schema import catalog_path
 
 _FINITE = "(value IS NOT NULL AND abs(value) != 9e999)"
 
 
-def scalar_summary(cat: CatalogReader) -> list[tuple[Any, ...]]:
-    """Per logged scalar name: ``(name, rows, non-finite rows, finite rows, finite min, finite max,
-    finite rows <= 0)``, in one pass over the scalars table."""
-    return cat._q(
+class ScalarSummary(NamedTuple):
+    """One logged scalar's rows, aggregated (:func:`scalar_summary`); NULL counts where SQLite has no row."""
+
+    name: Any
+    rows: Any
+    nonfinite: Any  # rows logged NaN or ±Inf
+    finite: Any
+    min: Any  # of the finite values
+    max: Any
+    nonpositive: Any  # finite rows <= 0
+
+
+def scalar_summary(cat: CatalogReader) -> list[ScalarSummary]:
+    """Per logged scalar name, its :class:`ScalarSummary`, in one pass over the scalars table."""
+    return as_records(ScalarSummary, cat._q(
         f"SELECT name, count(*), sum(NOT {_FINITE}), sum({_FINITE}), min(CASE WHEN {_FINITE} THEN value END), "
-        f"max(CASE WHEN {_FINITE} THEN value END), sum({_FINITE} AND value <= 0) FROM scalars GROUP BY name")
+        f"max(CASE WHEN {_FINITE} THEN value END), sum({_FINITE} AND value <= 0) FROM scalars GROUP BY name"))
 
 
 def scalar_median_rows(cat: CatalogReader) -> list[tuple[Any, Any]]:
