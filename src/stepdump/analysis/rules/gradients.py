@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import pandas as pd
 
@@ -204,6 +204,15 @@ class VanishingGradient(Rule):
         return out
 
 
+class _Stretch(NamedTuple):
+    """A tensor's first stretch of mostly-zero steps (DeadUnits)."""
+
+    name: str
+    steps: list[int]  # the stretch's steps
+    more: int  # stretches after it
+    zero_frac: float  # at its first step
+
+
 @register_rule
 @dataclass(frozen=True, kw_only=True)
 class DeadUnits(Rule):
@@ -256,7 +265,7 @@ class DeadUnits(Rule):
             # where each tensor first shows among the rows kept (by step, then recording order)
             recording = {n: i for i, n in enumerate(run.names(kind))}
             first: dict[str, tuple[int, int]] = {}
-            stretches: dict[int, list[tuple[str, list[int], int, float]]] = {}  # first step -> hits
+            stretches: dict[int, list[_Stretch]] = {}  # first step -> hits
             for name, rows in tensor_series(run, kind):
                 rows = rows[~rows["step"].isin(list(skipped)) & (nonfinite(rows) == 0)]
                 if rows.empty:
@@ -271,15 +280,16 @@ class DeadUnits(Rule):
                 flagged = [int(s) for s in zf.index[zf > self.max_zero_frac]]
                 eps = sustained(flagged, [int(s) for s in zf.index], self.patience)
                 if eps:
-                    stretches.setdefault(eps[0][0], []).append((str(name), eps[0], len(eps) - 1, float(zf[eps[0][0]])))
+                    stretches.setdefault(eps[0][0], []).append(_Stretch(str(name), eps[0], len(eps) - 1,
+                                                                        float(zf[eps[0][0]])))
             for s, hits in sorted(stretches.items()):
-                out.append(self._grouped(kind, s, sorted(hits, key=lambda h: first[h[0]])))
+                out.append(self._grouped(kind, s, sorted(hits, key=lambda h: first[h.name])))
         return out
 
-    def _grouped(self, kind: str, s: int, hits: list[tuple[str, list[int], int, float]]) -> Finding:
-        names = [h[0] for h in hits]
+    def _grouped(self, kind: str, s: int, hits: list[_Stretch]) -> Finding:
+        names = [h.name for h in hits]
         lead = _dead_layer(names)
-        name, ep, more, zf = next(h for h in hits if h[0] == lead)
+        name, ep, more, zf = next(h for h in hits if h.name == lead)
         also = f" more such stretch(es) later" if more else ""
         if len(hits) == 1:
             what = (f"{kind} {name!r}: {zf:.0%} of its elements are exactly zero for {len(ep)} recorded steps from "

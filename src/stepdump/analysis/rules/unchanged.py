@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import pandas as pd
 
@@ -11,6 +11,15 @@ from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules._frames import name_rows, nonfinite, optimized_params, skipped_steps, tensor_series
 from stepdump.analysis.rules.base import Rule, check_int, register_rule
 from stepdump.analysis.rules.params import _listed
+
+
+class _Unchanged(NamedTuple):
+    """One param whose recorded bytes never changed."""
+
+    name: str
+    first: int  # its first recorded step
+    last: int
+    steps: int  # recorded steps
 
 
 @register_rule
@@ -51,7 +60,7 @@ class UnchangedTensor(Rule):
         skipped = skipped_steps(run)
         groups = _group_of(run)
         grads = "grads" in run.kinds()
-        causes: dict[str, list[tuple[str, int, int, int]]] = {}  # cause -> (name, first step, last, steps)
+        causes: dict[str, list[_Unchanged]] = {}
         changed = set()
         for name, rows in tensor_series(run, "params"):  # one weight's rows at a time
             if name not in optimized or len(rows) < self.min_steps:
@@ -63,16 +72,16 @@ class UnchangedTensor(Rule):
             if all(s in skipped for s in steps[:-1]):
                 continue
             cause = _why_unchanged(run, name, grads, groups)
-            causes.setdefault(cause, []).append((name, steps[0], steps[-1], len(steps)))
+            causes.setdefault(cause, []).append(_Unchanged(name, steps[0], steps[-1], len(steps)))
         out = []
         for cause, hits in causes.items():
             nothing_trains = cause == "no_grad" and not changed and bool(groups)
             out.append(self._grouped(cause, hits, nothing_trains))
         return out
 
-    def _grouped(self, cause: str, hits: list[tuple[str, int, int, int]], nothing_trains: bool) -> Finding:
-        names = [h[0] for h in hits]
-        first, last, n = min(h[1] for h in hits), max(h[2] for h in hits), max(h[3] for h in hits)
+    def _grouped(self, cause: str, hits: list[_Unchanged], nothing_trains: bool) -> Finding:
+        names = [h.name for h in hits]
+        first, last, n = min(h.first for h in hits), max(h.last for h in hits), max(h.steps for h in hits)
         one = len(names) == 1
         them = f"param {names[0]!r} is" if one else f"{len(names)} params ({_listed(names)}) are"
         it = "it" if one else "they"
