@@ -99,10 +99,14 @@ def _verify_store(run: Any, progress: Callable[[int, int], None] | None) -> Veri
                 _check_tensor(raw, dtype, shape, fp, fp_kinds.get((kind, name), XXH3))  # type: ignore[call-overload]
         except CorruptDataError as e:
             try:
-                row = cat.blob_location(blob_id)
+                at = cat.blob_location(blob_id)
             except CorruptDataError:
-                row = None
-            where = f"blob {blob_id} ({row[0]} @ {row[1]})" if row else f"blob {blob_id}"
+                at = None
+            if at is None:
+                where = f"blob {blob_id}"
+            else:
+                segment, offset = at
+                where = f"blob {blob_id} ({segment} @ {offset})"
             report.problems.append(Problem(where, str(e), label))
         report.blobs_checked += 1
         if progress is not None:

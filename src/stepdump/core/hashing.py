@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -61,6 +61,23 @@ def _set_key(ts: list[torch.Tensor]) -> tuple[list[int], list[Any], list[Any]]:
     return list(map(torch.Tensor.data_ptr, ts)), list(map(_META, ts)), list(map(torch.Tensor.stride, ts))
 
 
+class _View(NamedTuple):
+    """A tensor's bytes as a view, and what proves it still covers them."""
+
+    data_ptr: int
+    dtype: torch.dtype
+    shape: torch.Size
+    view: memoryview
+
+
+class _SetViews(NamedTuple):
+    """A set of tensors' views (LiveHasher.fingerprint_all)."""
+
+    names: list[str]
+    key: tuple[list[int], list[Any], list[Any]]  # proves the views still cover them (_set_key)
+    views: list[memoryview]
+
+
 class LiveHasher:
     """Fingerprints of the same live tensors, again and again, at xxh3's own cost.
 
@@ -77,11 +94,10 @@ class LiveHasher:
     """
 
     def __init__(self) -> None:
-        # key -> (data_ptr, dtype, shape, view): one per key, so a replaced tensor's memory is let go.
-        self._views: dict[Hashable, tuple[int, torch.dtype, torch.Size, memoryview]] = {}
-        # The same for a whole set of tensors (fingerprint_all): their names, the key that proves
-        # the views still cover them (data pointers, dtypes and shapes, strides), the views.
-        self._set: tuple[list[str], tuple[list[int], list[Any], list[Any]], list[memoryview]] | None = None
+        # One view per key, so a replaced tensor's memory is let go.
+        self._views: dict[Hashable, _View] = {}
+        # The same for a whole set of tensors (fingerprint_all).
+        self._set: _SetViews | None = None
 
     def fingerprint_all(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int] | None:
         """name -> ``fingerprint`` of each of ``tensors`` (plain, contiguous, non-empty CPU tensors),
@@ -92,13 +108,13 @@ class LiveHasher:
         names = list(tensors)
         key = _set_key(ts)
         kept = self._set
-        if kept is None or kept[0] != names or kept[1] != key:
+        if kept is None or kept.names != names or kept.key != key:
             if not all(type(t) in PLAIN_TENSORS and t.layout == torch.strided and t.is_cpu and not t.is_quantized
                        and t.is_contiguous() and t.numel() > 0 for t in ts):
                 self._set = None
                 return None
-            kept = self._set = (names, key, [raw_bytes(t) for t in ts])
-        fps = np.fromiter(map(xxhash.xxh3_64_intdigest, kept[2]), dtype=np.uint64, count=len(ts))
+            kept = self._set = _SetViews(names, key, [raw_bytes(t) for t in ts])
+        fps = np.fromiter(map(xxhash.xxh3_64_intdigest, kept.views), dtype=np.uint64, count=len(ts))
         return dict(zip(names, fps.view(np.int64).tolist(), strict=True))
 
     def __call__(self, t: torch.Tensor, key: Hashable) -> int:
@@ -108,10 +124,10 @@ class LiveHasher:
                 or t.numel() == 0:
             return fingerprint(t)
         hit = self._views.get(key)
-        if hit is not None and hit[0] == t.data_ptr() and hit[1] == t.dtype and hit[2] == t.shape:
-            return signed64(xxhash.xxh3_64_intdigest(hit[3]))
+        if hit is not None and hit.data_ptr == t.data_ptr() and hit.dtype == t.dtype and hit.shape == t.shape:
+            return signed64(xxhash.xxh3_64_intdigest(hit.view))
         view = raw_bytes(t)
-        self._views[key] = (t.data_ptr(), t.dtype, t.shape, view)
+        self._views[key] = _View(t.data_ptr(), t.dtype, t.shape, view)
         return fingerprint_bytes(view)
 
 

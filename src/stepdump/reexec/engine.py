@@ -251,8 +251,9 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
     forwards.start(prep.forward_rng if forward_rng else None, prep.rng)
     try:
         with ExitStack() as stack:
-            if capture is not None and (capture[0] or capture[1]):
-                ex.captured = stack.enter_context(capturing(model, *capture))  # filled as the block ends
+            activations, activation_grads = capture or ([], [])
+            if activations or activation_grads:
+                ex.captured = stack.enter_context(capturing(model, activations, activation_grads))  # filled at its end
             if trace:
                 ex.ops = OpTracer(source=source)
                 with ex.ops.tracing(model):

@@ -151,9 +151,9 @@ def _export(run: Run, logdir: Path, scalars: bool, stats: Sequence[str] | None, 
                 if df.empty:
                     continue
                 df = df.assign(inf=df["posinf"] + df["neginf"])
-                for row in df[["step", "name", *stats]].itertuples(index=False):
-                    step, name = int(row[0]), row[1]
-                    for stat, value in zip(stats, row[2:], strict=True):
+                for row_step, name, *values in df[["step", "name", *stats]].itertuples(index=False):
+                    step = int(row_step)
+                    for stat, value in zip(stats, values, strict=True):
                         if value is None or math.isnan(value):
                             continue  # e.g. min/max/mean of a tensor with no finite value
                         writer.add_scalar(f"{kind}/{name}/{stat}", float(value), step, walltime=walltime.get(step))
