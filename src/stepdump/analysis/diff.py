@@ -48,8 +48,9 @@ from stepdump.core.hashing import XXH3, fingerprint_as, same_fingerprint
 from stepdump.errors import ConfigError, StepNotFoundError
 from stepdump.read.joint import is_joint
 from stepdump.read.reader import RunReader
-from stepdump.read.rows import fp_kind_map
+from stepdump.read.rows import Recorded, fp_kind_map
 from stepdump.store.format import Key
+from stepdump.store.records import as_records
 
 __all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "RngDiff", "TensorDiff", "compare_tensors", "diff"]
 
@@ -276,8 +277,8 @@ def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, .
     return scan
 
 
-def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, ...]],
-                   fb: dict[Key, tuple[Any, ...]], scan: _Scan, left_out: Ignore) -> None:
+def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, Recorded],
+                   fb: dict[Key, Recorded], scan: _Scan, left_out: Ignore) -> None:
     """The recorded state of ``step`` in both runs, where both have one (less what is left out).
     RNG streams that differ are noted in ``scan.rng``; only the rest can be the state's divergence."""
     sa = parse_state(run_a.catalog.step_state(step), f"step {step} of {run_a.path}")
@@ -285,8 +286,8 @@ def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, .
     if sa is None or sb is None:
         scan.state_missing += 1
         return
-    state_a = {n: v[:3] for (k, n), v in fa.items() if k == "state"}
-    state_b = {n: v[:3] for (k, n), v in fb.items() if k == "state"}
+    state_a = {n: (v.dtype, v.shape, v.fingerprint) for (k, n), v in fa.items() if k == "state"}
+    state_b = {n: (v.dtype, v.shape, v.fingerprint) for (k, n), v in fb.items() if k == "state"}
     if scan.fp_a or scan.fp_b:
         _state_across_kinds(run_a, run_b, step, fa, fb, state_a, state_b, scan)
     found, parts = state_differences(step, left_out.state(sa), left_out.state(sb), state_a, state_b)
@@ -302,12 +303,13 @@ def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, .
         scan.state_step, scan.state_diffs = step, computed
 
 
-def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, tuple[Any, ...]],
-                        rb: dict[Key, tuple[Any, ...]], atol: float, rtol: float, wanted: tuple[str, ...],
+def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, Recorded],
+                        rb: dict[Key, Recorded], atol: float, rtol: float, wanted: tuple[str, ...],
                         scan: _Scan) -> None:
     found = []
     for key in sorted(ra.keys() & rb.keys(), key=_order):
-        if key[0] not in wanted:
+        kind, name = key
+        if kind not in wanted:
             continue
         kind_a, kind_b = scan.fp_a.get(key, XXH3), scan.fp_b.get(key, XXH3)
         if kind_a != kind_b:  # an xxh3 and a dmix64 number say nothing of each other: the bytes decide
@@ -315,7 +317,7 @@ def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, tuple[A
             if not compared:
                 scan.kinds_differ += 1
                 if scan.kinds_differ_first is None:
-                    scan.kinds_differ_first = (step, key[0], key[1], kind_a, kind_b)
+                    scan.kinds_differ_first = (step, kind, name, kind_a, kind_b)
                 continue
             scan.keys.add(key)
             scan.checks += 1
@@ -324,9 +326,11 @@ def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, tuple[A
             continue
         scan.keys.add(key)
         scan.checks += 1
-        if ra[key][:3] == rb[key][:3]:  # same dtype, shape and bytes: equal, stored or not
+        a, b = ra[key], rb[key]
+        # same dtype, shape and bytes: equal, stored or not
+        if (a.dtype, a.shape, a.fingerprint) == (b.dtype, b.shape, b.fingerprint):
             continue
-        d = _tensor_diff(run_a, run_b, step, key, ra[key], rb[key], atol, rtol)
+        d = _tensor_diff(run_a, run_b, step, key, a, b, atol, rtol)
         if d is not None:
             found.append(d)
     if found:
@@ -371,64 +375,67 @@ def _kind_rank(kind: str) -> int:
 
 
 def _order(key: Key) -> tuple[int, str]:
-    return (_kind_rank(key[0]), key[1])
+    kind, name = key
+    return _kind_rank(kind), name
 
 
 def _names(run: Any, kinds: tuple[str, ...]) -> set[Key]:
     return {(k, n) for k, n in run.catalog.series_keys() if k in kinds}
 
 
-def _fingerprints(run: Any, steps: list[int]) -> dict[int, dict[Key, tuple[Any, ...]]]:
-    """step -> (kind, name) -> (dtype, shape, fingerprint, blob), every kind (``state`` too)."""
-    out: dict[int, dict[Key, tuple[Any, ...]]] = {}
-    for step, kind, name, dtype, shape, fp, blob in run.catalog.fingerprint_block(steps[0], steps[-1]):
-        out.setdefault(step, {})[(kind, name)] = (dtype, shape, fp, blob)
+def _fingerprints(run: Any, steps: list[int]) -> dict[int, dict[Key, Recorded]]:
+    """step -> (kind, name) -> what the record says of the tensor, every kind (``state`` too)."""
+    out: dict[int, dict[Key, Recorded]] = {}
+    block = run.catalog.fingerprint_block(steps[0], steps[-1])
+    facts = as_records(Recorded, [(r.dtype, r.shape, r.fingerprint, r.blob) for r in block])
+    for r, fact in zip(block, facts, strict=True):
+        out.setdefault(r.step, {})[(r.kind, r.name)] = fact
     return out
 
 
-def _tensor_diff(run_a: Any, run_b: Any, step: int, key: Key, a: tuple[Any, ...], b: tuple[Any, ...],
+def _tensor_diff(run_a: Any, run_b: Any, step: int, key: Key, a: Recorded, b: Recorded,
                  atol: float, rtol: float) -> TensorDiff | None:
     kind, name = key
-    if a[0] != b[0]:
+    if a.dtype != b.dtype:
         return TensorDiff(kind, name, "dtype")
-    if a[1] != b[1]:
+    if a.shape != b.shape:
         return TensorDiff(kind, name, "shape")
     try:  # stored (a blob): read by name, its fingerprint checked; a gradient log rebuilds the rest
         ta = run_a.tensor(name, step, kind)
         tb = run_b.tensor(name, step, kind)
     except StepNotFoundError:  # values not stored (nor rebuilt, verified) at this step
-        if a[3] is None or b[3] is None:
+        if a.blob is None or b.blob is None:
             return TensorDiff(kind, name, "fingerprint")
         raise
     return compare_tensors(kind, name, ta, tb, atol, rtol)
 
 
-def _across_kinds(run_a: Any, run_b: Any, step: int, key: Key, a: tuple[Any, ...], b: tuple[Any, ...],
+def _across_kinds(run_a: Any, run_b: Any, step: int, key: Key, a: Recorded, b: Recorded,
                   kind_a: str, kind_b: str, atol: float, rtol: float) -> tuple[TensorDiff | None, bool]:
     """(difference or None, whether compared) of one tensor whose fingerprints are of two kinds
     (docs/cuda.md, "Comparisons"): dtype and shape as usual; then the bytes where both runs
     stored them; where one did, its tensor fingerprinted under the other's kind; where neither
     did, not compared (never taken as equal, nor as different)."""
     kind, name = key
-    if a[0] != b[0]:
+    if a.dtype != b.dtype:
         return TensorDiff(kind, name, "dtype"), True
-    if a[1] != b[1]:
+    if a.shape != b.shape:
         return TensorDiff(kind, name, "shape"), True
-    if a[3] is not None and b[3] is not None:  # both stored: read (each checked under its own kind), compare
+    if a.blob is not None and b.blob is not None:  # both stored: read (each checked under its own kind), compare
         return compare_tensors(kind, name, run_a.tensor(name, step, kind), run_b.tensor(name, step, kind),
                                atol, rtol), True
-    if a[3] is None and b[3] is None:
+    if a.blob is None and b.blob is None:
         return None, False
-    if a[3] is not None:  # A's bytes under B's kind, against B's fingerprint
-        same = same_fingerprint(kind_b, fingerprint_as(kind_b, run_a.tensor(name, step, kind)), kind_b, b[2])
+    if a.blob is not None:  # A's bytes under B's kind, against B's fingerprint
+        same = same_fingerprint(kind_b, fingerprint_as(kind_b, run_a.tensor(name, step, kind)), kind_b, b.fingerprint)
     else:
-        same = same_fingerprint(kind_a, a[2], kind_a, fingerprint_as(kind_a, run_b.tensor(name, step, kind)))
+        same = same_fingerprint(kind_a, a.fingerprint, kind_a, fingerprint_as(kind_a, run_b.tensor(name, step, kind)))
     # Bytes differ and one side's values are unknown: the same answer as one kind's (_tensor_diff).
     return (None if same else TensorDiff(kind, name, "fingerprint")), True
 
 
-def _state_across_kinds(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[Any, ...]],
-                        fb: dict[Key, tuple[Any, ...]], state_a: dict[str, tuple[Any, ...]],
+def _state_across_kinds(run_a: Any, run_b: Any, step: int, fa: dict[Key, Recorded],
+                        fb: dict[Key, Recorded], state_a: dict[str, tuple[Any, ...]],
                         state_b: dict[str, tuple[Any, ...]], scan: _Scan) -> None:
     """Make the state's tensor refs of two fingerprint kinds comparable in place: where the
     bytes decide (:func:`_across_kinds`) B's entry becomes A's (equal) or stays (different);
@@ -440,7 +447,8 @@ def _state_across_kinds(run_a: Any, run_b: Any, step: int, fa: dict[Key, tuple[A
             continue
         d, compared = _across_kinds(run_a, run_b, step, key, fa[key], fb[key], kind_a, kind_b, 0.0, 0.0)
         if compared:  # equal: B's entry made A's; different: made unequal to any (dtype, shape, int)
-            state_b[ref] = state_a[ref] if d is None else (*state_b[ref][:2], f"{kind_b} {state_b[ref][2]}")
+            dtype, shape, fp = state_b[ref]
+            state_b[ref] = state_a[ref] if d is None else (dtype, shape, f"{kind_b} {fp}")
             continue
         state_b[ref] = state_a[ref]
         scan.kinds_differ += 1

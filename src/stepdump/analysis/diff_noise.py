@@ -136,6 +136,11 @@ def _values(run: Any, kinds: Sequence[str], scalar_left_out: Any) -> Values:
     return out
 
 
+def _same(x: _Value, y: _Value) -> bool:
+    """Bit for bit the same quantity: the same value (or norm) and fingerprint."""
+    return (x.value, x.fp) == (y.value, y.fp)
+
+
 def _num(v: float | None) -> float:
     return math.nan if v is None else float(v)
 
@@ -201,7 +206,8 @@ def _stage(steps: list[int], va: Values, vb: Values, reps: list[Values], alpha: 
             present[i, j] = True
             a[i, j], b[i, j] = _num(xa.value), _num(xb.value)
             r[:, i, j] = [_num(x.value) for x in xr]
-            if key[0] != "scalar" and xb.nonfinite != xa.nonfinite and all(x.nonfinite == xa.nonfinite for x in xr):
+            kind, _name = key
+            if kind != "scalar" and xb.nonfinite != xa.nonfinite and all(x.nonfinite == xa.nonfinite for x in xr):
                 events[i, j] = True
     all_nan = present & np.isnan(a) & np.isnan(r).all(axis=0)
     events |= all_nan & np.isfinite(b)
@@ -214,8 +220,9 @@ def _stage(steps: list[int], va: Values, vb: Values, reps: list[Values], alpha: 
 def _stage_row(st: _Stage, i: int, j: int, va: Values, vb: Values, reps: list[Values]) -> NoiseRow | None:
     """Row (i, j) of the tested stage; None where A, B and every repeat agree bit for bit."""
     step, key = st.steps[i], st.keys[j]
+    kind, name = key
     xa, xb = va[step][key], vb[step][key]
-    if all(v[step][key][:2] == xa[:2] for v in reps) and xb[:2] == xa[:2]:
+    if all(_same(v[step][key], xa) for v in reps) and _same(xb, xa):
         return None
     fa, fb = float(st.a[i, j]), float(st.b[i, j])
     d = abs(fb - fa) if not (math.isnan(fa) or math.isnan(fb)) else (0.0 if math.isnan(fa) and math.isnan(fb)
@@ -224,8 +231,8 @@ def _stage_row(st: _Stage, i: int, j: int, va: Values, vb: Values, reps: list[Va
     tested = bool(np.isfinite(st.test.sd[i, j]))
     spread = float(st.test.sd[i, j]) if tested else math.inf
     score = math.inf if event else float(st.test.score[i, j]) if tested else 0.0
-    measure = "non-finite" if event else "value" if key[0] == "scalar" else "norm"
-    return NoiseRow(step, key[0], key[1], measure, xa.value, xb.value, d, spread, score,
+    measure = "non-finite" if event else "value" if kind == "scalar" else "norm"
+    return NoiseRow(step, kind, name, measure, xa.value, xb.value, d, spread, score,
                     event or bool(st.test.exceeded[i, j]))
 
 
@@ -263,8 +270,9 @@ def noise_diff(run_a: Any, run_b: Any, noise: Sequence[Any], kinds: Sequence[str
         keys = _common_keys(step, va, vb, reps)
         keys_seen |= keys
         for key in sorted(keys):
-            result.coverage.tensor_checks += key[0] != "scalar"
-            if key[0] != "scalar" and fp_kind(vb[step][key]) != fp_kind(va[step][key]):
+            kind, _name = key
+            result.coverage.tensor_checks += kind != "scalar"
+            if kind != "scalar" and fp_kind(vb[step][key]) != fp_kind(va[step][key]):
                 cov = result.coverage  # bytes not compared: never "identical" (diff_result.Coverage)
                 cov.fp_kinds_differ += 1
                 if cov.fp_kinds_differ_first is None:

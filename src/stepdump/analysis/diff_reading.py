@@ -250,7 +250,8 @@ def _eg(names: list[Any]) -> str:
 
 
 def _name(key: Any) -> str:
-    return f"{key[0]} {key[1]}"
+    kind, name = key
+    return f"{kind} {name}"
 
 
 def _steps(steps: list[int]) -> str:
