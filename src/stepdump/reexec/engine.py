@@ -240,7 +240,7 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
     ex = Execution()
 
     def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if any(k[0] == GRADS for k in ex.fps):
+        if any(kind == GRADS for kind, _ in ex.fps):
             return  # a second step() in one iteration: the first is the recorded update
         for (kind, name), t in _live_tensors(layout, opt).items():
             if kind == "grads":
@@ -296,7 +296,12 @@ def differing(a: dict[Key, int], b: dict[Key, int], *, both: bool = True) -> lis
     """Keys whose fingerprints differ, in the order of the iteration (loss, grads, then the update).
     ``both``: only keys present on both sides (else a key missing on either side differs too)."""
     keys = (set(a) & set(b)) if both else (set(a) | set(b))
-    return sorted((k for k in keys if a.get(k) != b.get(k)), key=lambda k: (ORDER.get(k[0], 9), k[1]))
+    return sorted((k for k in keys if a.get(k) != b.get(k)), key=_in_iteration_order)
+
+
+def _in_iteration_order(key: Key) -> tuple[int, str]:
+    kind, name = key
+    return ORDER.get(kind, 9), name
 
 
 def first_nonfinite(ex: Execution) -> OpRecord | None:

@@ -62,7 +62,7 @@ def compare(run: Any, step: int, fps: dict[Key, int], fp_kinds: dict[tuple[str, 
     under ``fp_kinds``: this rank's series that are not xxh3): the ranks that agree, the first
     differing grad of each other rank, and notes (a rank without grads there, grads whose
     fingerprint kinds differ: not compared)."""
-    mine = {k: v for k, v in fps.items() if k[0] == GRADS}
+    mine = {(kind, n): v for (kind, n), v in fps.items() if kind == GRADS}
     kinds = fp_kinds or {}
     agree: list[int] = []
     differ: dict[int, Key] = {}
@@ -78,8 +78,8 @@ def compare(run: Any, step: int, fps: dict[Key, int], fp_kinds: dict[tuple[str, 
             notes.append(f"rank {rank}: {len(apart)} grad(s) not compared across ranks (first {apart[0]!r}): "
                          f"fingerprint kinds differ ({other.get(('grads', apart[0]), XXH3)} on rank {rank}, "
                          f"{kinds.get(('grads', apart[0]), XXH3)} here)")
-            theirs = {k: v for k, v in theirs.items() if k[1] not in apart}
-            mine_here = {k: v for k, v in mine.items() if k[1] not in apart}
+            theirs = {(kind, n): v for (kind, n), v in theirs.items() if n not in apart}
+            mine_here = {(kind, n): v for (kind, n), v in mine.items() if n not in apart}
             bad = differing(mine_here, theirs, both=False)
             if bad:
                 differ[rank] = bad[0]
@@ -97,5 +97,5 @@ def summary_line(step: int, rank: int, agree: list[int], differ: dict[int, Key])
     parts = []
     if agree:
         parts.append(f"rank{'s' if len(agree) > 1 else ''} {', '.join(map(str, agree))} agree")
-    parts += [f"rank {r} differs, first at {k[0]} {k[1]!r}" for r, k in sorted(differ.items())]
+    parts += [f"rank {r} differs, first at {kind} {name!r}" for r, (kind, name) in sorted(differ.items())]
     return f"  across ranks (step {step}'s reduced grads, re-executed on rank {rank}): " + "; ".join(parts)

@@ -355,20 +355,21 @@ def _judge(run: Any, step: int, prep: Any, runs: list[Any], batch: Any, model: t
             result.op_reason = "op not traced (--no-trace / trace=False): re-execute with tracing to name it"
         return result
     against = differing(runs[0].fps, record)
-    missing = [k for k in record if k not in runs[0].fps and k[0] != "loss"]
+    missing = [(kind, name) for kind, name in record if (kind, name) not in runs[0].fps and kind != "loss"]
     if step + 1 not in set(run.stats_steps):
         result.notes.append(f"step {step + 1} has no record: the params and optimizer state the update left were "
                             "not compared")
     if missing:
+        first_kind, first_name = missing[0]
         result.notes.append(f"{len(missing)} recorded quantities were not computed by the re-execution "
-                            f"(first: {missing[0][0]} {missing[0][1]!r})")
+                            f"(first: {first_kind} {first_name!r})")
     if against:
         result.verdict, result.differing, result.first = DIFFERS, against, against[0]
         result.environment = environment_difference(run.meta, model)
         result.cause = "environment" if result.environment else UNDETERMINED  # reexecute() weighs the evidence
         if repeat < 2:
             result.notes.append("re-executed once: with repeat=2 or more, nondeterminism here would be told apart")
-    if loss is not None and not any(k[0] == "loss" for k in record):
+    if loss is not None and not any(kind == "loss" for kind, _ in record):
         logged = [v for _, name, v in run.scalar_rows(step) if name == loss]
         if logged:  # a logged NaN is stored as NULL (Run.scalar_rows)
             result.notes.append(f"the loss logged at step {step} was NaN: it was not compared bit for bit (the "
@@ -419,8 +420,9 @@ def unexcluded(run: Any, step: int, prep: Any, runs: list[Any], result: ReexecRe
     likely first (empty: every one excluded, so the record itself is suspect). Each cause is
     excluded only by its evidence (docs/reexecute.md, "Causes and their evidence"). ``batch_given``:
     train_step was handed a batch (else it drew its own, redoing every draw of the iteration)."""
-    kinds = {k[0] for k in result.differing}
-    loss_first = result.first is not None and result.first[0] == LOSS
+    kinds = {kind for kind, _ in result.differing}
+    first_kind, _ = result.first if result.first is not None else (None, None)
+    loss_first = first_kind == LOSS
     only_update = not kinds & {LOSS, GRADS}  # the loss and every grad reproduce; only what the update left differs
     found: list[tuple[int, str]] = []  # (rank: lower is more likely, cause)
     ex = runs[0]
@@ -451,9 +453,9 @@ def unexcluded(run: Any, step: int, prep: Any, runs: list[Any], result: ReexecRe
     if result.repeats < 2:
         found.append((3, "nondeterminism here: re-executed once (repeat=2 or more tells it apart)"))
     if found:
-        grads = [k for k in result.differing if k[0] == GRADS]
+        grads = [name for kind, name in result.differing if kind == GRADS]
         if LOSS not in kinds and len(grads) == 1:  # the loss and every other grad reproduce: one recorded grad is off
-            found.append((-1, f"silent data corruption at record time: only grads {grads[0][1]!r} differs, while the "
+            found.append((-1, f"silent data corruption at record time: only grads {grads[0]!r} differs, while the "
                               "loss and every other grad reproduce"))
         else:
             found.append((9, "silent data corruption at record time"))
