@@ -304,7 +304,7 @@ def noise_diff(run_a: Any, run_b: Any, noise: Sequence[Any], kinds: Sequence[str
     if st is not None:
         nd.rows.extend(_stage_rows(st, first, va, vb, reps))
 
-    result.coverage.tensors = len({k for k in keys_seen if k[0] != "scalar"})
+    result.coverage.tensors = sum(kind != "scalar" for kind, _ in keys_seen)
     result.coverage.kinds = sorted({k for k, _ in keys_seen if k != "scalar"})
     result.coverage.scalars = sorted(n for k, n in keys_seen if k == "scalar")
     result.first_step = first

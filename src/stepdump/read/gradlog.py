@@ -228,7 +228,7 @@ class GradientLog:
         if not (isinstance(meta, dict) and all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v)
                                                for v in meta.values())):
             raise CorruptDataError(f"meta 'joint_foreign' in the catalog of {self._run.path} is malformed")
-        return {n: (v[0], v[1]) for n, v in meta.items()}
+        return {n: (pair, name) for n, (pair, name) in meta.items()}
 
     def _borrow(self, name: str, step: int) -> torch.Tensor:
         """Param ``name`` at ``step``, from the pair whose optimizer updates it (its record at the
