@@ -48,9 +48,9 @@ from stepdump.core.hashing import XXH3, fingerprint_as, same_fingerprint
 from stepdump.errors import ConfigError, StepNotFoundError
 from stepdump.read.joint import is_joint
 from stepdump.read.reader import RunReader
-from stepdump.read.rows import Recorded, fp_kind_map
+from stepdump.read.rows import fp_kind_map
 from stepdump.store.format import Key
-from stepdump.store.records import as_records
+from stepdump.store.queries import FingerprintRow
 
 __all__ = ["KIND_ORDER", "Coverage", "DiffResult", "Difference", "RngDiff", "TensorDiff", "compare_tensors", "diff"]
 
@@ -277,8 +277,8 @@ def _scan(run_a: Any, run_b: Any, atol: float, rtol: float, wanted: tuple[str, .
     return scan
 
 
-def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, Recorded],
-                   fb: dict[Key, Recorded], scan: _Scan, left_out: Ignore) -> None:
+def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, FingerprintRow],
+                   fb: dict[Key, FingerprintRow], scan: _Scan, left_out: Ignore) -> None:
     """The recorded state of ``step`` in both runs, where both have one (less what is left out).
     RNG streams that differ are noted in ``scan.rng``; only the rest can be the state's divergence."""
     sa = parse_state(run_a.catalog.step_state(step), f"step {step} of {run_a.path}")
@@ -303,8 +303,8 @@ def _compare_state(run_a: Any, run_b: Any, step: int, fa: dict[Key, Recorded],
         scan.state_step, scan.state_diffs = step, computed
 
 
-def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, Recorded],
-                        rb: dict[Key, Recorded], atol: float, rtol: float, wanted: tuple[str, ...],
+def _compare_tensors_at(run_a: Any, run_b: Any, step: int, ra: dict[Key, FingerprintRow],
+                        rb: dict[Key, FingerprintRow], atol: float, rtol: float, wanted: tuple[str, ...],
                         scan: _Scan) -> None:
     found = []
     for key in sorted(ra.keys() & rb.keys(), key=_order):
@@ -383,17 +383,15 @@ def _names(run: Any, kinds: tuple[str, ...]) -> set[Key]:
     return {(k, n) for k, n in run.catalog.series_keys() if k in kinds}
 
 
-def _fingerprints(run: Any, steps: list[int]) -> dict[int, dict[Key, Recorded]]:
+def _fingerprints(run: Any, steps: list[int]) -> dict[int, dict[Key, FingerprintRow]]:
     """step -> (kind, name) -> what the record says of the tensor, every kind (``state`` too)."""
-    out: dict[int, dict[Key, Recorded]] = {}
-    block = run.catalog.fingerprint_block(steps[0], steps[-1])
-    facts = as_records(Recorded, [(r.dtype, r.shape, r.fingerprint, r.blob) for r in block])
-    for r, fact in zip(block, facts, strict=True):
-        out.setdefault(r.step, {})[(r.kind, r.name)] = fact
+    out: dict[int, dict[Key, FingerprintRow]] = {}
+    for r in run.catalog.fingerprint_block(steps[0], steps[-1]):
+        out.setdefault(r.step, {})[(r.kind, r.name)] = r
     return out
 
 
-def _tensor_diff(run_a: Any, run_b: Any, step: int, key: Key, a: Recorded, b: Recorded,
+def _tensor_diff(run_a: Any, run_b: Any, step: int, key: Key, a: FingerprintRow, b: FingerprintRow,
                  atol: float, rtol: float) -> TensorDiff | None:
     kind, name = key
     if a.dtype != b.dtype:
@@ -410,7 +408,7 @@ def _tensor_diff(run_a: Any, run_b: Any, step: int, key: Key, a: Recorded, b: Re
     return compare_tensors(kind, name, ta, tb, atol, rtol)
 
 
-def _across_kinds(run_a: Any, run_b: Any, step: int, key: Key, a: Recorded, b: Recorded,
+def _across_kinds(run_a: Any, run_b: Any, step: int, key: Key, a: FingerprintRow, b: FingerprintRow,
                   kind_a: str, kind_b: str, atol: float, rtol: float) -> tuple[TensorDiff | None, bool]:
     """(difference or None, whether compared) of one tensor whose fingerprints are of two kinds
     (docs/cuda.md, "Comparisons"): dtype and shape as usual; then the bytes where both runs
@@ -434,8 +432,8 @@ def _across_kinds(run_a: Any, run_b: Any, step: int, key: Key, a: Recorded, b: R
     return (None if same else TensorDiff(kind, name, "fingerprint")), True
 
 
-def _state_across_kinds(run_a: Any, run_b: Any, step: int, fa: dict[Key, Recorded],
-                        fb: dict[Key, Recorded], state_a: dict[str, tuple[Any, ...]],
+def _state_across_kinds(run_a: Any, run_b: Any, step: int, fa: dict[Key, FingerprintRow],
+                        fb: dict[Key, FingerprintRow], state_a: dict[str, tuple[Any, ...]],
                         state_b: dict[str, tuple[Any, ...]], scan: _Scan) -> None:
     """Make the state's tensor refs of two fingerprint kinds comparable in place: where the
     bytes decide (:func:`_across_kinds`) B's entry becomes A's (equal) or stays (different);
