@@ -43,6 +43,7 @@ from workloads import gpt  # noqa: E402
 from workloads_tiny import nanogpt_tiny  # noqa: E402
 
 from stepdump.capture.lean import lean_rows  # noqa: E402
+from stepdump.capture.step_state import Entry  # noqa: E402
 
 log = logging.getLogger("lean_summaries")
 SMALL = 4096  #: lean steps measure every stat up to this many elements
@@ -104,7 +105,7 @@ def measure(name: str, make: Callable[[], Any], reps: int) -> dict[str, Any]:
 
     w.step(grab)
     tensors = [t for _, t in grabbed]
-    entries = [(k.split("/", 1)[0], k.split("/", 1)[1], t, False, None, None) for k, t in grabbed]
+    entries = [Entry(k.split("/", 1)[0], k.split("/", 1)[1], t, False) for k, t in grabbed]
     numels = [t.numel() for t in tensors]
     out: dict[str, Any] = {"workload": w.title, "tensors": len(tensors), "elements": sum(numels),
                            "large_tensors": sum(n > SMALL for n in numels),
