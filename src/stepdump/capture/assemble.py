@@ -24,7 +24,7 @@ import torch
 from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
-from stepdump.capture.step_state import Entry, StateBefore, full_state, state_json, tensor_entries
+from stepdump.capture.step_state import Entry, StateBefore, full_state, state_json, stored_in_full, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch, fingerprints
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, STATE_AFTER_UPDATE
 from stepdump.store.records import as_records
@@ -235,7 +235,7 @@ class Assembler:
             def in_full(e: Entry) -> bool:
                 return (e.kind == "grads" and self.gradlog) or (e.kind == "params" and e.full)
             if self.gradlog or outside:
-                stored = [e._replace(full=True) for e in entries if in_full(e)]
+                stored = stored_in_full([e for e in entries if in_full(e)])
                 lean = [e for e in entries if e.kind in _LEAN_KINDS and not in_full(e)]
             else:  # nothing stored in full (no entry is full at a stats-only step): no call per tensor
                 stored, lean = [], [e for e in entries if e.kind in _LEAN_KINDS]

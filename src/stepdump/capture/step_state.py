@@ -8,13 +8,14 @@ back what :func:`state_json` writes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 from stepdump.core.layout import Layout
 from stepdump.errors import StepdumpError
+from stepdump.store.records import as_records
 
 
 def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: object, scaler: object,
@@ -51,6 +52,12 @@ class Entry(NamedTuple):
     full: bool  # its bytes are stored; False: its stats and fingerprint only
     param: str | None = None  # optimizer state: the param it belongs to
     key: str | None = None  # optimizer state: its key in that param's state ("exp_avg")
+
+
+def stored_in_full(entries: Iterable[Entry]) -> list[Entry]:
+    """``entries``, each with its bytes stored (``e._replace(full=True)`` without its Python calls
+    per entry: a gradient log stores every step's grads so, on the training thread)."""
+    return as_records(Entry, [(e.kind, e.name, e.tensor, True, e.param, e.key) for e in entries])
 
 
 def tensor_entries(layout: Layout, optimizer: torch.optim.Optimizer, kinds: tuple[str, ...],
