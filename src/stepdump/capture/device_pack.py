@@ -25,15 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepdump.capture.packed import LeanRow
+from stepdump.capture.packed import LeanRow, RowHead
 from stepdump.capture.step_state import Entry
 from stepdump.core.device_lean import DEVICE_FP_KIND, fused_module, lean_pack, reference_pack
 from stepdump.core.dtypes import dtype_name
 from stepdump.core.stats import STATS_LEN
 from stepdump.store.format import format_shape
+from stepdump.store.records import as_records
 
-# (kind, name, param, key, stored dtype, shape) of one row
-Head = tuple[str, str, "str | None", "str | None", str, str]
 
 
 @dataclass
@@ -41,7 +40,7 @@ class DevicePack:
     """A lean step's rows on their way to the writer: the heads, and the pinned host tensor that
     the side stream's copy fills (read only after the slot's event has fired)."""
 
-    heads: list[Head]
+    heads: list[RowHead]
     host: torch.Tensor  # (n, STATS_LEN + 1) int64, pinned
 
 
@@ -64,7 +63,7 @@ class Prepared:
     """A lean step's entries ready to pack on the device (:meth:`DeviceLean.prepare`)."""
 
     tensors: list[torch.Tensor]
-    heads: list[Head]
+    heads: list[RowHead]
     plan: Any  # device_lean_triton's tables of the structure, or None: the torch-ops reference packs them
     ptrs: tuple[int, ...]  # the tensors' data pointers
 
@@ -90,7 +89,7 @@ class DeviceLean:
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
         self._layout: tuple[list[Any], ...] | None = None  # the last structure taken, its heads and tables
-        self._heads: list[Head] = []
+        self._heads: list[RowHead] = []
         self._plan: Any = None
 
     def prepare(self, entries: list[Entry]) -> Prepared | None:
@@ -127,7 +126,7 @@ def _bind(ts: list[torch.Tensor], device_type: str) -> Any:
     return None if fused is None else fused.bind(ts)
 
 
-def heads(entries: list[Entry]) -> list[Head]:
+def heads(entries: list[Entry]) -> list[RowHead]:
     """The rows' heads: series names, and dtype and shape as the catalog writes them (the entries
     are dense: the sparse ones were staged apart). On the training thread, once a step: C-level
     maps over the list, the texts made once per dtype and shape, not per tensor."""
@@ -142,9 +141,9 @@ class HeadsCache:
 
     def __init__(self) -> None:
         self._key: tuple[list[Any], ...] | None = None
-        self._heads: list[Head] = []
+        self._heads: list[RowHead] = []
 
-    def __call__(self, entries: list[Entry]) -> list[Head]:
+    def __call__(self, entries: list[Entry]) -> list[RowHead]:
         ts = list(map(_TENSOR, entries))
         key = (list(map(_KIND, entries)), list(map(_NAME, entries)), list(map(_PARAM, entries)),
                list(map(_KEY, entries)), list(map(_DTYPE, ts)), list(map(_SHAPE, ts)))
@@ -155,8 +154,8 @@ class HeadsCache:
 
 
 def _make_heads(kinds: list[str], names: list[str], params: list[str | None], keys: list[str | None],
-                dtypes: list[torch.dtype], shapes: list[torch.Size]) -> list[Head]:
-    return list(zip(kinds, names, params, keys, map(_dtype_text, dtypes), map(_shape_text, shapes)))
+                dtypes: list[torch.dtype], shapes: list[torch.Size]) -> list[RowHead]:
+    return as_records(RowHead, zip(kinds, names, params, keys, map(_dtype_text, dtypes), map(_shape_text, shapes)))
 
 
 _KIND, _NAME, _TENSOR, _FULL, _PARAM, _KEY = map(operator.attrgetter, Entry._fields)
@@ -196,7 +195,7 @@ def rows(pack: DevicePack) -> list[LeanRow]:
             for head, stats, fp in zip(pack.heads, zip(*counts, *rest), fps)]
 
 
-_H_DTYPE, _H_SHAPE = operator.itemgetter(4), operator.itemgetter(5)
+_H_DTYPE, _H_SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 def catalog_rows(pack: DevicePack, step: int | None, series: list[int], keep: list[bool] | None = None) -> list[tuple]:

@@ -49,7 +49,8 @@ from typing import Any
 import torch
 import xxhash
 
-from stepdump.capture.packed import CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, packable, packed_rows
+from stepdump.capture.packed import (CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, RowHead, packable,
+                                     packed_rows)
 from stepdump.capture.staging import storable
 from stepdump.capture.step_state import Entry
 from stepdump.core.dtensor import local_part
@@ -58,6 +59,7 @@ from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import LiveHasher, fingerprint, signed64
 from stepdump.core.stats import StatsTuple, compute_stats
 from stepdump.store.format import format_shape
+from stepdump.store.records import as_records
 
 log = logging.getLogger(__name__)
 
@@ -127,18 +129,15 @@ def as_dmix64(rows: Sequence[LeanRow], entries: Sequence[Entry], warned: set[tup
     return out
 
 
-Head = tuple[str, str, "str | None", "str | None", str, str]  # a LeanRow's fields before stats and fp
-
-
 def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[list[Entry], Callable[[], list[LeanRow]]]:
     """Copy the packable tensors among ``entries`` now (one ``torch.cat`` per batch); return the
     others (storable ones, each with its tensor as stored) and a function that gives the copies'
     rows, as of now, on any thread, later. The copy is the only work done here: the training
     thread can take a snapshot and leave its description to the worker."""
     rest: list[Entry] = []
-    batches: dict[torch.dtype, list[tuple[Head, torch.Tensor]]] = {}
+    batches: dict[torch.dtype, list[tuple[tuple, torch.Tensor]]] = {}  # a RowHead's fields, the tensor
     sizes: dict[torch.dtype, int] = {}
-    done: list[tuple[list[Head], torch.Tensor, list[int]]] = []
+    done: list[tuple[list[RowHead], torch.Tensor, list[int]]] = []
     with torch.no_grad():
         for e in entries:
             t = storable(e.kind, e.name, local_part(e.tensor.detach()), warned)
@@ -157,7 +156,7 @@ def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[li
 
     def describe() -> list[LeanRow]:  # packed.packed_rows: a few vectorised passes per batch
         return [LeanRow(*head, *got) for heads, buf, ns in done
-                for head, got in zip(heads, zip(*packed_rows([kind for kind, *_ in heads], buf, ns)), strict=True)]
+                for head, got in zip(heads, zip(*packed_rows([h.kind for h in heads], buf, ns)), strict=True)]
 
     return rest, describe
 
@@ -166,11 +165,11 @@ _PACK = PACK  # elements per packed batch (packed.py)
 _packable = packable
 
 
-def _pack(batch: list[tuple[Head, torch.Tensor]]) -> tuple[list[Head], torch.Tensor, list[int]]:
+def _pack(batch: list[tuple[tuple, torch.Tensor]]) -> tuple[list[RowHead], torch.Tensor, list[int]]:
     """One private copy of a batch's tensors, end to end: (their row heads, the copy, their sizes)."""
     flat = [t.reshape(-1) for _h, t in batch]
     buf = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-    return [h for h, _t in batch], buf, [f.numel() for f in flat]
+    return as_records(RowHead, [h for h, _t in batch]), buf, [f.numel() for f in flat]
 
 
 def _stats_and_fp(kind: str, t: torch.Tensor,

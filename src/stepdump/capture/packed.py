@@ -74,6 +74,17 @@ class LeanRow(NamedTuple):
     fp_kind: str | None = None  # None: xxh3 (core.hashing); "dmix64": computed on the device (capture/device_pack.py)
 
 
+class RowHead(NamedTuple):
+    """A :class:`LeanRow`'s fields before its stats and fingerprint (``LeanRow(*head, stats, fp)``)."""
+
+    kind: str
+    name: str
+    param: str | None
+    key: str | None
+    dtype: str  # as stored (core.dtypes.stored_dtype)
+    shape: str  # as the catalog writes it (store.format.format_shape)
+
+
 def packable(t: torch.Tensor) -> bool:
     """Whether ``t`` (a storable tensor) is described in a packed batch."""
     return t.dtype in FUSED_DTYPES and 0 < t.numel() <= CHUNK and t.layout == torch.strided and t.device.type == "cpu"

@@ -12,8 +12,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from stepdump.capture.device_pack import DevicePack, Head, catalog_rows
-from stepdump.capture.packed import LeanRow, Snapshot, describe_all
+from stepdump.capture.device_pack import DevicePack, catalog_rows
+from stepdump.capture.packed import LeanRow, RowHead, Snapshot, describe_all
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND
 from stepdump.store.catalog import CatalogWriter
 
@@ -23,7 +23,7 @@ log = logging.getLogger("stepdump.capture.writer")
 class _DeviceSeries(NamedTuple):
     """The series ids of one device pack's heads, valid while heads, catalog and generation match."""
 
-    heads: list[Head]
+    heads: list[RowHead]
     catalog: CatalogWriter
     generation: int  # the catalog's series_generation when the ids were looked up
     sids: list[int]
@@ -67,7 +67,7 @@ class LeanRows:
             sids: list[int] = []
             keep: list[bool] = []
             for head in pack.heads:
-                sid = cat.series_id(head[0], head[1], head[2], head[3], DEVICE_FP_KIND)
+                sid = cat.series_id(head.kind, head.name, head.param, head.key, DEVICE_FP_KIND)
                 have = cat.fp_kind(sid)
                 if have != DEVICE_FP_KIND:
                     self._other_kind(have, LeanRow(*head, (), 0, DEVICE_FP_KIND))  # type: ignore[arg-type]
