@@ -236,11 +236,11 @@ def test_a_params_read_hashes_the_params_and_a_later_optimizer_read_of_that_step
     """state_dict() at a rebuilt step checks the params only (the optimizer state is not handed
     out); reading the optimizer state of that same step afterwards checks it there, without
     re-applying anything or hashing the params again; both bitwise. Counted in elements hashed."""
-    from stepdump.read import gradlog_parts, rows
+    from stepdump.read import gradlog_check, rows
 
     path, snaps = logs["adam"]
     hashed = [0]
-    for module in (gradlog_parts, rows):
+    for module in (gradlog_check, rows):
         real = module.fingerprint
 
         def counted(t: torch.Tensor, real: Any = real) -> int:

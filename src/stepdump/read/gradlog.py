@@ -31,10 +31,21 @@ update t runs (pread, xxh3 and torch's kernels let go of the GIL): an update cos
 of the two, not their sum. The worker is the read call's own, joined when it ends however it
 ends; what it could not read and verify the reading thread reads itself, raising the errors a
 read without a worker raises. The keyframe is read once into the tensors the optimizer steps
-(its params and the first update's grads on the worker, beside the optimizer state:
-gradlog_keyframe.py), and the verified state is handed out from the chain itself (the cached
-state is dropped, not copied, when the chain moves on). The catalog is read a window of steps at a
-time (gradlog_window.py), and the check at the target step hashes half its bytes on the worker.
+(its params and the first update's grads on the worker, beside the optimizer state), and the
+verified state is handed out from the chain itself (the cached state is dropped, not copied,
+when the chain moves on). The catalog is read a window of steps at a time, and the check at the
+target step hashes half its bytes on the worker.
+
+This module is the engine; its collaborators, one idea each:
+
+- gradlog_chain.py: the chain (stand-in params, live optimizer) and its grads read ahead;
+- gradlog_keyframe.py: a chain's start, loaded from a keyframe;
+- gradlog_window.py: the catalog facts of the updates, a window of steps at a time;
+- gradlog_check.py: hashing a chain's state once to compare it with its record;
+- gradlog_snapshot.py: the verified state of one step, cached and handed out;
+- gradlog_budget.py: what a read call's rebuild may cost, checked before the work;
+- gradlog_verify.py: ``stepdump verify`` of every segment;
+- gradlog_why.py: why a rebuild cannot run, or does not reproduce its record.
 """
 
 from __future__ import annotations
@@ -57,29 +68,24 @@ from stepdump.errors import (
     nearest_steps,
 )
 from stepdump.read.blobs import check_layout
-from stepdump.read.gradlog_parts import (
+from stepdump.read.gradlog_budget import RebuildBudget
+from stepdump.read.gradlog_chain import (
     REBUILT_KINDS,
     Chain,
     GroupsChanged,
-    SegmentReport,
-    Snapshot,
-    Trusted,
-    copied,
-    fingerprints,
     grad_buffer,
     halves,
-    live,
     read_ahead,
     ready_grads,
-    refusal_of,
-    take,
 )
+from stepdump.read.gradlog_check import Trusted, fingerprints, live
 from stepdump.read.gradlog_keyframe import read_tensor, start_chain
-from stepdump.read.state import assemble_model_state, assemble_optimizer_state
-from stepdump.read.gradlog_budget import RebuildBudget
-from stepdump.read.gradlog_why import mismatch_cause
+from stepdump.read.gradlog_snapshot import Snapshot, copied, take
+from stepdump.read.gradlog_verify import SegmentReport, verify_segments
+from stepdump.read.gradlog_why import mismatch_cause, refusal_of
 from stepdump.read.gradlog_window import Window
 from stepdump.read.rows import Recorded, differs_from_row
+from stepdump.read.state import assemble_model_state, assemble_optimizer_state
 from stepdump.store.format import (
     LEVEL_FULL,
     LEVEL_STATS,
@@ -119,9 +125,14 @@ class GradientLog:
         self._chain: Chain | None = None
         self._snapshot: Snapshot | None = None
         self._refusal: RebuildError | None | bool = False  # False: not decided yet
-        self._pool: ThreadPoolExecutor | None = None  # the worker of the read call under way (_overlap)
+        self._pool: ThreadPoolExecutor | None = None  # the worker of the read call under way (read_call)
         self._window = Window(run, blobs)  # the catalog facts of the updates, a window of steps at a time
         self.updates_applied = 0  # optimizer steps re-run so far (what a read costs)
+
+    @property
+    def run(self) -> Run:
+        """The run read from."""
+        return self._run
 
     def close(self) -> None:
         """Drop the cached rebuild (the run is closing): its params, optimizer state and buffers."""
@@ -257,13 +268,11 @@ class GradientLog:
         """Re-apply every segment's recorded updates, keyframe to next keyframe, checking every step
         that has fingerprints: what ``stepdump verify`` adds for a gradient log (gradlog_verify.py).
         ``progress(done, total)``: after each segment."""
-        from stepdump.read.gradlog_verify import verify_segments
-
         return verify_segments(self, progress)
 
     # -- the chain -------------------------------------------------------------------
     @contextmanager
-    def _overlap(self) -> Iterator[RebuildBudget]:
+    def read_call(self) -> Iterator[RebuildBudget]:
         """The worker thread of one read call (``read_ahead``: the next update's grads), joined when
         the call ends, however it ends: no thread outlives a read, no buffer is written after; and
         the call's budget of rebuild work (gradlog_budget.py)."""
@@ -283,11 +292,11 @@ class GradientLog:
         snap = self._snapshot
         if snap is not None and snap.step == step and kind in snap.verified:
             return snap
-        with self._overlap() as budget:
+        with self.read_call() as budget:
             return self._rebuild(step, kind, budget)
 
     def _rebuild(self, step: int, kind: str, budget: RebuildBudget) -> Snapshot:
-        """:meth:`_state` past its cache, in the read call's :meth:`_overlap`."""
+        """:meth:`_state` past its cache, in the read call's :meth:`read_call`."""
         refusal = self.refusal()
         if refusal is not None:
             raise refusal
@@ -343,9 +352,15 @@ class GradientLog:
             budget.reserve(self._run, k, step - 1, step)
         except ReadBudgetError:
             return
+        self.replay(k, step)
+
+    def replay(self, k: int, end: int) -> None:
+        """Start a chain at keyframe ``k`` and re-apply its updates up to step ``end``, checking every
+        step that has fingerprints (raises :class:`RebuildError` at the first that differs). Within
+        a :meth:`read_call` whose budget has reserved the updates; the cached chain stays as it is."""
         chain = self._start(k)
-        while chain.step < step:
-            self._advance(chain, target=step, check=True)
+        while chain.step < end:
+            self._advance(chain, target=end, check=True)
 
     def _read(self, blob: Any, dtype: Any, shape: Any, fp: int, trusted: Trusted | None = None,
               fp_kind: str = XXH3) -> torch.Tensor:
@@ -354,7 +369,8 @@ class GradientLog:
 
     def _start(self, k: int) -> Chain:
         """Stand-in params and a fresh optimizer loaded with keyframe ``k`` (gradlog_keyframe.py)."""
-        return start_chain(self, self._blobs, k)
+        return start_chain(self._run, self._blobs, self._window, self._pool, k, self._device(),
+                           lambda chain, trusted: self._check(chain, trusted=trusted))
 
 
     def _advance(self, chain: Chain, target: int, check: bool, kinds: frozenset[str] | None = None) -> None:

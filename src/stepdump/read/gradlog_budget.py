@@ -50,7 +50,7 @@ def _human(n: int) -> str:
 
 
 class RebuildBudget:
-    """The rebuild work of one read call (``GradientLog._overlap``), summed over its reservations."""
+    """The rebuild work of one read call (``GradientLog.read_call``), summed over its reservations."""
 
     def __init__(self) -> None:
         self.allowance = decode_allowance()

@@ -16,6 +16,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,16 +25,38 @@ from stepdump.core.classes import torch_optimizer
 from stepdump.core.hashing import XXH3
 from stepdump.errors import RebuildError, StepdumpError
 from stepdump.read.blobs import check_layout
-from stepdump.read.gradlog_parts import Chain, Trusted, read_ahead, read_grads, trust, warm_allocator
+from stepdump.read.gradlog_chain import Buffers, Chain, read_ahead, read_grads
+from stepdump.read.gradlog_check import Trusted, trust
 from stepdump.read.rows import Recorded
 from stepdump.read.state import optimizer_state_dict, param_indices, recorded_groups
 from stepdump.store.format import Key
 
 if TYPE_CHECKING:
     from stepdump.read.blobs import BlobReader
-    from stepdump.read.gradlog import GradientLog
+    from stepdump.read.gradlog_window import Window
+    from stepdump.read.run import Run
 
 log = logging.getLogger(__name__)
+
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX (64-bit): the highest its malloc raises the mmap threshold to.
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def warm_allocator(largest: int) -> None:
+    """Free one mapped block of a few times ``largest`` bytes (never touched, so it costs no page faults).
+
+    glibc's malloc hands the top of its heap back to the system once more than its trim threshold
+    is free there, and starts with low thresholds (128 KiB mmap / 256 KiB trim) that rise to a
+    mapped block's size (trim: twice that) when one is freed. A training loop raises them early
+    (activations); a chain of optimizer steps alone may not, and then every temporary of every
+    update (Adam: two per param, ``sqrt`` and the division) is trimmed away when freed and comes
+    back as fresh pages, page faults that made a rebuilt ``Adam.step()`` twice as slow as the same
+    step in training. Freeing this block raises the thresholds as training does. Elsewhere than
+    glibc (or with thresholds set by the user) it is a plain allocation and nothing else.
+    """
+    size = min(_MMAP_THRESHOLD_MAX, 4 * largest)
+    if size > 0:
+        torch.empty(size, dtype=torch.uint8)  # allocated and freed at once
 
 
 def read_tensor(blobs: BlobReader, blob: Any, dtype: Any, shape: Any, fp: int,
@@ -48,7 +71,7 @@ def read_tensor(blobs: BlobReader, blob: Any, dtype: Any, shape: Any, fp: int,
     return t
 
 
-def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, Recorded], names: list[str],
+def _read_params(blobs: BlobReader, pool: ThreadPoolExecutor | None, rows: dict[Key, Recorded], names: list[str],
                  trusted: Trusted) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     """The keyframe's params ``names``, read on the read call's worker (while this thread reads
     the optimizer state, twice their size for Adam): their buffers, and a function that waits
@@ -60,13 +83,13 @@ def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, Recorde
         row = rows[("params", n)]
         try:
             tdtype, dims, _ = check_layout(row.dtype, row.shape)
-            b = blobs.blob_row(row.blob) if engine._pool is not None else None
+            b = blobs.blob_row(row.blob) if pool is not None else None
         except StepdumpError:
             continue  # left to ``finish``, which raises it
         bufs[n] = torch.empty(dims, dtype=tdtype)
         if b is not None:
             jobs.append((n, bufs[n], b, row.fingerprint, row.fp_kind))
-    done = engine._pool.submit(read_grads, blobs, jobs) if engine._pool is not None and jobs else None
+    done = pool.submit(read_grads, blobs, jobs) if pool is not None and jobs else None
 
     def finish() -> None:
         ok = done.result() if done is not None else set()  # read_grads never raises
@@ -78,14 +101,25 @@ def _read_params(engine: GradientLog, blobs: BlobReader, rows: dict[Key, Recorde
                 if row.fingerprint is not None:
                     trust(trusted, bufs[n], row.fingerprint)
             else:
-                bufs[n] = engine._read(row.blob, row.dtype, row.shape, row.fingerprint, trusted, row.fp_kind)
+                bufs[n] = read_tensor(blobs, row.blob, row.dtype, row.shape, row.fingerprint, trusted, row.fp_kind)
 
     return bufs, finish
 
 
-def start_chain(engine: GradientLog, blobs: BlobReader, k: int) -> Chain:
-    """Stand-in params and a fresh optimizer loaded with keyframe ``k``."""
-    run = engine._run
+def start_chain(run: Run, blobs: BlobReader, window: Window, pool: ThreadPoolExecutor | None, k: int,
+                device: torch.device, check: Callable[[Chain, Trusted], None]) -> Chain:
+    """Stand-in params and a fresh optimizer loaded with keyframe ``k`` of ``run``.
+
+    Args:
+        run: The run read from.
+        blobs: Its blob reader.
+        window: The catalog facts of its steps (the keyframe's rows, its grads' blob rows).
+        pool: The read call's worker (None: everything is read on this thread).
+        k: The keyframe.
+        device: Where the stand-in params live (the recording's device).
+        check: Compares the loaded chain with the keyframe's fingerprints (raises on a
+            difference); given the memory read verified, which it need not hash again.
+    """
     cls = torch_optimizer(run.meta)
     if cls is None:  # refusal_of() refuses it before
         raise RebuildError(f"{run.path}: the optimizer it recorded is not a torch.optim class; only keyframes "
@@ -93,9 +127,8 @@ def start_chain(engine: GradientLog, blobs: BlobReader, k: int) -> Chain:
     state = run.step_state(k)
     groups = [list(g["params"]) for g in recorded_groups(run, k, state)]
     hyper = [dict(g["hyper"]) for g in recorded_groups(run, k, state)]
-    rows = engine._rows(k)
+    rows = window.rows(k)
     stored = [n for (kind, n), row in rows.items() if kind == "params" and row.blob is not None]
-    device = engine._device()
     # Every param stored at the keyframe: those the optimizer steps, and the model's others
     # (not optimized: they keep their keyframe value, which each step's fingerprints confirm).
     order = {n: i for i, n in enumerate([*param_indices(groups), *stored])}
@@ -106,19 +139,19 @@ def start_chain(engine: GradientLog, blobs: BlobReader, k: int) -> Chain:
     # The keyframe's tensors, read verified against the fingerprints its check compares them
     # with: that check does not hash them again (``trusted``).
     trusted: Trusted = {}
-    bufs, finish = _read_params(engine, blobs, rows, names, trusted)
+    bufs, finish = _read_params(blobs, pool, rows, names, trusted)
     optimized = {n for g in groups for n in g if n in bufs}
-    grads: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+    grads: Buffers = ({}, {})
     # The first update's grads, on the worker too, after the params (nothing else waits for it).
-    ahead = (read_ahead(engine._pool, blobs, bufs, optimized, grads, k, engine._rows(k), engine._window.blob_row)
-             if engine._pool is not None else None)
+    ahead = (read_ahead(pool, blobs, bufs, optimized, grads, k, rows, window.blob_row)
+             if pool is not None else None)
     # The constructor's own flags (fused, foreach, capturable, differentiable, ...) decide
     # which kernel runs: give it group 0's recorded values; each group keeps its own too.
     accepted = set(inspect.signature(cls).parameters)
     kwargs = {key: v for key, v in hyper[0].items() if key in accepted and key != "params"}
     # Read into tensors of their own, which load_state_dict keeps as they are (already of the
     # param's dtype and device) and the optimizer then updates in place.
-    osd = optimizer_state_dict(run, blobs, k, read=functools.partial(engine._read, trusted=trusted))
+    osd = optimizer_state_dict(run, blobs, k, read=functools.partial(read_tensor, blobs, trusted=trusted))
     finish()
     params: dict[str, torch.Tensor] = {}
     for n, t in bufs.items():
@@ -140,7 +173,7 @@ def start_chain(engine: GradientLog, blobs: BlobReader, k: int) -> Chain:
                            f"recorded hyperparameters and state failed on {device} ({type(e).__name__}: {e})") from e
     chain = Chain(keyframe=k, step=k, params=params, groups=groups, optimized=optimized, optimizer=opt,
                   grads=grads, ahead=ahead)
-    engine._check(chain, trusted=trusted)
+    check(chain, trusted)
     if "params" not in chain.checked:
         log.debug("stepdump: keyframe %s of %s has no fingerprints to check its loaded state against", k, run.path)
     return chain

@@ -8,14 +8,24 @@ last one to the last recorded step) is re-run and checked at every step that has
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from stepdump.errors import ReadBudgetError, RebuildError, StepdumpError
-from stepdump.read.gradlog_parts import GroupsChanged, SegmentReport
+from stepdump.read.gradlog_chain import GroupsChanged
 from stepdump.store.format import LEVEL_STATS
 
 if TYPE_CHECKING:
     from stepdump.read.gradlog import GradientLog
+
+
+@dataclass
+class SegmentReport:
+    """What :meth:`GradientLog.verify_segments` found (``stepdump verify``)."""
+
+    checked: int = 0  # segments whose updates reproduced every recorded fingerprint up to the next keyframe
+    problems: list[tuple[int, str]] = field(default_factory=list)  # (first step that differs, why)
+    unchecked: list[str] = field(default_factory=list)  # what could not be re-run here, and why
 
 
 def verify_segments(engine: GradientLog, progress: Callable[[int, int], None] | None = None) -> SegmentReport:
@@ -34,17 +44,15 @@ def verify_segments(engine: GradientLog, progress: Callable[[int, int], None] | 
     if refusal is not None:
         report.unchecked.append(str(refusal))
         return report
-    run = engine._run
+    run = engine.run
     keys = engine.keyframes()
     logged = run.catalog.steps(LEVEL_STATS)
     ends = [*keys[1:], max(logged, default=keys[-1]) if keys else 0]
-    with engine._overlap() as budget:
+    with engine.read_call() as budget:
         for i, (k, end) in enumerate(zip(keys, ends, strict=True)):
             try:
                 budget.reserve(run, k, end - 1, end)  # the whole call's work, bounded before it is done
-                chain = engine._start(k)
-                while chain.step < end:
-                    engine._advance(chain, target=end, check=True)
+                engine.replay(k, end)
                 report.checked += 1
             except ReadBudgetError as e:  # not re-applied: nothing is known about the segment
                 report.unchecked.append(f"the segment from keyframe {k}: {e}")

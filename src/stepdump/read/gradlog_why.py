@@ -1,5 +1,7 @@
-"""Why a gradient-log rebuild does not reproduce its record: the cause the run and this host point
-at, said once, instead of a list of everything that could ever do it.
+"""Why a gradient-log rebuild fails: why a run's updates cannot be re-applied here at all
+(:func:`refusal_of`), and why re-applied updates do not reproduce their record
+(:func:`mismatch_cause`: the cause the run and this host point at, said once, instead of a list
+of everything that could ever do it).
 
 Re-applying recorded updates reproduces the record bit for bit when (1) the same kernels run the
 update (torch version, CPU capability, BLAS: a difference rounds differently), (2) the params
@@ -12,11 +14,48 @@ rule out decides what the error says.
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stepdump.core.classes import described, torch_optimizer
 from stepdump.core.host import kernel_difference, kernels_meta
+from stepdump.errors import RebuildError
+from stepdump.store.format import SPARSE_COO_PREFIX
+
+if TYPE_CHECKING:
+    from stepdump.read.run import Run
+
+# Optimizers that take sparse gradients only (SparseAdam refuses dense ones): a run recorded
+# before stepdump stored sparse grads as sparse (FORMAT.md, "Sparse tensors") cannot drive them.
+_NEEDS_SPARSE_GRADS = ("SparseAdam",)
+
+
+def refusal_of(run: Run) -> RebuildError | None:
+    """Why ``run``'s optimizer cannot be re-run at all (None: it can)."""
+    cls = torch_optimizer(run.meta)  # by module and qualified name (core/classes.py), never imported
+    where = f"{run.path} (a gradient log)"
+    if cls is None:
+        return RebuildError(f"{where} was recorded with optimizer {described(run.meta, 'optimizer')}, which is not "
+                            "a torch.optim class, so its updates cannot be re-applied here; only keyframes are "
+                            "readable")
+    name = cls.__name__
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return RebuildError(f"{where} was recorded with {name}, which re-evaluates the loss inside step() (a "
+                            "closure), so its updates cannot be re-applied from recorded gradients; only "
+                            "keyframes are readable (record with keyframe_every=K and use stepdump.replay, or "
+                            "record every step in full)")
+    if name in _NEEDS_SPARSE_GRADS and not run.catalog.has_dtype_prefix("grads", SPARSE_COO_PREFIX):
+        return RebuildError(f"{where} was recorded with {name}, which needs sparse gradients, and its gradients "
+                            "are stored dense (recorded by a stepdump from before sparse gradients were stored "
+                            "sparse), so its updates cannot be re-applied; only keyframes are readable")
+    device = run.meta.get("device")
+    if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
+        return RebuildError(f"{where} was recorded on {device}; its updates must be re-applied by the same "
+                            "kernels, and this machine has no CUDA device; only keyframes are readable here")
+    return None
 
 
 def host_difference(meta: dict[str, Any]) -> str | None:
