@@ -19,7 +19,7 @@ from helpers import MLP, assert_same, regression_batch
 from torch import nn
 
 import stepdump
-from stepdump.capture import activations, assemble, lean, recorder, staging, writer
+from stepdump.capture import activations, assemble, lean, recorder, staging, user_log, writer
 
 FAIL_AT = 2
 N_STEPS = 6
@@ -172,7 +172,7 @@ def test_failure_in_the_closure_path_and_close(tmp_path, monkeypatch, caplog):
     model, opt = build()
     step, closing = [0], [False]
     monkeypatch.setattr(staging.Stager, "stage", _failing(staging.Stager.stage, lambda: step[0] >= FAIL_AT))
-    monkeypatch.setattr(recorder, "scalar_rows", _failing(recorder.scalar_rows, lambda: closing[0]))
+    monkeypatch.setattr(user_log, "scalar_rows", _failing(user_log.scalar_rows, lambda: closing[0]))
     caplog.set_level(logging.WARNING, logger="stepdump")
     with stepdump.Recorder(tmp_path / "run", model, opt) as rec:
         train(model, opt, before_step=lambda: step.__setitem__(0, rec.step))

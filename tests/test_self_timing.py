@@ -130,7 +130,7 @@ class _Clock:
 # Recorder work on the training thread outside the pre-hook's record and the post-hook: each is
 # made to take exactly 1 s of the injected clock; recorder_ms must count it in its iteration.
 TRAINING_THREAD_WORK = {
-    "pre-hook, before the record is taken": (iteration, "update_starting", 1),
+    "pre-hook, before the record is taken": (iteration.Loop, "update_starting", 1),
     "log()": (user_log_module, "checked_scalar", 1),
     "log_batch()": (activations.ModuleCapture, "log_batch", 1),
     # the frame walk telling the step's own hook call from an inner super().step(): pre and post

@@ -10,11 +10,12 @@ start later, and this module follows both:
   stats). The loop's iteration starts after the *last* update of the loop body, so every
   Recorder's start state is taken again at the end of *any* live Recorder's update, until
   the loop's next iteration opens: the update of the Recorder that captured first (the
-  loop's first optimizer, learned at its first step; :func:`update_starting`) freezes every
-  Recorder's start state for that iteration. A Recorder left open but idle (no update since
-  this one was created: an earlier loop, a notebook cell) is never taken for the loop's first. One Recorder alone: its own update end, as
-  before. A log made after the last update, before the model's next training forward, goes
-  to the iteration that just ended (``Recorder.log``), whichever Recorder it is given to.
+  loop's first optimizer, learned at its first step; :meth:`Loop.update_starting`) freezes
+  every Recorder's start state for that iteration. A Recorder left open but idle (no update
+  since this one was created: an earlier loop, a notebook cell) is never taken for the loop's
+  first. One Recorder alone: its own update end, as before. A log made after the last update,
+  before the model's next training forward, goes to the iteration that just ended
+  (``Recorder.log``), whichever Recorder it is given to.
 * **An evaluation between updates** (sampling, a validation pass with its own shuffled
   loader): a forward of a recorded model with grad disabled. At its end the start RNG of
   every Recorder not yet frozen is taken again, so record *t* holds the RNG after the
@@ -24,210 +25,205 @@ start later, and this module follows both:
 
 ``Recorder.begin_iteration()`` called by the user (or an integration) pins the start
 state of that step: nothing here takes it again.
+
+Two classes carry it: :class:`IterationStart`, one per Recorder, owns that Recorder's start
+state and is told by the Recorder when its own update begins and ends; :class:`Loop`, one per
+process (:data:`LOOP`), knows every recording Recorder's :class:`IterationStart` and tells the
+others when one update moves their iteration's start.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch import nn
-
-from stepdump.capture.step_state import begin_state
 from stepdump.core.rng import get_rng_state, same_rng_state
-from stepdump.store.format import LEVEL_NONE, LEVEL_STATS, STATE_FORWARD_RNG
+from stepdump.store.format import STATE_FORWARD_RNG
 
 if TYPE_CHECKING:
-    from stepdump.capture.assemble import Assembler
-    from stepdump.capture.final import FinalRecord
     from stepdump.capture.guard import Guard
-    from stepdump.capture.lean import LeanCapture
-    from stepdump.capture.ring import Ring
-    from stepdump.capture.selection import Levels, NameFilter
+
+StartState = dict[str, Any]  # step_state.begin_state's dict: "rng", module "buffers", STATE_FORWARD_RNG
 
 
 class Participant(Protocol):
-    """What a Recorder does when another part of the loop moves its iteration's start."""
+    """What a Recorder's start state does when another part of the loop moves its iteration's start."""
 
-    def _loop_freeze(self) -> None: ...
-    def _loop_update_ended(self) -> None: ...
-    def _loop_eval_ended(self, rng: dict[str, Any]) -> None: ...
-
-
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # recording Recorders of this process
-_first: weakref.ref[Any] | None = None  # the Recorder whose update opens a loop iteration
-# A clock of joins and updates: a Recorder that has not updated since another one joined is
-# idle for it (left open by an earlier loop, a notebook cell, a test) and cannot be its loop's first.
-_clock = 0
-_joined: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_updated: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+    def loop_freeze(self) -> None: ...
+    def loop_update_ended(self) -> None: ...
+    def loop_eval_ended(self, rng: dict[str, Any]) -> None: ...
 
 
-def _tick() -> int:
-    global _clock
-    _clock += 1
-    return _clock
+class Loop:
+    """The recording Recorders of this process, seen as the updates of one training loop.
+
+    Its rules are the module docstring's. One instance, :data:`LOOP`, lives as long as the
+    process: a Recorder's :class:`IterationStart` joins it when the Recorder starts recording
+    and leaves it when the Recorder closes or steps aside; it holds them weakly, so a Recorder
+    dropped without ``close()`` leaves it too.
+    """
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[Any] = weakref.WeakSet()  # the recording participants
+        self._first: weakref.ref[Any] | None = None  # the participant whose update opens a loop iteration
+        # A clock of joins and updates: a participant that has not updated since another one joined is
+        # idle for it (left open by an earlier loop, a notebook cell, a test) and cannot be its loop's first.
+        self._clock = 0
+        self._joined: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._updated: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def join(self, rec: Participant) -> None:
+        """``rec`` records from now on (its start state follows the others' updates)."""
+        self._live.add(rec)
+        self._joined[rec] = self._tick()
+
+    def leave(self, rec: Participant) -> None:
+        """``rec``'s Recorder is closed or stepped aside."""
+        self._live.discard(rec)
+        if self._first is not None and self._first() is rec:
+            self._first = None
+
+    def update_starting(self, rec: Participant) -> None:
+        """``rec``'s Recorder takes its record (its optimizer's update begins). The update of the loop's
+        first optimizer opens a loop iteration: every Recorder's start state for it is final now."""
+        first = self._first() if self._first is not None else None
+        live = self._live
+        if first is rec and len(live) == 1:  # one Recorder alone (the usual loop): the same, without the WeakSet walks
+            self._updated[rec] = self._tick()
+            rec.loop_freeze()
+            return
+        if first is None or first not in live or self._updated.get(first, 0) < self._joined.get(rec, 0):
+            self._first, first = weakref.ref(rec), rec  # none yet, or one idle since rec joined: not rec's loop
+        self._updated[rec] = self._tick()
+        for r in list(live) if first is rec else (rec,):
+            r.loop_freeze()
+
+    def update_ended(self, rec: Participant) -> None:
+        """``rec``'s update is over (it took its own next start state): the others take theirs again."""
+        if len(self._live) == 1 and self._first is not None and self._first() is rec:  # rec alone: no others
+            return
+        for r in list(self._live):
+            if r is not rec:
+                r.loop_update_ended()
+
+    def eval_ended(self) -> None:
+        """A recorded model finished a forward with grad disabled: the RNG after it is the start RNG."""
+        if not self._live:
+            return
+        rng = get_rng_state()
+        for r in list(self._live):
+            r.loop_eval_ended(rng)
 
 
-def join(rec: Participant) -> None:
-    """``rec`` records from now on (its start state follows the others' updates)."""
-    _LIVE.add(rec)
-    _joined[rec] = _tick()
-
-
-def leave(rec: Participant) -> None:
-    """``rec`` is closed or stepped aside."""
-    global _first
-    _LIVE.discard(rec)
-    if _first is not None and _first() is rec:
-        _first = None
-
-
-def update_starting(rec: Participant) -> None:
-    """``rec`` takes its record (its optimizer's update begins). The update of the loop's first
-    optimizer opens a loop iteration: every Recorder's start state for it is final now."""
-    global _first
-    first = _first() if _first is not None else None
-    if first is rec and len(_LIVE) == 1:  # one Recorder alone (the usual loop): the same, without the WeakSet walks
-        _updated[rec] = _tick()
-        rec._loop_freeze()
-        return
-    if first is None or first not in _LIVE or _updated.get(first, 0) < _joined.get(rec, 0):
-        _first, first = weakref.ref(rec), rec  # none yet, or one idle since rec joined: not rec's loop
-    _updated[rec] = _tick()
-    for r in list(_LIVE) if first is rec else (rec,):
-        r._loop_freeze()
-
-
-def update_ended(rec: Participant) -> None:
-    """``rec``'s update is over (it took its own next start state): the others take theirs again."""
-    if len(_LIVE) == 1 and _first is not None and _first() is rec:  # rec alone: no others
-        return
-    for r in list(_LIVE):
-        if r is not rec:
-            r._loop_update_ended()
-
-
-def eval_ended() -> None:
-    """A recorded model finished a forward with grad disabled: the RNG after it is the start RNG."""
-    if not _LIVE:
-        return
-    rng = get_rng_state()
-    for r in list(_LIVE):
-        r._loop_eval_ended(rng)
+LOOP = Loop()  # this process's loop: every Recorder's start state joins this one
 
 
 class IterationStart:
-    """The Recorder's side of this module: its forward hooks (a training forward, the end of an
-    evaluation's forward) and what it does when the loop moves its iteration's start.
+    """One Recorder's start-of-iteration state (RNG, module buffers, the RNG each training forward
+    starts from), and when it is taken again.
 
-    A mixin of :class:`stepdump.Recorder`, kept here so that the rule of where an iteration
-    starts lives in one file; the attributes below are the Recorder's own.
+    The Recorder tells it where its own iterations begin (:meth:`open`, :meth:`pin`) and when
+    its model runs a training forward (:meth:`training_forward`); :data:`LOOP` tells it when
+    another Recorder's update or an evaluation moves the start (the :class:`Participant` methods).
+
+    Args:
+        take: The start state of step ``t`` as it is now (None: record ``t`` needs none).
+        step: The Recorder's current step.
+        closed: Whether the Recorder is closed.
+        guard: The Recorder's guard (``stopped``: it stepped aside after a failure).
+        final_rng: Take the RNG a final record holds (the RNG after the loop's last update).
+        fail: The Recorder's failure handling (``on_error``), with where it happened.
     """
 
-    model: Any
-    _step: int
-    _closed: bool
-    _begin: dict[str, Any] | None
-    _captured_at: int | None
-    _forward_seen: bool
-    _frozen: bool
-    _pinned: bool
-    _stale_buffers: bool
-    _keyframes: bool
-    kinds: tuple[str, ...]
-    _asm: Assembler
-    _final: FinalRecord
-    _guard: Guard
-    _lean: LeanCapture
-    _level: Levels
-    _filter: NameFilter
-    _ring: Ring | None
+    def __init__(self, take: Callable[[int], StartState | None], step: Callable[[], int],
+                 closed: Callable[[], bool], guard: Guard, final_rng: Callable[[], None],
+                 fail: Callable[[BaseException, str], None]) -> None:
+        self._take, self._step, self._closed, self._guard = take, step, closed, guard
+        self._final_rng, self._fail = final_rng, fail
+        self.begin: StartState | None = None  # the current step's start state (None: none kept)
+        self.forward_seen = False  # a training forward ran since the update that opened this iteration
+        # Frozen once its loop iteration opened, pinned by an explicit begin_iteration(), buffers to
+        # take again before the next training forward after an evaluation.
+        self._frozen = self._pinned = self._stale_buffers = False
 
-    def _fail(self, err: BaseException, where: str) -> None:
-        raise NotImplementedError  # the Recorder's
+    def open(self, t: int) -> None:
+        """Iteration ``t`` starts now (the end of update ``t-1``, or the Recorder's start)."""
+        self.forward_seen = False
+        self._frozen = self._pinned = self._stale_buffers = False
+        self.begin = self._take(t)
 
-    def _saw_forward(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():  # an evaluation under no_grad
-            return
+    def pin(self, t: int, rng: dict[str, Any] | None) -> None:
+        """The caller says iteration ``t`` starts now (``rng``: with this RNG state); nothing retakes it."""
+        self.begin = self._take(t)
+        if rng is not None and self.begin is not None:
+            self.begin["rng"] = rng
+        self._pinned, self._stale_buffers = True, False
+
+    def drop(self) -> None:
+        """The Recorder stepped aside: nothing is kept."""
+        self.begin = None
+
+    def training_forward(self) -> bool:
+        """A forward with grad enabled begins; return whether one already ran in this iteration.
+
+        Buffers an evaluation moved since the start state are taken as they are now, and the RNG
+        this forward starts from is kept: a draw between the iteration's start and a forward
+        (nanoGPT's get_batch, an augmentation) is not redone by a re-execution or a replay that is
+        handed the recorded batch, so they set it here (FORMAT.md, forward_rng).
+        """
         if self._stale_buffers:  # an evaluation ran since the start state: its buffers as they are now
-            self._loop_retake(rng=False)
-        again, self._forward_seen = self._forward_seen, True  # a training forward (or one with grad enabled)
-        t = self._step
-        watch = self._asm.structure  # its flag only (no call): the pre-hook looks at the optimizer's groups
-        if watch is not None and watch.dirty and self._captured_at != t and not self._guard.stopped:
-            try:  # the model's structure changed since the last look (a layer pruned before this forward)
-                self._asm.follow(self.model, t, self._begin)
-            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-                self._fail(e, "forward pre-hook")
-        if self._begin is not None and not self._guard.stopped:
-            # The RNG each training forward starts from: a draw between the iteration's start and a
-            # forward (nanoGPT's get_batch, an augmentation) is not redone by a re-execution or a
-            # replay that is handed the recorded batch, so they set it here (FORMAT.md, forward_rng).
+            self._retake(rng=False)
+        again, self.forward_seen = self.forward_seen, True
+        begin = self.begin
+        if begin is not None and not self._guard.stopped:
             try:  # None: the iteration's start state (nothing drew before this forward; no copy stored)
                 rng = get_rng_state()
-                self._begin.setdefault(STATE_FORWARD_RNG, []).append(
-                    None if same_rng_state(rng, self._begin["rng"]) else rng)
+                begin.setdefault(STATE_FORWARD_RNG, []).append(None if same_rng_state(rng, begin["rng"]) else rng)
             except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
                 self._fail(e, "forward pre-hook")
-        if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
-            try:
-                self._lean.forward_started(t, lambda: self._asm.entries(False, step=t), again)
-            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-                self._fail(e, "forward pre-hook")
+        return again
 
-    def _saw_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() and not self._closed and not self._guard.stopped:
-            try:  # an evaluation's forward: the iteration's start RNG is after it (module docstring)
-                eval_ended()
-            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
-                self._fail(e, "forward hook")
-
-    def _loop_freeze(self) -> None:
+    # -- Participant: what LOOP tells it ---------------------------------------
+    def loop_freeze(self) -> None:
+        """The loop's iteration opened: this start state is final."""
         if self._stale_buffers:
-            self._loop_retake(rng=False)
+            self._retake(rng=False)
         self._frozen = True
 
-    def _loop_update_ended(self) -> None:  # another Recorder's update: the loop iteration starts later
+    def loop_update_ended(self) -> None:
+        """Another Recorder's update ended: the loop iteration starts later."""
         if not (self._frozen or self._pinned):
-            self._forward_seen = False
-            self._final.rng.take()  # the final record: the RNG after the loop's last update
-            self._loop_retake(rng=True)
+            self.forward_seen = False
+            self._final_rng()  # the final record: the RNG after the loop's last update
+            self._retake(rng=True)
 
-    def _loop_eval_ended(self, rng: dict[str, Any]) -> None:
+    def loop_eval_ended(self, rng: dict[str, Any]) -> None:
+        """An evaluation's forward ended with the RNG ``rng``: the start RNG is that one."""
         if not (self._frozen or self._pinned):
-            if self._begin is not None:
-                forwards = self._begin.get(STATE_FORWARD_RNG)
+            if self.begin is not None:
+                forwards = self.begin.get(STATE_FORWARD_RNG)
                 if forwards:  # None meant the start RNG that is being replaced: keep it
-                    self._begin[STATE_FORWARD_RNG] = [self._begin["rng"] if f is None else f for f in forwards]
-                self._begin["rng"] = rng
+                    self.begin[STATE_FORWARD_RNG] = [self.begin["rng"] if f is None else f for f in forwards]
+                self.begin["rng"] = rng
             self._stale_buffers = True
 
-    def _loop_retake(self, rng: bool) -> None:
+    def _retake(self, rng: bool) -> None:
         """Take the start state of the current step again (``rng`` False: the buffers only)."""
         self._stale_buffers = False
-        if self._closed or self._guard.stopped or self._begin is None:
+        if self.begin is None or self._closed() or self._guard.stopped:
             return
         try:
-            kept, forwards = self._begin["rng"], self._begin.get(STATE_FORWARD_RNG)
-            self._begin_iteration(self._step)
-            if self._begin is not None:
+            kept, forwards = self.begin["rng"], self.begin.get(STATE_FORWARD_RNG)
+            self.begin = self._take(self._step())
+            if self.begin is not None:
                 if not rng:
-                    self._begin["rng"] = kept
+                    self.begin["rng"] = kept
                 if forwards:  # the iteration's forwards so far keep their RNG states (None: the old start's)
-                    self._begin[STATE_FORWARD_RNG] = [kept if f is None else f for f in forwards] if rng else forwards
+                    self.begin[STATE_FORWARD_RNG] = [kept if f is None else f for f in forwards] if rng else forwards
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "start of an iteration")
-
-    def _begin_iteration(self, t: int) -> None:
-        """Start of iteration t: keep what a full record t needs from this moment."""
-        # A callable schedule may say yes only later (a trigger set by the loop): then always taken.
-        full = self._level.full(t) or self._ring is not None or self._level.full.dynamic
-        every = self._keyframes or self._asm.gradlog  # RNG (a gradient log: buffers too) at every step
-        if not full and not (every and self._level(t) != LEVEL_NONE):
-            self._begin = None
-            return
-        with torch.profiler.record_function("stepdump.begin"):
-            keep = full or self._asm.gradlog
-            self._begin = begin_state(self._asm.layout, self._filter if keep and "params" in self.kinds else None)

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from stepdump.capture import iteration as _iteration
 from stepdump.capture import options as _options
 from stepdump.capture import target as _target
 from stepdump.capture.activations import ModuleCapture
@@ -41,13 +40,14 @@ from stepdump.capture.guard import Failure, Guard, close_quietly
 from stepdump.capture.handoff import WriterLink
 from stepdump.capture.handles import Hook
 from stepdump.capture.hooks import attach, detach_scaler, nested_step
+from stepdump.capture.iteration import LOOP, IterationStart, StartState
 from stepdump.capture.lean import LeanCapture
-from stepdump.capture.step_state import StateBefore
+from stepdump.capture.step_state import StateBefore, begin_state
 from stepdump.capture.profiling import BackgroundClock, ThreadWaits, span, timed
 from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.rebuildable import GainedState, warn_if_unrebuildable
 from stepdump.capture.ring import Ring
-from stepdump.capture.scalars import auto_scalars, profile_scalars, scalar_rows
+from stepdump.capture.scalars import auto_scalars, profile_scalars
 from stepdump.capture.selection import Levels, NameFilter
 from stepdump.capture.fingerprints import resumed as resumed_fingerprint
 from stepdump.capture.session import check_objects, discard_created, init_catalog, prepare_dir, run_meta
@@ -56,7 +56,7 @@ from stepdump.capture.staging import StagingPool, owned
 from stepdump.capture.state_check import StateCheck
 from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
-from stepdump.capture.unstepped import UnsteppedScalars, mark_no_step
+from stepdump.capture.unstepped import mark_no_step
 from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
 from stepdump.capture.structure import StructureWatch, recorded_layouts
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Recorder(UserLog, _iteration.IterationStart):
+class Recorder:
     """Record every optimizer step of a training run into a run directory.
 
     Two spellings: ``Recorder(path, model, optimizer, ...)`` records one model and its optimizer;
@@ -302,17 +302,16 @@ class Recorder(UserLog, _iteration.IterationStart):
         clip = (opts.metadata or {}).get("grad_clip")
         self._lean = LeanCapture(enabled=ring is None and self._device.type == "cpu",
                                  grads_at_capture=isinstance(clip, dict) and clip.get("grads") == "unclipped")
-        self._pending: dict[int, dict[str, Any]] = {}
-        self._prev_open, self._forward_seen = False, False  # forward_seen: a training forward ran since the update
-        self._begin: dict[str, Any] | None = None
-        # Where iteration t starts (capture/iteration.py): frozen once its loop iteration opened,
-        # pinned by an explicit begin_iteration(), buffers to take again after an evaluation.
-        self._frozen = self._pinned = self._stale_buffers = False
+        # What the user logs (scalars, the batch), held until their step's record (user_log.py)
+        self._user = UserLog(accepting=lambda: not self._guard.stopped and not self._link.failed(),
+                             spent=self._spent, fail=self._fail)
         self._captured_at: int | None = None  # the step capture() last recorded: once per step
-        self._unstepped: UnsteppedScalars | None = UnsteppedScalars()  # until a step is recorded (unstepped.py)
-        self._batch: Any = None
 
         self._guard = Guard(opts.on_error, self.path, self._step_aside)
+        # Where each iteration starts (RNG, buffers), followed across the process's loop (iteration.py)
+        self._start_state = IterationStart(take=self._begin_iteration, step=lambda: self._step,
+                                           closed=lambda: self._closed, guard=self._guard,
+                                           final_rng=lambda: self._final.rng.take(), fail=self._fail)
         self._lock = RunLock(prepare_dir(self.path, opts.resume))
         self._lock.acquire()
         there = set(os.listdir(self.path))  # a new run's directory: empty but for a LOCK or a partial catalog
@@ -377,8 +376,8 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._hooks.append(self.optimizer.register_step_pre_hook(Hook(StateCheck(self.optimizer, holder).look)))
         self._watch = StepWatch(self.model, self.optimizer, lambda: self._step)  # a loop that never steps it: say so
         self._hooks.extend(self._watch.handles)
-        self._begin_iteration(self._step)
-        _iteration.join(self)
+        self._start_state.open(self._step)
+        LOOP.join(self._start_state)
         # If the user forgets close(), still flush and release the lock at exit.
         self._finalizer = weakref.finalize(self, close_quietly, weakref.ref(self))
 
@@ -392,7 +391,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._hooks.clear()
         if (modules := getattr(self, "_modules", None)) is not None:
             modules.remove()
-        _iteration.leave(self)
+        LOOP.leave(self._start_state)
         detach_scaler(self.scaler)
         self._lean.close()
         self._target.abandon()
@@ -420,7 +419,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._hooks.clear()
         if not self.recording:
             return
-        _iteration.leave(self)
+        LOOP.leave(self._start_state)
         self._watch.closing()
         self._modules.remove()
         if self._ring is not None:
@@ -430,11 +429,7 @@ class Recorder(UserLog, _iteration.IterationStart):
             self._send_held()
             if self._final.due(self._step, self._captured_at, self.kinds) and not self._guard.stopped:
                 self._link.put(self._final.message(self._asm, self.model, self._step, self._pool, self._link))
-            if self._unstepped is not None:  # no step recorded: every value logged kept, a row per iteration
-                rows = self._unstepped.rows(self._pending.pop(self._step, {}))
-                self._pending.update({self._step + i: row for i, row in enumerate(rows)})
-            scalars = [r for s in sorted(self._pending) for r in scalar_rows(s, self._pending[s])]
-            self._pending.clear()
+            scalars = self._user.final_rows(self._step)  # no step recorded: a row per iteration
             if scalars and self._link.error is None and not self._guard.stopped:
                 self._link.put(StepMessage(step=None, scalars=scalars))
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
@@ -442,8 +437,9 @@ class Recorder(UserLog, _iteration.IterationStart):
         finally:
             self._lean.close()
             self._link.finish()  # everything queued committed; the run marked if recording stopped
-            if self._unstepped is not None and not self.options.resume and not self._guard.stopped:
-                mark_no_step(self.path, self._unstepped.iterations, self._watch.stepped_instead)
+            unstepped = self._user.unstepped
+            if unstepped is not None and not self.options.resume and not self._guard.stopped:
+                mark_no_step(self.path, unstepped.iterations, self._watch.stepped_instead)
             self._lock.release()
             self._finalizer.detach()
         self._link.publish(self._target)  # the writer's failure (strict), then a URL run's final state
@@ -452,6 +448,36 @@ class Recorder(UserLog, _iteration.IterationStart):
     def bytes_written(self) -> int:
         """Bytes of tensor data appended to segment files so far."""
         return self._link.bytes_written if self.recording else 0
+
+    def log(self, **scalars: Any) -> None:
+        """Record scalars (loss, accuracy, ...) for the current iteration.
+
+        Once the model has run forward (with grad) in this iteration, scalars go to
+        it. Before that, a name logged right after ``optimizer.step()`` that the
+        just-finished step has not got yet is given to that step, so
+        ``rec.log(loss=loss)`` after the step lands on the step that computed it.
+        A value that is not one real number raises :class:`stepdump.ConfigError`.
+        """
+        if self._closed:
+            raise ConfigError("this Recorder is closed; create a new one to record more")
+        if not self.recording:
+            return
+        self._user.log(scalars, self._step, self._start_state.forward_seen, self._watch.event)
+
+    def log_batch(self, batch: Any) -> None:
+        """Record the batch of the current iteration (any nest of tensors) as kind ``inputs``.
+
+        Stored under ``batch/<path>`` (``batch/0``, ``batch/1`` for ``(x, y)``) so a
+        step can be replayed; call it once per iteration (again for micro-batches:
+        later calls get ``#1``, ``#2``...).
+        """
+        if self._closed:
+            raise ConfigError("this Recorder is closed; create a new one to record more")
+        if not self.recording or self._guard.stopped or self._link.failed():
+            return
+        if self._level(self._step) == LEVEL_NONE:
+            return
+        self._user.log_batch(batch, self._modules)
 
     def __repr__(self) -> str:
         where = "closed" if self._closed else f"at step {self._step}"
@@ -492,7 +518,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         try:
             if self._joint is not None:  # a pair of a joint run: is it this pair's turn?
                 self._joint.update_starting(self)
-            _iteration.update_starting(self)  # the loop's first update: every start state is final
+            LOOP.update_starting(self._start_state)  # the loop's first update: every start state is final
             self._record_step(skipped, started)
             if self._waits is not None:
                 self._waits.end(cpu)
@@ -534,10 +560,7 @@ class Recorder(UserLog, _iteration.IterationStart):
         if not self.recording or self._closed or self._guard.stopped:
             return
         try:
-            self._begin_iteration(self._step)
-            if rng is not None and self._begin is not None:
-                self._begin["rng"] = rng
-            self._pinned, self._stale_buffers = True, False  # the caller's moment: nothing retakes it
+            self._start_state.pin(self._step, rng)  # the caller's moment: nothing retakes it
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
             self._fail(e, "begin_iteration()")
 
@@ -551,24 +574,58 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._modules.remove()  # no more activations piling up for a record that never comes
         if self._ring is not None:
             self._ring.release_all()
-        self._pending.clear()
-        self._begin = None
-        _iteration.leave(self)
+        self._user.pending.clear()
+        self._start_state.drop()
+        LOOP.leave(self._start_state)
         self._lean.drop()  # nothing in flight is sent any more
+
+    def _saw_forward(self, module: nn.Module, args: Any) -> None:  # the model's forward pre-hook
+        if not torch.is_grad_enabled():  # an evaluation under no_grad
+            return
+        again = self._start_state.training_forward()  # a training forward (or one with grad enabled)
+        t = self._step
+        watch = self._asm.structure  # its flag only (no call): the pre-hook looks at the optimizer's groups
+        if watch is not None and watch.dirty and self._captured_at != t and not self._guard.stopped:
+            try:  # the model's structure changed since the last look (a layer pruned before this forward)
+                self._asm.follow(self.model, t, self._start_state.begin)
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward pre-hook")
+        if self._lean.enabled and self._captured_at != t and not self._guard.stopped and self._level(t) == LEVEL_STATS:
+            try:
+                self._lean.forward_started(t, lambda: self._asm.entries(False, step=t), again)
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward pre-hook")
+
+    def _saw_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:  # its forward hook
+        if not torch.is_grad_enabled() and not self._closed and not self._guard.stopped:
+            try:  # an evaluation's forward: the iteration's start RNG is after it (capture/iteration.py)
+                LOOP.eval_ended()
+            except Exception as e:  # noqa: BLE001 - do no harm: on_error decides
+                self._fail(e, "forward hook")
+
+    def _begin_iteration(self, t: int) -> StartState | None:
+        """What a record of step ``t`` needs from the start of its iteration, taken now (None: nothing)."""
+        # A callable schedule may say yes only later (a trigger set by the loop): then always taken.
+        full = self._level.full(t) or self._ring is not None or self._level.full.dynamic
+        every = self._keyframes or self._asm.gradlog  # RNG (a gradient log: buffers too) at every step
+        if not full and not (every and self._level(t) != LEVEL_NONE):
+            return None
+        with torch.profiler.record_function("stepdump.begin"):
+            keep = full or self._asm.gradlog
+            return begin_state(self._asm.layout, self._filter if keep and "params" in self.kinds else None)
 
     def _record_step(self, skipped: bool, started: float) -> None:
         t = self._step
-        self._unstepped = None  # a step is recorded: scalars follow the iterations the steps end
+        user, begin = self._user, self._start_state.begin
+        scalars = user.step_recorded(t)  # step t-1's, held since its update ended
         self._send_held()
-        meta = self._asm.refresh_layout(self.model, t, self._begin)
+        meta = self._asm.refresh_layout(self.model, t, begin)
         with span("stepdump.capture"):  # a no-op unless a torch profiler is on
-            scalars = scalar_rows(t - 1, self._pending.pop(t - 1, {})) if self._prev_open else []
-            self._prev_open = False
-            auto_scalars(self._pending.setdefault(t, {}), self.optimizer, self.scaler)
+            auto_scalars(user.pending.setdefault(t, {}), self.optimizer, self.scaler)
             if self._ring is not None:
                 self._ring.remember(scalars)
             level = self._level(t)
-            if self._asm.changed_at == t and self._asm.gradlog and level != LEVEL_NONE and self._begin is not None:
+            if self._asm.changed_at == t and self._asm.gradlog and level != LEVEL_NONE and begin is not None:
                 level = LEVEL_FULL  # a gradient log replays no update across a change of names: a keyframe
             msg = StepMessage(step=t, level=level, skipped=skipped, scalars=scalars, meta=meta)
             captured = self._modules.take()
@@ -578,8 +635,8 @@ class Recorder(UserLog, _iteration.IterationStart):
                 ring = self._ring if level == LEVEL_STATS else None  # the ring decides on a full copy
                 msg.slot = slot = self._pool.acquire(lambda: self._link.error)
                 try:
-                    held = self._asm.fill(msg, slot, level == LEVEL_FULL or ring is not None, self._begin,
-                                          self._batch, captured)
+                    held = self._asm.fill(msg, slot, level == LEVEL_FULL or ring is not None, begin,
+                                          user.batch, captured)
                     if ring is not None:
                         first = ring.take(msg, t, slot, [p.grad for p in self._asm.layout.params.values()
                                                          if p.grad is not None])
@@ -593,7 +650,7 @@ class Recorder(UserLog, _iteration.IterationStart):
                     if msg.slot is not None:
                         self._pool.release(msg.slot)  # never sent: the writer will not hand it back
                     raise
-            self._batch = None
+            user.batch = None
             for m in (*first, *(() if held else (msg,))):
                 self._link.put(m)
         self._overhead += time.perf_counter() - started
@@ -613,15 +670,13 @@ class Recorder(UserLog, _iteration.IterationStart):
         self._asm.stager.wait_deferred(self._link.is_alive)  # a gradient log's grads, written during the update
         if self._waits is not None:
             bg = self._bg.take()
-            profile_scalars(self._pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
+            profile_scalars(self._user.pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
                             self._device, bg, self._waits.waited(started - self._iter_start, self._overhead, bg, cpu))
         self._final.rng.take()  # the RNG right after this update: a final record's, if it is the last
         self._step += 1
-        self._prev_open = True
-        self._forward_seen = False
-        self._frozen = self._pinned = self._stale_buffers = False
-        self._begin_iteration(self._step)
-        _iteration.update_ended(self)  # another Recorder of this loop: its iteration starts after this update
+        self._user.after_update = True
+        self._start_state.open(self._step)
+        LOOP.update_ended(self._start_state)  # another Recorder of this loop: its iteration starts after this update
         # The next iteration starts where this one's accounting stopped, so the time
         # _begin_iteration took counts both as recorder time and as iteration time.
         self._iter_start = started
