@@ -17,13 +17,12 @@ import copy
 import importlib
 import inspect
 import pkgutil
-import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
+from helpers import seed_all
 from torch import nn
 from torch.optim import lr_scheduler
 
@@ -206,12 +205,6 @@ class Case:
     make: Callable[[int], Setup]
     iterate: Callable[[Setup, int, Callable[[], None]], None]
     steps: int = 5
-
-
-def seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
 
 
 def data(t: int, d_in: int = 6, d_out: int = 3, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

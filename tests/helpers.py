@@ -461,3 +461,60 @@ def one_batch_run(path: Path) -> Path:
         model(torch.ones(1, 2)).sum().backward()
         opt.step()
     return path
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch's, numpy's and Python's global RNGs (a loop that draws from all three)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def lean_model(seed: int = 0) -> nn.Sequential:
+    """The lean-capture tests' model: layers wide enough that a lean record beats a full one."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(80, 90), nn.ReLU(), nn.Linear(90, 70))
+
+
+def param_clones(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of each of the model's named parameters (its state at this moment)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def regression_loader(n: int = 16, batch: int = 4) -> torch.utils.data.DataLoader:
+    """A fixed, unshuffled DataLoader of ``n`` (6-feature, 1-target) rows for the framework tests."""
+    g = torch.Generator().manual_seed(1)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False)
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """Replace ``dst`` with a copy of the run directory ``src`` (symlinks kept as links)."""
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def catalog_tables(run: Path) -> set[str]:
+    """The names of the tables in a run's catalog."""
+    return {r[0] for r in catalog_sql(run, "SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def catalog_format_version(run: Path) -> int:
+    """The format version a run's catalog says it is written in."""
+    import json
+
+    return int(json.loads(catalog_sql(run, "SELECT value FROM meta WHERE key = 'format_version'")[0][0]))
+
+
+def weight_blob(path: Path) -> int:
+    """The blob id of the parameter ``weight`` at step 0 (a one-Linear run)."""
+    return catalog_sql(path, "SELECT t.blob FROM tensors t JOIN series s ON s.id = t.series "
+                       "WHERE s.name = 'weight' AND t.step = 0")[0][0]

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same, assert_same_tree
+from helpers import assert_same, assert_same_tree, param_clones
 from safetensors.torch import load_file
 
 import stepdump
@@ -44,17 +44,13 @@ def _args(out: Path, **kw: Any) -> TrainingArguments:
     return TrainingArguments(**opts)
 
 
-def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _train(tmp: Path, **recorder_kwargs: Any) -> dict[str, Any]:
     """The original run: recorded, with the Trainer's own checkpoints at steps 2 and 4."""
     model = tiny_gpt2()
     trainer = Trainer(model=model, args=_args(tmp / "out", save_strategy="steps", save_steps=2),
                       train_dataset=token_dataset(), callbacks=[StepdumpTrainerCallback(tmp / "run", **recorder_kwargs)])
     trainer.train()
-    return {"run": tmp / "run", "out": tmp / "out", "final": _params(model)}
+    return {"run": tmp / "run", "out": tmp / "out", "final": param_clones(model)}
 
 
 @pytest.fixture(scope="module")

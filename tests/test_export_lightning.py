@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same, assert_same_tree
+from helpers import assert_same, assert_same_tree, param_clones
 from torch import nn
 
 import stepdump
@@ -59,10 +59,6 @@ def _trainer(callbacks: list[Any], **kw: Any) -> L.Trainer:
     return L.Trainer(callbacks=callbacks, **opts)
 
 
-def _params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _train(tmp: Path, accumulate: int = 1) -> dict[str, Any]:
     """The original fit: recorded, with Lightning's own checkpoints every 2 optimizer steps."""
     L.seed_everything(0, verbose=False)
@@ -72,7 +68,7 @@ def _train(tmp: Path, accumulate: int = 1) -> dict[str, Any]:
     steps = MAX_STEPS // accumulate
     _trainer([StepdumpCallback(tmp / "run"), saver], enable_checkpointing=True, max_steps=steps,
              accumulate_grad_batches=accumulate).fit(model, _data())
-    return {"run": tmp / "run", "ckpts": tmp / "ckpts", "final": _params(model), "steps": steps}
+    return {"run": tmp / "run", "ckpts": tmp / "ckpts", "final": param_clones(model), "steps": steps}
 
 
 @pytest.fixture(scope="module")

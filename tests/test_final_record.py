@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same, assert_same_tree, catalog_sql, snapshot
+from helpers import assert_same, assert_same_tree, catalog_sql, seed_all, snapshot
 from torch import nn
 
 import stepdump
@@ -44,15 +44,9 @@ def _iteration(t: int, model: nn.Module, opt: torch.optim.Optimizer, sched: obje
     return loss
 
 
-def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-
-
 def test_final_record_is_the_trained_model_optimizer_scheduler_and_rng(tmp_path):
     model, opt, sched = _objects()
-    _seed_all(1)
+    seed_all(1)
     with stepdump.Recorder(tmp_path / "run", model, opt, sched) as rec:
         for t in range(N):
             rec.log(loss=_iteration(t, model, opt, sched))
@@ -82,17 +76,17 @@ def test_final_record_is_the_trained_model_optimizer_scheduler_and_rng(tmp_path)
 
 def test_restoring_the_final_record_continues_bitwise_like_an_uninterrupted_run(tmp_path):
     model, opt, sched = _objects()
-    _seed_all(2)
+    seed_all(2)
     with stepdump.Recorder(tmp_path / "run", model, opt, sched):
         for t in range(N):
             _iteration(t, model, opt, sched)
     ref_model, ref_opt, ref_sched = _objects()
-    _seed_all(2)
+    seed_all(2)
     for t in range(N + 3):  # the same training, never interrupted
         _iteration(t, ref_model, ref_opt, ref_sched)
 
     fresh, fresh_opt, fresh_sched = _objects(seed=7)  # other weights: restore must set everything
-    _seed_all(99)  # and another RNG state
+    seed_all(99)  # and another RNG state
     with stepdump.open(tmp_path / "run") as run:
         run.restore(run.steps[-1], fresh, fresh_opt, scheduler=fresh_sched)
     for t in range(N, N + 3):

@@ -13,25 +13,16 @@ CUDA path drives it), and a resumed run keeps its kinds.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import xxhash
 from dmix_reference import reference_dmix64
-from helpers import assert_run_matches, catalog_sql, record_run, snapshot
+from helpers import assert_run_matches, catalog_format_version, catalog_sql, catalog_tables, record_run, snapshot
 
 import stepdump
 from stepdump.core.hashing import raw_bytes, signed64
-
-
-def _tables(run: Path) -> set[str]:
-    return {r[0] for r in catalog_sql(run, "SELECT name FROM sqlite_master WHERE type = 'table'")}
-
-
-def _version(run: Path) -> int:
-    return int(json.loads(catalog_sql(run, "SELECT value FROM meta WHERE key = 'format_version'")[0][0]))
 
 
 # -- the recorder: Recorder(fingerprint=) and every row under its series' kind ------------------
@@ -72,8 +63,8 @@ def _as(kind: str, t: torch.Tensor) -> int:
 @pytest.mark.parametrize("option", ["xxh3", "dmix64"])
 def test_every_row_has_its_kind_and_describes_the_recorded_bytes(tmp_path: Path, option: str, mode: str) -> None:
     path, snaps = _train(tmp_path / "run", option, mode)
-    assert _version(path) == (2 if option == "dmix64" else 1)
-    assert ("fp_kinds" in _tables(path)) == (option == "dmix64")
+    assert catalog_format_version(path) == (2 if option == "dmix64" else 1)
+    assert ("fp_kinds" in catalog_tables(path)) == (option == "dmix64")
     with stepdump.open(path) as run:
         assert run.stats_steps, "the control: rows were written"
         for step in run.stats_steps:
@@ -125,7 +116,7 @@ def test_auto_on_the_cpu_is_exactly_xxh3(tmp_path: Path, mode: str) -> None:
     and the same fingerprints as fingerprint="xxh3" at every step."""
     auto, _ = _train(tmp_path / "auto", None, mode)
     xxh3, _ = _train(tmp_path / "xxh3", "xxh3", mode)
-    assert _version(auto) == 1 and "fp_kinds" not in _tables(auto)
+    assert catalog_format_version(auto) == 1 and "fp_kinds" not in catalog_tables(auto)
     rows = "SELECT step, series, fingerprint, blob IS NOT NULL FROM tensors ORDER BY step, series"
     assert catalog_sql(auto, rows) == catalog_sql(xxh3, rows)
     assert catalog_sql(auto, "SELECT id, kind, name FROM series") == catalog_sql(xxh3, "SELECT id, kind, name FROM series")
@@ -247,7 +238,7 @@ def test_the_dmix64_option_gives_every_new_series_dmix64(tmp_path: Path, device_
     from stepdump.capture.writer import StepMessage
 
     _writer_run(tmp_path / "run", [StepMessage(0, 2, items=[_item(T0, True, device_fp)])], fingerprint="dmix64")
-    assert _version(tmp_path / "run") == 2
+    assert catalog_format_version(tmp_path / "run") == 2
     with stepdump.open(tmp_path / "run") as run:
         assert run.fingerprint_kinds(0) == {("params", "w"): "dmix64"}
         assert run.fingerprints(0)[("params", "w")] == reference_dmix64(bytes(raw_bytes(T0)))
@@ -285,7 +276,7 @@ def test_resuming_keeps_the_kinds(tmp_path: Path, first: str, then: str, want: s
         for step in range(6):  # every lean step has every tensor's row, of the run's kind
             assert len(run.fingerprints(step)) == n and set(run.fingerprint_kinds(step).values()) == {want}, step
         assert stepdump.verify(run).ok
-    assert _version(path) == (2 if want == "dmix64" else 1)
+    assert catalog_format_version(path) == (2 if want == "dmix64" else 1)
 
 
 # -- other layouts and dtypes: a sparse grad (its header, indices and values), bf16 ---------------

@@ -17,21 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import catalog_sql, record_run
+from helpers import catalog_format_version, catalog_sql, catalog_tables, record_run
 
 import stepdump
 from stepdump.store.catalog import CatalogWriter
 from stepdump.store.queries import CatalogReader
 
 GOLDEN = Path(__file__).parent / "golden" / "v1_run"
-
-
-def _tables(run: Path) -> set[str]:
-    return {r[0] for r in catalog_sql(run, "SELECT name FROM sqlite_master WHERE type = 'table'")}
-
-
-def _version(run: Path) -> int:
-    return int(json.loads(catalog_sql(run, "SELECT value FROM meta WHERE key = 'format_version'")[0][0]))
 
 
 def _series(run: Path) -> dict[tuple[str, str], int]:
@@ -63,8 +55,8 @@ def _mark(run: Path, kinds: dict[tuple[str, str], str]) -> None:
 # -- the writer: format 1 until a series is not xxh3 ---------------------------------------------
 def test_a_cpu_run_under_auto_stays_format_1_without_the_table(xxh3_run: Path) -> None:
     """fingerprint="auto" (the default) on the CPU writes today's store: no fp_kinds table, format 1."""
-    assert "fp_kinds" not in _tables(xxh3_run)
-    assert _version(xxh3_run) == 1
+    assert "fp_kinds" not in catalog_tables(xxh3_run)
+    assert catalog_format_version(xxh3_run) == 1
     with stepdump.open(xxh3_run) as run:
         assert run.format_version == 1
     reader = CatalogReader(xxh3_run)
@@ -89,8 +81,8 @@ def test_set_fp_kind_makes_format_2_with_the_first_other_kind(
         stored: dict[tuple[str, str], str]) -> None:
     run = _copy(xxh3_run, tmp_path / "run")
     _mark(run, kinds)
-    assert _version(run) == version, what
-    assert ("fp_kinds" in _tables(run)) == (version == 2), what
+    assert catalog_format_version(run) == version, what
+    assert ("fp_kinds" in catalog_tables(run)) == (version == 2), what
     ids = _series(run)
     assert dict(catalog_sql(run, "SELECT series, kind FROM fp_kinds") if version == 2 else []) == {
         ids[k]: v for k, v in stored.items()}
@@ -126,7 +118,7 @@ def test_a_rolled_back_first_kind_leaves_format_1(xxh3_run: Path, tmp_path: Path
     w.rollback()
     assert w.fp_kind(sid) == "xxh3"
     w.close()
-    assert _version(run) == 1 and "fp_kinds" not in _tables(run)
+    assert catalog_format_version(run) == 1 and "fp_kinds" not in catalog_tables(run)
 
 
 def test_dropped_series_take_their_kind_with_them(tmp_path: Path) -> None:
@@ -145,7 +137,7 @@ def test_dropped_series_take_their_kind_with_them(tmp_path: Path) -> None:
     ids = _series(run)
     assert ("params", "late") not in ids
     assert dict(catalog_sql(run, "SELECT series, kind FROM fp_kinds")) == {ids[("params", "0.weight")]: "dmix64"}
-    assert _version(run) == 2  # the format never goes back down
+    assert catalog_format_version(run) == 2  # the format never goes back down
 
 
 # -- the reader: formats 1 and 2, the table only in 2, newer refused by version -----------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same, assert_seen_records, training_scalars
+from helpers import assert_same, assert_seen_records, regression_loader, training_scalars
 from torch import nn
 
 import stepdump
@@ -15,12 +15,6 @@ from stepdump.integrations.lightning import StepdumpCallback  # noqa: E402
 
 # Lightning's own advice (dataloader workers, resumable loaders, deprecations inside it) is noise here.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
-
-
-def _data(n: int = 16, batch: int = 4) -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(1)
-    ds = torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g))
-    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False)
 
 
 def _trainer(callbacks, **kw) -> L.Trainer:
@@ -100,7 +94,7 @@ def test_records_equal_live_state_with_accumulation_and_clipping(tmp_path):
     cb = StepdumpCallback(tmp_path / "run")
     # 4 batches an epoch, 2 per step: steps 0, 1 in epoch 0 and step 2 in epoch 1.
     trainer = _trainer([probe, cb], max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.05)
-    trainer.fit(model, _data())
+    trainer.fit(model, regression_loader())
     assert cb.recorders == []  # closed at the end of the fit
     assert trainer.global_step == 3 and len(probe.seen) == 3
 
@@ -136,7 +130,7 @@ def test_final_params_follow_from_last_record(tmp_path):
     torch.manual_seed(0)
     model, probe = Sgd(), Probe()
     trainer = _trainer([probe, StepdumpCallback(tmp_path / "run")], max_steps=3)
-    trainer.fit(model, _data())
+    trainer.fit(model, regression_loader())
     with stepdump.open(tmp_path / "run") as run:
         _check_records(run, probe.seen)
         final = run.meta["final_step"]
@@ -163,17 +157,17 @@ def test_resume_from_checkpoint_appends_to_the_run(tmp_path):
     torch.manual_seed(0)
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt.ckpt"
     t1 = _trainer([StepdumpCallback(run_dir)], max_steps=2)
-    t1.fit(Net(), _data())
+    t1.fit(Net(), regression_loader())
     t1.save_checkpoint(ckpt)
     saved = torch.load(ckpt, weights_only=False)["state_dict"]
 
     # A fresh fit into the same directory is refused (no silent mixing of runs).
     with pytest.raises(stepdump.RunExistsError):
-        _trainer([StepdumpCallback(run_dir)], max_steps=2).fit(Net(), _data())
+        _trainer([StepdumpCallback(run_dir)], max_steps=2).fit(Net(), regression_loader())
 
     probe = Probe()
     t2 = _trainer([probe, StepdumpCallback(run_dir)], max_steps=4)
-    t2.fit(Net(), _data(), ckpt_path=ckpt)
+    t2.fit(Net(), regression_loader(), ckpt_path=ckpt)
     assert len(probe.seen) == 2
     with stepdump.open(run_dir) as run:
         assert run.all_steps == [0, 1, 2, 3, 4]  # 4: the final record (the trained model)
@@ -189,7 +183,7 @@ def test_resume_from_checkpoint_appends_to_the_run(tmp_path):
         assert_same(run.rng_state(2)["torch"], probe.fit_rng, "RNG of record 2")
 
     # Resuming the step-2 checkpoint again records into the same run: steps 2..4 are dropped first.
-    _trainer([StepdumpCallback(run_dir)], max_steps=4).fit(Net(), _data(), ckpt_path=ckpt)
+    _trainer([StepdumpCallback(run_dir)], max_steps=4).fit(Net(), regression_loader(), ckpt_path=ckpt)
     with stepdump.open(run_dir) as run:
         assert run.all_steps == [0, 1, 2, 3, 4] and run.meta["final_step"] == 4
         assert [(h["resumed_at"], h["dropped"]) for h in run.meta["history"]] == [(2, [2, 2]), (2, [2, 4])]
@@ -235,7 +229,7 @@ def test_several_optimizers_one_run_each(tmp_path):
 
     cb = StepdumpCallback(tmp_path / "run")
     trainer = _trainer([P(), cb], max_steps=6, limit_train_batches=3)  # global_step counts both optimizers
-    trainer.fit(TwoOpt(), _data())
+    trainer.fit(TwoOpt(), regression_loader())
     for i, prefix in ((0, "enc."), (1, "head.")):
         with stepdump.open(tmp_path / "run" / f"opt{i}") as run:
             assert run.all_steps == [0, 1, 2, 3] and run.meta["final_step"] == 3  # each run closes with one
@@ -267,7 +261,7 @@ def test_gradscaler_skip_is_recorded(tmp_path):
     probe = Probe()
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
     trainer = _trainer([probe, StepdumpCallback(tmp_path / "run")], max_steps=3, plugins=[plugin])
-    trainer.fit(Boom(), _data())
+    trainer.fit(Boom(), regression_loader())
     with stepdump.open(tmp_path / "run") as run:
         assert run.all_steps == [0, 1, 2, 3] and run.meta["final_step"] == 3
         assert run.skipped_steps == [1]
@@ -290,7 +284,7 @@ def test_lean_mode_with_clipping_keeps_every_steps_grad_stats_without_a_warning(
     cb = StepdumpCallback(tmp_path / "run", every=None, stats_every=1)
     trainer = _trainer([probe, cb], max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05)
     with caplog.at_level("WARNING", logger="stepdump"):
-        trainer.fit(model, _data())
+        trainer.fit(model, regression_loader())
     assert not [r for r in caplog.records if "changed in place" in r.getMessage()]
     with stepdump.open(tmp_path / "run") as run:
         st = run.stats(kind="grads")

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from fidelity_cases import Case
-from helpers import snapshot
+from helpers import lean_model, snapshot
 from test_fidelity_matrix import OPTIMIZER_CASES, SCHEDULER_CASES, _final, _train, same_final
 from torch import nn
 
@@ -72,11 +72,6 @@ def test_lean_records_every_optimizer_exactly(case: Case, tmp_path, monkeypatch)
     _lean_matrix_case(case, tmp_path, monkeypatch)
 
 
-def _model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(80, 90), nn.ReLU(), nn.Linear(90, 70))  # weights > 4096 elements: fused path
-
-
 def _batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(t)
     return torch.randn(16, 80, generator=g), torch.randn(16, 70, generator=g)
@@ -84,7 +79,7 @@ def _batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _loop(path, steps: int, between=None, before_step=None, opt_cls=torch.optim.Adam, **kw):
     """Train; return the hand capture at each pre-step moment (after ``before_step``)."""
-    model = _model()
+    model = lean_model()
     opt = opt_cls(model.parameters(), lr=1e-2)
     caps = []
     with stepdump.Recorder(path, model, opt, on_error="raise", **{**LEAN, **kw}) as rec:
@@ -195,7 +190,7 @@ def test_grads_changed_during_the_step_are_left_out_with_a_warning_then_read_bef
 def test_lean_keyframes_and_gradient_log_take_the_lean_path_for_what_is_not_stored(tmp_path) -> None:
     for kw in ({"keyframe_every": 3}, {"gradient_log": 3}):
         path = tmp_path / next(iter(kw))
-        model = _model()
+        model = lean_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         caps = []
         with stepdump.Recorder(path, model, opt, on_error="raise", **kw) as rec:
@@ -227,9 +222,9 @@ def test_a_failure_on_the_worker_is_one_warning_and_training_goes_on(tmp_path, m
         return real(entries, warned, private, **kw)
 
     monkeypatch.setattr(lean, "lean_rows", broken)
-    model = _model()
+    model = lean_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ref = _model()
+    ref = lean_model()
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     with caplog.at_level(logging.WARNING, logger="stepdump"):
         with stepdump.Recorder(tmp_path / "r", model, opt, **LEAN):
@@ -256,7 +251,7 @@ class _Wrapping(torch.optim.AdamW):
 
 @pytest.mark.parametrize("kw", [{"every": 1}, LEAN])
 def test_a_subclass_calling_super_step_records_one_step_per_update(tmp_path, kw) -> None:
-    torch.optim.AdamW(_model().parameters())  # the parent class's step() is wrapped by torch as well
+    torch.optim.AdamW(lean_model().parameters())  # the parent class's step() is wrapped by torch as well
     run, caps = _loop(tmp_path / "r", 4, opt_cls=_Wrapping, **kw)
     assert run.all_steps == [0, 1, 2, 3, 4]  # 4: the final record close() writes
     for t, cap in enumerate(caps):

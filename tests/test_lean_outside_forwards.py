@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import gen, snapshot
+from helpers import gen, lean_model, snapshot
 from torch import nn
 
 import stepdump
@@ -42,11 +42,6 @@ MODES = {"lean": {"every": None, "stats_every": 1}, "tiered": {"every": 5, "stat
 def lean_path(request, monkeypatch) -> str:
     monkeypatch.setattr(lean, "INLINE_BYTES", 0 if request.param == "worker" else 1 << 40)
     return request.param
-
-
-def _model(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(80, 90), nn.ReLU(), nn.Linear(90, 70))  # weights > 4096 elements: fused path
 
 
 @dataclass
@@ -177,7 +172,7 @@ LOOPS: dict[str, Callable[[Ctx, int], None]] = {f.__name__: f for f in (
 
 
 def _ctx() -> Ctx:
-    model = _model()
+    model = lean_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     shadow = [p.detach().clone() * 0.5 for p in model.parameters()]  # far from the live weights
     return Ctx(model, opt, shadow, nn.Sequential(*model))

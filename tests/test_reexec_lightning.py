@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import one_batch_run
+from helpers import one_batch_run, regression_loader
 from torch import nn
 
 import stepdump
@@ -23,12 +23,6 @@ from stepdump.integrations.lightning import StepdumpCallback  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 STEPS = 3
-
-
-def _data(n: int = 16, batch: int = 4) -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(1)
-    ds = torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 1, generator=g))
-    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False)
 
 
 class Net(L.LightningModule):
@@ -61,7 +55,7 @@ class CustomClip(Net):
 def record(path: Path, module: L.LightningModule, **trainer_kw: Any) -> Path:
     opts = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False, num_sanity_val_steps=0, deterministic=True, max_steps=STEPS)
-    L.Trainer(callbacks=[StepdumpCallback(path)], **{**opts, **trainer_kw}).fit(module, _data())
+    L.Trainer(callbacks=[StepdumpCallback(path)], **{**opts, **trainer_kw}).fit(module, regression_loader())
     return path
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import record_run, tiny_model
+from helpers import copy_run, record_run, tiny_model
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from reliability.procs import tensor_hash
@@ -59,14 +59,7 @@ def clean(tmp_path_factory):
     """(path, truth) of a finished run, as its Recorder left it (the truth is read from a copy:
     reading must not be what makes the original readable)."""
     path = record_run(tmp_path_factory.mktemp("clean") / "run", steps=4)
-    return path, _truth(_copy(path, tmp_path_factory.mktemp("truth") / "run"))
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(src, dst, symlinks=True)
-    return dst
+    return path, _truth(copy_run(path, tmp_path_factory.mktemp("truth") / "run"))
 
 
 def _sql(path: Path, *statements: str, writable_schema: bool = False) -> None:
@@ -143,7 +136,7 @@ def _hostile(path: Path, edits: list) -> None:
 
 @pytest.mark.parametrize("what", sorted(HOSTILE_SCHEMAS))
 def test_a_catalog_whose_schema_computes_is_refused_on_open(clean, tmp_path, what):
-    path = _copy(clean[0], tmp_path / "run")
+    path = copy_run(clean[0], tmp_path / "run")
     _hostile(path, HOSTILE_SCHEMAS[what])
     peak = _peak_rss_reset()
     with pytest.raises(stepdump.CorruptDataError, match="not a stepdump catalog") as e:
@@ -153,11 +146,11 @@ def test_a_catalog_whose_schema_computes_is_refused_on_open(clean, tmp_path, wha
 
 
 def test_the_refusal_says_what_computes(clean, tmp_path):
-    path = _copy(clean[0], tmp_path / "run")
+    path = copy_run(clean[0], tmp_path / "run")
     _hostile(path, HOSTILE_SCHEMAS["a generated column added to steps"])
     with pytest.raises(stepdump.CorruptDataError, match="generated column 'g'"):
         stepdump.open(path)
-    path = _copy(clean[0], tmp_path / "run")
+    path = copy_run(clean[0], tmp_path / "run")
     _hostile(path, HOSTILE_SCHEMAS["a trigger"])
     with pytest.raises(stepdump.CorruptDataError, match="trigger 't'"):
         stepdump.open(path)
@@ -165,7 +158,7 @@ def test_the_refusal_says_what_computes(clean, tmp_path):
 
 def test_legit_stores_still_open(clean, tmp_path):
     for src in (clean[0], GOLDEN):
-        with stepdump.open(_copy(src, tmp_path / "run")) as run:
+        with stepdump.open(copy_run(src, tmp_path / "run")) as run:
             assert run.steps and stepdump.verify(run).ok
 
 
@@ -274,7 +267,7 @@ def _read_all(path: Path, truth: dict) -> str:
 @example(edits=[("generated", "blobs", 1, HEAVY, "VIRTUAL"), ("collate", "series", 1, "NOCASE")])
 def test_fuzzed_schemas_read_as_the_clean_store_or_raise_within_bounds(clean, tmp_path_factory, edits):
     src, truth = clean
-    path = _copy(src, tmp_path_factory.getbasetemp() / "schema-fuzz")
+    path = copy_run(src, tmp_path_factory.getbasetemp() / "schema-fuzz")
     for m in edits:
         _apply_schema_edit(path, m)
     peak = _peak_rss_reset()
@@ -320,14 +313,14 @@ def test_a_clean_close_leaves_a_catalog_that_needs_no_side_files(clean):
 
 def test_a_finished_run_opens_on_a_read_only_mount(clean, tmp_path, cli):
     src, truth = clean
-    with _read_only_mount(_copy(src, tmp_path / "run"), tmp_path / "ro") as ro:
+    with _read_only_mount(copy_run(src, tmp_path / "run"), tmp_path / "ro") as ro:
         _reads_like(ro, truth)
         assert "closed" in cli("info", ro).stdout
 
 
 def test_an_older_run_left_in_wal_mode_opens_on_a_read_only_mount(tmp_path):
     """The golden store predates the clean-close switch: WAL mode, no -wal or -shm beside it."""
-    with _read_only_mount(_copy(GOLDEN, tmp_path / "run"), tmp_path / "ro") as ro:
+    with _read_only_mount(copy_run(GOLDEN, tmp_path / "run"), tmp_path / "ro") as ro:
         with stepdump.open(ro) as run:
             assert run.steps and stepdump.verify(run).ok
 
@@ -356,7 +349,7 @@ def test_a_run_closed_under_a_live_reader_opens_on_a_read_only_mount(tmp_path):
 
 def test_a_wal_that_cannot_be_read_read_only_is_a_clear_error(clean, tmp_path):
     """Committed steps still in -wal with no -shm: SQLite needs to create -shm to read them."""
-    path = _copy(clean[0], tmp_path / "run")
+    path = copy_run(clean[0], tmp_path / "run")
     _sql(path, "PRAGMA journal_mode=WAL")
     con = sqlite3.connect(path / "catalog.sqlite", isolation_level=None)
     con.execute("PRAGMA wal_autocheckpoint=0")
@@ -373,7 +366,7 @@ def test_a_wal_that_cannot_be_read_read_only_is_a_clear_error(clean, tmp_path):
 def test_a_reader_sees_a_resumed_recording_of_a_closed_run(clean, tmp_path):
     """A reader opened on a closed (rollback-journal) catalog follows a Recorder that
     resumes the run (back in WAL mode), and still reads after it closes."""
-    path = _copy(clean[0], tmp_path / "run")
+    path = copy_run(clean[0], tmp_path / "run")
     run = stepdump.open(path)
     try:
         n = len(run.all_steps)
@@ -402,7 +395,7 @@ def test_another_user_without_write_permission_reads_a_finished_run(clean):
     src, truth = clean
     top = Path(tempfile.mkdtemp(prefix="stepdump-ro-"))
     try:
-        run = _copy(src, top / "run")
+        run = copy_run(src, top / "run")
         for p in [top, run, *run.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)  # readable by all, writable by root only
         code = ("import stepdump; r = stepdump.open(%r); print(r.all_steps, r.live, stepdump.verify(r).ok)" % str(run))
@@ -420,7 +413,7 @@ def test_another_user_without_write_permission_reads_a_finished_run(clean):
 
 def test_a_run_whose_path_has_uri_characters_opens(clean, tmp_path):
     """The catalog is opened by URI: '?', '#' and '%' in the path must not end or change its name."""
-    path = _copy(clean[0], tmp_path / "we?ird #dir%20x" / "run")
+    path = copy_run(clean[0], tmp_path / "we?ird #dir%20x" / "run")
     with stepdump.open(path) as run:
         assert run.all_steps == clean[1]["all_steps"]
 
@@ -430,7 +423,7 @@ def test_resuming_a_run_on_a_read_only_mount_is_a_clear_error(clean, tmp_path):
     from helpers import tiny_model
 
     src, truth = clean
-    with _read_only_mount(_copy(src, tmp_path / "run"), tmp_path / "ro") as ro:
+    with _read_only_mount(copy_run(src, tmp_path / "run"), tmp_path / "ro") as ro:
         model = tiny_model()
         with pytest.raises(stepdump.ConfigError, match="cannot record into .*write access"):
             stepdump.Recorder(ro, model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True)

@@ -29,14 +29,7 @@ from typing import Any
 import pytest
 import torch
 import zstandard
-from helpers import (
-    assert_same,
-    catalog_sql,
-    one_step_run,
-    peak_traced_bytes,
-    record_run,
-    tiny_model,
-)
+from helpers import assert_same, catalog_sql, one_step_run, peak_traced_bytes, record_run, tiny_model, weight_blob
 
 import stepdump
 from stepdump.core.hashing import fingerprint_bytes
@@ -50,11 +43,6 @@ def _small(path: Path) -> Path:
     one_step_run(path)
     sqlite3.connect(path / "catalog.sqlite").close()
     return path
-
-
-def _weight_blob(path: Path) -> int:
-    return catalog_sql(path, "SELECT t.blob FROM tensors t JOIN series s ON s.id = t.series "
-                      "WHERE s.name = 'weight' AND t.step = 0")[0][0]
 
 
 def _append(path: Path, data: bytes) -> tuple[int, int]:
@@ -207,7 +195,7 @@ def test_a_segment_linking_out_of_a_file_url_run_is_not_read(file_url_run: tuple
     seg = _segment(path)
     seg.unlink()
     seg.symlink_to(secret)
-    blob = _weight_blob(path)
+    blob = weight_blob(path)
     catalog_sql(path, "UPDATE blobs SET offset = 0, length = ?, raw_length = ?, checksum = ? WHERE id = ?",
          (len(data), len(data), fp, blob))
     catalog_sql(path, "UPDATE tensors SET dtype = 'uint8', shape = ?, fingerprint = ? WHERE blob = ?",
@@ -230,7 +218,7 @@ def test_a_catalog_linking_out_of_a_file_url_run_is_not_read(file_url_run: tuple
 def test_a_40_gb_claim_at_a_file_url_is_refused_before_allocating(file_url_run: tuple[str, Path],
                                                                    tmp_path: Path) -> None:
     where, path = file_url_run
-    blob = _weight_blob(path)
+    blob = weight_blob(path)
     catalog_sql(path, "UPDATE tensors SET shape = '100000,100000' WHERE blob = ?", (blob,))
     catalog_sql(path, "UPDATE blobs SET raw_length = ?, length = ?, codec = 'raw' WHERE id = ?", (4 * 10**10, 4 * 10**10, blob))
     with stepdump.open(where, cache_dir=tmp_path / "cache") as run:
@@ -269,7 +257,7 @@ def _chain(path: Path, links: int) -> Path:
     with con:
         con.executemany("INSERT INTO blobs VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
         con.execute("UPDATE tensors SET dtype = 'float32', shape = ?, blob = ?, fingerprint = ? WHERE blob = ?",
-                    (str(CHAIN_BYTES // 4), first + links, fingerprint_bytes(zeros), _weight_blob(path)))
+                    (str(CHAIN_BYTES // 4), first + links, fingerprint_bytes(zeros), weight_blob(path)))
     con.close()
     return path
 

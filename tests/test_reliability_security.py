@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from helpers import catalog_sql, one_step_run, peak_traced_bytes
+from helpers import catalog_sql, one_step_run, peak_traced_bytes, weight_blob
 from torch import nn
 
 import stepdump
@@ -170,11 +170,6 @@ def small_run(tmp_path):
     return one_step_run(tmp_path / "run")
 
 
-def _weight_blob(path: Path) -> int:
-    return catalog_sql(path, "SELECT t.blob FROM tensors t JOIN series s ON s.id = t.series "
-                      "WHERE s.name = 'weight' AND t.step = 0")[0][0]
-
-
 @pytest.fixture
 def opened_paths(monkeypatch):
     """Every path the storage layer hands to os.open while the test runs."""
@@ -212,7 +207,7 @@ def test_a_segment_linking_outside_the_run_is_not_read_even_with_matching_checks
     seg = next((small_run / "segments").glob("*.seg"))
     seg.unlink()
     seg.symlink_to(secret)
-    blob = _weight_blob(small_run)
+    blob = weight_blob(small_run)
     catalog_sql(small_run, "UPDATE blobs SET offset = 0, length = ?, raw_length = ?, checksum = ? WHERE id = ?",
          (len(data), len(data), fp, blob))
     catalog_sql(small_run, "UPDATE tensors SET dtype = 'uint8', shape = ?, fingerprint = ? WHERE blob = ?",
@@ -270,7 +265,7 @@ ABSURD = [
 
 @pytest.mark.parametrize("shape,raw_length,length,codec,match", ABSURD)
 def test_absurd_shapes_and_sizes_are_refused_before_allocating(small_run, shape, raw_length, length, codec, match):
-    blob = _weight_blob(small_run)
+    blob = weight_blob(small_run)
     if length is None:
         (length,) = catalog_sql(small_run, "SELECT length FROM blobs WHERE id = ?", (blob,))[0]
     catalog_sql(small_run, "UPDATE tensors SET shape = ? WHERE blob = ?", (shape, blob))
@@ -298,7 +293,7 @@ def test_absurd_shapes_and_sizes_are_refused_before_allocating(small_run, shape,
 def test_a_zstd_frame_that_lies_about_its_size_is_refused_before_decoding(small_run):
     """A frame whose header claims 64 MiB (it would decode to that: zeros), where the catalog says 48 bytes."""
     bomb = zstandard.ZstdCompressor(level=3).compress(bytes(1 << 26))
-    blob = _weight_blob(small_run)
+    blob = weight_blob(small_run)
     seg = next((small_run / "segments").glob("*.seg"))
     offset = seg.stat().st_size
     with open(seg, "ab") as f:
@@ -317,7 +312,7 @@ def test_a_zstd_frame_without_a_size_decodes_only_what_it_holds(small_run):
     """No content size in the header: decoding is bounded by what the catalog expects (+1),
     not by a claim, and a frame that decodes to more is refused."""
     bomb = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(bytes(1 << 26))
-    blob = _weight_blob(small_run)
+    blob = weight_blob(small_run)
     seg = next((small_run / "segments").glob("*.seg"))
     offset = seg.stat().st_size
     with open(seg, "ab") as f:

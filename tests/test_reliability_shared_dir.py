@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import record_run, tiny_model
+from helpers import copy_run, record_run, tiny_model
 
 import stepdump
 from stepdump.errors import StepdumpError
@@ -32,13 +31,6 @@ pytestmark = pytest.mark.timeout(300)
 def clean(tmp_path_factory):
     """A finished run, as its Recorder left it."""
     return record_run(tmp_path_factory.mktemp("clean") / "run", steps=2)
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(src, dst, symlinks=True)
-    return dst
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +83,7 @@ def victim(tmp_path):
 @pytest.mark.parametrize("link", ["symlink", "dangling", "hardlink"])
 def test_a_lock_that_links_elsewhere_is_refused_and_the_target_untouched(clean, tmp_path, victim, link,
                                                                          with_run, resume):
-    path = _copy(clean, tmp_path / "run") if with_run else tmp_path / "run"
+    path = copy_run(clean, tmp_path / "run") if with_run else tmp_path / "run"
     path.mkdir(exist_ok=True)
     (path / "LOCK").unlink(missing_ok=True)
     target = victim if link != "dangling" else tmp_path / "created-by-the-recorder"
@@ -109,7 +101,7 @@ def test_a_lock_that_links_elsewhere_is_refused_and_the_target_untouched(clean, 
 
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_lock_that_is_a_fifo_is_refused_without_hanging(clean, tmp_path, resume, cli):
-    path = _copy(clean, tmp_path / "run")
+    path = copy_run(clean, tmp_path / "run")
     (path / "LOCK").unlink()
     os.mkfifo(path / "LOCK")
     err = _within(30, lambda: _recorder(path, resume=resume).close(), fifo=path / "LOCK")
@@ -130,7 +122,7 @@ def test_a_fifo_lock_in_an_empty_directory_is_refused(tmp_path):
 
 @pytest.mark.parametrize("side", ["catalog.sqlite-wal", "catalog.sqlite-shm", "catalog.sqlite-journal"])
 def test_a_catalog_side_file_that_links_elsewhere_is_refused(clean, tmp_path, victim, side):
-    path = _copy(clean, tmp_path / "run")
+    path = copy_run(clean, tmp_path / "run")
     (path / side).symlink_to(victim)
     err = _within(30, lambda: _recorder(path, resume=True).close())
     assert isinstance(err, StepdumpError) and side in str(err), err
@@ -140,7 +132,7 @@ def test_a_catalog_side_file_that_links_elsewhere_is_refused(clean, tmp_path, vi
 
 
 def test_a_segments_directory_that_links_elsewhere_is_refused(clean, tmp_path):
-    path = _copy(clean, tmp_path / "run")
+    path = copy_run(clean, tmp_path / "run")
     outside = tmp_path / "outside"
     (path / "segments").rename(outside)
     (path / "segments").symlink_to(outside)

@@ -20,7 +20,8 @@ FAULTS: dict[str, int] = {}
 
 
 def record(path: Path, mode: str, fault: str | None = None) -> dict[str, Path]:
-    from test_integrations_lightning import Net, _data, _trainer
+    from helpers import regression_loader
+    from test_integrations_lightning import Net, _trainer
 
     from stepdump.integrations.lightning import StepdumpCallback
 
@@ -35,5 +36,5 @@ def record(path: Path, mode: str, fault: str | None = None) -> dict[str, Path]:
     torch.manual_seed(0)
     trainer = _trainer([StepdumpCallback(path, **MODES[mode])], max_steps=STEPS, accumulate_grad_batches=2,
                        gradient_clip_val=0.5)
-    trainer.fit(Cosine(), _data())
+    trainer.fit(Cosine(), regression_loader())
     return {"": path}
