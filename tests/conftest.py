@@ -110,6 +110,18 @@ def browser():
             b.close()
 
 
+@pytest.fixture(scope="session")
+def zygote():
+    """The reliability tests' fork server (tests/reliability/procs.py): one interpreter with torch
+    and stepdump imported, forking each child that is then killed. Session-scoped: it holds no
+    state between spawns, so test_reliability_crash.py and test_reliability_kill_modes.py share
+    one rather than each starting its own."""
+    from reliability.procs import Zygote
+
+    with Zygote() as z:
+        yield z
+
+
 @pytest.fixture
 def statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every SQL statement a catalog connection opened during the test runs, as SQLite expands it

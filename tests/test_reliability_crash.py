@@ -16,7 +16,6 @@ import torch
 from reliability import txkill
 from reliability.crash import run_chain
 from reliability.procs import (
-    Zygote,
     alive,
     iteration,
     make_model_opt,
@@ -28,12 +27,6 @@ from reliability.procs import (
 import stepdump
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    with Zygote() as z:
-        yield z
 
 
 def _wait_line(side, event, pid, log, timeout=60.0):

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 from reliability import losses
-from reliability.procs import Zygote
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,12 +30,6 @@ def _on_disk(fallback: Path) -> Path:
         if os.access(base, os.W_OK) and not base.startswith("/dev/shm"):
             return Path(tempfile.mkdtemp(prefix="stepdump-kills-", dir=base))
     return fallback
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    with Zygote() as z:
-        yield z
 
 
 @pytest.mark.parametrize("durability", ["fsync", "flush"])
