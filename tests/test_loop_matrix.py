@@ -27,11 +27,11 @@ and every (change, mode) pair is met too (``test_cells_cover_every_pair`` checks
 4. ``stepdump.reexecute`` of that (untampered) step reproduces, or is refused with the reason; it is
    never "suspected corruption".
 
-The loops zero grads through the optimizer, to None. Two loops that carry a grad into the next
-iteration are a known bug, each a strict xfail: restore does not set that grad and the recording
-does not say so (``model.zero_grad()`` after a module was replaced: the old module's params, still
-in the optimizer, keep their last grad; ``zero_grad(set_to_none=False)``: an unused expert keeps a
-zero grad, which AdamW steps from).
+The loops zero grads through the optimizer, to None. Two more loops carry a grad into the next
+iteration, which the optimizer steps from, so restore must set it (state ``carried_grads``,
+capture/carried.py): ``model.zero_grad()`` after a module was replaced (the old module's params,
+still in the optimizer, keep their last grad) and ``zero_grad(set_to_none=False)`` (an unused expert
+keeps a zero grad, which AdamW steps from).
 """
 
 from __future__ import annotations
@@ -253,9 +253,6 @@ def _stats_match(run: Any, t: int, params: dict[str, torch.Tensor], state: dict[
             assert fps[name] == fingerprint(v), f"step {t}: fingerprint of {kind} {name} is not the live one's"
 
 
-@pytest.mark.xfail(strict=True, reason="a grad carried into an iteration (never zeroed: the old head's params "
-                   "zeroed by nobody after model.zero_grad()) is training state that restore does not set and the "
-                   "recording does not say: restore + continue updates those params no more, silently")
 def test_grads_carried_across_iterations_are_restored_or_said(tmp_path: Path, caplog: Any) -> None:
     """The matrix's loops zero grads through the optimizer. A loop that calls ``model.zero_grad()``
     after replacing a module leaves the old module's params (still in the optimizer) with their last
@@ -293,9 +290,6 @@ class _TwoExperts(nn.Module):
         return (self.a if t % 3 else self.b)(x)
 
 
-@pytest.mark.xfail(strict=True, reason="zero_grad(set_to_none=False) leaves an unused expert a zero grad, which AdamW "
-                   "steps from (decay, moments); restore leaves it None, so AdamW skips it: restore + continue "
-                   "differs in the model's params, silently")
 def test_zero_grads_kept_by_set_to_none_false_are_restored_or_said(tmp_path: Path, caplog: Any) -> None:
     """The loops of torch before 2.0 zero grads to zeros, not None: a param unused at some step still
     has a (zero) grad, and AdamW updates it. Restore + continue must end as the original run, or the

@@ -291,3 +291,55 @@ def test_the_edit_watch_runs_where_the_next_record_is_full_and_names_lean_steps_
     r = stepdump.reexecute(run, 2, model, opt, train_step)  # full step 2, its next record 3 is lean
     assert r.verdict == DIFFERS and r.cause == "not determined", r.summary()  # the clamp, unwatched at 3
     assert r.unexcluded[0].startswith("an edit of the params by the loop between update 2 and step 3"), r.unexcluded
+
+
+class _TwoExperts(torch.nn.Module):
+    """Expert ``b`` serves steps 0, 3, 6 only: with zero_grad(set_to_none=False) it carries a zero grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.t = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a if self.t % 3 else self.b)(x)
+
+
+def _experts_step(m: torch.nn.Module, opt: torch.optim.Optimizer, batch: object) -> float:
+    """One iteration; the module's ``t`` (which expert serves) is set by the caller."""
+    x, y = batch  # type: ignore[misc]
+    opt.zero_grad(set_to_none=False)
+    loss = torch.nn.functional.mse_loss(m(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def test_grads_carried_into_an_iteration_are_recorded_restored_and_reexecuted(tmp_path: Path) -> None:
+    """zero_grad(set_to_none=False) and an idle expert: the idle expert's zero grad is carried into
+    the iteration and AdamW steps from it. Record t names it (state carried_grads), restore sets it,
+    and a re-execution feeds it: the step reproduces (it differed: AdamW skipped the expert)."""
+    def built() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = _TwoExperts()
+        return m, torch.optim.AdamW(m.parameters(), lr=0.01)
+
+    def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(t)
+        return torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+
+    m, opt = built()
+    with stepdump.Recorder(tmp_path / "r", m, opt) as rec:
+        for t in range(6):
+            m.t = t
+            rec.log_batch(batch(t))
+            rec.log(loss=_experts_step(m, opt, batch(t)))
+    run = stepdump.open(tmp_path / "r")
+    # Step 0: no update before it. Then the expert that sits out carries its zero grad in.
+    assert "carried_grads" not in run.step_state(0)
+    assert [run.step_state(t).get("carried_grads") for t in (1, 2, 3, 4)] == \
+        [["b.weight", "b.bias"], ["b.weight", "b.bias"], ["a.weight", "a.bias"], ["b.weight", "b.bias"]]
+    m2, opt2 = built()
+    m2.t = 4
+    r = stepdump.reexecute(run, 4, m2, opt2, _experts_step)
+    assert r.verdict == REPRODUCES, r.summary()

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from stepdump.capture.carried import CarriedGrads
 from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
 from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
 from stepdump.capture.step_state import Entry, StateBefore, full_state, state_json, stored_in_full, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch, fingerprints
-from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, STATE_AFTER_UPDATE
+from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, STATE_AFTER_UPDATE, STATE_CARRIED_GRADS
 from stepdump.store.records import as_records
 from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, OwnedCopier, Slot, Stager
@@ -68,6 +69,7 @@ class Assembler:
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
         self._selected_of: tuple[Layout | None, list[tuple[str, torch.Tensor]], list[Entry]] = (None, [], [])
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
+        self.carried = CarriedGrads()
         # The model's structure: a watch on registrations (set by the Recorder, which removes its hooks),
         # the earlier layouts (meta ``layouts``), the meta for the next record, the step of the last change.
         self.structure: StructureWatch | None = None
@@ -112,6 +114,8 @@ class Assembler:
         if self.watch is not None:
             watched = next_level == LEVEL_FULL or (next_level != LEVEL_NONE and self.keyframes) or self.gradlog
             self.watch.after_update(self._watched() if watched else None)
+        if "grads" in self.kinds:  # grads carried into the next iteration: a full record names them (carried.py)
+            self.carried.after_update(self.layout.params if next_level == LEVEL_FULL else None)
 
     def outside(self, step: int) -> tuple[dict[str, int], list[str]]:
         """Before update ``step``: the recorded params' fingerprints, and the names of those changed
@@ -227,6 +231,10 @@ class Assembler:
             state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler, opt_state) \
                 if full or self.gradlog else {}
             state.update(self.edits_state(outside))
+            if full and "grads" in self.kinds:
+                carried = [n for n in self.carried.before_update(self.layout.params) if self.selected(n)]
+                if carried:  # their grads are this record's grads: restore sets them (carried.py)
+                    state[STATE_CARRIED_GRADS] = carried
             # Extra state at full steps; a gradient log's other steps get its stats and fingerprints.
             extra = take_extra(self.extra, full, entries) if self.extra and (full or self.gradlog) else None
             msg.state_json = state_json(state, begin, batch, entries, extra)

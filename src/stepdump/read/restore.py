@@ -22,6 +22,7 @@ from stepdump.errors import ConfigError, RestoreMismatchError
 from stepdump.read.extra import plan_extra
 from stepdump.read.restore_checks import check_scaler, fingerprint_model_state, trial_rng, trial_scheduler
 from stepdump.read.state import layout_entries as _state_dict_entries
+from stepdump.store.format import STATE_CARRIED_GRADS
 
 if TYPE_CHECKING:
     from stepdump.read.run import Run
@@ -86,6 +87,8 @@ def prepare(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
             extra.apply()
             done.append("params outside the model")
             plan.write_outside_params()
+            done.append("grads carried into the iteration")
+            set_carried_grads(run, step, model, optimizer, state)
         except Exception as e:
             loaded = ", ".join(done[:-1]) or "nothing"
             raise RestoreMismatchError(
@@ -94,6 +97,23 @@ def prepare(run: Run, step: int, model: torch.nn.Module, optimizer: Any = None, 
                 "Restore again into freshly built objects") from e
 
     return load
+
+
+def set_carried_grads(run: Run, step: int, model: torch.nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    """The grads the recorded loop carried into iteration ``step`` (state ``carried_grads``: a zero
+    grad kept by ``zero_grad(set_to_none=False)``, a grad nobody zeroes), set as the record holds
+    them: the optimizer steps from them as it did (capture/carried.py). Every other grad stays as
+    it is (a freshly built model's: None)."""
+    names = state.get(STATE_CARRIED_GRADS) or []
+    if not names:
+        return
+    from stepdump.core.layout import build_layout
+
+    params = build_layout(model, optimizer).params if optimizer is not None else dict(model.named_parameters())
+    for name in names:
+        p = params.get(name)
+        if p is not None:
+            p.grad = run.tensor(name, step, kind="grads").to(p.device).clone()
 
 
 def side_state(run: Run, step: int, scheduler: Any, scaler: Any, rng: bool) -> dict[str, Any]:

@@ -30,7 +30,13 @@ from stepdump.errors import BatchMismatchError, ConfigError, ReplayDiverged, Ste
 from stepdump.read.replay import _live_tensors, batch_calls, recorded_batch, replay
 from stepdump.read.rows import fp_kind_map
 from stepdump.reexec.capture import Captured, capturing
-from stepdump.store.format import STATE_AFTER_UPDATE, STATE_FORWARD_RNG, STATE_OUTSIDE_OPTIMIZER, Key
+from stepdump.store.format import (
+    STATE_AFTER_UPDATE,
+    STATE_CARRIED_GRADS,
+    STATE_FORWARD_RNG,
+    STATE_OUTSIDE_OPTIMIZER,
+    Key,
+)
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
 
@@ -78,6 +84,8 @@ class Prepared:
     edited: dict[str, int] = field(default_factory=dict)
     #: The state was reached through a verified replay or restore (not taken from the objects as given).
     verified: bool = True
+    #: Grads the recorded loop carried into the iteration (state ``carried_grads``), by param name.
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def fingerprint(self, kind: str, name: str, t: torch.Tensor) -> int:
         """``t``'s fingerprint under the kind of the run's series (``kind``, ``name``); an edited
@@ -212,7 +220,8 @@ def prepare(run: Any, step: int, model: torch.nn.Module, optimizer: torch.optim.
         scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
         scaler_state=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
         rng=rng, notes=notes, fp_kinds=fp_kind_map(run.catalog), forward_rng=list(state.get(STATE_FORWARD_RNG) or []),
-        edited=edits_after(run, step), verified=verified)
+        edited=edits_after(run, step), verified=verified,
+        carried={n: run.tensor(n, step, kind="grads") for n in state.get(STATE_CARRIED_GRADS) or []})
 
 
 class _NoStep(Exception):
@@ -237,6 +246,9 @@ def execute(prep: Prepared, batch: Any, model: torch.nn.Module, optimizer: torch
         p.grad = None
     set_rng_state(prep.rng)
     layout = build_layout(model, optimizer)
+    for name, g in prep.carried.items():  # grads the loop carried into the iteration (capture/carried.py)
+        if name in layout.params:
+            layout.params[name].grad = g.clone()
     ex = Execution()
 
     def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -57,6 +57,10 @@ STATE_OUTSIDE_OPTIMIZER = "outside_optimizer"
 # Beside it: what the previous update left in those params (name -> exact xxh3 fingerprint), so a
 # re-execution of that update compares with the update's output, not with the loop's edit.
 STATE_AFTER_UPDATE = "after_update"
+# A full record's state key: the params whose grad was carried into the iteration (not written by its
+# backward: a zero grad kept by zero_grad(set_to_none=False), a grad nobody zeroes); restore sets them
+# to the record's grads, as the optimizer found them (capture/carried.py).
+STATE_CARRIED_GRADS = "carried_grads"
 # A record's state key: the RNG state at each training forward of the iteration (the model's forward
 # pre-hook, grad enabled), in order; re-execution and replay set it there (draws between the
 # iteration's start and a forward: nanoGPT's get_batch, augmentation).
