@@ -50,12 +50,22 @@ class CarriedGrads:
         seen, self._seen = self._seen, None
         if not seen:
             return []
-        out = []
+        out: list[str] = []
+        zeroed: list[tuple[str, torch.Tensor]] = []  # written in place since: carried if still all zero
+        for n, p in params.items():
+            g, s = p.grad, seen.get(n)
+            if g is None or s is None or s[0]() is not g:
+                continue  # a new grad: made by this iteration's backward (or None)
+            if g._version == s[1]:
+                out.append(n)  # untouched since the last update
+            else:
+                zeroed.append((n, g))
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for n, g in zeroed:
+            by_device.setdefault(g.device, []).append((n, g))
         with torch.no_grad():
-            for n, p in params.items():
-                g, s = p.grad, seen.get(n)
-                if g is None or s is None or s[0]() is not g:
-                    continue  # a new grad: made by this iteration's backward (or None)
-                if g._version == s[1] or not bool(g.any()):  # untouched, or zeroed in place and not written
-                    out.append(n)
-        return out
+            for group in by_device.values():  # one host read per device (a CUDA any() apiece would sync each)
+                nonzero = torch.stack([g.any() for _, g in group]).tolist()
+                out += [n for (n, _), nz in zip(group, nonzero) if not nz]
+        carried = set(out)
+        return [n for n in params if n in carried]  # in the layout's order
