@@ -161,10 +161,11 @@ def test_hooks_removed_and_nothing_leaks(tmp_path):
 
 
 def test_memory_bounded_over_steps(tmp_path):
-    """A 250-step twin of `make soak`'s 5,000-step activation run (tests/reliability/soak.py):
-    peak memory from step 50 to the last grows < 40 MB, and every step's stats are there."""
-    rss = activation_load(tmp_path / "r", 250)
-    assert rss[249] - rss[50] < 40, rss
+    """A 500-step twin of `make soak`'s 5,000-step activation run (tests/reliability/soak.py):
+    memory from step 250 (the caches warmed up) to the last grows < 40 MB, and every step's stats
+    are there. (From step 50 the warm-up alone was 30-45 MB: the bound failed on a loaded machine.)"""
+    rss = activation_load(tmp_path / "r", 500)
+    assert rss[499] - rss[250] < 40, rss
 
 
 def test_profiler_sees_recorder_ranges_and_sys_scalars(tmp_path):
