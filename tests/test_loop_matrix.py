@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same, assert_same_tree
+from helpers import assert_same, assert_same_tree, param_names
 from loop_shapes import CHANGES, MODES, STEPS, WRAPPERS, Loop, batch, build, cells
 from torch import nn
 
@@ -74,15 +74,6 @@ def _clone(x: Any) -> Any:
     return x
 
 
-def _names(m: nn.Module, opt: torch.optim.Optimizer) -> dict[int, str]:
-    """id(param) -> the name a run gives it: the model's, else ``group{i}.param{j}``."""
-    names = {id(p): n for n, p in m.named_parameters()}
-    for i, g in enumerate(opt.param_groups):
-        for j, p in enumerate(g["params"]):
-            names.setdefault(id(p), f"group{i}.param{j}")
-    return names
-
-
 @dataclass
 class Trace:
     """What the loop held when each update began: the model's and the recorded optimizer's
@@ -97,7 +88,7 @@ class Trace:
     def take(self, m: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.model.append(_clone(m.state_dict()))
         self.optimizer.append(_clone(opt.state_dict()))
-        names = _names(m, opt)
+        names = param_names(m, opt)
         ordered = [p for g in opt.param_groups for p in g["params"]]
         self.params.append({names[id(p)]: p.detach().clone() for p in [*m.parameters(), *ordered]})
         self.state.append({f"{names[id(ordered[i])]}.{k}": v for i, s in self.optimizer[-1]["state"].items()
