@@ -336,9 +336,84 @@ def catalog_sql(run_dir: Any, sql: str, args: Any = ()) -> list[Any]:
 
     con = sqlite3.connect(Path(run_dir) / "catalog.sqlite", isolation_level=None)
     try:
+        if sql.lstrip().upper().startswith(("SELECT", "WITH")) and "tensors" in sql:
+            _chunk_rows_as_tensors(con)
         return con.execute(sql, args).fetchall()
     finally:
         con.close()
+
+
+def delete_tensor_rows(run_dir: Any, where: str, args: Any = ()) -> int:
+    """``DELETE FROM tensors WHERE <where>`` over every row a run recorded (:func:`rewrite_tensor_rows`):
+    how a test plants a missing row. Returns the rows deleted."""
+    return rewrite_tensor_rows(run_dir, where, args, lambda row: None)
+
+
+def rewrite_tensor_rows(run_dir: Any, where: str, args: Any, change: Callable[[tuple], tuple | None]) -> int:
+    """Each tensor row a run recorded that matches ``where`` (SQL over ``tensors``' columns), the
+    catalog's rows and its stat chunks' rows alike, replaced by ``change(row)`` (a row of the
+    ``tensors`` columns, in order) or dropped (None). A changed row becomes a ``tensors`` row (a
+    reader takes it before a chunk's); a chunk is written again without the matched rows, or
+    dropped when none is left. How tests plant damage or a missing row. Returns the rows matched."""
+    import sqlite3
+    from pathlib import Path
+
+    import numpy as np
+
+    from stepdump.store import stat_chunk
+
+    con = sqlite3.connect(Path(run_dir) / "catalog.sqlite", isolation_level=None)
+    try:
+        chunks = bool(con.execute("SELECT 1 FROM sqlite_master WHERE name = 'stat_chunks'").fetchall())
+        if chunks:
+            _chunk_rows_as_tensors(con)
+        table = "temp.tensors" if chunks else "main.tensors"
+        rows = con.execute(f"SELECT * FROM {table} WHERE {where}", args).fetchall()
+        keys = {(r[0], r[1]) for r in rows}
+        if chunks:
+            con.execute("DROP TABLE temp.tensors")
+        con.execute("BEGIN")
+        con.executemany("DELETE FROM main.tensors WHERE series = ? AND step = ?", sorted(keys))
+        cols = stat_chunk.COUNT_STATS + stat_chunk.FLOAT_STATS
+        for cid, n, data in (con.execute("SELECT id, rows, data FROM main.stat_chunks").fetchall() if chunks else []):
+            a = stat_chunk.decode(data, n, cols, f"chunk {cid}")
+            keep = np.asarray([(s, t) not in keys for s, t in zip(a.series.tolist(), a.step.tolist())], dtype=bool)
+            if keep.all():
+                continue
+            if not keep.any():
+                con.execute("DELETE FROM main.stat_chunks WHERE id = ?", (cid,))
+                continue
+            kept = a.take(keep)
+            new = stat_chunk.encode_arrays(kept)
+            con.execute("UPDATE main.stat_chunks SET first_step = ?, last_step = ?, rows = ?, checksum = ?, data = ? "
+                        "WHERE id = ?", (int(kept.step.min()), int(kept.step.max()), len(kept),
+                                         stat_chunk.checksum(new), new, cid))
+        changed = [c for c in (change(tuple(r)) for r in rows) if c is not None]
+        con.executemany(f"INSERT INTO main.tensors VALUES ({', '.join('?' * 16)})", changed)
+        con.execute("COMMIT")
+        return len(rows)
+    finally:
+        con.close()
+
+
+def _chunk_rows_as_tensors(con: Any) -> None:
+    """For a SELECT: a TEMP table ``tensors`` (which unqualified names reach before the catalog's)
+    holding the catalog's tensor rows and its stat chunks' rows alike, decoded by the chunk codec
+    (store/stat_chunk.py), so that a test's query sees every row a run recorded, wherever the
+    writer put it. ``main.tensors`` still names the catalog's own table."""
+    from stepdump.store import stat_chunk
+
+    if not con.execute("SELECT 1 FROM sqlite_master WHERE name = 'stat_chunks'").fetchall():
+        return
+    con.execute("CREATE TEMP TABLE tensors AS SELECT * FROM main.tensors")
+    cols = stat_chunk.COUNT_STATS + stat_chunk.FLOAT_STATS
+    order = ["numel", "nan", "posinf", "neginf", "min", "max", "mean", "std", "norm", "zero_frac"]
+    for cid, n, data in con.execute("SELECT id, rows, data FROM main.stat_chunks ORDER BY id").fetchall():
+        a = stat_chunk.decode(data, n, cols, f"chunk {cid}")
+        values = stat_chunk.row_values(a, order)
+        con.executemany("INSERT INTO temp.tensors VALUES (?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        zip(a.series.tolist(), a.step.tolist(), a.dtype.tolist(), a.shape.tolist(), *values,
+                            a.fingerprint.tolist(), strict=True))
 
 
 def sigkill_child_when(script: Path, args: Iterable[Any], log_path: Path, ready: Callable[[], bool],
@@ -398,8 +473,9 @@ def tensor_row(run_dir: Any, step: int, kind: str, name: str) -> tuple[Any, Any]
 
 def set_tensor_row(run_dir: Any, step: int, kind: str, name: str, blob: Any, fp: Any) -> None:
     """Point one tensor row at another blob and fingerprint (a tampered record whose blob checks pass)."""
-    catalog_sql(run_dir, "UPDATE tensors SET blob = ?, fingerprint = ? WHERE step = ? AND series = "
-                         "(SELECT id FROM series WHERE kind = ? AND name = ?)", (blob, fp, step, kind, name))
+    n = rewrite_tensor_rows(run_dir, "step = ? AND series = (SELECT id FROM series WHERE kind = ? AND name = ?)",
+                            (step, kind, name), lambda r: (*r[:4], blob, *r[5:15], fp))
+    assert n == 1, (step, kind, name)  # the control: the row was there
 
 
 def assert_seen_records(run: Any, seen: list[dict], first: int = 0) -> None:

@@ -32,12 +32,13 @@ from make_golden import pin_expected  # noqa: E402
 
 
 def test_format_versions():
-    """This stepdump reads formats 1 and 2 and creates format 1: a store becomes format 2 only
-    with its first series of another fingerprint kind than xxh3 (tests/test_fp_kinds_store.py)."""
+    """This stepdump reads formats 1 to 3 and creates format 1: a store becomes format 2 only
+    with its first series of another fingerprint kind than xxh3 (tests/test_fp_kinds_store.py),
+    format 3 with its first stat chunk (tests/test_stat_chunks.py)."""
     from stepdump.store.format import FIRST_FORMAT_VERSION, READABLE_FORMAT_VERSIONS
 
-    assert stepdump.FORMAT_VERSION == 2
-    assert FIRST_FORMAT_VERSION == 1 and READABLE_FORMAT_VERSIONS == (1, 2)
+    assert stepdump.FORMAT_VERSION == 3
+    assert FIRST_FORMAT_VERSION == 1 and READABLE_FORMAT_VERSIONS == (1, 2, 3)
 
 
 def test_raw_bytes_and_fingerprint_are_pinned():

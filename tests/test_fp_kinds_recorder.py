@@ -63,8 +63,10 @@ def _as(kind: str, t: torch.Tensor) -> int:
 @pytest.mark.parametrize("option", ["xxh3", "dmix64"])
 def test_every_row_has_its_kind_and_describes_the_recorded_bytes(tmp_path: Path, option: str, mode: str) -> None:
     path, snaps = _train(tmp_path / "run", option, mode)
-    assert catalog_format_version(path) == (2 if option == "dmix64" else 1)
-    assert ("fp_kinds" in catalog_tables(path)) == (option == "dmix64")
+    chunks = mode != "full every step"  # every other mode has stats-only rows: stat chunks, format 3
+    assert ("stat_chunks" in catalog_tables(path)) == chunks
+    assert catalog_format_version(path) == (3 if chunks else 2 if option == "dmix64" else 1)
+    assert ("fp_kinds" in catalog_tables(path)) == (option == "dmix64" or chunks)
     with stepdump.open(path) as run:
         assert run.stats_steps, "the control: rows were written"
         for step in run.stats_steps:
@@ -112,11 +114,13 @@ def test_every_row_has_its_kind_and_describes_the_recorded_bytes(tmp_path: Path,
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_auto_on_the_cpu_is_exactly_xxh3(tmp_path: Path, mode: str) -> None:
-    """fingerprint="auto" (the default) records a CPU run as before: format 1, no fp_kinds table,
-    and the same fingerprints as fingerprint="xxh3" at every step."""
+    """fingerprint="auto" (the default) records a CPU run exactly as fingerprint="xxh3" does: the
+    same format (1 for full steps only, 3 with stat chunks), no fingerprint of another kind (no
+    fp_kinds row), and the same fingerprints at every step."""
     auto, _ = _train(tmp_path / "auto", None, mode)
     xxh3, _ = _train(tmp_path / "xxh3", "xxh3", mode)
-    assert catalog_format_version(auto) == 1 and "fp_kinds" not in catalog_tables(auto)
+    assert catalog_format_version(auto) == catalog_format_version(xxh3) == (1 if mode == "full every step" else 3)
+    assert "fp_kinds" not in catalog_tables(auto) or catalog_sql(auto, "SELECT count(*) FROM fp_kinds") == [(0,)]
     rows = "SELECT step, series, fingerprint, blob IS NOT NULL FROM tensors ORDER BY step, series"
     assert catalog_sql(auto, rows) == catalog_sql(xxh3, rows)
     assert catalog_sql(auto, "SELECT id, kind, name FROM series") == catalog_sql(xxh3, "SELECT id, kind, name FROM series")
@@ -276,7 +280,7 @@ def test_resuming_keeps_the_kinds(tmp_path: Path, first: str, then: str, want: s
         for step in range(6):  # every lean step has every tensor's row, of the run's kind
             assert len(run.fingerprints(step)) == n and set(run.fingerprint_kinds(step).values()) == {want}, step
         assert stepdump.verify(run).ok
-    assert catalog_format_version(path) == (2 if want == "dmix64" else 1)
+    assert catalog_format_version(path) == 3  # lean: its rows are in stat chunks
 
 
 # -- other layouts and dtypes: a sparse grad (its header, indices and values), bf16 ---------------

@@ -146,8 +146,10 @@ OPEN_ROWS = [
     (2, True, None),
     (1, True, "fp_kinds"),  # a table a format-1 store cannot have
     (2, False, "no 'fp_kinds' table"),
-    (3, True, "newer"),
-    (3, False, "newer"),
+    (3, True, "no 'stat_chunks' table"),  # format 3 has both tables
+    (3, False, "no 'fp_kinds' table"),
+    (4, True, "newer"),
+    (4, False, "newer"),
     (0, False, "older"),
 ]
 
@@ -173,10 +175,10 @@ def test_which_stores_open(xxh3_run: Path, tmp_path: Path, version: int, table: 
 def test_a_newer_store_with_tables_this_stepdump_does_not_know_is_refused_by_its_version(
         xxh3_run: Path, tmp_path: Path) -> None:
     """The version is read (from the checked meta table) before the rest of the schema is checked:
-    a format-3 store with a table of its own says "newer", not "not a stepdump catalog"."""
+    a format-4 store with a table of its own says "newer", not "not a stepdump catalog"."""
     run = _copy(xxh3_run, tmp_path / "run")
     catalog_sql(run, "CREATE TABLE future(x INTEGER)")
-    catalog_sql(run, "UPDATE meta SET value = '3' WHERE key = 'format_version'")
+    catalog_sql(run, "UPDATE meta SET value = '4' WHERE key = 'format_version'")
     with pytest.raises(stepdump.FormatVersionError, match="newer"):
         stepdump.open(run)
     catalog_sql(run, "UPDATE meta SET value = '2' WHERE key = 'format_version'")  # the control
@@ -253,7 +255,7 @@ def test_info_says_the_kinds_of_a_run_with_dmix64(cli: object, both: dict[str, P
         assert f"dmix64 for {n} tensors" in cli("info", both[option]).stdout  # type: ignore[operator]
     else:
         assert "fingerprint_kinds" not in data  # a format-1 run's summary is as before
-    assert data["format_version"] == (2 if option == "dmix64" else 1)
+    assert data["format_version"] == 3  # every=2 with stats between: its stats-only rows are in stat chunks
 
 
 def test_a_joint_run_forwards_fingerprint_kinds(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers import assert_same, assert_same_tree, catalog_sql, record_run, set_tensor_row, tensor_row, tiny_batch
+from helpers import assert_same, assert_same_tree, catalog_sql, delete_tensor_rows, record_run, set_tensor_row, tensor_row, tiny_batch
 
 import stepdump
 from stepdump.analysis.verify import verify
@@ -111,8 +111,7 @@ def test_a_step_without_optimizer_fingerprints_is_verified_by_the_next_step_that
                       before_step=lambda t, m, o: snaps.append(
                           {f"{n}.{k}": v.clone() for n, p in m.named_parameters() for k, v in o.state[p].items()}))
     # A stats-only step may record the params' fingerprints but not the optimizer's (lean capture).
-    catalog_sql(path, "DELETE FROM tensors WHERE step IN (5, 6) AND series IN "
-                      "(SELECT id FROM series WHERE kind = 'optimizer')")
+    assert delete_tensor_rows(path, "step IN (5, 6) AND series IN (SELECT id FROM series WHERE kind = 'optimizer')")
     with stepdump.open(path) as run:
         engine = run._gradlog
         assert engine is not None

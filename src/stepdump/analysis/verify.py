@@ -37,6 +37,7 @@ class VerifyReport:
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
     segments_checked: int = 0  # gradient-log segments whose updates reproduced the record
+    chunks_checked: int = 0  # stat chunks read against their checksums and decoded
     unchecked: list[str] = field(default_factory=list)  # what could not be re-run here, and why
 
     @property
@@ -58,6 +59,7 @@ def verify(run: Any, progress: Callable[[int, int], None] | None = None) -> Veri
         report.blobs_checked += one.blobs_checked
         report.bytes_checked += one.bytes_checked
         report.segments_checked += one.segments_checked
+        report.chunks_checked += one.chunks_checked
         report.unchecked.extend(one.unchecked if rank is None else [f"rank {rank}: {u}" for u in one.unchecked])
         report.problems.extend(p if rank is None else replace(p, where=f"rank {rank}: {p.where}")
                                for p in one.problems)
@@ -111,9 +113,21 @@ def _verify_store(run: Any, progress: Callable[[int, int], None] | None) -> Veri
         report.blobs_checked += 1
         if progress is not None:
             progress(i + 1, len(ids))
+    _verify_chunks(cat, report)
     _verify_states(run, report)
     _verify_gradient_log(run, report)
     return report
+
+
+def _verify_chunks(cat: Any, report: VerifyReport) -> None:
+    """Every stat chunk (the stats-only rows, FORMAT.md "Stat chunks") against its checksum, decoded."""
+    try:
+        checked, problems = cat.check_stat_chunks()
+    except CorruptDataError as e:
+        report.problems.append(Problem("catalog", f"its stat chunks cannot be listed: {e}"))
+        return
+    report.chunks_checked += checked
+    report.problems.extend(Problem(where, detail) for where, detail in problems)
 
 
 def _verify_states(run: Any, report: VerifyReport) -> None:

@@ -369,7 +369,13 @@ class Writer(threading.Thread):
                 self.storage.sync(self._segment, durable=self.durable)
             cat.add_blobs(self._held_blobs)
         if self._held_tensors:
-            cat.add_tensors(self._held_tensors)
+            # Rows with bytes go to the catalog's tensor rows (a blob each); the stats-only rows of
+            # the window go together as one stat chunk, a column per stat (store/stat_chunk.py).
+            stored = [r for r in self._held_tensors if r[4] is not None]
+            if stored:
+                cat.add_tensors(stored)
+            if len(stored) < len(self._held_tensors):
+                cat.add_stat_chunk([r for r in self._held_tensors if r[4] is None] if stored else self._held_tensors)
         if self._held_steps:
             cat.add_steps(self._held_steps)
         if self._held_scalars:

@@ -36,7 +36,7 @@ from stepdump.read.state import check_meta
 from stepdump.store.format import ALL_KINDS, LEVEL_FULL, STATE_EXTRA
 from stepdump.store.lock import is_locked
 from stepdump.store.queries import STAT_ROW_COLUMNS, CatalogReader, StepRange
-from stepdump.store.schema import DEFAULT_FP_KIND
+from stepdump.store.schema import DEFAULT_FP_KIND, STAT_COLUMNS
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -419,7 +419,9 @@ class Run:
             steps = list(steps)  # a generator would be used up by the first of two queries
         # One series (a tensor's history): its own query, with no join or sort in SQLite.
         series = self._catalog.matching_series(kind, name, limit=2)
-        if len(series) == 1:
+        if self._catalog.has_stat_chunks:  # stats as columns: the frame is built from arrays
+            df = self._stats_from_arrays(kind, name, steps)
+        elif len(series) == 1:
             (sid, skind, sname), = series
             df = pd.DataFrame(self._catalog.series_stat_rows(sid, steps),
                               columns=[c for c in columns if c not in ("kind", "name")])
@@ -439,6 +441,29 @@ class Run:
         df.insert(df.columns.get_loc("fingerprint") + 1, "fp_kind",
                   fp_kind_column(self._catalog.fp_kinds_by_name(), df["kind"], df["name"]))
         return df
+
+    def _stats_from_arrays(self, kind: str | None, name: str | None, steps: StepRange) -> pd.DataFrame:
+        """:meth:`stats`' columns (before their types are checked) from the catalog's stat arrays
+        (FORMAT.md "Stat chunks"): a column per stat, no Python object per value."""
+        import numpy as np
+        import pandas as pd
+
+        a = self._catalog.stat_arrays(kind, name, steps)
+        ids = np.unique(a.series)
+        info = {int(i): (k, n) for i, k, n in self._catalog.matching_series(kind, name)}
+        codes = np.searchsorted(ids, a.series)
+        kinds = np.asarray([info.get(int(i), (None, None))[0] for i in ids], dtype=object)
+        names = np.asarray([info.get(int(i), (None, None))[1] for i in ids], dtype=object)
+        cols: dict[str, Any] = {"step": a.step, "kind": kinds[codes], "name": names[codes], "dtype": a.dtype,
+                                "shape": a.shape}
+        for c in STAT_COLUMNS:
+            v = a.stats[c]
+            if v.dtype.kind == "i" and (v < 0).any():  # a NULL count: NaN, as pandas makes of None
+                v = np.where(v < 0, np.nan, v)
+            cols[c] = v
+        cols["fingerprint"] = a.fingerprint
+        cols["stored"] = a.blob >= 0
+        return pd.DataFrame(cols)
 
     # -- helpers ---------------------------------------------------------------
     def _check_series(self) -> None:

@@ -31,12 +31,14 @@ from stepdump.errors import CorruptDataError, NotARunError
 from stepdump.store import bounded_json
 from stepdump.store.inside import inside
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
+from stepdump.store import stat_chunk
 from stepdump.store.format import (
     CATALOG_FILE,
     FIRST_FORMAT_VERSION,
     FP_KINDS_FORMAT_VERSION,
     META_REEXECUTIONS,
     SEGMENT_DIR,
+    STAT_CHUNKS_FORMAT_VERSION,
 )
 from stepdump.store.plainfile import check_plain
 from stepdump.store.schema import (
@@ -45,6 +47,9 @@ from stepdump.store.schema import (
     FP_KINDS_TABLE,
     PARTIAL_SUFFIX,
     SCHEMA,
+    STAT_CHUNKS_INDEX,
+    STAT_CHUNKS_SCHEMA,
+    STAT_CHUNKS_TABLE,
     STAT_COLUMNS,
     BlobRow,
     catalog_path,
@@ -159,6 +164,7 @@ def _drop_steps(con: sqlite3.Connection, first: int) -> None:
                                          (first,))}
     for table in ("tensors", "steps", "scalars"):
         con.execute(f"DELETE FROM {table} WHERE step >= ?", (first,))
+    chunk_series = _drop_chunk_steps(con, first)
     if dropped:
         # A base is an earlier blob, so only remaining blobs at or after the first dropped one can
         # lead (through their bases) to a dropped blob; keep whatever they lead to.
@@ -167,7 +173,8 @@ def _drop_steps(con: sqlite3.Connection, first: int) -> None:
             "SELECT b.base FROM blobs b JOIN keep k ON b.id = k.id WHERE b.base IS NOT NULL) SELECT id FROM keep",
             (min(dropped),))}
         con.executemany("DELETE FROM blobs WHERE id = ?", [(b,) for b in sorted(dropped - kept)])
-    con.execute("DELETE FROM series WHERE NOT EXISTS (SELECT 1 FROM tensors t WHERE t.series = series.id)")
+    con.execute("DELETE FROM series WHERE NOT EXISTS (SELECT 1 FROM tensors t WHERE t.series = series.id) "
+                "AND id NOT IN (SELECT value FROM json_each(?))", (json.dumps(sorted(chunk_series)),))
     _drop_orphan_fp_kinds(con)
     row = con.execute("SELECT value FROM meta WHERE key = 'final_step'").fetchone()
     try:
@@ -177,6 +184,33 @@ def _drop_steps(con: sqlite3.Connection, first: int) -> None:
     if row is not None and not (isinstance(final, int) and final < first):
         con.execute("DELETE FROM meta WHERE key = 'final_step'")
     _drop_reexecutions(con, first)
+
+
+def _has_stat_chunks(con: sqlite3.Connection) -> bool:
+    return con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                       (STAT_CHUNKS_TABLE,)).fetchone() is not None
+
+
+def _drop_chunk_steps(con: sqlite3.Connection, first: int) -> set[int]:
+    """Stat chunks lose their rows at steps ``first`` and later: a chunk wholly after goes, one
+    that straddles ``first`` is written again with its earlier rows (a resume does this once).
+    Returns the series that the remaining chunks name (they keep their series rows)."""
+    if not _has_stat_chunks(con):
+        return set()
+    table = STAT_CHUNKS_TABLE
+    con.execute(f"DELETE FROM {table} WHERE first_step >= ?", (first,))  # noqa: S608 - a fixed name
+    for cid, rows, data in con.execute(f"SELECT id, rows, data FROM {table} WHERE last_step >= ?",  # noqa: S608
+                                       (first,)).fetchall():
+        what = f"stat chunk {cid} of the catalog"
+        kept = stat_chunk.decode(data, rows, stat_chunk.COUNT_STATS + stat_chunk.FLOAT_STATS, what)
+        kept = kept.take(kept.step < first)
+        new = stat_chunk.encode_arrays(kept)
+        con.execute(f"UPDATE {table} SET last_step = ?, rows = ?, checksum = ?, data = ? WHERE id = ?",  # noqa: S608
+                    (int(kept.step.max()), len(kept), stat_chunk.checksum(new), new, cid))
+    series: set[int] = set()
+    for cid, rows, data in con.execute(f"SELECT id, rows, data FROM {table}").fetchall():  # noqa: S608
+        series.update(stat_chunk.decode(data, rows, (), f"stat chunk {cid} of the catalog").series.tolist())
+    return series
 
 
 def _has_fp_kinds(con: sqlite3.Connection) -> bool:
@@ -242,6 +276,7 @@ class CatalogWriter:
         }
         self._segments: dict[str, int] = {k: i for i, k in self.con.execute("SELECT id, key FROM segments")}
         self._has_fp_kinds = _has_fp_kinds(self.con)
+        self._has_stat_chunks = _has_stat_chunks(self.con)
         self._fp_kinds: dict[int, str] = dict(
             self.con.execute(f"SELECT series, kind FROM {FP_KINDS_TABLE}")) if self._has_fp_kinds else {}  # noqa: S608
 
@@ -302,8 +337,25 @@ class CatalogWriter:
             self.con.execute(FP_KINDS_SCHEMA.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
             self._has_fp_kinds = True
         self.con.execute(f"INSERT INTO {FP_KINDS_TABLE}(series, kind) VALUES (?, ?)", (series, kind))  # noqa: S608
-        self.set_meta("format_version", FP_KINDS_FORMAT_VERSION)
+        if not self._has_stat_chunks:  # the format never goes down (a format-3 store has fp_kinds already)
+            self.set_meta("format_version", FP_KINDS_FORMAT_VERSION)
         self._fp_kinds[series] = kind
+
+    def add_stat_chunk(self, rows: Sequence[Sequence[Any]]) -> None:
+        """Stats-only tensor rows (no blob; the rows :meth:`add_tensors` takes) as one stat chunk,
+        in this transaction (store/stat_chunk.py). The first chunk creates the ``stat_chunks``
+        table (and ``fp_kinds``, which every format-3 catalog has) and makes the store format 3."""
+        data, first, last = stat_chunk.encode_rows(rows)
+        if not self._has_stat_chunks:
+            if not self._has_fp_kinds:
+                self.con.execute(FP_KINDS_SCHEMA.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
+                self._has_fp_kinds = True
+            self.con.execute(STAT_CHUNKS_SCHEMA.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
+            self.con.execute(STAT_CHUNKS_INDEX.replace("CREATE INDEX", "CREATE INDEX IF NOT EXISTS", 1))
+            self.set_meta("format_version", STAT_CHUNKS_FORMAT_VERSION)
+            self._has_stat_chunks = True
+        self.con.execute(f"INSERT INTO {STAT_CHUNKS_TABLE}(first_step, last_step, rows, checksum, data) "  # noqa: S608
+                         "VALUES (?, ?, ?, ?, ?)", (first, last, len(rows), stat_chunk.checksum(data), data))
 
     def segment_id(self, key: str) -> int:
         sid = self._segments.get(key)

@@ -18,10 +18,17 @@ from typing import Any
 
 from stepdump.errors import CorruptDataError, FormatVersionError, InterruptedWriteError, NotARunError
 from stepdump.store import bounded_json
-from stepdump.store.format import CATALOG_FILE, FORMAT_VERSION, FP_KINDS_FORMAT_VERSION, READABLE_FORMAT_VERSIONS
+from stepdump.store.format import (
+    CATALOG_FILE,
+    FORMAT_VERSION,
+    FP_KINDS_FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
+    STAT_CHUNKS_FORMAT_VERSION,
+)
 from stepdump.store.lock import is_locked
 from stepdump.store.schema import (
     FP_KINDS_TABLE,
+    STAT_CHUNKS_TABLE,
     TABLES,
     catalog_path,
     check_side_files,
@@ -256,6 +263,8 @@ def _check_schema(con: ReadConnection, path: Path, *, only: str | None = None, v
     expected = expected_schema()[0]
     if version < FP_KINDS_FORMAT_VERSION:
         expected = frozenset(r for r in expected if r[2] != FP_KINDS_TABLE)
+    if version < STAT_CHUNKS_FORMAT_VERSION:
+        expected = frozenset(r for r in expected if r[2] != STAT_CHUNKS_TABLE)
     found = {tuple(r) for r in con.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")}
     if only is not None:
         expected = frozenset(r for r in expected if r[2] == only)
@@ -267,6 +276,12 @@ def _check_schema(con: ReadConnection, path: Path, *, only: str | None = None, v
             f"{path} is not a stepdump catalog: it has a {FP_KINDS_TABLE!r} table but says store format {version}, "
             f"and that table exists only from format {FP_KINDS_FORMAT_VERSION} on (its fingerprints could be read "
             "under the wrong kind). stepdump is refusing to open it: treat the run as hostile, or record it again"
+        )
+    if odd and odd[0][1] == STAT_CHUNKS_TABLE and odd[0][0] == "table" and version < STAT_CHUNKS_FORMAT_VERSION:
+        raise CorruptDataError(
+            f"{path} is not a stepdump catalog: it has a {STAT_CHUNKS_TABLE!r} table but says store format {version}, "
+            f"and that table exists only from format {STAT_CHUNKS_FORMAT_VERSION} on (a reader of format {version} "
+            "would miss the stats it holds). stepdump is refusing to open it: treat the run as hostile, or record it again"
         )
     if not odd and not missing:
         return

@@ -12,11 +12,14 @@ from collections.abc import Iterable
 
 # The newest format this stepdump reads and writes. A new store is format 1 (xxh3 fingerprints
 # only, the format every earlier stepdump reads); it becomes format 2 in the transaction that
-# gives its first series a fingerprint kind other than xxh3 (the fp_kinds table, FORMAT.md).
-FORMAT_VERSION = 2
+# gives its first series a fingerprint kind other than xxh3 (the fp_kinds table, FORMAT.md), and
+# format 3 in the transaction that commits its first stat chunk (stats-only rows stored as columns,
+# the stat_chunks table; a format-3 catalog has both tables).
+FORMAT_VERSION = 3
 FIRST_FORMAT_VERSION = 1  # what a new catalog is created as
-READABLE_FORMAT_VERSIONS = (1, 2)
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 FP_KINDS_FORMAT_VERSION = 2  # the first format with the fp_kinds table
+STAT_CHUNKS_FORMAT_VERSION = 3  # the first format with the stat_chunks table
 # Fingerprint kinds (FORMAT.md, "Fingerprint kinds"): xxh3-64 of the raw bytes (every series of
 # a format-1 store) and dmix64, the order-free sum a device computes (core/device_lean.py).
 FP_KIND_XXH3 = "xxh3"

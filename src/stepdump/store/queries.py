@@ -20,11 +20,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from stepdump.errors import ConfigError, CorruptDataError
+from stepdump.store import stat_read
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
 from stepdump.store.format import FP_KIND_XXH3, KNOWN_FP_KINDS
 from stepdump.store.records import as_records
 from stepdump.store.schema import FP_KINDS_TABLE, STAT_COLUMNS
+from stepdump.store.stat_chunk import StatArrays
 
 #: What a ``steps=`` argument takes: a step, a range, a slice, an iterable of steps, or None (all).
 StepRange = int | range | slice | Iterable[int] | None
@@ -179,6 +183,9 @@ class CatalogReader:
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = Path(run_dir)
         self._con: ReadConnection = connect_reader(self.path)
+        # The stat chunks' rows beside the tensors table's (store/stat_read.py): every stats query
+        # below reads both when the catalog has chunks, and runs its one SQL query when not.
+        self._stats = stat_read.StatSource(self._q, f"{self.path}'s catalog")
 
     def close(self) -> None:
         self._con.close()
@@ -193,6 +200,58 @@ class CatalogReader:
 
     def _ints(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
         return [r[0] for r in self._q(sql, args)]
+
+    # -- stat rows as arrays (tensors table and stat chunks) ------------------
+    @property
+    def has_stat_chunks(self) -> bool:
+        """Whether some stats-only rows are in stat chunks (FORMAT.md "Stat chunks")."""
+        return self._stats.present()
+
+    def stat_arrays(self, kind: str | None = None, name_glob: str | None = None, steps: StepRange = None,
+                    columns: Sequence[str] = STAT_COLUMNS, *, series: int | None = None,
+                    with_state: bool = False) -> StatArrays:
+        """Stat rows as numpy columns, by step then series, from the tensors table and the stat
+        chunks alike: the rows of ``kind`` series (never ``state`` unless ``with_state``) whose
+        names match ``name_glob``, or of the one ``series``, at ``steps``."""
+        bad = [c for c in columns if c not in STAT_COLUMNS]
+        if bad:
+            raise ConfigError(f"unknown stat column(s) {bad!r}; columns are {', '.join(STAT_COLUMNS)}")
+        if series is not None:
+            swhere, sargs = "s.id = ?", [series]
+        else:
+            swhere, sargs = self._series_where(kind, name_glob)
+            if with_state:
+                swhere = swhere.replace("s.kind != 'state'", "1", 1)
+        where, args = step_filter("t.step", steps)
+        cols = "".join(f", t.{c}" for c in columns)
+        table = stat_read.table_arrays(self._q(
+            f"SELECT t.series, t.step, t.blob, t.dtype, t.shape{cols}, t.fingerprint FROM tensors t WHERE {where} "
+            f"AND t.series IN (SELECT s.id FROM series s WHERE {swhere})", [*args, *sargs]), columns)
+        if not self._stats.present():
+            return stat_read.merged(table, [], columns)
+        ids = np.asarray(self._ints(f"SELECT s.id FROM series s WHERE {swhere}", sargs), dtype=np.int64)
+        return stat_read.merged(table, self._stats.chunk_rows(ids, stat_read.StepSelect(steps)), columns)
+
+    def check_stat_chunks(self) -> tuple[int, list[tuple[str, str]]]:
+        """Every stat chunk read and decoded: (chunks checked, [(chunk, what is wrong)])."""
+        problems: list[tuple[str, str]] = []
+        chunks = self._stats.chunks_between(None, None)
+        known = set(self._ints("SELECT id FROM series"))
+        for cid, n, checksum in chunks:
+            try:
+                a = self._stats.chunk(cid, n, checksum)
+            except CorruptDataError as e:
+                problems.append((f"stat chunk {cid}", str(e)))
+                continue
+            stray = set(np.unique(a.series).tolist()) - known
+            if stray:
+                problems.append((f"stat chunk {cid}", f"its rows name series {sorted(stray)[:5]} the catalog does "
+                                 "not list (those rows are left out of every read)"))
+        return len(chunks), problems
+
+    def _series_info(self) -> dict[Any, tuple[Any, Any, Any, Any]]:
+        """Series id -> (kind, name, param, key)."""
+        return {r[0]: tuple(r[1:]) for r in self._q("SELECT id, kind, name, param, key FROM series")}
 
     # -- meta ------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
@@ -308,7 +367,10 @@ class CatalogReader:
         """Whether any tensor row of ``kind`` has a dtype starting with ``prefix`` (a sparse layout)."""
         rows = self._q("SELECT 1 FROM tensors t JOIN series s ON s.id = t.series WHERE s.kind = ? "
                        "AND substr(t.dtype, 1, ?) = ? LIMIT 1", (kind, len(prefix), prefix))
-        return bool(rows)
+        if rows or not self._stats.present():
+            return bool(rows)
+        dtypes = self.stat_arrays(kind, columns=(), with_state=True).dtype
+        return any(str(d).startswith(prefix) for d in set(dtypes.tolist()))
 
     def kinds_named(self, name: str) -> list[Any]:
         """The kinds that have a series called ``name`` (for "did you mean" hints)."""
@@ -331,7 +393,12 @@ class CatalogReader:
         """The row of one series at ``step`` (None: none)."""
         rows = self._q("SELECT blob, dtype, shape, fingerprint FROM tensors WHERE series = ? AND step = ?",
                        (series, step))
-        return TensorRow(*rows[0]) if rows else None
+        if rows or not self._stats.present():
+            return TensorRow(*rows[0]) if rows else None
+        a = self.stat_arrays(series=series, steps=as_step(step), columns=())
+        if not len(a):
+            return None
+        return TensorRow(None, a.dtype[0], a.shape[0], int(a.fingerprint[0]))
 
     def stored_tensors(self, step: int, kinds: Iterable[str]) -> list[StoredTensor]:
         """Every tensor of ``kinds`` stored in full at ``step``, in recording order."""
@@ -347,17 +414,37 @@ class CatalogReader:
 
     def fingerprints(self, step: int) -> list[tuple[Any, Any, Any]]:
         """(kind, name, fingerprint) of every tensor with stats at ``step`` (not the ``state`` kind)."""
+        if self._stats.present():
+            a = self.stat_arrays(steps=as_step(step), columns=())
+            info = self._series_info()
+            return [(info[i][0], info[i][1], fp) for i, fp in zip(a.series.tolist(), a.fingerprint.tolist(),
+                                                                  strict=True)]
         return self._q(f"SELECT s.kind, s.name, t.fingerprint {_JOIN} WHERE t.step = ? AND s.kind != 'state'",
                        (step,))
 
     def step_rows(self, step: int) -> list[StepRow]:
         """Every tensor row at ``step``, ``state`` included, in recording order (what a one-step
         bundle copies)."""
+        if self._stats.present():
+            a = self.stat_arrays(steps=as_step(step), with_state=True)
+            info = self._series_info()
+            ids = a.series.tolist()
+            return as_records(StepRow, zip(*zip(*(info[i] for i in ids)), a.dtype.tolist(), a.shape.tolist(),
+                                           *stat_read.py_rows(a, STAT_COLUMNS), a.fingerprint.tolist(),
+                                           stat_read.stored_flags(a), strict=True)) if ids else []
         return as_records(StepRow, self._q(f"SELECT {_STEP_ROW_COLUMNS} {_JOIN} WHERE t.step = ? ORDER BY s.id",
                                            (step,)))
 
     def fingerprint_block(self, first: int, last: int) -> list[FingerprintRow]:
         """Every tensor row at steps ``first..last``."""
+        if self._stats.present():
+            a = self.stat_arrays(steps=range(as_step(first), as_step(last) + 1) if last >= first else range(0),
+                                 columns=(), with_state=True)
+            info = self._series_info()
+            return as_records(FingerprintRow, zip(a.step.tolist(), (info[i][0] for i in a.series.tolist()),
+                                                  (info[i][1] for i in a.series.tolist()), a.dtype.tolist(),
+                                                  a.shape.tolist(), a.fingerprint.tolist(),
+                                                  stat_read.blob_values(a), strict=True))
         return as_records(FingerprintRow, self._q(
             f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, t.fingerprint, t.blob {_JOIN} "
             "WHERE t.step >= ? AND t.step <= ?", (first, last)))
@@ -373,6 +460,10 @@ class CatalogReader:
             args.append(name_glob)
         return " AND ".join(where), args
 
+    @staticmethod
+    def _kind_glob(kind: str, name_glob: str) -> dict[str, Any]:
+        return {"kind": kind, "name_glob": name_glob}
+
     def matching_series(self, kind: str | None, name_glob: str | None, limit: int = -1) -> list[tuple[Any, ...]]:
         """(id, kind, name) of the series (never ``state``) of ``kind`` whose names match ``name_glob``."""
         where, args = self._series_where(kind, name_glob)
@@ -382,6 +473,13 @@ class CatalogReader:
     def stat_rows(self, kind: str | None = None, name_glob: str | None = None,
                   steps: StepRange = None) -> list[tuple[Any, ...]]:
         """Rows of :data:`STAT_ROW_COLUMNS`, by step then recording order."""
+        if self._stats.present():
+            a = self.stat_arrays(kind, name_glob, steps)
+            info = self._series_info()
+            ids = a.series.tolist()
+            return list(zip(a.step.tolist(), (info[i][0] for i in ids), (info[i][1] for i in ids), a.dtype.tolist(),
+                            a.shape.tolist(), *stat_read.py_rows(a, STAT_COLUMNS), a.fingerprint.tolist(),
+                            stat_read.stored_flags(a), strict=True)) if ids else []
         where, args = step_filter("t.step", steps)
         swhere, sargs = self._series_where(kind, name_glob)
         cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
@@ -393,6 +491,10 @@ class CatalogReader:
 
         Walks the (series, step) key in order: no join and no sort in SQLite
         (10,000 steps: 34 -> 27 ms against :meth:`stat_rows`, best of 20)."""
+        if self._stats.present():
+            a = self.stat_arrays(series=series, steps=steps)
+            return list(zip(a.step.tolist(), a.dtype.tolist(), a.shape.tolist(), *stat_read.py_rows(a, STAT_COLUMNS),
+                            a.fingerprint.tolist(), stat_read.stored_flags(a), strict=True)) if len(a) else []
         where, args = step_filter("step", steps)
         return self._q(f"SELECT step, dtype, shape, {', '.join(STAT_COLUMNS)}, fingerprint, blob IS NOT NULL "
                        f"FROM tensors WHERE series = ? AND {where} ORDER BY step", [series, *args])
@@ -411,6 +513,10 @@ class CatalogReader:
         bad = [c for c in columns if c not in STAT_COLUMNS]
         if bad or not columns:
             raise ConfigError(f"unknown stat column(s) {bad or columns!r}; columns are {', '.join(STAT_COLUMNS)}")
+        if self._stats.present():
+            a = self.stat_arrays(kind, name_glob, columns=columns)
+            return list(zip(a.series.tolist(), a.step.tolist(), *stat_read.py_rows(a, columns), strict=True)) \
+                if len(a) else []
         where, args = self._series_where(kind, name_glob)
         cols = ", ".join(f"t.{c}" for c in columns)
         return self._q(f"SELECT t.series, t.step, {cols} FROM tensors t WHERE t.series IN "
@@ -437,6 +543,9 @@ class CatalogReader:
         width 16 9.9 / 8.7 s, width 50 9.4 / 5.2 s): narrower buckets still go by the one query."""
         if width < 1:
             raise ConfigError(f"bucket width {width} must be at least 1")
+        if self._stats.present():
+            a = self.stat_arrays(kind, columns=("nan", "posinf", "neginf", "min", "max", "mean", "std", "norm"))
+            return stat_read.buckets(a, int(first), int(width), change=change, floor=width >= WALK_WIDTH)
         if width < WALK_WIDTH:
             prev = "lag(t.norm) OVER (PARTITION BY t.series ORDER BY t.step)" if change else "NULL"
             return self._q(
@@ -476,18 +585,36 @@ class CatalogReader:
 
     def norm_squares(self, kind: str, name_glob: str) -> list[tuple[Any, Any]]:
         """(step, sum of squared norms of the matching tensors) per step, aggregated in SQLite."""
+        if self._stats.present():
+            a = self.stat_arrays(columns=("norm",), with_state=True, **self._kind_glob(kind, name_glob))
+            a = a.take(~np.isnan(a.stats["norm"]))
+            if not len(a):
+                return []
+            starts = np.flatnonzero(np.r_[True, a.step[1:] != a.step[:-1]])
+            sums = np.add.reduceat(a.stats["norm"] * a.stats["norm"], starts)
+            return list(zip(a.step[starts].tolist(), sums.tolist(), strict=True))
         return self._q("SELECT t.step, sum(t.norm * t.norm) FROM tensors t WHERE t.series IN "
                        "(SELECT id FROM series WHERE kind = ? AND name GLOB ?) AND t.norm IS NOT NULL "
                        "GROUP BY t.step ORDER BY t.step", (kind, name_glob))
 
     def nonfinite_counts(self) -> list[tuple[Any, Any]]:
         """(step, number of tensors with any NaN/+Inf/-Inf element) at steps that have any."""
+        if self._stats.present():
+            a = self.stat_arrays(columns=("nan", "posinf", "neginf"))
+            steps = a.step[stat_read.nonfinite(a)]
+            if not len(steps):
+                return []
+            u, n = np.unique(steps, return_counts=True)
+            return list(zip(u.tolist(), n.tolist(), strict=True))
         return self._q("SELECT t.step, count(*) FROM tensors t WHERE t.series IN "
                        "(SELECT id FROM series WHERE kind != 'state') "
                        "AND (t.nan > 0 OR t.posinf > 0 OR t.neginf > 0) GROUP BY t.step")
 
     def total_numel(self, kind: str, step: int) -> Any:
         """Elements of all ``kind`` tensors at ``step``."""
+        if self._stats.present():
+            a = self.stat_arrays(kind, steps=as_step(step), columns=("numel",), with_state=True)
+            return int(np.maximum(a.stats["numel"], 0).sum())
         return self._q(f"SELECT coalesce(sum(t.numel), 0) {_JOIN} WHERE s.kind = ? AND t.step = ?",
                        (kind, step))[0][0]
 

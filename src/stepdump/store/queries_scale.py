@@ -19,6 +19,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from stepdump.errors import ConfigError
 from stepdump.store.queries import CatalogReader
 from stepdump.store.records import as_records
 from stepdump.store.schema import catalog_path
@@ -119,6 +122,10 @@ def attached(cat: CatalogReader, other: CatalogReader) -> Iterator[str]:
 
     Both catalogs were opened (and their schemas checked) by their own readers; attaching the
     second lets one query join the two runs' rows without handing them to Python."""
+    if cat.has_stat_chunks or other.has_stat_chunks:
+        # the join below reads the tensors tables only: rows in stat chunks would be missed
+        raise ConfigError(f"{cat.path} or {other.path} keeps stats in stat chunks, which SQLite cannot join; "
+                          "their norms are compared from arrays instead")
     path = catalog_path(other.path)
     cat._q(f"ATTACH DATABASE ? AS {_OTHER}", ("file:" + urllib.parse.quote(os.fsencode(path.absolute())) + "?mode=ro",))
     try:
@@ -170,6 +177,12 @@ def norm_diff_buckets(cat: CatalogReader, kind: str, common: int, buckets: int, 
 def series_first_steps(cat: CatalogReader, kind: str) -> list[tuple[Any, Any, Any]]:
     """``(series id, name, first step with a row)`` of every ``kind`` series that has rows, in the
     order a stats frame (by step, then series) first shows them. One key seek per series."""
+    if cat.has_stat_chunks:
+        a = cat.stat_arrays(kind, columns=())
+        series, first = np.unique(a.series, return_index=True)  # a's rows are by step, then series
+        names = dict(cat._q("SELECT id, name FROM series WHERE kind = ?", (kind,)))
+        order = np.lexsort((series, a.step[first]))
+        return [(int(series[i]), names.get(int(series[i])), int(a.step[first[i]])) for i in order]
     return cat._q(
         "SELECT id, name, f FROM (SELECT s.id AS id, s.name AS name, "
         "(SELECT min(t.step) FROM tensors t WHERE t.series = s.id) AS f FROM series s "

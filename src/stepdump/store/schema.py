@@ -66,6 +66,14 @@ CREATE TABLE scalars(
 FP_KINDS_TABLE = "fp_kinds"
 FP_KINDS_SCHEMA = (f"CREATE TABLE {FP_KINDS_TABLE}(series INTEGER PRIMARY KEY REFERENCES series(id), "
                    "kind TEXT NOT NULL)")
+# Stats-only rows stored as columns (store/stat_chunk.py, FORMAT.md "Stat chunks"): one chunk per
+# commit, its step range indexed. Only a format-3 store has the table (an older reader refuses the
+# store by its version instead of missing its lean rows).
+STAT_CHUNKS_TABLE = "stat_chunks"
+STAT_CHUNKS_SCHEMA = (
+    f"CREATE TABLE {STAT_CHUNKS_TABLE}(id INTEGER PRIMARY KEY, first_step INTEGER NOT NULL, "
+    "last_step INTEGER NOT NULL, rows INTEGER NOT NULL, checksum INTEGER NOT NULL, data BLOB NOT NULL)")
+STAT_CHUNKS_INDEX = f"CREATE INDEX stat_chunks_by_step ON {STAT_CHUNKS_TABLE}(last_step, first_step)"
 # The kind of a series absent from fp_kinds (and of every series of a store without the table).
 DEFAULT_FP_KIND = FP_KIND_XXH3
 
@@ -101,19 +109,22 @@ def check_side_files(cat: Path, *, single_link: bool) -> None:
         check_plain(cat.with_name(cat.name + suffix), "SQLite's files beside the catalog", single_link=single_link)
 
 
-TABLES = ("meta", "series", "segments", "blobs", "steps", "tensors", "scalars", FP_KINDS_TABLE)
+TABLES = ("meta", "series", "segments", "blobs", "steps", "tensors", "scalars", FP_KINDS_TABLE, STAT_CHUNKS_TABLE)
 
 
 @functools.lru_cache(maxsize=1)
 def expected_schema() -> tuple[frozenset[tuple[str, str, str, str | None]], dict[str, set[str]]]:
     """sqlite_master of a catalog the writer creates: (type, name, table, SQL text); and each table's columns.
 
-    ``fp_kinds`` is in it: a format-2 catalog has it, a format-1 one must not (the reader checks
-    that against the version, ``catalog_read._check_schema``)."""
+    ``fp_kinds`` and ``stat_chunks`` are in it: a format-2 catalog has the first, a format-3 one
+    both, an older one neither (the reader checks that against the version,
+    ``catalog_read._check_schema``)."""
     con = sqlite3.connect(":memory:")
     try:
         con.executescript(SCHEMA)
         con.execute(FP_KINDS_SCHEMA)
+        con.execute(STAT_CHUNKS_SCHEMA)
+        con.execute(STAT_CHUNKS_INDEX)
         columns = {t: {c for (c,) in con.execute("SELECT name FROM pragma_table_xinfo(?)", (t,))} for t in TABLES}
         return frozenset(con.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")), columns
     finally:
