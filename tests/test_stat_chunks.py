@@ -225,3 +225,25 @@ def test_dropping_steps_rewrites_a_chunk_that_straddles_them(tmp_path: Path) -> 
         assert reader.check_stat_chunks() == (1, [])
     finally:
         reader.close()
+
+
+HOSTILE_ROWS = [
+    ("rows as text", "UPDATE stat_chunks SET rows = 'many'", "stat_chunks row"),
+    ("a checksum that is not an integer", "UPDATE stat_chunks SET checksum = 1.5", "stat_chunks row"),
+    ("data as text", "UPDATE stat_chunks SET data = 'abc'", "has no bytes"),
+    ("rows past the bound", "UPDATE stat_chunks SET rows = 1099511627776", "checksum|rows"),
+]
+
+
+@pytest.mark.parametrize(("what", "sql", "match"), HOSTILE_ROWS, ids=[h[0] for h in HOSTILE_ROWS])
+def test_a_hostile_stat_chunks_row_is_refused_by_name(lean: tuple[Path, list], tmp_path: Path, what: str, sql: str,
+                                                      match: str) -> None:
+    import shutil
+    path = tmp_path / "copy"
+    shutil.copytree(lean[0], path)
+    catalog_sql(path, sql)
+    with stepdump.open(path) as run:
+        with pytest.raises(stepdump.CorruptDataError, match=match):
+            run.stats()
+        report = stepdump.verify(run)
+    assert not report.ok, what

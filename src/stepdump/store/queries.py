@@ -14,7 +14,6 @@ cannot run on a damaged file raises :class:`~stepdump.errors.CorruptDataError`
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -23,15 +22,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stepdump.errors import ConfigError, CorruptDataError
-from stepdump.store import stat_read
+from stepdump.store import queries_stats
 from stepdump.store.catalog_read import ReadConnection, connect_reader, read_meta
 from stepdump.store.format import FP_KIND_XXH3, KNOWN_FP_KINDS
 from stepdump.store.records import as_records
 from stepdump.store.schema import FP_KINDS_TABLE, STAT_COLUMNS
 from stepdump.store.stat_chunk import StatArrays
-
-#: What a ``steps=`` argument takes: a step, a range, a slice, an iterable of steps, or None (all).
-StepRange = int | range | slice | Iterable[int] | None
+from stepdump.store.step_range import MAX_STEP, StepRange, as_step, clamped
 
 #: Columns of :meth:`CatalogReader.stat_rows`, in order ("stored": the values are in a blob).
 STAT_ROW_COLUMNS = ("step", "kind", "name", "dtype", "shape", *STAT_COLUMNS, "fingerprint", "stored")
@@ -111,36 +108,6 @@ _STEP_ROW_COLUMNS = ", ".join({"kind": "s.kind", "name": "s.name", "param": "s.p
                                "stored": _STORED}.get(f, f"t.{f}") for f in StepRow._fields)
 
 
-#: The largest step a catalog can hold (SQLite stores 64-bit integers).
-MAX_STEP = 2**63 - 1
-
-
-def as_step(step: Any) -> int:
-    """Steps often come out of a DataFrame as numpy.int64, which SQLite would bind as a
-    blob that equals no step; take anything that is an integer, refuse the rest (and one
-    outside 64 bits, which SQLite cannot bind: an OverflowError otherwise)."""
-    if isinstance(step, bool):
-        raise ConfigError(f"a step is an integer, got {step!r}")
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise ConfigError(f"a step is an integer, got {type(step).__name__} {step!r}") from None
-    if not -MAX_STEP - 1 <= value <= MAX_STEP:
-        raise ConfigError(f"step {value} is out of range: steps are 0 to {MAX_STEP}")
-    return value
-
-
-def _clamped(steps: range) -> range:
-    """``steps`` (stride > 0) cut to the steps a catalog can hold, 0 to MAX_STEP, the same
-    steps in it selected: its bounds can then be bound as SQLite integers."""
-    start = steps.start
-    if start < 0:  # the first of its steps at 0 or above
-        start += -(start // steps.step) * steps.step
-    if start > MAX_STEP:
-        return range(0)
-    return range(start, min(max(steps.stop, 0), MAX_STEP + 1), min(steps.step, MAX_STEP))
-
-
 def step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
     """A WHERE clause over column ``col`` selecting ``steps``, and its parameters."""
     if steps is None:
@@ -158,7 +125,7 @@ def step_filter(col: str, steps: StepRange) -> tuple[str, list[Any]]:
             if not steps:
                 return "0", []
             steps = range(steps[-1], steps.start + 1, -steps.step)
-        steps = _clamped(steps)
+        steps = clamped(steps)
         if not steps:
             return "0", []
         return f"{col} >= ? AND {col} <= ? AND ({col} - ?) % ? = 0", [steps.start, steps.stop - 1, steps.start,
@@ -183,9 +150,9 @@ class CatalogReader:
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = Path(run_dir)
         self._con: ReadConnection = connect_reader(self.path)
-        # The stat chunks' rows beside the tensors table's (store/stat_read.py): every stats query
+        # The stat chunks' rows beside the tensors table's (store/queries_stats.py): every stats query
         # below reads both when the catalog has chunks, and runs its one SQL query when not.
-        self._stats = stat_read.StatSource(self._q, f"{self.path}'s catalog")
+        self._stats = queries_stats.StatSource(self._q, f"{self.path}'s catalog")
 
     def close(self) -> None:
         self._con.close()
@@ -224,13 +191,13 @@ class CatalogReader:
                 swhere = swhere.replace("s.kind != 'state'", "1", 1)
         where, args = step_filter("t.step", steps)
         cols = "".join(f", t.{c}" for c in columns)
-        table = stat_read.table_arrays(self._q(
+        table = queries_stats.table_arrays(self._q(
             f"SELECT t.series, t.step, t.blob, t.dtype, t.shape{cols}, t.fingerprint FROM tensors t WHERE {where} "
             f"AND t.series IN (SELECT s.id FROM series s WHERE {swhere})", [*args, *sargs]), columns)
         if not self._stats.present():
-            return stat_read.merged(table, [], columns)
+            return queries_stats.merged(table, [], columns)
         ids = np.asarray(self._ints(f"SELECT s.id FROM series s WHERE {swhere}", sargs), dtype=np.int64)
-        return stat_read.merged(table, self._stats.chunk_rows(ids, stat_read.StepSelect(steps)), columns)
+        return queries_stats.merged(table, self._stats.chunk_rows(ids, queries_stats.StepSelect(steps)), columns)
 
     def check_stat_chunks(self) -> tuple[int, list[tuple[str, str]]]:
         """Every stat chunk read and decoded: (chunks checked, [(chunk, what is wrong)])."""
@@ -430,8 +397,8 @@ class CatalogReader:
             info = self._series_info()
             ids = a.series.tolist()
             return as_records(StepRow, zip(*zip(*(info[i] for i in ids)), a.dtype.tolist(), a.shape.tolist(),
-                                           *stat_read.py_rows(a, STAT_COLUMNS), a.fingerprint.tolist(),
-                                           stat_read.stored_flags(a), strict=True)) if ids else []
+                                           *queries_stats.py_rows(a, STAT_COLUMNS), a.fingerprint.tolist(),
+                                           queries_stats.stored_flags(a), strict=True)) if ids else []
         return as_records(StepRow, self._q(f"SELECT {_STEP_ROW_COLUMNS} {_JOIN} WHERE t.step = ? ORDER BY s.id",
                                            (step,)))
 
@@ -444,7 +411,7 @@ class CatalogReader:
             return as_records(FingerprintRow, zip(a.step.tolist(), (info[i][0] for i in a.series.tolist()),
                                                   (info[i][1] for i in a.series.tolist()), a.dtype.tolist(),
                                                   a.shape.tolist(), a.fingerprint.tolist(),
-                                                  stat_read.blob_values(a), strict=True))
+                                                  queries_stats.blob_values(a), strict=True))
         return as_records(FingerprintRow, self._q(
             f"SELECT t.step, s.kind, s.name, t.dtype, t.shape, t.fingerprint, t.blob {_JOIN} "
             "WHERE t.step >= ? AND t.step <= ?", (first, last)))
@@ -478,8 +445,8 @@ class CatalogReader:
             info = self._series_info()
             ids = a.series.tolist()
             return list(zip(a.step.tolist(), (info[i][0] for i in ids), (info[i][1] for i in ids), a.dtype.tolist(),
-                            a.shape.tolist(), *stat_read.py_rows(a, STAT_COLUMNS), a.fingerprint.tolist(),
-                            stat_read.stored_flags(a), strict=True)) if ids else []
+                            a.shape.tolist(), *queries_stats.py_rows(a, STAT_COLUMNS), a.fingerprint.tolist(),
+                            queries_stats.stored_flags(a), strict=True)) if ids else []
         where, args = step_filter("t.step", steps)
         swhere, sargs = self._series_where(kind, name_glob)
         cols = ", ".join(f"t.{c}" for c in STAT_COLUMNS)
@@ -493,8 +460,8 @@ class CatalogReader:
         (10,000 steps: 34 -> 27 ms against :meth:`stat_rows`, best of 20)."""
         if self._stats.present():
             a = self.stat_arrays(series=series, steps=steps)
-            return list(zip(a.step.tolist(), a.dtype.tolist(), a.shape.tolist(), *stat_read.py_rows(a, STAT_COLUMNS),
-                            a.fingerprint.tolist(), stat_read.stored_flags(a), strict=True)) if len(a) else []
+            return list(zip(a.step.tolist(), a.dtype.tolist(), a.shape.tolist(), *queries_stats.py_rows(a, STAT_COLUMNS),
+                            a.fingerprint.tolist(), queries_stats.stored_flags(a), strict=True)) if len(a) else []
         where, args = step_filter("step", steps)
         return self._q(f"SELECT step, dtype, shape, {', '.join(STAT_COLUMNS)}, fingerprint, blob IS NOT NULL "
                        f"FROM tensors WHERE series = ? AND {where} ORDER BY step", [series, *args])
@@ -515,7 +482,7 @@ class CatalogReader:
             raise ConfigError(f"unknown stat column(s) {bad or columns!r}; columns are {', '.join(STAT_COLUMNS)}")
         if self._stats.present():
             a = self.stat_arrays(kind, name_glob, columns=columns)
-            return list(zip(a.series.tolist(), a.step.tolist(), *stat_read.py_rows(a, columns), strict=True)) \
+            return list(zip(a.series.tolist(), a.step.tolist(), *queries_stats.py_rows(a, columns), strict=True)) \
                 if len(a) else []
         where, args = self._series_where(kind, name_glob)
         cols = ", ".join(f"t.{c}" for c in columns)
@@ -545,7 +512,7 @@ class CatalogReader:
             raise ConfigError(f"bucket width {width} must be at least 1")
         if self._stats.present():
             a = self.stat_arrays(kind, columns=("nan", "posinf", "neginf", "min", "max", "mean", "std", "norm"))
-            return stat_read.buckets(a, int(first), int(width), change=change, floor=width >= WALK_WIDTH)
+            return queries_stats.buckets(a, int(first), int(width), change=change, floor=width >= WALK_WIDTH)
         if width < WALK_WIDTH:
             prev = "lag(t.norm) OVER (PARTITION BY t.series ORDER BY t.step)" if change else "NULL"
             return self._q(
@@ -601,7 +568,7 @@ class CatalogReader:
         """(step, number of tensors with any NaN/+Inf/-Inf element) at steps that have any."""
         if self._stats.present():
             a = self.stat_arrays(columns=("nan", "posinf", "neginf"))
-            steps = a.step[stat_read.nonfinite(a)]
+            steps = a.step[queries_stats.nonfinite(a)]
             if not len(steps):
                 return []
             u, n = np.unique(steps, return_counts=True)
@@ -666,5 +633,5 @@ class CatalogReader:
         return self._ints("PRAGMA integrity_check")
 
 
-__all__ = ["STAT_ROW_COLUMNS", "CatalogReader", "FingerprintRow", "StepRange", "StepRow", "StoredTensor", "TensorRow",
+__all__ = ["MAX_STEP", "STAT_ROW_COLUMNS", "CatalogReader", "FingerprintRow", "StepRange", "StepRow", "StoredTensor", "TensorRow",
            "as_step", "step_filter"]

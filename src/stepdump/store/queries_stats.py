@@ -26,6 +26,7 @@ from stepdump.errors import CorruptDataError
 from stepdump.store import stat_chunk
 from stepdump.store.stat_chunk import COUNT_STATS, FLOAT_STATS, StatArrays
 from stepdump.store.schema import STAT_CHUNKS_TABLE, STAT_COLUMNS
+from stepdump.store.step_range import as_step, clamped
 
 #: Decoded chunk rows a reader keeps (about 140 bytes a row: ~140 MB).
 CACHE_ROWS = 1_000_000
@@ -38,8 +39,6 @@ class StepSelect:
     """A ``steps=`` selection (queries.StepRange) as bounds for the chunk index and a mask."""
 
     def __init__(self, steps: Any) -> None:
-        from stepdump.store.queries import _clamped, as_step  # noqa: PLC0415 - queries imports this module
-
         self.lo: int | None = None
         self.hi: int | None = None
         self.stride: int = 1
@@ -59,7 +58,7 @@ class StepSelect:
                     self.none = True
                     return
                 steps = range(steps[-1], steps.start + 1, -steps.step)
-            steps = _clamped(steps)
+            steps = clamped(steps)
             if not steps:
                 self.none = True
                 return
