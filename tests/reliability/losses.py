@@ -70,6 +70,12 @@ def kill_once(z: Zygote, work: Path, mode: str, durability: str, rng: random.Ran
     at = {x["step"] - 1: x["at"] for x in lines}  # when step t's step() had returned (at the latest)
     with stepdump.open(run_dir) as run:
         steps = run.all_steps
+        # What was committed is whole: every stat chunk checks and decodes, and every step with
+        # stats has a row for each param (a chunk commits with its steps or not at all).
+        _, problems = run.catalog.check_stat_chunks()
+        assert not problems, (mode, durability, problems)
+        per_step = run.stats(kind="params").groupby("step").size()
+        assert per_step.nunique() <= 1 and set(per_step.index) == set(run.stats_steps), (mode, durability, per_step)
     committed = steps[-1] if steps else -1
     lost_steps = range(committed + 1, returned + 1)
     recent = sum(1 for t in lost_steps if killed_at - at[t] <= HOLD_S + slack_s)
