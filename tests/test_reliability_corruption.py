@@ -39,13 +39,15 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _build(path: Path) -> None:
-    """Ten steps in three writer sessions (three segments): raw, zstd and blosc-lz4 blobs."""
+    """Thirteen steps in four writer sessions (four segments): raw, zstd and blosc-lz4 blobs, and
+    a last session stored in full every other step with stats between (stat chunks)."""
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     t = 0
-    for codec, n in (("raw", 4), ("zstd", 3), ("blosc-lz4", 3)):
-        record_run(path, steps=n, start=t, model=model, opt=opt, scheduler=sched, codec=codec)
+    for codec, n, kw in (("raw", 4, {}), ("zstd", 3, {}), ("blosc-lz4", 3, {}),
+                         ("zstd", 3, {"every": 2, "stats_every": 1})):
+        record_run(path, steps=n, start=t, model=model, opt=opt, scheduler=sched, codec=codec, **kw)
         t += n
 
 
@@ -332,9 +334,10 @@ COLUMNS = {
     "steps": ["level", "skipped", "state", "step"],
     "tensors": ["series", "step", "dtype", "shape", "blob", "numel", "min", "fingerprint"],
     "scalars": ["step", "name", "value"],
+    "stat_chunks": ["id", "first_step", "last_step", "rows", "checksum", "data"],
 }
 PKS = {"meta": "key", "series": "id", "segments": "id", "blobs": "id", "steps": "step",
-       "tensors": "series, step", "scalars": "name, step"}
+       "tensors": "series, step", "scalars": "name, step", "stat_chunks": "id"}
 
 row_edit = st.tuples(st.just("row"), st.sampled_from(sorted(COLUMNS)), st.integers(0, 10**6), st.data())
 row_delete = st.tuples(st.just("delete"), st.sampled_from(sorted(COLUMNS)), st.integers(0, 10**6))
@@ -347,18 +350,22 @@ seg_edit = st.tuples(
     st.integers(0, 2), st.floats(0, 1), st.binary(min_size=1, max_size=64),
 )
 forged = st.tuples(st.just("forge"), st.integers(0, 10**6), st.floats(0, 1), st.binary(min_size=1, max_size=64))
+# garbage in a stat chunk with a valid checksum: reaches the chunk decoder (store/stat_chunk.py)
+forged_chunk = st.tuples(st.just("forge_chunk"), st.integers(0, 10**6), st.floats(0, 1),
+                         st.binary(min_size=1, max_size=64))
 cat_file = st.tuples(st.just("catfile"), st.sampled_from(["flip", "truncate"]), st.floats(0, 1), st.integers(0, 7))
 # Schema objects that compute (tests/test_reliability_hostile_catalog.py fuzzes these on their own).
 SCHEMA_EDITS = ["ALTER TABLE {t} ADD COLUMN g AS (length(hex(zeroblob(30000000)))) VIRTUAL",
                 "CREATE TRIGGER tr AFTER INSERT ON {t} BEGIN SELECT 1; END", "CREATE INDEX ix ON {t}(abs({c}))",
                 "ALTER TABLE {t} ADD COLUMN extra TEXT DEFAULT 'x'"]
 schema_edit = st.tuples(st.just("schema"), st.sampled_from(sorted(COLUMNS)), st.sampled_from(SCHEMA_EDITS))
-MUTATION = st.one_of(row_edit, row_delete, table_drop, meta_edit, seg_edit, forged, cat_file, schema_edit)
+MUTATION = st.one_of(row_edit, row_delete, table_drop, meta_edit, seg_edit, forged, forged_chunk, cat_file,
+                     schema_edit)
 
 
 def _apply(path: Path, m) -> None:
     kind = m[0]
-    if kind in ("row", "delete", "drop", "meta", "forge", "schema"):
+    if kind in ("row", "delete", "drop", "meta", "forge", "forge_chunk", "schema"):
         con = sqlite3.connect(path / "catalog.sqlite", isolation_level=None)
         try:
             if con.execute("SELECT count(*) FROM sqlite_master WHERE type = 'view'").fetchone()[0]:
@@ -396,6 +403,16 @@ def _apply(path: Path, m) -> None:
                 con.execute("UPDATE meta SET value = ? WHERE key = ?", (m[2], m[1]))
             elif kind == "schema":
                 con.execute(m[2].format(t=m[1], c=COLUMNS[m[1]][0]))
+            elif kind == "forge_chunk":
+                _, pick, where, junk = m
+                rows = con.execute("SELECT id, data FROM stat_chunks ORDER BY id").fetchall()
+                if rows:
+                    cid, data = rows[pick % len(rows)]
+                    data = bytearray(data) if isinstance(data, bytes) else bytearray(b"x")
+                    at = int(where * (len(data) - 1))
+                    data[at:at + len(junk)] = junk[: max(0, len(data) - at)]
+                    con.execute("UPDATE stat_chunks SET data = ?, checksum = ? WHERE id = ?",
+                                (bytes(data), fingerprint_bytes(bytes(data)), cid))
             elif kind == "forge":  # garbage that carries a valid checksum: reaches the decoders
                 _, pick, where, junk = m
                 rows = con.execute("SELECT b.id, s.key, b.offset, b.length FROM blobs b "

@@ -166,7 +166,7 @@ def table_arrays(rows: list[Any], columns: Sequence[str]) -> StatArrays:
         stats = {}
         for i, c in enumerate(columns):
             v = cols[5 + i]
-            stats[c] = stat_chunk._counts(v) if c in COUNT_STATS else np.asarray(v, dtype=np.float64)
+            stats[c] = _counts(v) if c in COUNT_STATS else np.asarray(v, dtype=np.float64)
         blob = np.asarray([-1 if b is None else b for b in cols[2]], dtype=np.int64)
         return StatArrays(np.asarray(cols[0], dtype=np.int64), np.asarray(cols[1], dtype=np.int64),
                           np.asarray(cols[-1], dtype=np.int64), blob, np.asarray(cols[3], dtype=object),
@@ -174,6 +174,17 @@ def table_arrays(rows: list[Any], columns: Sequence[str]) -> StatArrays:
     except (TypeError, ValueError, OverflowError) as e:
         raise CorruptDataError(f"a tensor row of the catalog holds a value of the wrong type ({e}); the catalog "
                                "is damaged: `stepdump verify` checks the run") from None
+
+
+def _counts(values: Sequence[Any]) -> np.ndarray:
+    """A count column of ``tensors`` rows as int64 (-1 for NULL); a value that is no count (negative,
+    fractional, past 2**62, text) is damage."""
+    with np.errstate(invalid="ignore"):
+        f = np.asarray(values, dtype=np.float64)
+        ok = np.isnan(f) | ((f >= 0) & (f < 2.0**62) & (f == np.floor(f)))
+    if not ok.all():
+        raise ValueError(f"a count of {f[~ok][0]!r}")
+    return np.where(np.isnan(f), -1, f).astype(np.int64)
 
 
 def merged(table: StatArrays, chunks: list[StatArrays], columns: Sequence[str]) -> StatArrays:
