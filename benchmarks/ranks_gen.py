@@ -94,9 +94,9 @@ def write_ranks(root: str | os.PathLike[str], n: int, *, steps: int = 8, seed: i
     ``recorded``: record only ranks ``0 .. recorded-1`` (about a second each on an idle 2-core
     machine); every later rank ``r`` is a copy of rank ``r % recorded``'s store with the three
     meta values that differ between DDP ranks (``distributed``, ``run_id``, ``created``)
-    rewritten through the catalog writer, so its tensors, stats and fingerprints are what rank
-    ``r`` records (DDP replicas are the same bytes) but its logged ``loss`` repeats the copied
-    rank's.
+    rewritten through the catalog writer and its ``stats.parquet`` written again (as ``close()``
+    writes it), so its tensors, stats and fingerprints are what rank ``r`` records (DDP replicas
+    are the same bytes) but its logged ``loss`` repeats the copied rank's.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -126,11 +126,13 @@ def _clone_rank(root: Path, src: int, rank: int) -> None:
     import time
     import uuid
 
+    from stepdump.core import stats_file
     from stepdump.store import ranks as ranks_file
     from stepdump.store.catalog import CatalogWriter
 
     dst = root / ranks_file.rank_dir(rank)
     shutil.copytree(root / ranks_file.rank_dir(src), dst)
+    stats_file.remove(dst)  # rank src's: written again below for this rank, as its Recorder would
     with stepdump.open(dst) as run:
         dist_meta = dict(run.meta["distributed"], rank=rank)
     cat = CatalogWriter(dst)
@@ -141,6 +143,7 @@ def _clone_rank(root: Path, src: int, rank: int) -> None:
         cat.commit()
     finally:
         cat.close()
+    stats_file.compact(dst)
 
 
 def real_rank(root: str, steps: int = 8, seed: int = 0) -> None:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import stepdump
+from stepdump.core import stats_file
 from stepdump.store.schema import catalog_path
 
 KINDS = ("attn_w", "attn_b", "mlp_w", "mlp_b", "ln_w", "ln_b")
@@ -147,6 +148,7 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
         if final != template or run.all_steps[-1] != template:
             raise RuntimeError(f"the template has steps {run.all_steps}, final_step {final}: not what synth_run copies")
     names = tensor_names(tensors)
+    stats_file.remove(path)
     con = sqlite3.connect(catalog_path(path), isolation_level=None)
     try:
         _sqrt_function(con)
@@ -204,6 +206,9 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
                     "FROM (SELECT name, value FROM scalars WHERE step = ?) c CROSS JOIN st ORDER BY c.name, st.step",
                     (args["nan_step"], model))
         con.execute("UPDATE meta SET value = ? WHERE key = 'final_step'", (str(steps),))
+        # The template's stats.parquet covers its steps only: gone, as a resumed recording drops it
+        # (`stepdump export-stats` builds the file from the catalog).
+        con.execute("UPDATE meta SET value = 'null' WHERE key = ?", (stats_file.META_KEY,))
         con.execute("COMMIT")
         con.execute(f"PRAGMA journal_mode={mode}")
     finally:

@@ -130,7 +130,10 @@ def test_copied_ranks_are_what_a_recorded_rank_writes(tmp_path: Path) -> None:
         assert a.stats().equals(b.stats())  # every rank's stats and fingerprints, bit for bit
         ma, mb = a.rank(2).meta, b.rank(2).meta
         assert ma["distributed"] == mb["distributed"] and mb["distributed"]["rank"] == 2
-        assert {k for k in ma if ma[k] != mb[k]} == {"run_id", "created"}  # fresh per store, as recorded
+        # fresh per store, as recorded (stats_parquet names the run id, and the time it took)
+        assert {k for k in ma if ma[k] != mb[k]} == {"run_id", "created", "stats_parquet"}
+        assert ma["stats_parquet"]["xxh3"] == mb["stats_parquet"]["xxh3"]  # the same rows, rank 2's
+        assert mb["stats_parquet"]["run_id"] == mb["run_id"] and mb["stats_parquet"]["rank"] == 2
         assert len({b.rank(r).meta["run_id"] for r in b.ranks}) == 3
         assert not a.scalars(rank=2)["loss"].equals(b.scalars(rank=2)["loss"])  # the one known gap
         assert b.scalars(rank=2)["loss"].equals(b.scalars(rank=0)["loss"])

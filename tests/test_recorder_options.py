@@ -304,7 +304,7 @@ def test_help_shows_the_real_parameters_grouped_as_the_option_objects():
         for f in dataclasses.fields(group):
             assert repr(params[f.name].default) == repr(f.default), f.name
     assert repr(params["trigger"].default) == repr("nan_inf")
-    assert len(params) == 41
+    assert len(params) == 42
     text = pydoc.render_doc(stepdump.Recorder, renderer=pydoc.plaintext)
     # the call line and the docstring (pydoc lists the bases' resolution order, if any, then the methods)
     shown = " ".join(text.split("Method resolution order")[0].split("Methods defined here")[0].split())

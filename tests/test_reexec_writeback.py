@@ -20,6 +20,7 @@ from torch import nn
 import reexec_loops as L
 import stepdump
 from helpers import assert_same, open_page
+from stepdump.core import stats_file
 from stepdump.errors import ConfigError, RunLockedError, StepdumpError
 
 STEPS, FLIP_AT = 4, 2
@@ -159,6 +160,10 @@ def test_writing_twice_for_a_step_replaces_the_first(tmp_path: Path, second: str
         assert fresh.activations(1, grads=True) == {}
         assert list(fresh.meta["reexecutions"]) == ["1"]
         assert stepdump.verify(fresh).ok
+        # The run's stats.parquet is written again with the rows written back (core/stats_file.py).
+        found = stats_file.check(fresh.path, fresh.catalog)
+        assert found.data is not None and found.meta is not None, found.reason
+        assert found.meta.rows == len(fresh.stats()) and "reexec_activations" in set(fresh.stats()["kind"])
 
 
 def test_capture_without_write_back_is_on_the_result(tmp_path: Path) -> None:

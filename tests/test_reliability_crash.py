@@ -150,7 +150,7 @@ def test_a_recorder_killed_before_its_catalog_existed_leaves_a_startable_directo
             assert run.steps == [0, 1] and run.meta["final_step"] == 1
             assert tensor_hash(run.tensor("0.weight", 0))[:2] == ["float32", [32, 16]]
         names = {p.name for p in run_dir.iterdir()} - {"catalog.sqlite-wal", "catalog.sqlite-shm"}
-        assert names == {"LOCK", "catalog.sqlite", "segments"}  # the leftovers are gone
+        assert names == {"LOCK", "catalog.sqlite", "segments", "stats.parquet"}  # the leftovers are gone
     # Anything else in the directory still makes it "not empty and not a run".
     other = tmp_path / "other"
     other.mkdir()

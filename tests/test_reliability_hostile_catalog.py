@@ -317,7 +317,7 @@ def _reads_like(path: Path, truth: dict) -> None:
 
 def test_a_clean_close_leaves_a_catalog_that_needs_no_side_files(clean):
     """Rollback-journal mode (header bytes 18-19 are 1, WAL would be 2): a reader creates nothing."""
-    assert sorted(p.name for p in clean[0].iterdir()) == ["LOCK", "catalog.sqlite", "segments"]
+    assert sorted(p.name for p in clean[0].iterdir()) == ["LOCK", "catalog.sqlite", "segments", "stats.parquet"]
     assert (clean[0] / "catalog.sqlite").read_bytes()[18:20] == b"\x01\x01"
 
 
@@ -416,7 +416,7 @@ def test_another_user_without_write_permission_reads_a_finished_run(clean):
                               "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split("\n")[0] == f"{truth['all_steps']} False True"
-        assert sorted(p.name for p in run.iterdir()) == ["LOCK", "catalog.sqlite", "segments"]
+        assert sorted(p.name for p in run.iterdir()) == ["LOCK", "catalog.sqlite", "segments", "stats.parquet"]
     finally:
         shutil.rmtree(top)
 

@@ -156,7 +156,7 @@ def test_odd_parameter_names_round_trip_and_never_become_paths(tmp_path):
     # Names never became paths: the run holds only its own files, nothing appeared elsewhere.
     files = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")}
     assert files - {"catalog.sqlite-wal", "catalog.sqlite-shm"} == {"LOCK", "catalog.sqlite", "segments",
-                                                                    "segments/000001.seg"}
+                                                                    "segments/000001.seg", "stats.parquet"}
     assert {p.name for p in tmp_path.iterdir()} == {"outside", "deep"}
     assert [p.name for p in (tmp_path / "deep").iterdir()] == ["run"]
     assert _listing(outside) == before

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from helpers import assert_same, record_run, tiny_model
 from torch import nn
 
@@ -255,8 +256,12 @@ def test_s3_round_trip(s3: dict, reference: Path, tmp_path: Path) -> None:
     storage = FsspecStorage(where, s3)
     keys = sorted(k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1] if "/segments/" in k else k.rsplit("/", 1)[-1]
                   for k in storage.fs.find(storage.root))
-    assert keys[0] == "catalog.sqlite" and len(keys) > 2  # small segments: several objects
-    assert all(k.startswith("segments/") for k in keys[1:])
+    assert keys[0] == "catalog.sqlite" and len(keys) > 3  # small segments: several objects
+    assert keys[-1] == "stats.parquet" and all(k.startswith("segments/") for k in keys[1:-1])
     with stepdump.open(where, storage_options=s3, cache_dir=tmp_path / "cache") as run:
         assert_same_run(run, reference)
         assert run.meta["url"] == where
+        # close() wrote stats.parquet before the last publish: the published catalog describes it
+        published = storage.get_bytes("stats.parquet")
+        assert published is not None and len(published) == run.meta["stats_parquet"]["bytes"]
+        assert xxhash.xxh3_64_hexdigest(published) == run.meta["stats_parquet"]["xxh3"]

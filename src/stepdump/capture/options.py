@@ -12,7 +12,7 @@ line that wrote it, with a message that says what to do):
   combination that means nothing (a trigger without a ring, a ring and
   ``every=``) cannot be written;
 * :class:`StoreOptions` — how: codec, delta chains, queue depth, staging memory, durability,
-  segment size, publishing to a URL.
+  segment size, publishing to a URL, the ``stats.parquet`` written at close.
 
 The common case needs none of them (``Recorder(path, model, opt, every=100)``):
 each field is also accepted as a plain Recorder keyword of the same name, and
@@ -289,6 +289,11 @@ class StoreOptions:
             ``"xxh3"`` xxh3 everywhere (CUDA bytes hashed on the host); ``"dmix64"`` dmix64
             everywhere (a CPU run meant to be compared with GPU runs by fingerprint). A tensor
             keeps its first kind at every step.
+        stats_parquet: Write ``stats.parquet`` into the run directory at ``close()``: every stat
+            row of the run as one Parquet file, for DuckDB, Polars or Spark to query in place
+            (docs/scale.md; a derived copy of the catalog's stats, FORMAT.md). Needs pyarrow
+            (``stepdump[arrow]``); without it nothing is written. A failure to write it is one
+            warning, never an error out of ``close()``.
     """
 
     codec: str = "raw"
@@ -300,6 +305,7 @@ class StoreOptions:
     remote: Remote | Mapping[str, Any] | None = None
     storage: StorageFactory | None = None
     fingerprint: str = "auto"
+    stats_parquet: bool = True
 
     def __post_init__(self) -> None:
         # The store layer, loaded when a Recorder is configured (not at import).
@@ -328,6 +334,9 @@ class StoreOptions:
         if not isinstance(self.fingerprint, str) or self.fingerprint not in FINGERPRINTS:
             raise ConfigError(f"fingerprint={self.fingerprint!r}: choose 'auto' (dmix64 on CUDA, xxh3 on the CPU), "
                               "'xxh3' (every tensor hashed on the host) or 'dmix64' (every tensor, CPU too)")
+        if not isinstance(self.stats_parquet, bool):
+            raise ConfigError(f"stats_parquet={self.stats_parquet!r}: give True (write stats.parquet at close()) "
+                              "or False")
 
 
 class Default:
@@ -347,7 +356,7 @@ class Default:
 _RECORD = ("capture", "include", "exclude", "modules", "profile", "extra_state", "frozen")
 _SCHEDULE = ("every", "stats_every", "keyframe_every", "gradient_log", "ring", "trigger", "after")
 _STORE = ("codec", "delta_chain", "queue_depth", "staging_bytes", "durability", "segment_bytes", "remote", "storage",
-          "fingerprint")
+          "fingerprint", "stats_parquet")
 _GROUP_OF = {**dict.fromkeys(_RECORD, "record"), **dict.fromkeys(_SCHEDULE, "schedule"),
              **dict.fromkeys(_STORE, "store")}
 _GROUP_CLASS = {"record": "RecordOptions", "schedule": "a StepSchedule, KeyframeSchedule, RingSchedule or GradientLogSchedule",

@@ -60,6 +60,7 @@ from stepdump.capture.unstepped import mark_no_step
 from stepdump.capture.user_log import UserLog
 from stepdump.capture.writer import StepMessage
 from stepdump.capture.structure import StructureWatch, recorded_layouts
+from stepdump.core import stats_file
 from stepdump.core.layout import build_layout
 from stepdump.core.wrappers import inner_optimizer, inner_scheduler, require_step_hooks, state_holder
 from stepdump.errors import ConfigError, WriterError
@@ -179,6 +180,8 @@ class Recorder:
             dict of its fields).
         storage: A callable building what segment files are written through (None: local files).
         fingerprint: The fingerprint kind of each tensor: ``"auto"``, ``"xxh3"`` or ``"dmix64"``.
+        stats_parquet: Write ``stats.parquet`` (every stat row, for DuckDB / Polars / Spark in place)
+            into the run directory at :meth:`close` (needs pyarrow; docs/scale.md).
 
     Use it as a context manager or call :meth:`close`; create it right before
     the training loop so the RNG state of step 0 is the one the loop starts with.
@@ -246,6 +249,7 @@ class Recorder:
         remote: Remote | Mapping[str, Any] | None = _options.unset("remote"),
         storage: StorageFactory | None = _options.unset("storage"),
         fingerprint: str = _options.unset("fingerprint"),
+        stats_parquet: bool = _options.unset("stats_parquet"),
     ) -> None:
         self.options: _options.RecorderOptions = _options.resolve(
             record, schedule, store, on_error=on_error, resume=resume, start_step=start_step, metadata=metadata,
@@ -256,7 +260,7 @@ class Recorder:
             ring=ring, trigger=trigger, after=after,
             codec=codec, delta_chain=delta_chain, queue_depth=queue_depth, staging_bytes=staging_bytes,
             durability=durability, segment_bytes=segment_bytes, remote=remote, storage=storage,
-            fingerprint=fingerprint)
+            fingerprint=fingerprint, stats_parquet=stats_parquet)
         if model is None and optimizer is None:
             raise ConfigError("Recorder needs the model and its optimizer: Recorder(path, model, optimizer), or "
                               "models= and optimizers= dicts for several pairs (a GAN's G and D)")
@@ -440,9 +444,27 @@ class Recorder:
             unstepped = self._user.unstepped
             if unstepped is not None and not self.options.resume and not self._guard.stopped:
                 mark_no_step(self.path, unstepped.iterations, self._watch.stepped_instead)
+            not_compacted = self._compact()  # before the lock goes and before a URL run is published
             self._lock.release()
             self._finalizer.detach()
         self._link.publish(self._target)  # the writer's failure (strict), then a URL run's final state
+        if not_compacted is not None:
+            raise not_compacted
+
+    def _compact(self) -> WriterError | None:
+        """The run's stats as ``stats.parquet`` (core/stats_file.py), once every step is committed and
+        while the run is still locked. A failure is one warning; when strict, it is returned, for
+        :meth:`close` to raise once the run is released."""
+        if not self.options.store.stats_parquet:
+            return None
+        if self._guard.stopped or self._link.error is not None:  # its warning said it; the disk may be full
+            log.info("stepdump: %s not written: recording stopped", self.path / stats_file.STATS_FILE)
+            return None
+        try:
+            stats_file.compact(self.path, strict=self._guard.strict)
+        except WriterError as e:
+            return e
+        return None
 
     @property
     def bytes_written(self) -> int:

@@ -16,6 +16,7 @@ from torch import nn
 
 import stepdump
 from stepdump.capture.structure import resumed_layouts
+from stepdump.core import stats_file
 from stepdump.core.host import kernels_meta
 from stepdump.errors import ConfigError, RunExistsError, RunLockedError
 from stepdump.store import catalog
@@ -118,7 +119,10 @@ def init_catalog(path: Path, meta: dict[str, Any], resume: bool, start_step: int
     history = history if isinstance(history, list) else []
     entry = {"resumed_at": first, "dropped": [first, last] if dropped else None, "time": meta["created"]}
     layouts = {"layout": meta["layout"], "layouts": earlier} if earlier or old.get("layouts") else None
-    catalog.resume(path, first if dropped else None, [*history, entry], layouts)
+    # The run's stats.parquet describes it as it was: gone before anything changes (close() writes
+    # it again), so no query in place reads a copy the resumed run has outgrown.
+    stats_file.remove(path)
+    catalog.resume(path, first if dropped else None, [*history, entry], {**(layouts or {}), stats_file.META_KEY: None})
     if dropped:
         log.info("stepdump: resuming %s at step %d; its steps %d..%d are dropped (recorded again from here)",
                  path, first, first, last)

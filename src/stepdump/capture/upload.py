@@ -10,6 +10,9 @@ every ``upload_every`` steps (or ``upload_interval`` seconds) and once more at
    bytes the snapshot points at were on local disk before it committed);
 3. upload the snapshot as ``catalog.sqlite``, replacing the previous one.
 
+At ``close()`` the run's ``stats.parquet`` (core/stats_file.py) goes up too, before the catalog
+whose meta describes it.
+
 A reader therefore sees the steps of the last published snapshot, all of
 whose bytes are already there. Sealed segments are uploaded once; the
 segment being written is uploaded again, whole, at each publish in which it
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepdump.core.stats_file import STATS_FILE
 from stepdump.errors import ConfigError, WriterError
 from stepdump.store.format import CATALOG_FILE, SEGMENT_DIR
 from stepdump.store.fsspec_storage import FsspecStorage, snapshot_catalog
@@ -136,6 +140,9 @@ class Uploader(threading.Thread):
                     if self._uploaded.get(key) != size:
                         self.storage.put_file(key, path)
                         self._uploaded[key] = size
+                stats = self.local / STATS_FILE  # written by close(), before the last publish
+                if stats.is_file():  # before the catalog whose meta describes it
+                    self.storage.put_file(STATS_FILE, stats)
                 self.storage.put_file(CATALOG_FILE, tmp)
             finally:
                 Path(tmp).unlink(missing_ok=True)

@@ -1,4 +1,9 @@
-"""stepdump export-stats: every rank's and step's stats as one Parquet file (needs pyarrow)."""
+"""stepdump export-stats: every rank's and step's stats as one Parquet file (needs pyarrow).
+
+With no filter, each store's own ``stats.parquet`` (written by ``Recorder.close()``) is copied,
+or concatenated for a multi-rank run, once it checks out against its catalog; otherwise, and for
+a store whose copy is stale or damaged, the rows are read from the catalog.
+"""
 
 from __future__ import annotations
 
@@ -33,11 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stepdump.read.columnar import write_parquet
+    from stepdump.read.columnar import export_parquet
 
     with open_run(args.run) as r:
-        rows, stores = write_parquet(r, args.out, kind=args.kind, name=args.names, steps=args.steps)
+        done = export_parquet(r, args.out, kind=args.kind, name=args.names, steps=args.steps)
         ranked = bool(getattr(r, "ranks", None))
-    where = f"{stores} ranks" if ranked else "1 store"
-    console.print(f"wrote {rows} rows ({where}) to {args.out}")
+    where = f"{done.stores} ranks" if ranked else "1 store"
+    console.print(f"wrote {done.rows} rows ({where}) to {args.out}")
+    if done.copied:
+        console.print(f"copied from the run's stats.parquet ({done.copied} of {done.stores} "
+                      f"{'ranks' if ranked else 'store'}, each checked against its catalog)")
+    if done.rebuilt:  # what was wrong with the copies not used: read from the catalog instead
+        more = f" (and {len(done.rebuilt) - 1} more)" if len(done.rebuilt) > 1 else ""
+        console.print(f"read from the catalog: {done.rebuilt[0]}{more}")
     return Exit.OK

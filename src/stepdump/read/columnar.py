@@ -8,8 +8,8 @@ empty tensor, a tensor with no finite element) is an Arrow null, the NaN of the 
 
 Ranks are read by a small thread pool (SQLite releases the GIL while it reads) a few at a time
 and handed on in rank order, so a Parquet export holds at most ``window`` ranks' rows in
-memory, however many ranks there are. pyarrow is imported here only, lazily: it is an optional
-dependency (``pip install pyarrow``).
+memory, however many ranks there are. pyarrow is imported lazily (:mod:`stepdump.core.stats_table`):
+it is an optional dependency (``pip install pyarrow``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from stepdump.errors import ConfigError, CorruptDataError
-from stepdump.store.queries import STAT_ROW_COLUMNS, StepRange
-from stepdump.store.schema import DEFAULT_FP_KIND, STAT_COLUMNS
+# The table's columns and types live in core (the Recorder's stats.parquet holds the same ones);
+# fp_kind_column is named here too, for the readers that import it from here (Run).
+from stepdump.core.stats_table import fp_kind_column as fp_kind_column
+from stepdump.core.stats_table import arrays_table, pyarrow, schema
+from stepdump.store.queries import StepRange
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -32,69 +33,17 @@ if TYPE_CHECKING:
 
 #: Ranks read ahead at once (threads of the pool, and ranks' rows held before they are written).
 WINDOW = 8
-_INT = ("step", "numel", "nan", "posinf", "neginf", "fingerprint")
-
-
-def pyarrow() -> ModuleType:
-    """The pyarrow module, or a ConfigError saying how to install it."""
-    try:
-        import pyarrow as pa
-    except ImportError as e:
-        raise ConfigError("columnar stats (Arrow frames, Parquet export) need pyarrow: pip install pyarrow "
-                          "(or pip install 'stepdump[arrow]')") from e
-    return pa
-
-
-def fp_kind_column(other: dict[tuple[str, str], str], kinds: Iterable[Any], names: Iterable[Any]) -> list[str]:
-    """The ``fp_kind`` column of stat rows: each row's fingerprint kind, from ``other`` (the
-    series that are not xxh3, ``CatalogReader.fp_kinds_by_name``; empty in a format-1 store)."""
-    if not other:
-        return [DEFAULT_FP_KIND] * sum(1 for _ in kinds)
-    return [other.get((k, n), DEFAULT_FP_KIND) for k, n in zip(kinds, names, strict=True)]
-
-
-def schema(ranked: bool) -> Any:
-    """The Arrow schema of the stats table (``ranked``: with the ``rank`` column, second)."""
-    pa = pyarrow()
-    fields = []
-    for c in STAT_ROW_COLUMNS:
-        if c in _INT:
-            t = pa.int64()
-        elif c == "stored":
-            t = pa.bool_()
-        elif c in STAT_COLUMNS:
-            t = pa.float64()
-        else:
-            t = pa.string()
-        fields.append(pa.field(c, t, nullable=c not in ("step", "kind", "name")))
-        if ranked and c == "step":
-            fields.append(pa.field("rank", pa.int64(), nullable=False))
-        if c == "fingerprint":  # its kind, right after it (FORMAT.md "Fingerprint kinds")
-            fields.append(pa.field("fp_kind", pa.string(), nullable=False))
-    return pa.schema(fields)
 
 
 def store_table(store: Run, kind: str | None = None, name: str | None = None, steps: StepRange = None,
                 *, rank: int | None = None) -> Any:
     """One store's stat rows as an Arrow table (with a ``rank`` column when ``rank`` is given)."""
-    pa = pyarrow()
     store._check_series()
     if kind is not None:
         store._check_kind(kind)
-    rows = store.catalog.stat_rows(kind, name, steps)
-    sch = schema(rank is not None)
-    columns = list(zip(*rows, strict=True)) if rows else [() for _ in STAT_ROW_COLUMNS]
-    by_name = dict(zip(STAT_ROW_COLUMNS, columns, strict=True))
-    if rank is not None:
-        by_name["rank"] = (rank,) * len(rows)
-    by_name["fp_kind"] = tuple(fp_kind_column(store.catalog.fp_kinds_by_name(), by_name["kind"], by_name["name"]))
-    try:
-        # "stored" comes out of SQLite as 0/1 ("blob IS NOT NULL").
-        arrays = [pa.array(by_name[f.name], type=pa.int8()).cast(f.type) if f.name == "stored"
-                  else pa.array(by_name[f.name], type=f.type) for f in sch]
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as e:
-        raise CorruptDataError(f"the catalog of {store.path} holds stats of the wrong type ({e})") from e
-    return pa.Table.from_arrays(arrays, schema=sch)
+    cat = store.catalog
+    return arrays_table(cat.stat_arrays(kind, name, steps), cat.matching_series(kind, name), cat.fp_kinds(),
+                        rank=rank, where=store.path)
 
 
 def tables(run: Any, kind: str | None = None, name: str | None = None, steps: StepRange = None,
@@ -176,6 +125,11 @@ def write_parquet(run: Any, path: str | os.PathLike[str], kind: str | None = Non
     A multi-rank run's file always has the ``rank`` column; a single store's has none. The file
     is written beside ``path`` and renamed into place, so a failed export leaves no partial file.
     """
+    return _write_tables(tables(run, kind, name, steps, window=window), path)
+
+
+def _write_tables(parts: Iterable[Any], path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Write each table of ``parts`` to one Parquet file at ``path`` (atomically); ``(rows, tables)``."""
     pyarrow()
     import pyarrow.parquet as pq
 
@@ -184,7 +138,7 @@ def write_parquet(run: Any, path: str | os.PathLike[str], kind: str | None = Non
     rows = stores = 0
     writer = None
     try:
-        for part in tables(run, kind, name, steps, window=window):
+        for part in parts:
             if writer is None:
                 writer = pq.ParquetWriter(tmp, part.schema)
             writer.write_table(part)
@@ -200,3 +154,87 @@ def write_parquet(run: Any, path: str | os.PathLike[str], kind: str | None = Non
         if tmp.exists():
             tmp.unlink()
     return rows, stores
+
+
+class ParquetExport(NamedTuple):
+    """What :func:`export_parquet` wrote: ``rows`` of ``stores`` stores, ``copied`` of them from
+    their own ``stats.parquet``; ``rebuilt``: why each other store's could not be used."""
+
+    rows: int
+    stores: int
+    copied: int
+    rebuilt: list[str]
+
+
+def export_parquet(run: Any, path: str | os.PathLike[str], kind: str | None = None, name: str | None = None,
+                   steps: StepRange = None, *, window: int = WINDOW) -> ParquetExport:
+    """:func:`write_parquet`, taking each store's ``stats.parquet`` (what ``Recorder.close()`` wrote,
+    :mod:`stepdump.core.stats_file`) where nothing is filtered and the file checks out against its
+    catalog: a byte copy for one store, a concatenation for a multi-rank run. A store whose file is
+    absent, stale, truncated or changed is read from its catalog instead, and the reason given."""
+    pyarrow()  # the ConfigError that says how to install it, before any file is looked at
+    if kind is not None or name is not None or steps is not None or getattr(run, "url", None) is not None:
+        return ParquetExport(*write_parquet(run, path, kind, name, steps, window=window), 0, [])
+    if not getattr(run, "ranks", None):
+        if not hasattr(run, "catalog"):  # a joint run: no catalog of its own
+            return ParquetExport(*write_parquet(run, path, window=window), 0, [])
+        data, why = _verified(run, None)
+        if data is None:
+            return ParquetExport(*write_parquet(run, path, window=window), 0, [why])
+        out = Path(path)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return ParquetExport(_rows(data), 1, 1, [])
+    rebuilt: list[str] = []
+
+    def read(r: int) -> tuple[Any, str]:
+        store = run.rank(r)
+        data, why = _verified(store, r)
+        if data is None:
+            return store_table(store, rank=r), why
+        import pyarrow.parquet as pq
+
+        return pq.read_table(pyarrow().BufferReader(data)), ""
+
+    def parts() -> Iterator[Any]:
+        for table, why in _in_order(list(run.ranks), read, window):
+            if why:
+                rebuilt.append(why)
+            yield table
+
+    rows, stores = _write_tables(parts(), path)
+    return ParquetExport(rows, stores, stores - len(rebuilt), rebuilt)
+
+
+def _verified(store: Any, rank: int | None) -> tuple[bytes | None, str]:
+    """``store``'s stats.parquet bytes if they check out and hold the columns of its export (a
+    ``rank`` column of ``rank`` for one rank of a multi-rank run, none for a single store); else
+    None and why not."""
+    from stepdump.core import stats_file
+
+    found = stats_file.check(store.path, store.catalog)
+    if found.data is None or found.meta is None:
+        return None, found.reason
+    if found.meta.rank != rank:
+        return None, (f"{store.path / stats_file.STATS_FILE} has the rank column of rank {found.meta.rank}, "
+                      f"the export {'none' if rank is None else f'that of rank {rank}'}")
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(pyarrow().BufferReader(found.data)).metadata
+        ok = meta.schema.to_arrow_schema().equals(schema(rank is not None)) and meta.num_rows == found.meta.rows
+    except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError: bytes that hashed right but do not parse
+        return None, f"{store.path / stats_file.STATS_FILE} does not read as Parquet ({e})"
+    if not ok:
+        return None, f"{store.path / stats_file.STATS_FILE} does not hold the columns and rows its meta names"
+    return found.data, ""
+
+
+def _rows(data: bytes) -> int:
+    import pyarrow.parquet as pq
+
+    return int(pq.ParquetFile(pyarrow().BufferReader(data)).metadata.num_rows)

@@ -7,7 +7,8 @@ What is written, in one catalog transaction after the bytes are on disk (FORMAT.
   ``reexec_activation_grads`` at the step (stored in full, raw, in a segment of their own): kinds
   of their own, so no reader takes them for what the recording captured;
 * the verdict and its evidence (and the first NaN/Inf op of ``find_nan``) under
-  ``meta.reexecutions[str(step)]``, which ``check`` (rule ``reexecution``) and the report read.
+  ``meta.reexecutions[str(step)]``, which ``check`` (rule ``reexecution``) and the report read;
+* the run's ``stats.parquet`` (core/stats_file.py) again, with the rows written back.
 
 Writing again for the same step replaces what the earlier write-back left for it (its tensors and
 its verdict), so a step holds one re-execution: the latest. The replaced rows go from the catalog;
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 import stepdump
+from stepdump.core import stats_file
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import fingerprint_bytes, raw_bytes
 from stepdump.core.optrace import OpRecord
@@ -101,8 +103,10 @@ def write_back(run: Any, result: Any, captured: dict[str, dict[str, torch.Tensor
         tensors = [(WRITTEN_AS[kind], name, t.detach().cpu().contiguous())
                    for kind in ("activations", "activation_grads") for name, t in captured.get(kind, {}).items()]
         names = {kind: list(captured.get(kind, {})) for kind in ("activations", "activation_grads")}
+        had_stats = stats_file.remove(path)  # it would miss these rows: written again once they are committed
         cat = CatalogWriter(path, synchronous="FULL")
         try:
+            cat.set_meta(stats_file.META_KEY, None)
             cat.drop_tensors(step, REEXEC_KINDS)
             key = _write_segment(path, [raw_bytes(t) for _, _, t in tensors]) if tensors else None
             offset, blobs, rows = 0, [], []
@@ -124,6 +128,8 @@ def write_back(run: Any, result: Any, captured: dict[str, dict[str, torch.Tensor
             cat.abort()
             raise
         cat.close()  # commits
+        if had_stats:  # best effort, as at close(): the catalog holds the rows either way
+            stats_file.compact(path)
     finally:
         lock.release()
 

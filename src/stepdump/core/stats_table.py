@@ -1,0 +1,131 @@
+"""Catalog stat rows as one Arrow table: the columns of the stats frame, typed once.
+
+Built from ``CatalogReader.stat_arrays`` (numpy columns, the stat chunks' and the ``tensors``
+table's rows alike: :func:`arrays_table`, no Python object per value) or from rows of
+``CatalogReader.stat_rows`` (:func:`rows_table`). Shared by the readers (``run.stats(dtype_backend="pyarrow")``, ``export-stats``:
+:mod:`stepdump.read.columnar`) and by the copy of a run's stats that ``Recorder.close()`` writes
+(:mod:`stepdump.core.stats_file`), so both hold exactly the same columns and values. Values come
+from the catalog rows as they are, with no float round trip: a stat SQLite holds as NULL (nothing
+to describe: an empty tensor, a tensor with no finite element) is an Arrow null.
+
+pyarrow is imported here only, lazily: it is an optional dependency (``pip install pyarrow``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from stepdump.errors import ConfigError, CorruptDataError
+from stepdump.store.queries import STAT_ROW_COLUMNS
+from stepdump.store.schema import DEFAULT_FP_KIND, STAT_COLUMNS
+
+_INT = ("step", "numel", "nan", "posinf", "neginf", "fingerprint")
+
+
+def pyarrow() -> ModuleType:
+    """The pyarrow module, or a ConfigError saying how to install it."""
+    try:
+        import pyarrow as pa
+    except ImportError as e:
+        raise ConfigError("columnar stats (Arrow frames, Parquet export) need pyarrow: pip install pyarrow "
+                          "(or pip install 'stepdump[arrow]')") from e
+    return pa
+
+
+def fp_kind_column(other: dict[tuple[str, str], str], kinds: Iterable[Any], names: Iterable[Any]) -> list[str]:
+    """The ``fp_kind`` column of stat rows: each row's fingerprint kind, from ``other`` (the
+    series that are not xxh3, ``CatalogReader.fp_kinds_by_name``; empty in a format-1 store)."""
+    if not other:
+        return [DEFAULT_FP_KIND] * sum(1 for _ in kinds)
+    return [other.get((k, n), DEFAULT_FP_KIND) for k, n in zip(kinds, names, strict=True)]
+
+
+def schema(ranked: bool) -> Any:
+    """The Arrow schema of the stats table (``ranked``: with the ``rank`` column, second)."""
+    pa = pyarrow()
+    fields = []
+    for c in STAT_ROW_COLUMNS:
+        if c in _INT:
+            t = pa.int64()
+        elif c == "stored":
+            t = pa.bool_()
+        elif c in STAT_COLUMNS:
+            t = pa.float64()
+        else:
+            t = pa.string()
+        fields.append(pa.field(c, t, nullable=c not in ("step", "kind", "name")))
+        if ranked and c == "step":
+            fields.append(pa.field("rank", pa.int64(), nullable=False))
+        if c == "fingerprint":  # its kind, right after it (FORMAT.md "Fingerprint kinds")
+            fields.append(pa.field("fp_kind", pa.string(), nullable=False))
+    return pa.schema(fields)
+
+
+def rows_table(rows: Sequence[Sequence[Any]], fp_kinds: dict[tuple[str, str], str], *, rank: int | None,
+               where: object) -> Any:
+    """Rows of ``CatalogReader.stat_rows`` as a table of :func:`schema` (with a ``rank`` column
+    when ``rank`` is given); ``fp_kinds``: ``CatalogReader.fp_kinds_by_name()``; ``where``: the
+    store, for the error a row of the wrong type raises."""
+    pa = pyarrow()
+    sch = schema(rank is not None)
+    columns = list(zip(*rows, strict=True)) if rows else [() for _ in STAT_ROW_COLUMNS]
+    by_name = dict(zip(STAT_ROW_COLUMNS, columns, strict=True))
+    if rank is not None:
+        by_name["rank"] = (rank,) * len(rows)
+    by_name["fp_kind"] = tuple(fp_kind_column(fp_kinds, by_name["kind"], by_name["name"]))
+    try:
+        # "stored" comes out of SQLite as 0/1 ("blob IS NOT NULL").
+        arrays = [pa.array(by_name[f.name], type=pa.int8()).cast(f.type) if f.name == "stored"
+                  else pa.array(by_name[f.name], type=f.type) for f in sch]
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as e:
+        raise CorruptDataError(f"the catalog of {where} holds stats of the wrong type ({e})") from e
+    return pa.Table.from_arrays(arrays, schema=sch)
+
+
+def arrays_table(rows: Any, series: Sequence[Sequence[Any]], fp_kinds: dict[int, str], *, rank: int | None,
+                 where: object) -> Any:
+    """Stat rows as ``CatalogReader.stat_arrays`` gives them (by step then series; a count of -1
+    and a float NaN are NULL) as a table of :func:`schema`, with the values :func:`rows_table`
+    gives for the same rows.
+
+    Args:
+        rows: The ``StatArrays`` of every column in ``STAT_COLUMNS``.
+        series: ``(id, kind, name)`` of every series the rows name (``CatalogReader.matching_series``).
+        fp_kinds: Series id -> fingerprint kind, for the series that are not xxh3 (``CatalogReader.fp_kinds``).
+        rank: The ``rank`` column's value, or None for none.
+        where: The store, for the error a value of the wrong type raises.
+    """
+    pa = pyarrow()
+    import pyarrow.compute as pc
+
+    sch = schema(rank is not None)
+    n = len(rows)
+    ids = np.asarray([s[0] for s in series], dtype=np.int64)
+    by_id = np.argsort(ids, kind="stable")
+    at = np.searchsorted(ids[by_id], rows.series) if len(ids) else np.zeros(n, np.int64)
+    if n and (not len(ids) or (at >= len(ids)).any() or (ids[by_id][np.minimum(at, len(ids) - 1)] != rows.series).any()):
+        raise CorruptDataError(f"the catalog of {where} has stats of a series it does not list")
+    take = pa.array(by_id[at] if n else np.zeros(0, np.int64), type=pa.int64())
+    try:
+        per_series = {"kind": pa.array([s[1] for s in series], type=pa.string()),
+                      "name": pa.array([s[2] for s in series], type=pa.string()),
+                      "fp_kind": pa.array([fp_kinds.get(s[0], DEFAULT_FP_KIND) for s in series], type=pa.string())}
+        columns: dict[str, Any] = {c: pc.take(v, take) for c, v in per_series.items()}
+        columns["step"] = pa.array(rows.step, type=pa.int64())
+        if rank is not None:
+            columns["rank"] = pa.array(np.full(n, rank, np.int64), type=pa.int64())
+        columns["dtype"] = pa.array(rows.dtype, type=pa.string())
+        columns["shape"] = pa.array(rows.shape, type=pa.string())
+        for c in STAT_COLUMNS:
+            v = rows.stats[c]
+            columns[c] = (pa.array(v, type=pa.int64(), mask=v < 0) if c in _INT else
+                          pa.array(v, type=pa.float64(), mask=np.isnan(v)))
+        columns["fingerprint"] = pa.array(rows.fingerprint, type=pa.int64())
+        columns["stored"] = pa.array(rows.blob >= 0, type=pa.bool_())
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as e:
+        raise CorruptDataError(f"the catalog of {where} holds stats of the wrong type ({e})") from e
+    return pa.Table.from_arrays([columns[f.name] for f in sch], schema=sch)
