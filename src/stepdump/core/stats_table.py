@@ -1,10 +1,10 @@
 """Catalog stat rows as one Arrow table: the columns of the stats frame, typed once.
 
 Built from ``CatalogReader.stat_arrays`` (numpy columns, the stat chunks' and the ``tensors``
-table's rows alike: :func:`arrays_table`, no Python object per value) or from rows of
-``CatalogReader.stat_rows`` (:func:`rows_table`). Shared by the readers (``run.stats(dtype_backend="pyarrow")``, ``export-stats``:
-:mod:`stepdump.read.columnar`) and by the copy of a run's stats that ``Recorder.close()`` writes
-(:mod:`stepdump.core.stats_file`), so both hold exactly the same columns and values. Values come
+table's rows alike: :func:`arrays_table`, no Python object per value). Shared by the readers
+(``run.stats(dtype_backend="pyarrow")``, ``export-stats``: :mod:`stepdump.read.columnar`) and by
+the copy of a run's stats that ``Recorder.close()`` writes (:mod:`stepdump.core.stats_file`), so
+both hold exactly the same columns and values. Values come
 from the catalog rows as they are, with no float round trip: a stat SQLite holds as NULL (nothing
 to describe: an empty tensor, a tensor with no finite element) is an Arrow null.
 
@@ -65,32 +65,11 @@ def schema(ranked: bool) -> Any:
     return pa.schema(fields)
 
 
-def rows_table(rows: Sequence[Sequence[Any]], fp_kinds: dict[tuple[str, str], str], *, rank: int | None,
-               where: object) -> Any:
-    """Rows of ``CatalogReader.stat_rows`` as a table of :func:`schema` (with a ``rank`` column
-    when ``rank`` is given); ``fp_kinds``: ``CatalogReader.fp_kinds_by_name()``; ``where``: the
-    store, for the error a row of the wrong type raises."""
-    pa = pyarrow()
-    sch = schema(rank is not None)
-    columns = list(zip(*rows, strict=True)) if rows else [() for _ in STAT_ROW_COLUMNS]
-    by_name = dict(zip(STAT_ROW_COLUMNS, columns, strict=True))
-    if rank is not None:
-        by_name["rank"] = (rank,) * len(rows)
-    by_name["fp_kind"] = tuple(fp_kind_column(fp_kinds, by_name["kind"], by_name["name"]))
-    try:
-        # "stored" comes out of SQLite as 0/1 ("blob IS NOT NULL").
-        arrays = [pa.array(by_name[f.name], type=pa.int8()).cast(f.type) if f.name == "stored"
-                  else pa.array(by_name[f.name], type=f.type) for f in sch]
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError) as e:
-        raise CorruptDataError(f"the catalog of {where} holds stats of the wrong type ({e})") from e
-    return pa.Table.from_arrays(arrays, schema=sch)
-
-
 def arrays_table(rows: Any, series: Sequence[Sequence[Any]], fp_kinds: dict[int, str], *, rank: int | None,
                  where: object) -> Any:
     """Stat rows as ``CatalogReader.stat_arrays`` gives them (by step then series; a count of -1
-    and a float NaN are NULL) as a table of :func:`schema`, with the values :func:`rows_table`
-    gives for the same rows.
+    and a float NaN are NULL) as a table of :func:`schema`: the rows of ``CatalogReader.stat_rows``,
+    value for value.
 
     Args:
         rows: The ``StatArrays`` of every column in ``STAT_COLUMNS``.
@@ -107,7 +86,9 @@ def arrays_table(rows: Any, series: Sequence[Sequence[Any]], fp_kinds: dict[int,
     ids = np.asarray([s[0] for s in series], dtype=np.int64)
     by_id = np.argsort(ids, kind="stable")
     at = np.searchsorted(ids[by_id], rows.series) if len(ids) else np.zeros(n, np.int64)
-    if n and (not len(ids) or (at >= len(ids)).any() or (ids[by_id][np.minimum(at, len(ids) - 1)] != rows.series).any()):
+    known = len(ids) > 0 and bool((at < len(ids)).all()) and bool(
+        (ids[by_id][np.minimum(at, len(ids) - 1)] == rows.series).all())
+    if n and not known:
         raise CorruptDataError(f"the catalog of {where} has stats of a series it does not list")
     take = pa.array(by_id[at] if n else np.zeros(0, np.int64), type=pa.int64())
     try:
