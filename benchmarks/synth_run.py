@@ -127,7 +127,7 @@ def _sqrt_function(con: sqlite3.Connection) -> None:
 
 
 def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None = None,
-              nan_step: int | None = None, template: int = 2) -> Path:
+              nan_step: int | None = None, template: int = 2, chunks: bool = True) -> Path:
     """Write a ``tensors`` x ``steps`` stats-only run at ``path`` (see the module docstring).
 
     Args:
@@ -138,6 +138,8 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
         spike: Step where the first tensor's gradient spikes to max 1e4 (None: no spike).
         nan_step: Step where the second tensor's gradient holds a NaN and the loss is NaN.
         template: Steps recorded for real (a planted step among them is recorded, not generated).
+        chunks: Store the stats-only rows as a recording does (stat chunks, FORMAT.md); False
+            leaves them as ``tensors`` rows, the layout of a store written before chunks.
     """
     path = Path(path)
     if steps <= template:
@@ -149,6 +151,7 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
             raise RuntimeError(f"the template has steps {run.all_steps}, final_step {final}: not what synth_run copies")
     names = tensor_names(tensors)
     stats_file.remove(path)
+    from_chunks(path)  # the generation below copies and writes tensors rows
     con = sqlite3.connect(catalog_path(path), isolation_level=None)
     try:
         _sqrt_function(con)
@@ -213,4 +216,53 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
         con.execute(f"PRAGMA journal_mode={mode}")
     finally:
         con.close()
+    if chunks:
+        to_chunks(path)
     return path
+
+
+def from_chunks(path: Path) -> None:
+    """Every stat chunk's rows as ``tensors`` rows, the chunks gone (a store's layout before chunks)."""
+    from stepdump.store import stat_chunk
+
+    con = sqlite3.connect(catalog_path(path), isolation_level=None)
+    try:
+        if not con.execute("SELECT 1 FROM sqlite_master WHERE name = 'stat_chunks'").fetchall():
+            return
+        con.execute("BEGIN")
+        order = ("numel", "nan", "posinf", "neginf", "min", "max", "mean", "std", "norm", "zero_frac")
+        for cid, n, data in con.execute("SELECT id, rows, data FROM stat_chunks").fetchall():
+            a = stat_chunk.decode(data, n, order, f"chunk {cid}")
+            con.executemany("INSERT INTO tensors VALUES (?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            zip(a.series.tolist(), a.step.tolist(), a.dtype.tolist(), a.shape.tolist(),
+                                *stat_chunk.row_values(a, order), a.fingerprint.tolist(), strict=True))
+        con.execute("DELETE FROM stat_chunks")
+        con.execute("COMMIT")
+    finally:
+        con.close()
+
+
+def to_chunks(path: Path, window: int = 64) -> None:
+    """The stats-only ``tensors`` rows into stat chunks of ``window`` steps each, as the writer
+    commits them (a recording's commit window holds a few to a few hundred steps)."""
+    from stepdump.store.catalog import CatalogWriter
+
+    cat = CatalogWriter(path)
+    try:
+        lo, hi = cat.con.execute("SELECT min(step), max(step) FROM tensors WHERE blob IS NULL").fetchone()
+        if lo is None:
+            return
+        for first in range(lo, hi + 1, window):
+            rows = cat.con.execute("SELECT * FROM tensors WHERE blob IS NULL AND step >= ? AND step < ? "
+                                   "ORDER BY step, series", (first, first + window)).fetchall()
+            if rows:
+                cat.add_stat_chunk(rows)
+        cat.con.execute("DELETE FROM tensors WHERE blob IS NULL")
+        cat.commit()
+    finally:
+        cat.close()
+    con = sqlite3.connect(catalog_path(path), isolation_level=None)
+    try:
+        con.execute("VACUUM")  # the emptied pages go: the file a recording would have written
+    finally:
+        con.close()

@@ -22,6 +22,7 @@ from stepdump.store.schema import TABLES, catalog_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from synth_run import record_template, synth_run, tensor_names  # noqa: E402
+from helpers import _chunk_rows_as_tensors  # noqa: E402
 
 TENSORS, STEPS, NAN, SPIKE = 7, 30, 17, 11
 
@@ -37,6 +38,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _q(run: Path, sql: str) -> list[tuple[Any, ...]]:
     con = sqlite3.connect(f"file:{catalog_path(run)}?mode=ro", uri=True)
     try:
+        if "tensors" in sql:  # the stat chunks' rows too, as tensors rows (helpers.catalog_sql)
+            _chunk_rows_as_tensors(con)
         return con.execute(sql).fetchall()
     finally:
         con.close()

@@ -15,7 +15,7 @@ cannot run on a damaged file raises :class:`~stepdump.errors.CorruptDataError`
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -151,8 +151,9 @@ class CatalogReader:
         self.path = Path(run_dir)
         self._con: ReadConnection = connect_reader(self.path)
         # The stat chunks' rows beside the tensors table's (store/queries_stats.py): every stats query
-        # below reads both when the catalog has chunks, and runs its one SQL query when not.
-        self._stats = queries_stats.StatSource(self._q, f"{self.path}'s catalog")
+        # below reads both when the catalog has chunks, and runs its one SQL query when not. Given the
+        # connection's execute, not a method of this reader: no cycle keeps a dropped reader open.
+        self._stats = queries_stats.StatSource(self._con.execute, f"{self.path}'s catalog")
 
     def close(self) -> None:
         self._con.close()
@@ -215,6 +216,15 @@ class CatalogReader:
                 problems.append((f"stat chunk {cid}", f"its rows name series {sorted(stray)[:5]} the catalog does "
                                  "not list (those rows are left out of every read)"))
         return len(chunks), problems
+
+    def stat_windows(self, kind: str | None = None, name_glob: str | None = None,
+                     columns: Sequence[str] = STAT_COLUMNS, *, with_state: bool = False) -> Iterator[StatArrays]:
+        """:meth:`stat_arrays` a window of steps at a time, in step order (each window a stat
+        chunk's steps, or the steps between chunks): an aggregate over a long run holds one
+        window, not the run."""
+        bounds = tuple(self._q("SELECT min(step), max(step) FROM tensors")[0])
+        for lo, hi in self._stats.windows(bounds):
+            yield self.stat_arrays(kind, name_glob, range(lo, hi + 1), columns, with_state=with_state)
 
     def _series_info(self) -> dict[Any, tuple[Any, Any, Any, Any]]:
         """Series id -> (kind, name, param, key)."""
@@ -427,10 +437,6 @@ class CatalogReader:
             args.append(name_glob)
         return " AND ".join(where), args
 
-    @staticmethod
-    def _kind_glob(kind: str, name_glob: str) -> dict[str, Any]:
-        return {"kind": kind, "name_glob": name_glob}
-
     def matching_series(self, kind: str | None, name_glob: str | None, limit: int = -1) -> list[tuple[Any, ...]]:
         """(id, kind, name) of the series (never ``state``) of ``kind`` whose names match ``name_glob``."""
         where, args = self._series_where(kind, name_glob)
@@ -511,8 +517,10 @@ class CatalogReader:
         if width < 1:
             raise ConfigError(f"bucket width {width} must be at least 1")
         if self._stats.present():
-            a = self.stat_arrays(kind, columns=("nan", "posinf", "neginf", "min", "max", "mean", "std", "norm"))
-            return queries_stats.buckets(a, int(first), int(width), change=change, floor=width >= WALK_WIDTH)
+            agg = queries_stats.Buckets(int(first), int(width), change=change, floor=width >= WALK_WIDTH)
+            for a in self.stat_windows(kind, columns=("nan", "posinf", "neginf", "min", "max", "mean", "std", "norm")):
+                agg.add(a)
+            return agg.rows()
         if width < WALK_WIDTH:
             prev = "lag(t.norm) OVER (PARTITION BY t.series ORDER BY t.step)" if change else "NULL"
             return self._q(
@@ -553,13 +561,14 @@ class CatalogReader:
     def norm_squares(self, kind: str, name_glob: str) -> list[tuple[Any, Any]]:
         """(step, sum of squared norms of the matching tensors) per step, aggregated in SQLite."""
         if self._stats.present():
-            a = self.stat_arrays(columns=("norm",), with_state=True, **self._kind_glob(kind, name_glob))
-            a = a.take(~np.isnan(a.stats["norm"]))
-            if not len(a):
-                return []
-            starts = np.flatnonzero(np.r_[True, a.step[1:] != a.step[:-1]])
-            sums = np.add.reduceat(a.stats["norm"] * a.stats["norm"], starts)
-            return list(zip(a.step[starts].tolist(), sums.tolist(), strict=True))
+            out: list[tuple[Any, Any]] = []
+            for a in self.stat_windows(kind, name_glob, ("norm",), with_state=True):  # by step, in step order
+                a = a.take(~np.isnan(a.stats["norm"]))
+                if len(a):
+                    starts = np.flatnonzero(np.r_[True, a.step[1:] != a.step[:-1]])
+                    sums = np.add.reduceat(a.stats["norm"] * a.stats["norm"], starts)
+                    out.extend(zip(a.step[starts].tolist(), sums.tolist(), strict=True))
+            return out
         return self._q("SELECT t.step, sum(t.norm * t.norm) FROM tensors t WHERE t.series IN "
                        "(SELECT id FROM series WHERE kind = ? AND name GLOB ?) AND t.norm IS NOT NULL "
                        "GROUP BY t.step ORDER BY t.step", (kind, name_glob))
@@ -567,12 +576,13 @@ class CatalogReader:
     def nonfinite_counts(self) -> list[tuple[Any, Any]]:
         """(step, number of tensors with any NaN/+Inf/-Inf element) at steps that have any."""
         if self._stats.present():
-            a = self.stat_arrays(columns=("nan", "posinf", "neginf"))
-            steps = a.step[queries_stats.nonfinite(a)]
-            if not len(steps):
-                return []
-            u, n = np.unique(steps, return_counts=True)
-            return list(zip(u.tolist(), n.tolist(), strict=True))
+            counts: list[tuple[Any, Any]] = []
+            for a in self.stat_windows(columns=("nan", "posinf", "neginf")):
+                steps = a.step[queries_stats.nonfinite(a)]
+                if len(steps):
+                    u, n = np.unique(steps, return_counts=True)
+                    counts.extend(zip(u.tolist(), n.tolist(), strict=True))
+            return counts
         return self._q("SELECT t.step, count(*) FROM tensors t WHERE t.series IN "
                        "(SELECT id FROM series WHERE kind != 'state') "
                        "AND (t.nan > 0 OR t.posinf > 0 OR t.neginf > 0) GROUP BY t.step")

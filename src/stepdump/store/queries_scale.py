@@ -178,11 +178,15 @@ def series_first_steps(cat: CatalogReader, kind: str) -> list[tuple[Any, Any, An
     """``(series id, name, first step with a row)`` of every ``kind`` series that has rows, in the
     order a stats frame (by step, then series) first shows them. One key seek per series."""
     if cat.has_stat_chunks:
-        a = cat.stat_arrays(kind, columns=())
-        series, first = np.unique(a.series, return_index=True)  # a's rows are by step, then series
         names = dict(cat._q("SELECT id, name FROM series WHERE kind = ?", (kind,)))
-        order = np.lexsort((series, a.step[first]))
-        return [(int(series[i]), names.get(int(series[i])), int(a.step[first[i]])) for i in order]
+        first: dict[int, int] = {}
+        for a in cat.stat_windows(kind, columns=()):  # in step order: a series' first window has its first step
+            series, at = np.unique(a.series, return_index=True)  # a's rows are by step, then series
+            for sid, i in zip(series.tolist(), at.tolist(), strict=True):
+                first.setdefault(sid, int(a.step[i]))
+            if len(first) == len(names):
+                break
+        return sorted(((sid, names.get(sid), f) for sid, f in first.items()), key=lambda r: (r[2], r[0]))
     return cat._q(
         "SELECT id, name, f FROM (SELECT s.id AS id, s.name AS name, "
         "(SELECT min(t.step) FROM tensors t WHERE t.series = s.id) AS f FROM series s "

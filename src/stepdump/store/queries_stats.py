@@ -28,8 +28,10 @@ from stepdump.store.stat_chunk import COUNT_STATS, FLOAT_STATS, StatArrays
 from stepdump.store.schema import STAT_CHUNKS_TABLE, STAT_COLUMNS
 from stepdump.store.step_range import as_step, clamped
 
-#: Decoded chunk rows a reader keeps (about 140 bytes a row: ~140 MB).
-CACHE_ROWS = 1_000_000
+#: Bytes of decoded chunks a reader keeps (about 130 bytes a row: ~120,000 rows). Small on purpose:
+#: an analysis that reads a window of steps at a time must not come to hold the run (decoding again
+#: costs ~0.05 µs a row); one that reads every row reads them in one query.
+CACHE_BYTES = 16 << 20
 ALL_STATS = COUNT_STATS + FLOAT_STATS
 
 Query = Callable[[str, Sequence[Any]], list[Any]]
@@ -92,7 +94,7 @@ class StatSource:
         self._q = query
         self._where = where  # names the catalog in errors
         self._cache: OrderedDict[tuple[int, int], StatArrays] = OrderedDict()
-        self._cached_rows = 0
+        self._cached_bytes = 0
         self._present: bool | None = None
 
     def present(self) -> bool:
@@ -136,11 +138,39 @@ class StatSource:
                                    "lists the damage; the run's other records are unaffected")
         arrays = stat_chunk.decode(blob, rows, ALL_STATS, what)
         self._cache[key] = arrays
-        self._cached_rows += len(arrays)
-        while self._cached_rows > CACHE_ROWS and len(self._cache) > 1:
+        self._cached_bytes += arrays.nbytes
+        while self._cached_bytes > CACHE_BYTES and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
-            self._cached_rows -= len(old)
+            self._cached_bytes -= old.nbytes
         return arrays
+
+    def windows(self, table_bounds: tuple[Any, Any]) -> list[tuple[int, int]]:
+        """Disjoint step ranges, in order, that cover every stat row: each chunk's range (those
+        that overlap merged), and the ranges between and around them where ``tensors`` rows lie
+        (``table_bounds``: the table's min and max step, None when it is empty). A query per
+        range reads a bounded share of a long run."""
+        spans: list[list[int]] = []
+        if self.present():
+            for lo, hi in self._q(f"SELECT first_step, last_step FROM {STAT_CHUNKS_TABLE} "  # noqa: S608
+                                  "ORDER BY first_step", ()):
+                if not (isinstance(lo, int) and isinstance(hi, int)) or hi < lo:
+                    raise CorruptDataError(f"{self._where}: a stat_chunks row has the step range ({lo!r}, {hi!r}); "
+                                           "the catalog is damaged: `stepdump verify` checks the run")
+                if spans and lo <= spans[-1][1]:  # overlapping (not just adjacent): one window
+                    spans[-1][1] = max(spans[-1][1], hi)
+                else:
+                    spans.append([lo, hi])
+        out: list[tuple[int, int]] = []
+        t_lo, t_hi = table_bounds
+        at = t_lo if isinstance(t_lo, int) and (not spans or t_lo < spans[0][0]) else None
+        for lo, hi in spans:
+            if at is not None and at < lo:
+                out.append((at, lo - 1))
+            out.append((lo, hi))
+            at = hi + 1
+        if isinstance(t_hi, int) and (not spans or t_hi > spans[-1][1]):
+            out.append((spans[-1][1] + 1 if spans else t_lo, t_hi))  # type: ignore[arg-type]
+        return out
 
     def chunk_rows(self, series: np.ndarray | None, steps: StepSelect) -> list[StatArrays]:
         """The chunk rows of ``series`` (None: every series) at ``steps``, chunk by chunk in commit order."""
@@ -236,50 +266,84 @@ def _nan_none(v: np.ndarray) -> list[Any]:
     return [None if x != x else x for x in v.tolist()]
 
 
-def buckets(rows: StatArrays, first: int, width: int, *, change: bool, floor: bool) -> list[tuple[Any, ...]]:
-    """The rows of ``CatalogReader.stat_buckets`` over ``rows`` (one kind's, by step then series).
+class Buckets:
+    """``CatalogReader.stat_buckets`` over a kind's rows given a window of steps at a time, in step
+    order (:meth:`add`), so that memory holds one window and the partial aggregates (tensors x
+    buckets), never the run.
 
     ``floor``: buckets by floor division (the key walk's ranges) rather than SQLite's truncating
-    integer division (the one-query path); they differ only below ``first``."""
-    if not len(rows):
-        return []
-    order = np.lexsort((rows.step, rows.series))
-    r = rows.take(order)
-    d = r.step - first
-    b = d // width if floor else np.where(d >= 0, d // width, -((-d) // width))
-    norm = r.stats["norm"]
-    with np.errstate(all="ignore"):
-        if change:
-            prev = np.full(len(r), np.nan)
-            same = r.series[1:] == r.series[:-1]
-            prev[1:] = np.where(same, norm[:-1], np.nan)
-            ratio = np.abs(norm - prev) / prev
-            ratio[prev == 0] = np.nan  # SQLite: x / 0 is NULL
-        else:
-            ratio = np.full(len(r), np.nan)
-    # groups: (series, bucket), rows in order within a series
-    starts = np.flatnonzero(np.r_[True, (r.series[1:] != r.series[:-1]) | (b[1:] != b[:-1])])
-    ends = np.r_[starts[1:], len(r)]
+    integer division (the one-query path); they differ only below ``first``. ``change``: each
+    row's ``|norm - previous norm| / previous norm``, the previous norm being the series' row
+    before it (carried across windows), NULL where that is NULL or 0 (SQLite's x / 0)."""
 
-    def fmax(v: np.ndarray) -> np.ndarray:
-        return np.fmax.reduceat(v, starts)
+    _PARTS = ("series", "bucket", "lo", "hi", "rows", "norm", "min", "max", "mean_sum", "mean_n", "std_sum", "std_n",
+              "change", "bad")
 
-    def fmin(v: np.ndarray) -> np.ndarray:
-        return np.fmin.reduceat(v, starts)
+    def __init__(self, first: int, width: int, *, change: bool, floor: bool) -> None:
+        self.first, self.width, self.change, self.floor = first, width, change, floor
+        self._last: dict[int, float] = {}  # series -> its last row's norm (NaN: NULL)
+        self._parts: list[dict[str, np.ndarray]] = []
 
-    def avg(v: np.ndarray) -> np.ndarray:
-        ok = ~np.isnan(v)
-        n = np.add.reduceat(ok.astype(np.int64), starts)
-        s = np.add.reduceat(np.where(ok, v, 0.0), starts)
+    def add(self, rows: StatArrays) -> None:
+        """One window's rows (every row of the kind at those steps; windows in step order)."""
+        if not len(rows):
+            return
+        r = rows.take(np.lexsort((rows.step, rows.series)))
+        d = r.step - self.first
+        w = self.width
+        b = d // w if self.floor else np.where(d >= 0, d // w, -((-d) // w))
+        norm = r.stats["norm"]
+        starts_s = np.flatnonzero(np.r_[True, r.series[1:] != r.series[:-1]])
         with np.errstate(all="ignore"):
-            return np.where(n > 0, s / np.maximum(n, 1), np.nan)
+            if self.change:
+                prev = np.empty(len(r))
+                prev[1:] = norm[:-1]
+                prev[starts_s] = [self._last.get(int(x), np.nan) for x in r.series[starts_s].tolist()]
+                ratio = np.abs(norm - prev) / prev
+                ratio[prev == 0] = np.nan  # SQLite: x / 0 is NULL
+            else:
+                ratio = np.full(len(r), np.nan)
+        ends_s = np.r_[starts_s[1:], len(r)] - 1
+        self._last.update(zip(r.series[ends_s].tolist(), norm[ends_s].tolist(), strict=True))
+        starts = np.flatnonzero(np.r_[True, (r.series[1:] != r.series[:-1]) | (b[1:] != b[:-1])])
+        ends = np.r_[starts[1:], len(r)]
 
-    bad = np.add.reduceat(nonfinite(r).astype(np.int64), starts)
-    cols = [r.series[starts].tolist(), b[starts].tolist(), r.step[starts].tolist(), r.step[ends - 1].tolist(),
-            (ends - starts).tolist(), _nan_none(fmax(norm)), _nan_none(fmin(r.stats["min"])),
-            _nan_none(fmax(r.stats["max"])), _nan_none(avg(r.stats["mean"])), _nan_none(avg(r.stats["std"])),
-            _nan_none(fmax(ratio)) if change else [None] * len(starts), bad.tolist()]
-    return list(zip(*cols, strict=True))
+        def summed(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            ok = ~np.isnan(v)
+            return np.add.reduceat(np.where(ok, v, 0.0), starts), np.add.reduceat(ok.astype(np.int64), starts)
+
+        mean_sum, mean_n = summed(r.stats["mean"])
+        std_sum, std_n = summed(r.stats["std"])
+        self._parts.append({
+            "series": r.series[starts], "bucket": b[starts], "lo": r.step[starts], "hi": r.step[ends - 1],
+            "rows": ends - starts, "norm": np.fmax.reduceat(norm, starts),
+            "min": np.fmin.reduceat(r.stats["min"], starts), "max": np.fmax.reduceat(r.stats["max"], starts),
+            "mean_sum": mean_sum, "mean_n": mean_n, "std_sum": std_sum, "std_n": std_n,
+            "change": np.fmax.reduceat(ratio, starts), "bad": np.add.reduceat(nonfinite(r).astype(np.int64), starts)})
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        """``(series id, bucket, first step, last step, rows, max(norm), min(min), max(max),
+        avg(mean), avg(std), change, steps with any NaN/±Inf element)`` per tensor and bucket."""
+        if not self._parts:
+            return []
+        p = {k: np.concatenate([x[k] for x in self._parts]) for k in self._PARTS}
+        order = np.lexsort((p["lo"], p["bucket"], p["series"]))
+        p = {k: v[order] for k, v in p.items()}
+        g = np.flatnonzero(np.r_[True, (p["series"][1:] != p["series"][:-1]) | (p["bucket"][1:] != p["bucket"][:-1])])
+        ends = np.r_[g[1:], len(order)]
+
+        def avg(total: str, n: str) -> np.ndarray:
+            s, c = np.add.reduceat(p[total], g), np.add.reduceat(p[n], g)
+            with np.errstate(all="ignore"):
+                return np.where(c > 0, s / np.maximum(c, 1), np.nan)
+
+        cols = [p["series"][g].tolist(), p["bucket"][g].tolist(), p["lo"][g].tolist(), p["hi"][ends - 1].tolist(),
+                np.add.reduceat(p["rows"], g).tolist(), _nan_none(np.fmax.reduceat(p["norm"], g)),
+                _nan_none(np.fmin.reduceat(p["min"], g)), _nan_none(np.fmax.reduceat(p["max"], g)),
+                _nan_none(avg("mean_sum", "mean_n")), _nan_none(avg("std_sum", "std_n")),
+                _nan_none(np.fmax.reduceat(p["change"], g)) if self.change else [None] * len(g),
+                np.add.reduceat(p["bad"], g).tolist()]
+        return list(zip(*cols, strict=True))
 
 
-__all__ = ["ALL_STATS", "STAT_COLUMNS", "StatSource", "StepSelect", "buckets", "merged", "table_arrays"]
+__all__ = ["ALL_STATS", "STAT_COLUMNS", "Buckets", "StatSource", "StepSelect", "merged", "table_arrays"]

@@ -78,6 +78,12 @@ class StatArrays:
     def __len__(self) -> int:
         return len(self.series)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the columns hold (object columns: their pointers)."""
+        return sum(a.nbytes for a in (self.series, self.step, self.fingerprint, self.blob, self.dtype, self.shape,
+                                      *self.stats.values()))
+
     def take(self, index: np.ndarray) -> StatArrays:
         """The rows at ``index`` (an index array or a boolean mask), in its order."""
         return StatArrays(self.series[index], self.step[index], self.fingerprint[index], self.blob[index],
