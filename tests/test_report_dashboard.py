@@ -86,7 +86,7 @@ def test_comparison_data_names_where_and_what(pair: tuple[Path, Path], pair_data
     assert all(y == 0 for x, y in zip(d["x"], d["y"]) if x < BUMP) and min(d["y"]) == pytest.approx(1e-2 - 5e-2)
     assert {c["id"]: c["section"] for c in pair_data["scalars"]} == {
         "loss": "scalars", "lr": "scalars", "sys/iter_ms": "sys", "sys/peak_mem_mb": "sys", "sys/recorder_bg_ms": "sys",
-        "sys/recorder_ms": "sys", "sys/recorder_wait_ms": "sys"}
+        "sys/recorder_hooks_ms": "sys", "sys/recorder_ms": "sys", "sys/recorder_wait_ms": "sys"}
     rows = {r["key"]: r for r in pair_data["run_table"]}
     assert rows["lr (first, last)"]["differs"] and rows["lr (first, last)"]["values"] == ["0.01, 0.01", "0.01, 0.05"]
     for same in ("torch_version", "cpu_capability", "blas", "metadata batch_size", "param group 0 momentum", "capture"):
@@ -189,7 +189,7 @@ def test_comparison_page(pair_data: dict[str, Any], tmp_path: Path, browser: Any
         sections = {c["id"]: c["section"] for c in charts}
         assert {k for k, v in sections.items() if v == "sys" and k.startswith("scalar:")} == {
             "scalar:sys/iter_ms", "scalar:sys/peak_mem_mb", "scalar:sys/recorder_bg_ms",
-            "scalar:sys/recorder_ms", "scalar:sys/recorder_wait_ms"}
+            "scalar:sys/recorder_hooks_ms", "scalar:sys/recorder_ms", "scalar:sys/recorder_wait_ms"}
         assert not any(k.startswith("scalar:sys") for k, v in sections.items() if v == "scalars")
         assert sections["diff:lr"] == "scalars" and sections["norm_diff:grads@1"] == "compare"
         # No NaN/Inf and no skipped step: the timeline is one line, not a chart.

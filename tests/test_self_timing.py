@@ -1,9 +1,10 @@
-"""sys/recorder_ms and sys/recorder_bg_ms say what recording costs (issue 25.2).
+"""sys/recorder_ms and sys/recorder_bg_ms say what recording costs (issues 25.2, 40).
 
-``sys/recorder_ms`` is the wall time the recorder takes on the training thread in an
-iteration: the optimizer's pre- and post-hooks *and* the model's forward hooks (which it
-used to leave out). ``sys/recorder_bg_ms`` is the CPU time of the recorder's own threads in
-the iteration. No test here measures speed (benchmarks/leave_on_tiny.py compares the
+``sys/recorder_ms`` is what the recorder costs the training thread in an iteration: the wall
+time of its hooks there, the optimizer's pre- and post-hooks *and* the model's forward hooks
+(``sys/recorder_hooks_ms``), plus the larger of the waits seen outside them
+(``sys/recorder_wait_ms``) and the CPU time of the writer's own thread, whose Python work holds
+the GIL. ``sys/recorder_bg_ms`` is the CPU time of all the recorder's own threads in the iteration. No test here measures speed (benchmarks/leave_on_tiny.py compares the
 reported figures with the measured added time): the clocks are injected, so every figure
 is exact.
 """
@@ -51,6 +52,12 @@ class _Ticks:
         return self.t
 
 
+def _still_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorder's threads' CPU clocks stand still: recorder_ms is the hooks' time alone (the
+    writer's own CPU, which it also counts, is tested below)."""
+    monkeypatch.setattr(profiling._ThreadClocks, "__call__", lambda _clocks, _thread: 0.0)
+
+
 @pytest.mark.parametrize("entry", ["forward", "encode"])
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_recorder_ms_counts_the_forward_hooks(tmp_path, monkeypatch, mode, entry) -> None:
@@ -59,6 +66,7 @@ def test_recorder_ms_counts_the_forward_hooks(tmp_path, monkeypatch, mode, entry
     monkeypatch.setattr(recorder_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     monkeypatch.setattr(user_log_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     monkeypatch.setattr(profiling, "_wall", _Ticks())
+    _still_threads(monkeypatch)
     torch.manual_seed(0)
     model = _Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -145,6 +153,7 @@ def test_recorder_ms_counts_all_recorder_work_on_the_training_thread(tmp_path, m
     monkeypatch.setattr(recorder_module, "time", types.SimpleNamespace(perf_counter=clock))
     monkeypatch.setattr(user_log_module, "time", types.SimpleNamespace(perf_counter=clock))  # log(), log_batch()
     monkeypatch.setattr(profiling, "_wall", clock)
+    _still_threads(monkeypatch)
     owner, name, calls = TRAINING_THREAD_WORK[work]
     real = getattr(owner, name)
 
@@ -211,3 +220,83 @@ def test_recorder_ms_adds_the_waits_and_says_them_apart(tmp_path, monkeypatch) -
     assert list(prof["sys/recorder_wait_ms"]) == [1500.0] * 4
     assert list(prof["sys/recorder_ms"]) == [1500.0] * 4
     assert list(prof["sys/iter_ms"]) == [10000.0] * 4
+
+
+class _ThreadCpu:
+    """Injected thread CPU clocks: every reading of the writer's own thread moves it ``writer`` s, of
+    any other recorder thread ``other`` s (one reading per thread per iteration: BackgroundClock)."""
+
+    def __init__(self, writer: float, other: float) -> None:
+        self.writer, self.other = writer, other
+        self.t: dict[int, float] = {}
+
+    def __call__(self, thread: threading.Thread) -> float:
+        step = self.writer if thread.name == "stepdump-writer" else self.other
+        self.t[id(thread)] = self.t.get(id(thread), 0.0) + step
+        return self.t[id(thread)]
+
+
+@pytest.mark.parametrize("outside", ["no waits", "waits larger than the writer's CPU"])
+def test_recorder_ms_counts_the_writer_threads_cpu_unless_the_waits_are_larger(tmp_path, monkeypatch, outside) -> None:
+    """The writer's own thread holds the GIL for its Python work (rows, catalog statements), which the
+    training thread must take back after every torch op: its CPU time is the recorder's cost even
+    where the training thread is never seen off its CPU (an idle core for the writer). Injected
+    clocks: the writer's thread takes 2 s of CPU an iteration, every other recorder thread 1 s; the
+    hooks take none. With no waits recorder_ms is the writer's 2 s; with the training thread off
+    its CPU 6 s outside the hooks, the waits (capped by all the threads' CPU) are larger and are
+    counted instead, not added to it (the writer's CPU is what the thread waited for)."""
+    wall, cpu = _Clock(), _Clock()
+    monkeypatch.setattr(recorder_module, "time", types.SimpleNamespace(perf_counter=wall))
+    monkeypatch.setattr(user_log_module, "time", types.SimpleNamespace(perf_counter=wall))
+    monkeypatch.setattr(profiling, "_wall", wall)
+    monkeypatch.setattr(profiling, "_cpu", cpu)
+    thread_cpu = _ThreadCpu(writer=2.0, other=1.0)
+    monkeypatch.setattr(profiling._ThreadClocks, "__call__", lambda _clocks, thread: thread_cpu(thread))
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", every=None, stats_every=1):
+        for _ in range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            wall.t += 10.0
+            cpu.t += 10.0 if outside == "no waits" else 4.0
+            opt.step()
+            opt.zero_grad()
+    prof = stepdump.open(tmp_path / "run").profile().loc[1:4]  # step 0's iteration began at the Recorder's start
+    assert list(prof["sys/recorder_hooks_ms"]) == [0.0] * 4
+    bg = list(prof["sys/recorder_bg_ms"])
+    assert all(b >= 3000.0 for b in bg)  # the writer's 2 s and at least its appender's 1 s
+    if outside == "no waits":
+        assert list(prof["sys/recorder_wait_ms"]) == [0.0] * 4
+        assert list(prof["sys/recorder_ms"]) == [2000.0] * 4
+    else:
+        assert list(prof["sys/recorder_wait_ms"]) == [min(6000.0, b) for b in bg]
+        assert list(prof["sys/recorder_ms"]) == [min(6000.0, b) for b in bg]
+
+
+def test_background_clock_says_the_gil_bound_threads_share() -> None:
+    a, b = threading.Thread(), threading.Thread()
+    cpu = {id(a): 1.0, id(b): 10.0}
+    clock = BackgroundClock(lambda: (a, b), cpu=lambda th: cpu.get(id(th)), gil_bound=(b, None))
+    cpu[id(a)], cpu[id(b)] = 1.5, 12.0
+    assert clock.take() == 2.5 and clock.gil_s == 2.0
+    cpu[id(a)] = 2.5
+    assert clock.take() == 1.0 and clock.gil_s == 0.0
+    assert BackgroundClock(lambda: (a,), cpu=lambda th: 3.0).gil_s == 0.0  # none named: nothing held
+
+
+def test_unseen_writer_cpu_is_what_the_hooks_did_not_wait_for_already(monkeypatch) -> None:
+    """A hook that waited for the writer (a full step's staging slot) has that wait in its wall time:
+    the writer's CPU counts beside the hooks only for what is left of it."""
+    cpu = _Clock()
+    monkeypatch.setattr(profiling, "_cpu", cpu)
+    waits = profiling.ThreadWaits()
+    began = waits.begin()
+    cpu.t = 1.0  # the hook ran 1 s of CPU in its 3 s of wall time: 2 s off its CPU
+    waits.end(began)
+    cpu.t = 8.0
+    waits.waited(10.0, 3.0, 4.0, now=8.0)
+    assert waits.in_hooks == 2.0
+    assert waits.unseen(5.0) == 3.0 and waits.unseen(1.5) == 0.0
+    waits.waited(10.0, 0.0, 4.0, now=18.0)  # the next iteration: no hooks, nothing held back
+    assert waits.unseen(5.0) == 5.0
