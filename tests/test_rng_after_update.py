@@ -94,3 +94,45 @@ def test_get_rng_state_says_what_the_generators_say(monkeypatch: pytest.MonkeyPa
     core_rng.set_rng_state(state)
     again = (random.random(), float(np.random.randn()), torch.rand(2))
     assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
+
+
+def _numpy_states() -> list[str]:
+    return ["seeded", "a Gaussian cached", "the cache used", "restored with a cache at the same words"]
+
+
+@pytest.mark.parametrize("case", _numpy_states())
+def test_numpy_state_read_from_its_structs_is_get_states(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """A gradient log takes the RNG state two or three times a step; numpy's ``get_state`` was most
+    of it (40-100 us). get_rng_state reads numpy's words, position and legacy Gaussian cache from
+    the C structs instead (core.rng.NP_GAUSS, found and checked on a private RandomState) and never
+    calls get_state: the same values, and types, in every case the cache can be in, including a
+    state restored with a cached Gaussian at the very words and position read before without one."""
+    assert core_rng.NP_GAUSS is not None, "numpy's RandomState struct was not readable here"
+    np.random.seed(31)
+    np.random.rand(5)
+    if case != "seeded":
+        np.random.randn()  # caches the second Gaussian of the pair: has_gauss 1
+    if case in ("the cache used", "restored with a cache at the same words"):
+        saved = np.random.get_state()
+        np.random.randn()  # uses the cache: has_gauss 0, words and position unchanged
+        if case == "restored with a cache at the same words":
+            core_rng.get_rng_state()  # read once without the cache
+            np.random.set_state(saved)  # the same words and position, the cache back
+    expected = np.random.get_state()
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("np.random.get_state called")
+
+    monkeypatch.setattr(np.random, "get_state", refused)
+    got = core_rng.get_rng_state()["numpy"]
+    monkeypatch.undo()
+    assert got["alg"] == expected[0] == "MT19937"
+    assert got["keys"].dtype == torch.uint32 and torch.equal(got["keys"], torch.from_numpy(expected[1].astype(np.uint32)))
+    assert type(got["pos"]) is int and got["pos"] == expected[2]
+    assert type(got["has_gauss"]) is int and got["has_gauss"] == expected[3] == (0 if case in ("seeded", "the cache used") else 1)
+    assert type(got["cached_gaussian"]) is float and got["cached_gaussian"] == expected[4]
+    monkeypatch.setattr(core_rng, "NP_GAUSS", None)  # the get_state path: the same record
+    slow = core_rng.get_rng_state()["numpy"]
+    assert torch.equal(slow["keys"], got["keys"]) and {k: v for k, v in slow.items() if k != "keys"} == \
+        {k: v for k, v in got.items() if k != "keys"}
+

@@ -240,11 +240,14 @@ class Assembler:
             msg.state_json = state_json(state, begin, batch, entries, extra)
         held = False
         if self.lean.enabled and not full:
-            def in_full(e: Entry) -> bool:
-                return (e.kind == "grads" and self.gradlog) or (e.kind == "params" and e.full)
             if self.gradlog or outside:
-                stored = stored_in_full([e for e in entries if in_full(e)])
-                lean = [e for e in entries if e.kind in _LEAN_KINDS and not in_full(e)]
+                # Stored in full: a gradient log's grads, and params marked full (changed outside the
+                # optimizer). Tested inline, once per entry (a function call per entry and list cost a
+                # gradient-log step of a small model a few hundred Python calls).
+                gl = self.gradlog
+                full_at = [(e.kind == "grads" and gl) or (e.kind == "params" and e.full) for e in entries]
+                stored = stored_in_full([e for e, f in zip(entries, full_at) if f])
+                lean = [e for e, f in zip(entries, full_at) if not f and e.kind in _LEAN_KINDS]
             else:  # nothing stored in full (no entry is full at a stats-only step): no call per tensor
                 stored, lean = [], [e for e in entries if e.kind in _LEAN_KINDS]
             held = self.lean.take(msg, lean, fps)
