@@ -39,13 +39,13 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, t: int) -> None:
 
 def test_the_packed_passes_run_on_the_writer_thread_not_the_training_thread(tmp_path, monkeypatch) -> None:
     threads: list[str] = []
-    real = packed.Segments.rows
+    real = packed.Segments._passes  # the passes rows() and columns() share
 
     def spy(self, buf):
         threads.append(threading.current_thread().name)
         return real(self, buf)
 
-    monkeypatch.setattr(packed.Segments, "rows", spy)
+    monkeypatch.setattr(packed.Segments, "_passes", spy)
     model, opt = _model()
     with stepdump.Recorder(tmp_path / "r", model, opt, on_error="raise", **LEAN):
         for t in range(4):
@@ -155,13 +155,13 @@ def _held_run(path, monkeypatch, steps: int, bound: int | None = None):
     if bound is not None:
         monkeypatch.setattr(writer, "HELD_PACKED_BYTES", bound)
     passes: list[int] = []
-    real = packed.Segments.rows
+    real = packed.Segments._passes  # the passes rows() and columns() share
 
     def spy(self, buf):
         passes.append(self.k)
         return real(self, buf)
 
-    monkeypatch.setattr(packed.Segments, "rows", spy)
+    monkeypatch.setattr(packed.Segments, "_passes", spy)
     model, opt = _model()
     caps = []
     with stepdump.Recorder(path, model, opt, on_error="raise", **LEAN):

@@ -273,3 +273,27 @@ def test_a_few_two_pass_tensors_in_a_large_buffer_are_done_one_by_one(monkeypatc
     monkeypatch.setattr(packed.np, "repeat", no_repeat)
     stats, _ = packed.packed_rows(kinds, buf, [t.numel() for t in tensors])
     assert _exact(stats[1::2]) == _exact(want[1::2])  # the LayerNorm weights: every stat, compute_stats' bits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_columns_are_the_rows_as_columns(dtype: torch.dtype) -> None:
+    """Segments.columns (what the writer puts in a stat chunk) holds exactly the values Segments.rows
+    gives (NULL as -1 / NaN): every tensor shape the passes treat apart, a NaN, an Inf, a state
+    tensor, one element, a cancellation-regime tensor, one past SMALL, all zeros, mixed signs."""
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(7, generator=g, dtype=dtype), torch.tensor([1.5], dtype=dtype),
+          torch.tensor([float("nan"), 1.0], dtype=dtype), torch.tensor([float("inf"), -2.0], dtype=dtype),
+          (1000 + torch.randn(64, generator=g, dtype=dtype) * 1e-3), torch.zeros(5, dtype=dtype),
+          torch.randn(packed.SMALL + 10, generator=g, dtype=dtype), torch.rand(9, generator=g, dtype=dtype) + 1,
+          torch.tensor([0.0, -0.0, 3.0], dtype=dtype), torch.arange(4, dtype=dtype)]
+    kinds = ["params"] * (len(ts) - 1) + ["state"]
+    buf = torch.cat(ts)
+    segs = packed.Segments(kinds, [t.numel() for t in ts], buf.element_size())
+    stats, fps = segs.rows(buf)
+    cols = segs.columns(buf)
+    assert cols.fps.tolist() == fps
+    for i, row in enumerate(stats):
+        got = [None if v < 0 else v for v in cols.counts[:, i].tolist()]
+        got += [None if v != v else v for v in cols.floats[:, i].tolist()]
+        assert got == list(row), (i, got, row)
+    assert any(v is None for row in stats for v in row), "the control: some stat not measured"

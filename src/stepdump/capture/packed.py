@@ -100,6 +100,26 @@ VECTOR_MIN = 4
 VECTOR_SPAN = 512
 
 
+class StatColumns(NamedTuple):
+    """The rows of tensors packed in one buffer, as columns (:meth:`Segments.columns`)."""
+
+    counts: np.ndarray  # (4, k) int64: numel, nan, posinf, neginf; -1 where not measured
+    floats: np.ndarray  # (6, k) float64: min, max, mean, std, norm, zero_frac; NaN where not measured
+    fps: np.ndarray  # (k,) int64: xxh3-64 of each tensor's bytes, signed
+
+
+class _Passes(NamedTuple):
+    lo: np.ndarray
+    hi: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    norm: np.ndarray
+    zero_frac: np.ndarray
+    signed: np.ndarray
+    odd: np.ndarray
+    fps: np.ndarray
+
+
 class Segments:
     """What :func:`packed_rows` needs of a packed buffer's layout (its tensors' sizes, offsets, byte
     spans, which are ``state``), as columns made once: a :class:`Plan` keeps it for its layout."""
@@ -121,13 +141,35 @@ class Segments:
         self.one = self.n == 1  # one element: its two-pass variance is 0 (x - x)
         self.zeros = [0] * k
 
-    def rows(self, buf: torch.Tensor) -> tuple[list[StatsTuple], list[int]]:
-        """(stats, fingerprints) of the tensors packed in ``buf`` (:func:`packed_rows`)."""
+    def columns(self, buf: torch.Tensor) -> StatColumns:
+        """:meth:`rows` as columns: the same values (None as -1 in the counts, NaN in the floats),
+        with no Python object per value (what the writer puts in a stat chunk)."""
+        k = self.k
+        c = self._passes(buf)
+        floats = np.empty((6, k))
+        floats[0], floats[1], floats[4] = c.lo, c.hi, c.norm
+        floats[2], floats[3], floats[5] = c.mean, c.std, c.zero_frac
+        if self.any_large:  # mean and std not measured; the zero fraction only where min and max prove it 0
+            floats[2][self.large] = floats[3][self.large] = np.nan
+            floats[5][self.large & ~c.signed] = np.nan
+        counts = np.zeros((4, k), dtype=np.int64)
+        counts[0] = self.sizes
+        if _count_nonzero(c.odd):  # rare: one by one, as rows() does
+            state, sizes, starts_l = self.state, self.sizes, self.starts_list
+            for i in c.odd.nonzero()[0].tolist():
+                a, m = starts_l[i], sizes[i]
+                st = (m,) + (None,) * 9 if state[i] else compute_stats(buf[a:a + m])
+                counts[:, i] = [-1 if v is None else v for v in st[:4]]
+                floats[:, i] = [np.nan if v is None else v for v in st[4:]]
+        return StatColumns(counts, floats, c.fps.view(np.int64))
+
+    def _passes(self, buf: torch.Tensor) -> _Passes:
+        """The column passes :meth:`rows` and :meth:`columns` share (the same arithmetic)."""
         k, starts, n = self.k, self.starts, self.n
         x = buf.numpy()
         raw = memoryview(buf.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         fps = np.fromiter(map(xxhash.xxh3_64_intdigest, map(raw.__getitem__, self.spans)), dtype=np.uint64, count=k)
-        with np.errstate(all="ignore"):  # inf and NaN: compute_stats below
+        with np.errstate(all="ignore"):  # inf and NaN: compute_stats
             lo = np.minimum.reduceat(x, starts)
             hi = np.maximum.reduceat(x, starts)
             # The sum and the sum of squares in float64, in element order: core.stats' own definition.
@@ -149,24 +191,29 @@ class Segments:
             zero_frac = self._zero_frac(x, need) if _count_nonzero(need) else np.zeros(k)
             std = np.sqrt(np.maximum(var, 0.0))
             norm = np.sqrt(sqs)
+        odd = ~(finite3 & (finite | self.large)) | self.state  # small: finite; large: finite3
+        return _Passes(lo.astype(np.float64), hi.astype(np.float64), mean, std, norm, zero_frac, signed, odd, fps)
+
+    def rows(self, buf: torch.Tensor) -> tuple[list[StatsTuple], list[int]]:
+        """(stats, fingerprints) of the tensors packed in ``buf`` (:func:`packed_rows`)."""
+        c = self._passes(buf)
         if self.any_large:  # mean and std not measured; the zero fraction only where min and max prove it 0
             large = self.large
-            mean_l, std_l, zero_l = mean.astype(object), std.astype(object), zero_frac.astype(object)
+            mean_l, std_l, zero_l = c.mean.astype(object), c.std.astype(object), c.zero_frac.astype(object)
             mean_l[large] = std_l[large] = None
-            zero_l[large & ~signed] = None
+            zero_l[large & ~c.signed] = None
             mean_c, std_c, zero_c = mean_l.tolist(), std_l.tolist(), zero_l.tolist()
         else:
-            mean_c, std_c, zero_c = mean.tolist(), std.tolist(), zero_frac.tolist()
+            mean_c, std_c, zero_c = c.mean.tolist(), c.std.tolist(), c.zero_frac.tolist()
         zeros = self.zeros
-        stats: list[Any] = list(zip(self.sizes, zeros, zeros, zeros, lo.tolist(), hi.tolist(), mean_c, std_c,
-                                    norm.tolist(), zero_c))
-        odd = ~(finite3 & (finite | self.large)) | self.state  # small: finite; large: finite3
-        if _count_nonzero(odd):  # rare: one by one
+        stats: list[Any] = list(zip(self.sizes, zeros, zeros, zeros, c.lo.tolist(), c.hi.tolist(), mean_c, std_c,
+                                    c.norm.tolist(), zero_c))
+        if _count_nonzero(c.odd):  # rare: one by one
             state, sizes, starts_l = self.state, self.sizes, self.starts_list
-            for i in odd.nonzero()[0].tolist():
+            for i in c.odd.nonzero()[0].tolist():
                 a, m = starts_l[i], sizes[i]
                 stats[i] = (m,) + (None,) * 9 if state[i] else compute_stats(buf[a:a + m])
-        return stats, fps.view(np.int64).tolist()
+        return stats, c.fps.view(np.int64).tolist()
 
     def _two_pass(self, x: np.ndarray, mean: np.ndarray, var: np.ndarray, which: np.ndarray) -> None:
         """``var`` of the tensors ``which`` again, in two passes: the mean, then the squared deviations
@@ -269,6 +316,20 @@ class _Batch:
     def rows(self, buf: torch.Tensor) -> list[LeanRow]:
         """The rows of the batch's tensors copied into ``buf`` (:meth:`copy`)."""
         return self._rows(*self.segs.rows(buf))
+
+    def columns_many(self, buf: torch.Tensor, m: int) -> list[StatColumns]:
+        """:meth:`rows_many` as columns, one :class:`StatColumns` per copy."""
+        if m == 1:
+            return [self.segs.columns(buf)]
+        segs = self._many.get(m)
+        if segs is None:
+            if len(self._many) >= 8:
+                self._many.clear()
+            segs = self._many[m] = Segments(self.kinds * m, self.segs.sizes * m, self.segs.itemsize)
+        c = segs.columns(buf)
+        k = self.segs.k
+        return [StatColumns(c.counts[:, j * k:(j + 1) * k], c.floats[:, j * k:(j + 1) * k], c.fps[j * k:(j + 1) * k])
+                for j in range(m)]
 
     def _rows(self, stats: list[StatsTuple], fps: list[int]) -> list[LeanRow]:
         return list(map(tuple.__new__, repeat(LeanRow), zip(self.kinds, self.names, self.params, self.keys,
@@ -373,6 +434,36 @@ def describe_all(snaps: Sequence[Snapshot]) -> list[list[LeanRow]]:
             for (i, _), rows in zip(small, b.rows_many(torch.cat([buf for _, buf in small]), len(small)),
                                     strict=True):
                 out[i].extend(rows)
+    return out
+
+
+class StatBlock(NamedTuple):
+    """One batch's rows in one snapshot, as columns: the batch names them (kinds, names, dtypes,
+    shapes; the same at every step of its layout), ``columns`` holds their values."""
+
+    batch: _Batch
+    columns: StatColumns
+
+
+def describe_columns(snaps: Sequence[Snapshot]) -> list[list[StatBlock]]:
+    """:func:`describe_all` as columns: each snapshot's batches' :class:`StatBlock`, the small copies
+    of one batch layout described together in one pass."""
+    out: list[list[StatBlock]] = [[] for _ in snaps]
+    groups: dict[int, tuple[_Batch, list[tuple[int, torch.Tensor]]]] = {}
+    for i, snap in enumerate(snaps):
+        for b, buf in zip(snap._batches, snap._bufs, strict=True):
+            groups.setdefault(id(b), (b, []))[1].append((i, buf))
+    for b, items in groups.values():
+        small = [(i, buf) for i, buf in items if _nbytes(buf) <= TOGETHER_BYTES]
+        if len(small) < 2:
+            small = []
+        alone = [(i, buf) for i, buf in items if not small or _nbytes(buf) > TOGETHER_BYTES]
+        for i, buf in alone:
+            out[i].append(StatBlock(b, b.columns_many(buf, 1)[0]))
+        if small:
+            for (i, _), cols in zip(small, b.columns_many(torch.cat([buf for _, buf in small]), len(small)),
+                                    strict=True):
+                out[i].append(StatBlock(b, cols))
     return out
 
 

@@ -46,6 +46,7 @@ from stepdump.capture.lean import LeanRow
 from stepdump.capture.mailbox import MAIL, Mailbox, MailReader, Written, mailable
 from stepdump.capture.packed import Snapshot
 from stepdump.capture.writer_lean import LeanRows
+from stepdump.store.stat_chunk import ColumnBlock
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
 from stepdump.capture.staging import Copied, Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
@@ -170,6 +171,7 @@ class Writer(threading.Thread):
         self._held_steps: list[tuple[int, int, int, float, str | None]] = []
         self._held_scalars: list[tuple[int, str, float | None]] = []
         self._held_blobs: list[tuple[Any, ...]] = []  # the blob rows of held steps (a gradient log's)
+        self._held_blocks: list[ColumnBlock] = []  # held steps' described copies, in columns (a stat chunk's)
         self._held_packed: list[tuple[int, Snapshot]] = []  # held steps' copies, described at the commit
         self._held_packed_bytes = 0
         self._borrowed = False  # an append since the last wait reads a staging slot's memory
@@ -368,14 +370,16 @@ class Writer(threading.Thread):
                 self._borrowed = False
                 self.storage.sync(self._segment, durable=self.durable)
             cat.add_blobs(self._held_blobs)
-        if self._held_tensors:
+        if self._held_tensors or self._held_blocks:
             # Rows with bytes go to the catalog's tensor rows (a blob each); the stats-only rows of
-            # the window go together as one stat chunk, a column per stat (store/stat_chunk.py).
+            # the window (and its described copies, in columns already) go together as one stat
+            # chunk, a column per stat (store/stat_chunk.py).
             stored = [r for r in self._held_tensors if r[4] is not None]
             if stored:
                 cat.add_tensors(stored)
-            if len(stored) < len(self._held_tensors):
-                cat.add_stat_chunk([r for r in self._held_tensors if r[4] is None] if stored else self._held_tensors)
+            if len(stored) < len(self._held_tensors) or self._held_blocks:
+                cat.add_stat_chunk([r for r in self._held_tensors if r[4] is None] if stored else self._held_tensors,
+                                   self._held_blocks)
         if self._held_steps:
             cat.add_steps(self._held_steps)
         if self._held_scalars:
@@ -390,10 +394,11 @@ class Writer(threading.Thread):
     def _describe_held(self, cat: CatalogWriter) -> None:
         """The held steps' copies (``StepMessage.packed``) described, into the held tensor rows."""
         held, self._held_packed, self._held_packed_bytes = self._held_packed, [], 0
-        self._lean.describe(cat, held, self._held_tensors)
+        self._lean.describe(cat, held, self._held_tensors, self._held_blocks)
 
     def _forget_held(self) -> None:
         self._held_tensors, self._held_steps, self._held_scalars, self._held_blobs = [], [], [], []
+        self._held_blocks = []
         self._held_packed, self._held_packed_bytes = [], 0
         self._due = None
 

@@ -13,9 +13,12 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from stepdump.capture.device_pack import DevicePack, catalog_rows
-from stepdump.capture.packed import LeanRow, RowHead, Snapshot, describe_all
+import numpy as np
+
+from stepdump.capture.packed import LeanRow, RowHead, Snapshot, _Batch, describe_all, describe_columns
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND
 from stepdump.store.catalog import CatalogWriter
+from stepdump.store.stat_chunk import ColumnBlock
 
 log = logging.getLogger("stepdump.capture.writer")
 
@@ -36,14 +39,40 @@ class LeanRows:
     def __init__(self) -> None:
         self._kind_warned: set[tuple[str, str]] = set()  # lean rows of another kind than their series'
         self._device_series: _DeviceSeries | None = None  # of the last device pack
+        # id(batch) -> (batch, catalog, series generation, series ids) of described copies' batches
+        self._batch_sids: dict[int, tuple[_Batch, CatalogWriter, int, np.ndarray]] = {}
 
-    def describe(self, cat: CatalogWriter, held: Sequence[tuple[int, Snapshot]], out: list[tuple[Any, ...]]) -> None:
+    def describe(self, cat: CatalogWriter, held: Sequence[tuple[int, Snapshot]], out: list[tuple[Any, ...]],
+                 blocks: list[ColumnBlock]) -> None:
         """The rows of held steps' copies (``(step, StepMessage.packed)``, described in one pass per
-        layout: packed.describe_all), appended to ``out``."""
-        if held:
-            check = cat.any_fp_kind
+        layout): as column blocks appended to ``blocks`` (packed.describe_columns: no tuple per row),
+        or, in a store with series of another fingerprint kind than xxh3 (each row's kind is then
+        checked), as rows appended to ``out`` (packed.describe_all)."""
+        if not held:
+            return
+        if cat.any_fp_kind:
             for (step, _), lean in zip(held, describe_all([snap for _, snap in held]), strict=True):
-                self.rows(cat, step, lean, check, out)
+                self.rows(cat, step, lean, True, out)
+            return
+        for (step, _), described in zip(held, describe_columns([snap for _, snap in held]), strict=True):
+            for block in described:
+                b, c = block.batch, block.columns
+                blocks.append(ColumnBlock(self._batch_series(cat, b), step, b.dtypes, b.shapes, c.counts, c.floats,
+                                          c.fps))
+
+    def _batch_series(self, cat: CatalogWriter, batch: _Batch) -> np.ndarray:
+        """The series ids of a batch's tensors (xxh3 series: a packed copy's rows are xxh3), looked up
+        once per batch and catalog, again when the catalog's ids may have changed."""
+        key = id(batch)
+        got = self._batch_sids.get(key)
+        if got is not None and got[0] is batch and got[1] is cat and got[2] == cat.series_generation:
+            return got[3]
+        sids = np.asarray([cat.series_id(k, n, p, q, None) for k, n, p, q in
+                           zip(batch.kinds, batch.names, batch.params, batch.keys, strict=True)], dtype=np.int64)
+        if len(self._batch_sids) >= 16:
+            self._batch_sids.clear()
+        self._batch_sids[key] = (batch, cat, cat.series_generation, sids)
+        return sids
 
     def rows(self, cat: CatalogWriter, step: int | None, lean: list[LeanRow], check: bool,
              out: list[tuple[Any, ...]]) -> None:

@@ -341,11 +341,13 @@ class CatalogWriter:
             self.set_meta("format_version", FP_KINDS_FORMAT_VERSION)
         self._fp_kinds[series] = kind
 
-    def add_stat_chunk(self, rows: Sequence[Sequence[Any]]) -> None:
-        """Stats-only tensor rows (no blob; the rows :meth:`add_tensors` takes) as one stat chunk,
-        in this transaction (store/stat_chunk.py). The first chunk creates the ``stat_chunks``
-        table (and ``fp_kinds``, which every format-3 catalog has) and makes the store format 3."""
-        data, first, last = stat_chunk.encode_rows(rows)
+    def add_stat_chunk(self, rows: Sequence[Sequence[Any]], blocks: Sequence[stat_chunk.ColumnBlock] = ()) -> None:
+        """Stats-only tensor rows (no blob; the rows :meth:`add_tensors` takes) and ``blocks`` (rows
+        in columns already) as one stat chunk, in this transaction (store/stat_chunk.py). The first
+        chunk creates the ``stat_chunks`` table (and ``fp_kinds``, which every format-3 catalog has)
+        and makes the store format 3."""
+        data, first, last = stat_chunk.encode_rows(rows, blocks)
+        n = len(rows) + sum(len(b.series) for b in blocks)
         if not self._has_stat_chunks:
             if not self._has_fp_kinds:
                 self.con.execute(FP_KINDS_SCHEMA.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
@@ -355,7 +357,7 @@ class CatalogWriter:
             self.set_meta("format_version", STAT_CHUNKS_FORMAT_VERSION)
             self._has_stat_chunks = True
         self.con.execute(f"INSERT INTO {STAT_CHUNKS_TABLE}(first_step, last_step, rows, checksum, data) "  # noqa: S608
-                         "VALUES (?, ?, ?, ?, ?)", (first, last, len(rows), stat_chunk.checksum(data), data))
+                         "VALUES (?, ?, ?, ?, ?)", (first, last, n, stat_chunk.checksum(data), data))
 
     def segment_id(self, key: str) -> int:
         sid = self._segments.get(key)

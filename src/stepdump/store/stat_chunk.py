@@ -30,7 +30,7 @@ import json
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -131,24 +131,41 @@ def _counts(values: Sequence[Any]) -> np.ndarray:
     return out
 
 
-def encode_rows(rows: Sequence[Sequence[Any]]) -> tuple[bytes, int, int]:
+class ColumnBlock(NamedTuple):
+    """Rows of one step already in columns (the writer's described copies: capture/packed.py's
+    StatColumns with their series ids): no tuple per row on the way to a chunk."""
+
+    series: np.ndarray  # (k,) int64
+    step: int
+    dtypes: Sequence[str]  # k texts
+    shapes: Sequence[str]
+    counts: np.ndarray  # (4, k) int64: COUNT_STATS, -1 for NULL
+    floats: np.ndarray  # (6, k) float64: FLOAT_STATS, NaN for NULL
+    fps: np.ndarray  # (k,) int64
+
+
+def encode_rows(rows: Sequence[Sequence[Any]], blocks: Sequence[ColumnBlock] = ()) -> tuple[bytes, int, int]:
     """The chunk of catalog tensor rows ``rows`` (the writer's ``(series, step, dtype, shape, blob,
-    *stats, fingerprint)`` tuples, with no blob), and its first and last step."""
-    if not rows:
+    *stats, fingerprint)`` tuples, with no blob) and of ``blocks``, and its first and last step."""
+    if not rows and not blocks:
         raise ValueError("a stat chunk needs rows")
-    cols = list(zip(*rows, strict=True))
-    by = dict(zip(_ROW_FIELDS, cols, strict=True))
-    dtype_codes, dtypes = _codes(by["dtype"])
-    shape_codes, shapes = _codes(by["shape"])
-    arrays: dict[str, np.ndarray] = {
-        "series": np.asarray(by["series"], dtype=np.int64),
-        "step": np.asarray(by["step"], dtype=np.int64),
-        "dtype": dtype_codes,
-        "shape": shape_codes,
-        **{c: _counts(by[c]) for c in COUNT_STATS},
-        **{c: np.asarray(by[c], dtype=np.float64) for c in FLOAT_STATS},  # None -> NaN
-        "fingerprint": np.asarray(by["fingerprint"], dtype=np.int64),
-    }
+    parts: list[dict[str, Any]] = []
+    if rows:
+        by = dict(zip(_ROW_FIELDS, zip(*rows, strict=True), strict=True))
+        parts.append({"series": np.asarray(by["series"], dtype=np.int64),
+                      "step": np.asarray(by["step"], dtype=np.int64), "dtype": by["dtype"], "shape": by["shape"],
+                      **{c: _counts(by[c]) for c in COUNT_STATS},
+                      **{c: np.asarray(by[c], dtype=np.float64) for c in FLOAT_STATS},  # None -> NaN
+                      "fingerprint": np.asarray(by["fingerprint"], dtype=np.int64)})
+    for b in blocks:
+        parts.append({"series": b.series, "step": np.full(len(b.series), b.step, dtype=np.int64), "dtype": b.dtypes,
+                      "shape": b.shapes, **dict(zip(COUNT_STATS, b.counts, strict=True)),
+                      **dict(zip(FLOAT_STATS, b.floats, strict=True)), "fingerprint": b.fps})
+    dtype_codes, dtypes = _codes(v for p in parts for v in p["dtype"])
+    shape_codes, shapes = _codes(v for p in parts for v in p["shape"])
+    arrays: dict[str, np.ndarray] = {c: np.concatenate([p[c] for p in parts]) for c in COLUMNS
+                                     if c not in ("dtype", "shape")}
+    arrays["dtype"], arrays["shape"] = dtype_codes, shape_codes
     steps = arrays["step"]
     return encode(arrays, dtypes, shapes), int(steps.min()), int(steps.max())
 
