@@ -116,7 +116,13 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=500)
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="RESULTS.md to update ('' for none)")
+    ap.add_argument("--run", help="a run synth_run.py wrote before with these --tensors and --steps: time its "
+                                  "report instead of writing one (the run is kept)")
+    ap.add_argument("--written-s", type=float, help="with --run: the wall seconds writing it took, as measured then")
     args = ap.parse_args()
+    if args.run:
+        measure(args, Path(args.run), None if args.written_s is None else (args.written_s, None), os.getloadavg())
+        return
     need = args.tensors * args.steps * BYTES_PER_ROW * 1.3  # the catalog, and room for its rebuilt index
     free = shutil.disk_usage(tempfile.gettempdir()).free
     if free < need:  # say so, and measure the largest size that fits rather than fill the disk
@@ -130,9 +136,24 @@ def main() -> None:
         t, c = time.perf_counter(), time.process_time()
         record(run_dir, args.tensors, args.steps)
         recorded, recorded_cpu = time.perf_counter() - t, time.process_time() - c
-        catalog_mib = sum(f.stat().st_size for f in run_dir.iterdir() if f.is_file()) / 2**20
-        print(f"record: {recorded:.1f} s (CPU {recorded_cpu:.1f} s; {args.tensors} tensors x {args.steps} steps, "
-              f"stats only, {catalog_mib:.0f} MiB)")
+        measure(args, run_dir, (recorded, recorded_cpu), load_before)
+
+
+def _written(recorded: float | None, cpu: float | None) -> str:
+    if recorded is None:
+        return "written before, not timed"
+    return f"{recorded:.1f} s" + (f" (CPU {cpu:.1f} s)" if cpu is not None else " (written before, by --run's writer)")
+
+
+def measure(args: argparse.Namespace, run_dir: Path, recorded_s: tuple[float, float | None] | None,
+            load_before: tuple[float, float, float]) -> None:
+    """Build, render and view the report of ``run_dir``; print and store the numbers.
+    ``recorded_s``: (wall, CPU or None) seconds writing the run took; None: not known."""
+    recorded, recorded_cpu = recorded_s if recorded_s is not None else (None, None)
+    catalog_mib = sum(f.stat().st_size for f in run_dir.iterdir() if f.is_file()) / 2**20
+    print(f"record: {_written(recorded, recorded_cpu)}; {args.tensors} tensors x {args.steps} steps, stats only, "
+          f"{catalog_mib:.0f} MiB")
+    with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "report.html"
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             built, built_cpu, rendered, rss_before, rss_peak = pool.apply(build, (str(run_dir), str(out)))
@@ -171,7 +192,7 @@ def main() -> None:
             "| what | result |",
             "|---|---:|",
             f"| write the run ({args.tensors} tensors x {args.steps} steps, stats only, synth_run.py) | "
-            f"{recorded:.1f} s (CPU {recorded_cpu:.1f} s), {catalog_mib:.0f} MiB |",
+            + _written(recorded, recorded_cpu) + f", {catalog_mib:.0f} MiB |",
             f"| `build_report_data` wall (CPU) | {built:.2f} s ({built_cpu:.2f} s) |",
             f"| peak RSS of the process that built and rendered it (after imports) | {rss_peak:.0f} MiB ({rss_before:.0f} MiB) |",
             f"| `render_report` | {rendered:.2f} s |",

@@ -15,6 +15,7 @@ from typing import Any
 from stepdump.analysis.cross_rank import CrossRank
 from stepdump.analysis.findings import Finding
 from stepdump.analysis.rule_runner import CachedRun, run_rules, sort_key
+from stepdump.analysis.rank_pool import map_ranks
 from stepdump.analysis.rules.base import RuleLike
 
 
@@ -46,11 +47,9 @@ def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool,
     whole: list[RuleLike] = [r for r in rules if isinstance(r, CrossRank)]
     per_rank = [r for r in rules if not isinstance(r, CrossRank)]
     merged: dict[tuple[Any, ...], tuple[Finding, list[int]]] = {}
-    # One rank's store at a time (run.stores() opens them lazily; a list would hold every rank open).
-    for rank, store in run.stores():
-        if rank is None:
-            continue
-        for f in run_rules(CachedRun(store, objective=objective), per_rank) if per_rank else []:
+    # Each rank's store in a worker process from rank_pool.PARALLEL_MIN_RANKS ranks on, else here.
+    for rank, found in map_ranks(run, _rules_on, per_rank, objective) if per_rank else ():
+        for f in found:
             key = (f.rule, f.step, f.kind, f.tensor, f.severity)
             if key in merged:
                 merged[key][1].append(rank)
@@ -62,3 +61,6 @@ def check_distributed(run: Any, rules: list[RuleLike], *, add_cross_rank: bool,
         out.extend(run_rules(CachedRun(run), whole))
     return sorted(out, key=sort_key)
 
+
+def _rules_on(store: Any, rules: list[RuleLike], objective: str | bool | None) -> list[Finding]:
+    return run_rules(CachedRun(store, objective=objective), rules)

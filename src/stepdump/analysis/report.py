@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 
+from stepdump.analysis import rank_pool
 from stepdump.analysis.downsample import bucket_max, minmax_downsample
 from stepdump.analysis.findings import Finding
 from stepdump.analysis.matrices import (
@@ -35,7 +36,7 @@ from stepdump.analysis.matrices import (
 from stepdump.analysis.report_dist import BAND_COLUMNS, DIST_KINDS, QUANTILES, sample_quantiles, stat_bands
 from stepdump.analysis.report_groups import tensor_groups
 from stepdump.analysis.report_heatmaps import floats as _floats
-from stepdump.analysis.report_heatmaps import heatmap, stack, update_ratio
+from stepdump.analysis.report_heatmaps import PerStore, heatmap, stack, update_ratio
 from stepdump.analysis.report_heatmaps import ints as _ints
 from stepdump.analysis.report_ranks import json_ready, ranks_summary
 from stepdump.analysis.report_scalars import scalar_order
@@ -94,6 +95,7 @@ def build_report_data(
     all_steps = run.all_steps
     domain = [all_steps[0], all_steps[-1]] if all_steps else [0, 0]
     stores = _stores(run)
+    per_store = _per_store(run, stores)
     kinds = {k for _, store in stores for k in store.kinds()}
     # Each kind's norms (heatmaps, update ratio) and band columns (distributions) in one pass per store;
     # a run with more stats steps than max_points is bucketed inside the catalog (bucketed_matrices).
@@ -112,14 +114,14 @@ def build_report_data(
         "scalars": _scalars(stores, max_points),
         "grad_norms": heatmap(grads, max_points, "grad L2 norm", bad=bad.get("grads")) if grads is not None else None,
         "param_norms": heatmap(params, max_points, "weight L2 norm", bad=bad.get("params")) if params is not None else None,
-        "update_ratio": update_ratio(stores, params, max_points, exact_steps, exact_budget, change),
+        "update_ratio": update_ratio(stores, params, max_points, exact_steps, exact_budget, change, per_store=per_store),
         "moments": _moments(stores, max_points) if "optimizer" in kinds else [],
         "nonfinite": _nonfinite(run, stores, max_points),
         "findings": [_finding_dict(f) for f in found],
         "checks": checks,
         "times": _times(stores),
         "groups": tensor_groups(_all_names(stores), _embeddings(stores)),
-        "dist": _dist(stores, tables, dist_points, quantile_steps),
+        "dist": _dist(stores, tables, dist_points, quantile_steps, per_store),
         "ranks": json_ready(ranks_summary(run, found)),
         "reexecutions": reexecution_rows(run),
     }
@@ -185,8 +187,28 @@ def _times(stores: list[tuple[str, Run]], max_points: int = 2000) -> dict[str, A
     return {"s": [pairs[i][0] for i in idx], "t": [round(float(v), 3) for v in t]}
 
 
+def _per_store(run: RunReader, stores: list[tuple[str, Run]]) -> PerStore:
+    """``per_store(fn, *args)``: ``fn(store, *args)`` of each of ``stores`` (what :func:`_stores`
+    lists), in their order; for a run of many ranks, done by worker processes
+    (:func:`~stepdump.analysis.rank_pool.map_ranks`: a rank's tensors read and reduced there)."""
+    def here(fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return [fn(store, *args) for _, store in stores]
+
+    if is_joint(run) or rank_pool.workers(run) < 2:
+        return here
+    ranks = [r for r, _ in ranked_stores(run)]  # the order of stores
+    if len(ranks) != len(stores):
+        return here
+
+    def forked(fn: Callable[..., Any], *args: Any) -> list[Any]:
+        done = dict(rank_pool.map_ranks(run, fn, *args))
+        return [done[r] for r in ranks]
+
+    return forked
+
+
 def _dist(stores: list[tuple[str, Run]], tables: dict[str, list[tuple[str, dict[str, StatMatrix]]]],
-          points: int, q_steps: int) -> dict[str, Any]:
+          points: int, q_steps: int, per_store: PerStore | None = None) -> dict[str, Any]:
     """Per kind (params, grads): stats bands of every tensor and sample quantiles at full steps.
     ``tables``: each kind's stat matrices per store, as :func:`build_report_data` read them."""
     out: dict[str, Any] = {}
@@ -195,7 +217,8 @@ def _dist(stores: list[tuple[str, Run]], tables: dict[str, list[tuple[str, dict[
             continue
         bands = [(prefix, stat_bands(store, kind, points, cols))
                  for (prefix, store), (_, cols) in zip(stores, tables[kind])]
-        quants = [(prefix, sample_quantiles(store, kind, q_steps) if q_steps else None) for prefix, store in stores]
+        found = (per_store or _here(stores))(sample_quantiles, kind, q_steps) if q_steps else [None] * len(stores)
+        quants = [(prefix, q) for (prefix, _), q in zip(stores, found, strict=True)]
         entry: dict[str, Any] = {"bands": [], "quantiles": [], "probs": list(QUANTILES)}
         for prefix, b in bands:
             if b is not None:
@@ -209,6 +232,10 @@ def _dist(stores: list[tuple[str, Run]], tables: dict[str, list[tuple[str, dict[
                                            "sample": q["sample"], "sampled": [prefix + n for n in q["sampled"]]})
         out[kind] = entry
     return out
+
+
+def _here(stores: list[tuple[str, Run]]) -> PerStore:
+    return lambda fn, *args: [fn(store, *args) for _, store in stores]
 
 
 def _stores(run: RunReader) -> list[tuple[str, Run]]:

@@ -93,8 +93,10 @@ def sample_quantiles(store: Run, kind: str, max_steps: int = 64, sample: int = 6
     if not full or not names or max_steps < 1:
         return None
     per_step = 0
+    first: dict[str, torch.Tensor] = {}  # the first full step's tensors: read once, also a column below
     for t in full[:1]:
-        per_step = sum(min(int(x.numel()), sample) for x in store.tensors(t, kind).values())
+        first = store.tensors(t, kind)
+        per_step = sum(min(int(x.numel()), sample) for x in first.values())
     k = min(len(full), max_steps, budget // max(1, per_step))
     if k < 1:
         log.info("report: quantiles skipped, one step of %s has %d sampled elements (budget %d)", kind, per_step, budget)
@@ -104,7 +106,7 @@ def sample_quantiles(store: Run, kind: str, max_steps: int = 64, sample: int = 6
     sampled: set[str] = set()
     probs = torch.tensor(QUANTILES, dtype=torch.float64)
     for j, t in enumerate(chosen):
-        tensors = store.tensors(t, kind)
+        tensors = first if t == full[0] else store.tensors(t, kind)
         for i, name in enumerate(names):
             x = tensors.get(name)
             if x is None or x.is_sparse or not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:

@@ -9,7 +9,7 @@ at full step pairs or bounded below from the recorded norms.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -71,15 +71,21 @@ def heatmap(m: StatMatrix, max_points: int, label: str, note: str = "",
     return out
 
 
+#: ``per_store(fn, *args)``: ``[fn(store, *args) for each store]``, in the stores' order, done
+#: wherever the caller chooses (stepdump.analysis.report: worker processes for many ranks).
+PerStore = Callable[..., list[Any]]
+
+
 def update_ratio(
     stores: list[tuple[str, Run]], params: StatMatrix | None, max_points: int, exact_steps: int, budget: int,
-    change: StatMatrix | None = None,
+    change: StatMatrix | None = None, *, per_store: PerStore | None = None,
 ) -> dict[str, Any] | None:
     """Exact ratios at full step pairs, else (or also) the lower bound from norms. ``change``: for
-    norms bucketed in the catalog, each bucket's largest bound (the catalog computed it per step)."""
+    norms bucketed in the catalog, each bucket's largest bound (the catalog computed it per step).
+    ``per_store``: how :func:`store_ratios` is done for each store (default: one after another)."""
     if params is None or params.empty:
         return None
-    exact = exact_ratios(stores, exact_steps, budget)
+    exact = exact_ratios(stores, exact_steps, budget, per_store)
     bucketed = change is not None and params.ends is not None
     pairs_total = params.recorded - 1 if bucketed else int(np.count_nonzero(np.diff(params.steps) == 1))
     out: dict[str, Any] = {"exact": exact, "lower_bound": None}
@@ -103,9 +109,14 @@ def update_ratio(
     return out
 
 
-def exact_ratios(stores: list[tuple[str, Run]], max_steps: int, budget: int) -> dict[str, Any] | None:
+def exact_ratios(stores: list[tuple[str, Run]], max_steps: int, budget: int,
+                 per_store: PerStore | None = None) -> dict[str, Any] | None:
     """:func:`store_ratios` of every store, its rows named with the store's prefix."""
-    parts = [(prefix, store_ratios(store, max_steps, budget // len(stores))) for prefix, store in stores]
+    if per_store is None:
+        ratios = [store_ratios(store, max_steps, budget // len(stores)) for _, store in stores]
+    else:
+        ratios = per_store(store_ratios, max_steps, budget // len(stores))
+    parts = [(prefix, r) for (prefix, _), r in zip(stores, ratios, strict=True)]
     found = [(prefix, m, total) for prefix, (m, total) in parts if m is not None]
     if not found:
         return None

@@ -27,6 +27,21 @@ WINDOW_STEPS = 256
 STREAM_ROWS = 2_000_000
 
 
+# Integer columns of a stats frame: int64 in a one-tensor read unless that tensor has a NULL there.
+# The fingerprint too: a NULL one makes the column float (or object) in the frame holding it.
+_COUNT_COLUMNS = ("step", "numel", "nan", "posinf", "neginf", "fingerprint")
+
+
+def _share(df: pd.DataFrame) -> pd.DataFrame:
+    """A frame the caller may change without changing ``df``: a view under pandas' copy-on-write
+    (always on from pandas 3; what a rule changes is copied then), else a copy."""
+    import pandas
+
+    if int(pandas.__version__.split(".", 1)[0]) >= 3 or pandas.get_option("mode.copy_on_write") is True:
+        return df.copy(deep=False)
+    return df.copy()
+
+
 def rule_name(rule: Any) -> str:
     """A rule's ``name`` attribute, else its ``__name__`` (a plain function), else ""."""
     name = getattr(rule, "name", None)
@@ -104,14 +119,47 @@ class CachedRun:
         if name is None and steps is None:
             full = self._cached(("stats",), lambda: self._run.stats())
             if kind is None:
-                return full.copy()
+                return _share(full)
             if kind not in self.kinds():
                 return self._run.stats(kind)  # validates the kind, empty if merely absent
-            return full[full["kind"] == kind].reset_index(drop=True)
+            if self.streaming:
+                return full[full["kind"] == kind].reset_index(drop=True)
+            return _share(self._cached(("stats", kind), lambda: full[full["kind"] == kind].reset_index(drop=True)))
         if self.streaming:  # one tensor or a few steps: a bounded read, kept by nobody
             return self._run.stats(kind, name, steps)
         key = ("stats", kind, name, tuple(steps) if isinstance(steps, (list, range)) else steps)
         return self._cached(key, lambda: self._run.stats(kind, name, steps)).copy()
+
+    def name_rows(self, kind: str, name: str) -> pd.DataFrame:
+        """One tensor's stats rows, by step: ``run.stats(kind, glob_literal(name))``.
+
+        When the rules share one frame (not streaming), the rows are taken from it, grouped once
+        per kind and name (a query and a frame build per tensor cost several ms each; a rule that
+        looks at every tensor made dozens per store). The frame's columns then have the dtypes a
+        one-tensor read gives them; where they may not (a count column that is not int64 in the
+        shared frame: NULLs somewhere in the catalog), the tensor is read on its own as before.
+        """
+        if self.streaming or kind not in self.kinds():
+            return self._run.stats(kind, glob_literal(name))
+        groups, exact = self._cached(("name_rows",), self._name_groups)
+        idx = groups.get((kind, name))
+        if idx is None or not exact:
+            return self._run.stats(kind, glob_literal(name))
+        full = self._cached(("stats",), lambda: self._run.stats())
+        return _share(self._cached(("name_rows", kind, name), lambda: full.take(idx).reset_index(drop=True)))
+
+    def _name_groups(self) -> tuple[dict[tuple[str, str], Any], bool]:
+        """(kind, name) -> positions of its rows in the shared frame, and whether the frame's
+        columns have the dtypes a one-tensor read would give (see :meth:`name_rows`)."""
+        full = self._cached(("stats",), lambda: self._run.stats())
+        exact = all(str(full[c].dtype) == "int64" for c in _COUNT_COLUMNS)
+        groups = {(str(k), str(n)): idx for (k, n), idx in full.groupby(["kind", "name"], sort=False).indices.items()}
+        return groups, exact
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """A value computed once per check from what this view reads (``make()``; shared by the
+        rules, so it must not be modified by them)."""
+        return self._cached(("derived", key), make)
 
     def stats_windows(self, kind: str | None = None) -> Iterator[pd.DataFrame]:
         """The rows of ``stats(kind)``, in order, as frames of at most :data:`WINDOW_STEPS` stats steps.
@@ -134,12 +182,24 @@ class CachedRun:
         """Each ``kind`` tensor's rows of ``stats(kind)``, one tensor at a time, in the order the
         frame first shows them: what ``stats(kind).groupby("name", sort=False)`` yields, read per
         tensor when streaming (memory: one tensor's history, not every tensor's)."""
-        if not self.streaming or kind not in self.kinds():
+        if kind not in self.kinds():
             for name, rows in self.stats(kind).groupby("name", sort=False):
                 yield str(name), rows
             return
+        if not self.streaming:  # grouped once, shared by the rules that walk the tensors
+            for name, rows in self._cached(("tensor_series", kind), lambda: self._groups(kind)):
+                yield name, _share(rows)
+            return
         for name in self.frame_names(kind):
             yield str(name), self._run.stats(kind, glob_literal(str(name)))
+
+    def _groups(self, kind: str) -> list[tuple[str, pd.DataFrame]]:
+        """``stats(kind).groupby("name", sort=False)`` as a list (each group's rows keep their labels)."""
+        import pandas
+
+        frame = self.stats(kind)
+        at = frame.groupby("name", sort=False).indices
+        return [(str(n), frame.take(at[n])) for n in pandas.unique(frame["name"]) if n in at]
 
     def frame_names(self, kind: str) -> list[str]:
         """The ``kind`` tensors in the order ``stats(kind)`` first shows them."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -80,6 +81,8 @@ class DistributedRun:
         # here (each holds a SQLite connection, its page cache and segment files): an analysis
         # that walks 1,000 ranks one by one holds ~max_open, not 1,000 (tests/test_ranks_bounded.py).
         self._runs: OrderedDict[int, Run] = OrderedDict()
+        # Every rank store opened here that is still alive (held by the LRU above or a caller).
+        self._held: weakref.WeakValueDictionary[int, Run] = weakref.WeakValueDictionary()
         self.max_open: int = MAX_OPEN_RANKS
         self._lock = threading.Lock()
         self._sharding: dict[int, dict[str, Any]] = {}
@@ -100,10 +103,14 @@ class DistributedRun:
         run = self._runs.get(r)
         if run is not None:
             self._runs.move_to_end(r)
-        else:
-            while len(self._runs) >= max(1, self.max_open):  # room first: never max_open + 1 open here
-                # Dropped, not closed: a caller may still hold it (it closes when no one does).
-                self._runs.popitem(last=False)
+            return run
+        while len(self._runs) >= max(1, self.max_open):  # room first: never max_open + 1 open here
+            # Dropped, not closed: a caller may still hold it (it closes when no one does).
+            self._runs.popitem(last=False)
+        # One a caller still holds (a list of every rank's store, walked again): that one, not a
+        # second catalog of the same rank opened beside it (a report walks 256 ranks ~7 times).
+        run = self._held.get(r)
+        if run is None:
             name = ranks_file.rank_dir(r)
             if self._remote is not None:
                 from stepdump.read.remote import RemoteRun
@@ -112,7 +119,8 @@ class DistributedRun:
                 run = RemoteRun(f"{self._url}/{name}", cache_dir=cache, storage=self._remote.child(name, cache))
             else:
                 run = Run(ranks_file.local_rank_dir(Path(self.path), r))
-            self._runs[r] = run
+            self._held[r] = run
+        self._runs[r] = run
         return run
 
     @property
@@ -131,6 +139,7 @@ class DistributedRun:
         for run in self._runs.values():
             run.close()
         self._runs.clear()
+        self._held = weakref.WeakValueDictionary()  # closed or left to their holders: not handed out again
 
     def __enter__(self) -> DistributedRun:
         return self
@@ -141,6 +150,11 @@ class DistributedRun:
     def __repr__(self) -> str:
         return (f"<stepdump.types.DistributedRun {str(self.path)!r}: world_size {self.world_size}, "
                 f"ranks {self.ranks}, {len(self.all_steps)} steps>")
+
+    @property
+    def remote(self) -> bool:
+        """True for a run read from a URL (its rank stores are fetched into a local cache)."""
+        return self._remote is not None
 
     @property
     def meta(self) -> dict[str, Any]:

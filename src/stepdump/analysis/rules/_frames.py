@@ -7,7 +7,7 @@ that each rule stays a short statement of its test.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,11 @@ def glob_literal(name: str) -> str:
 
 
 def name_rows(run: Any, kind: str, name: str) -> pd.DataFrame:
-    """The stats rows of one tensor, by step (what ``run.stats(kind)`` holds for ``name``)."""
+    """The stats rows of one tensor, by step (what ``run.stats(kind)`` holds for ``name``), from
+    ``run.name_rows`` when it has it (:class:`~stepdump.analysis.rule_runner.CachedRun`)."""
+    rows = getattr(run, "name_rows", None)
+    if rows is not None:
+        return rows(kind, name)  # type: ignore[no-any-return]
     return run.stats(kind, glob_literal(name))
 
 
@@ -67,6 +71,9 @@ def frame_names(run: Any, kind: str) -> list[str]:
 
 def nonfinite(df: pd.DataFrame) -> pd.Series:
     """Per row: number of NaN + Inf elements (the stats leave those out of norm, max, ...)."""
+    cols = [df[c].to_numpy() for c in ("nan", "posinf", "neginf")]
+    if all(c.dtype == np.int64 for c in cols):  # no NULL count: the sum of the columns as they are
+        return pd.Series(cols[0] + cols[1] + cols[2], index=df.index)
     return df[["nan", "posinf", "neginf"]].fillna(0).sum(axis=1).astype("int64")
 
 
@@ -74,8 +81,20 @@ def matches(name: str, globs: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
+def derived(run: Any, key: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, computed once per check where ``run`` keeps such values
+    (:meth:`~stepdump.analysis.rule_runner.CachedRun.derived`; several rules ask for the same);
+    the caller must not change what it gets."""
+    keep = getattr(run, "derived", None)
+    return make() if keep is None else keep(key, make)
+
+
 def skipped_steps(run: Any) -> set[int]:
     """Steps the GradScaler skipped (no update happened)."""
+    return set(derived(run, "skipped_steps", lambda: _skipped_steps(run)))
+
+
+def _skipped_steps(run: Any) -> set[int]:
     sc = run.scalars()
     if "skipped" not in sc.columns:
         return set()
@@ -130,6 +149,14 @@ def windowed_grad_norm(run: Any, skipped: set[int], names: set[str] | None = Non
     (:func:`stats_windows`), and the steps at which any grad has a norm (the rows a
     ``pivot_table`` of the grads' norms has). The norm of a step is a sum over that step's rows
     only, so windows of whole steps give the very same series."""
+    if names is not None and "grads" in run.kinds() and set(run.names("grads")) <= set(names):
+        names = None  # every grad kept: the series of all grads, which another rule may have asked for
+    norms, steps = derived(run, ("windowed_grad_norm", frozenset(skipped), None if names is None else frozenset(names)),
+                           lambda: _windowed_grad_norm(run, skipped, names))
+    return norms.copy(), list(steps)
+
+
+def _windowed_grad_norm(run: Any, skipped: set[int], names: set[str] | None) -> tuple[pd.Series, list[int]]:
     parts: list[pd.Series] = []
     steps: list[int] = []
     if "grads" in run.kinds():

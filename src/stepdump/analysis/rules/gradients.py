@@ -6,6 +6,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
@@ -266,17 +267,20 @@ class DeadUnits(Rule):
             recording = {n: i for i, n in enumerate(run.names(kind))}
             first: dict[str, tuple[int, int]] = {}
             stretches: dict[int, list[_Stretch]] = {}  # first step -> hits
+            skip = np.fromiter(skipped, dtype=np.int64, count=len(skipped))
             for name, rows in tensor_series(run, kind):
-                rows = rows[~rows["step"].isin(list(skipped)) & (nonfinite(rows) == 0)]
-                if rows.empty:
+                kept = ~np.isin(rows["step"].to_numpy(), skip) & (nonfinite(rows) == 0).to_numpy()
+                if not kept.any():
                     continue
-                first[name] = (int(rows["step"].min()), recording.get(name, -1))
+                steps = rows["step"].to_numpy()[kept]
+                first[name] = (int(steps.min()), recording.get(name, -1))
                 if matches(str(name), self.exclude) or (kind == "grads" and str(name) in sparse):
                     continue
-                rows = rows.sort_values("step")
                 # NULL zero_frac: not measured (large tensors at lean stats-only steps), not "no zeros";
                 # the stretch is counted over the steps that measured it.
-                zf = rows.set_index("step")["zero_frac"].astype(float).dropna()
+                zf = _by_step(steps, rows["zero_frac"].to_numpy(dtype=float)[kept])
+                if zf is None:  # a step twice: as the frames take it
+                    zf = rows[kept].sort_values("step").set_index("step")["zero_frac"].astype(float).dropna()
                 flagged = [int(s) for s in zf.index[zf > self.max_zero_frac]]
                 eps = sustained(flagged, [int(s) for s in zf.index], self.patience)
                 if eps:
@@ -305,6 +309,17 @@ class DeadUnits(Rule):
             "back, so they, the weights feeding them and everything before them stop learning",
             kind=kind, tensor=name, value=zf, threshold=self.max_zero_frac, tensors=names,
         )
+
+
+def _by_step(steps: np.ndarray, values: np.ndarray) -> pd.Series | None:
+    """``values`` by step, sorted, NaN dropped (a Series' ``sort_values``, ``set_index``,
+    ``dropna``); None when a step repeats."""
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    if steps.size > 1 and not (np.diff(steps) > 0).all():
+        return None
+    keep = ~np.isnan(values)
+    return pd.Series(values[keep], index=pd.Index(steps[keep], name="step"), name="zero_frac")
 
 
 def _dead_layer(names: list[str]) -> str:

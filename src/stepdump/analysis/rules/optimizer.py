@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
@@ -87,16 +88,9 @@ class OptimizerState(Rule):
             hyper = hypers.get(param, {})
             eps = self.eps if self.eps is not None else _float(hyper.get("eps"), DEFAULT_EPS)
             beta2 = _beta2(hyper) if key == "exp_avg_sq" else None
-            rows = rows[nonfinite(rows) == 0].sort_values("step")
-            vmax = rows.set_index("step")["max"].astype(float).dropna()
-            vmax = vmax[vmax > 0]
-            if vmax.empty:
+            root = _root_vmax(rows, counts, param, beta2)
+            if root is None:
                 continue
-            if beta2 is not None:
-                n = counts.get(param, pd.Series(dtype=float)).reindex(vmax.index)
-                corr = 1 - beta2 ** n
-                vmax = (vmax / corr.where(corr > 0)).fillna(vmax)
-            root = vmax.pow(0.5)
             limit = self.ratio * eps
             flagged = [int(s) for s in root.index[root < limit]]
             eps_runs = sustained(flagged, [int(s) for s in root.index], self.patience)
@@ -115,6 +109,45 @@ class OptimizerState(Rule):
         return out
 
 
+def _root_vmax(rows: pd.DataFrame, counts: _StepCounts, param: str, beta2: float | None) -> pd.Series | None:
+    """sqrt of one state tensor's largest element by step, bias-corrected with ``beta2`` and
+    its parameter's step count where given; finite rows with a positive max only (None: none)."""
+    ok = (nonfinite(rows) == 0).to_numpy()
+    steps = rows["step"].to_numpy()[ok]
+    vmax = rows["max"].to_numpy(dtype=float)[ok]
+    order = np.argsort(steps, kind="stable")
+    steps, vmax = steps[order], vmax[order]
+    keep = ~np.isnan(vmax) & (vmax > 0)
+    steps, vmax = steps[keep], vmax[keep]
+    if steps.size > 1 and not (np.diff(steps) > 0).all():
+        return _root_vmax_frames(rows, counts, param, beta2)  # a repeated step: as the frames align it
+    if not steps.size:
+        return None
+    if beta2 is not None:
+        n = counts.at(param, steps)
+        if n is None:
+            return _root_vmax_frames(rows, counts, param, beta2)
+        corr = 1 - beta2 ** n
+        with np.errstate(invalid="ignore", divide="ignore"):
+            adj = vmax / np.where(corr > 0, corr, np.nan)
+        vmax = np.where(np.isnan(adj), vmax, adj)
+    return pd.Series(np.power(vmax, 0.5), index=pd.Index(steps, name="step"), name="max")
+
+
+def _root_vmax_frames(rows: pd.DataFrame, counts: _StepCounts, param: str, beta2: float | None) -> pd.Series | None:
+    """:func:`_root_vmax` with frames, for rows whose steps repeat (what they align on decides)."""
+    rows = rows[nonfinite(rows) == 0].sort_values("step")
+    vmax = rows.set_index("step")["max"].astype(float).dropna()
+    vmax = vmax[vmax > 0]
+    if vmax.empty:
+        return None
+    if beta2 is not None:
+        n = counts.get(param, pd.Series(dtype=float)).reindex(vmax.index)
+        corr = 1 - beta2 ** n
+        vmax = (vmax / corr.where(corr > 0)).fillna(vmax)
+    return vmax.pow(0.5)
+
+
 class _StepCounts:
     """Param -> its optimizer ``step`` count by step (Adam keeps it as a tensor), read when asked."""
 
@@ -127,6 +160,26 @@ class _StepCounts:
         if name is None:
             return default
         return name_rows(self._run, "optimizer", name).set_index("step")["max"].astype(float)
+
+    def at(self, param: str, steps: np.ndarray) -> np.ndarray | None:
+        """``get(param).reindex(steps)`` as an array (NaN: no count at that step); None where the
+        count's steps repeat (the Series' reindex decides then)."""
+        name = self._names.get(param)
+        if name is None:
+            return np.full(steps.size, np.nan)
+        rows = name_rows(self._run, "optimizer", name)
+        have = rows["step"].to_numpy()
+        values = rows["max"].to_numpy(dtype=float)
+        order = np.argsort(have, kind="stable")
+        have, values = have[order], values[order]
+        if have.size > 1 and not (np.diff(have) > 0).all():
+            return None
+        at = np.searchsorted(have, steps)
+        found = at < have.size
+        found[found] = have[at[found]] == steps[found]
+        out = np.full(steps.size, np.nan)
+        out[found] = values[at[found]]
+        return out
 
 
 def _beta2(hyper: dict[str, Any]) -> float | None:

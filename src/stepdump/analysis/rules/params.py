@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -296,11 +297,41 @@ GROWTH_JUMP = 10.0
 def _from_zero(params: pd.DataFrame) -> dict[str, pd.Series]:
     """Per weight whose first recorded value is exactly zero (norm 0): its finite norms by step."""
     out: dict[str, pd.Series] = {}
-    for name, rows in params.groupby("name", sort=False):
-        norms = rows[nonfinite(rows) == 0].set_index("step")["norm"].astype(float).sort_index().dropna()
-        if len(norms) and float(norms.iloc[0]) == 0.0 and int(norms.index[0]) == int(rows["step"].min()):
-            out[str(name)] = norms
+    for name, rows in _by_name(params):
+        steps, norms = _finite_norms(rows)
+        if steps is None:  # the frames' way (see _finite_norms)
+            norm_s = rows[nonfinite(rows) == 0].set_index("step")["norm"].astype(float).sort_index().dropna()
+        else:
+            keep = ~np.isnan(norms)
+            if not (keep.any() and norms[keep][0] == 0.0 and int(steps[keep][0]) == int(rows["step"].min())):
+                continue  # the common case, told from the arrays without a Series
+            norm_s = pd.Series(norms[keep], index=pd.Index(steps[keep], name="step"), name="norm")
+        if len(norm_s) and float(norm_s.iloc[0]) == 0.0 and int(norm_s.index[0]) == int(rows["step"].min()):
+            out[str(name)] = norm_s
     return out
+
+
+def _by_name(params: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """``params.groupby("name", sort=False)`` as a list; a one-tensor frame (what the rules pass
+    here) as itself, without the groupby's cost."""
+    names = params["name"].to_numpy()
+    if len(names) and isinstance(names[0], str) and (names == names[0]).all():
+        return [(names[0], params)]
+    return [(str(n), rows) for n, rows in params.groupby("name", sort=False)]
+
+
+def _finite_norms(rows: pd.DataFrame) -> tuple[np.ndarray | None, np.ndarray]:
+    """(steps, norms) of one tensor's rows without NaN/Inf elements, by step: what
+    ``rows[nonfinite(rows) == 0].set_index("step")["norm"].astype(float).sort_index()`` holds,
+    as arrays. (None, _) where a step repeats (a Series would refuse to align on it)."""
+    ok = (nonfinite(rows) == 0).to_numpy()
+    steps = rows["step"].to_numpy()[ok]
+    norms = rows["norm"].to_numpy(dtype=float)[ok]
+    order = np.argsort(steps, kind="stable")
+    steps, norms = steps[order], norms[order]
+    if steps.size > 1 and not (np.diff(steps) > 0).all():
+        return None, norms
+    return steps, norms
 
 
 def _outgrown(ratios: dict[int, float], bound: pd.Series, norms: pd.Series) -> set[int]:
@@ -326,12 +357,26 @@ def _outgrown(ratios: dict[int, float], bound: pd.Series, norms: pd.Series) -> s
 def _norm_change(params: pd.DataFrame, skipped: set[int]) -> dict[str, pd.Series]:
     """Per name: | ||p[t+1]|| - ||p[t]|| | / ||p[t]|| for consecutive stats steps t, t+1 (t not skipped)."""
     out: dict[str, pd.Series] = {}
-    for name, rows in params.groupby("name", sort=False):
-        norms = rows[nonfinite(rows) == 0].set_index("step")["norm"].astype(float).sort_index()
-        nxt = norms.reindex(norms.index + 1)
-        nxt.index = norms.index
-        lb = ((nxt - norms).abs() / norms.where(norms > 0)).dropna()
-        out[str(name)] = lb[~lb.index.isin(list(skipped))]
+    skip = np.fromiter(skipped, dtype=np.int64, count=len(skipped))
+    for name, rows in _by_name(params):
+        steps, norms = _finite_norms(rows)
+        if steps is None:  # a repeated step: the frames' way, which refuses it as before
+            norm_s = rows[nonfinite(rows) == 0].set_index("step")["norm"].astype(float).sort_index()
+            nxt = norm_s.reindex(norm_s.index + 1)
+            nxt.index = norm_s.index
+            lb_s = ((nxt - norm_s).abs() / norm_s.where(norm_s > 0)).dropna()
+            out[str(name)] = lb_s[~lb_s.index.isin(list(skipped))]
+            continue
+        # the norm at t + 1, where that step has one (NaN elsewhere), as reindex(index + 1) gives it
+        at = np.searchsorted(steps, steps + 1)
+        has = at < steps.size
+        has[has] = steps[at[has]] == steps[has] + 1
+        nxt_v = np.full(steps.size, np.nan)
+        nxt_v[has] = norms[at[has]]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lb = np.abs(nxt_v - norms) / np.where(norms > 0, norms, np.nan)
+        keep = ~np.isnan(lb) & ~np.isin(steps, skip)
+        out[str(name)] = pd.Series(lb[keep], index=pd.Index(steps[keep], name="step"), name="norm")
     return out
 
 
