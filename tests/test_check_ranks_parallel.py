@@ -15,6 +15,7 @@ import json
 import os
 import sqlite3
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ def test_workers_find_what_this_process_finds(ranks_run: Path, monkeypatch: pyte
     here, one = _check(ranks_run, monkeypatch, parallel=False)
     forked, workers = _check(ranks_run, monkeypatch, parallel=True)
     assert one == 1
-    assert workers == min(len(os.sched_getaffinity(0)), RANKS)  # more than one where the machine has CPUs
+    # more than one where the machine has CPUs, unless another thread runs here (then no fork)
+    assert workers == (min(len(os.sched_getaffinity(0)), RANKS) if threading.active_count() == 1 else 1)
     assert forked == here
     nan = [f for f in here if f.rule == "nan_inf"]
     assert [(f.step, f.severity, f.message.split(":")[0]) for f in nan] == [(1, Severity.ERROR, "rank 2")]
@@ -96,9 +98,26 @@ def test_the_report_of_many_ranks_is_built_alike_in_workers(ranks_run: Path, mon
         monkeypatch.setattr(rank_pool, "PARALLEL_MIN_RANKS", 2 if parallel else 10**9)
         monkeypatch.setattr(rank_pool, "CHUNK_RANKS", 1)
         with stepdump.open(ranks_run) as run:
-            assert (rank_pool.workers(run) > 1) == (parallel and len(os.sched_getaffinity(0)) > 1)
+            assert (rank_pool.workers(run) > 1) == (parallel and len(os.sched_getaffinity(0)) > 1
+                                                    and threading.active_count() == 1)
             built.append(json.dumps(build_report_data(run), sort_keys=True, default=str))
     assert built[0] == built[1]
     data = json.loads(built[1])
     assert len(data["dist"]["params"]["quantiles"]) == RANKS  # each rank's tensors, read in a worker
     assert data["update_ratio"]["exact"]["names"][0].startswith("rank0/")
+
+
+def test_no_fork_while_another_thread_runs(ranks_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_pool, "PARALLEL_MIN_RANKS", 2)
+    monkeypatch.setattr(rank_pool, "CHUNK_RANKS", 1)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        with stepdump.open(ranks_run) as run:
+            assert rank_pool.workers(run) == 1  # a fork would copy this process with that thread mid-way
+            found = stepdump.check(run)
+    finally:
+        stop.set()
+        other.join()
+    assert [f.message.split(":")[0] for f in found if f.rule == "nan_inf"] == ["rank 2"]
