@@ -52,6 +52,7 @@ import workloads
 from leave_on_gpt2 import GPT2_MODES, bench_gpt2, child_main
 from leave_on_gradlog import bench_gradlog
 from leave_on_lean import bench_lean
+from neighbour import busy, default_neighbours
 from results_json import update as update_results_json
 
 MB = 1e6
@@ -75,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-b", type=int, default=2, help="batch size of workload B (default 2, as run.py)")
     ap.add_argument("--pairs", type=int, default=7, help="lean: interleaved (none, arm) pairs per arm (default 7)")
     ap.add_argument("--pair-steps", type=int, default=6, help="lean: timed steps per segment (default 6)")
+    ap.add_argument("--no-busy", dest="busy", action="store_false",
+                    help="lean: skip the pairs timed again with every other core busy (benchmarks/neighbour.py)")
+    ap.add_argument("--neighbours", type=int, default=default_neighbours(),
+                    help="lean --busy: spinning processes (default: one per core but one)")
     ap.add_argument("--gl-every", type=int, default=100, help="gradlog: K of gradient_log=K (default 100)")
     ap.add_argument("--gl-steps", type=int, default=None,
                     help="gradlog: recorded steps per run (default K: one keyframe period, the steady state)")
@@ -230,8 +235,12 @@ def top_section(T: list[Target], date: str) -> str:
 def detail_section(res: dict[str, Any], args: argparse.Namespace) -> str:
     L = ["", "## Leave it on (issue 14)", "",
          f"`benchmarks/leave_on.py` (torch threads {args.threads}); see benchmarks/README.md."]
-    for name, lean in res.get("lean", {}).items():
-        L += ["", (f"**Lean, workload {name}** ({lean['title']}; {lean['record_bytes'] / MB:.1f} MB per record, "
+    busy_load = res.get("lean_busy_load") or {}
+    for name, lean, load in [*((n, x, "") for n, x in res.get("lean", {}).items()),
+                             *((n, x, f", busy ({busy_load.get('neighbours')} neighbour process(es) spinning, "
+                                      f"{busy_load.get('share', float('nan')):.0%} of a core each)")
+                               for n, x in res.get("lean_busy", {}).items())]:
+        L += ["", (f"**Lean, workload {name}{load}** ({lean['title']}; {lean['record_bytes'] / MB:.1f} MB per record, "
               f"grads + params {lean['gp_bytes'] / MB:.1f} MB). Interleaved pairs, {lean['pair_steps']} timed steps "
               "per segment, each recording built and its first step run untimed; `close()` (which writes the "
               "final record: the trained state in full, once per run) timed apart, in the last column:"), "",
@@ -346,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "lean" in args.pieces:
             res["lean"] = {n.strip(): bench_lean(n.strip(), args) for n in args.workloads.split(",") if n.strip()}
+            if args.busy:  # the same pairs with no idle core: the recorder's threads' CPU is the training's
+                with busy(args.neighbours) as used:
+                    res["lean_busy"] = {n.strip(): bench_lean(n.strip(), args)
+                                        for n in args.workloads.split(",") if n.strip()}
+                res["lean_busy_load"] = {"neighbours": used.neighbours, "share": used.share}
         if "gradlog" in args.pieces:
             res["gradlog"] = bench_gradlog(args)
             w = workloads.mlp()
