@@ -23,7 +23,7 @@ import duckdb
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from helpers import record_run
+from helpers import record_run, rewrite_tensor_rows
 
 import stepdump
 from stepdump.core import stats_file
@@ -135,11 +135,15 @@ def _damage(src: Path, dst: Path, how: str) -> None:
         cat.close()
     elif how == "absent":
         f.unlink()
+    elif how == "rows edited":  # a stat row changed in the catalog after close (by hand, a tool)
+        rewrite_tensor_rows(dst, "step = 1 AND series = (SELECT min(id) FROM series WHERE kind = 'params')", (),
+                            lambda r: (*r[:13], 12345.0, *r[14:]))
 
 
 @pytest.mark.parametrize(("how", "says"), [
     ("truncated", "is truncated"), ("changed", "changed since it was written"),
     ("foreign", "written for run"), ("absent", "cannot be read"),
+    ("rows edited", "stat rows changed since it was written"),
 ])
 def test_a_damaged_or_foreign_copy_is_never_served(single: Path, tmp_path: Path, cli: Any, how: str,
                                                     says: str) -> None:

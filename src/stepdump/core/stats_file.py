@@ -53,6 +53,7 @@ class StatsFileMeta:
         run_id: ``meta.run_id`` of the store it was written from.
         rank: The rank of a multi-rank run's store (the file's ``rank`` column), else None.
         resumes: Entries of ``meta.history`` then (each resume adds one).
+        source: ``CatalogReader.stat_digest()`` of the rows it was made from (rows edited since: another).
         seconds: Time the compaction took.
     """
 
@@ -64,6 +65,7 @@ class StatsFileMeta:
     run_id: str | None
     rank: int | None
     resumes: int
+    source: str
     seconds: float
 
     @classmethod
@@ -77,7 +79,8 @@ class StatsFileMeta:
         for k, t in (("last_step", int), ("rank", int), ("run_id", str)):
             if value[k] is not None and (isinstance(value[k], bool) or not isinstance(value[k], t)):
                 return None
-        if not isinstance(value["xxh3"], str) or not isinstance(value["seconds"], (int, float)):
+        if not isinstance(value["xxh3"], str) or not isinstance(value["source"], str) \
+                or not isinstance(value["seconds"], (int, float)):
             return None
         return cls(**value)
 
@@ -134,6 +137,7 @@ def write(run_dir: str | os.PathLike[str]) -> StatsFileMeta:
         per = max(1, ROWS_PER_GROUP // max(1, len(series)))
         steps = reader.steps()
         last = reader.last_step()
+        source = reader.stat_digest()
         rows = 0
         try:
             with pq.ParquetWriter(tmp, schema(rank is not None), compression="zstd") as writer:
@@ -155,7 +159,7 @@ def write(run_dir: str | os.PathLike[str]) -> StatsFileMeta:
     finally:
         reader.close()
     record = StatsFileMeta(version=VERSION, rows=rows, bytes=size, xxh3=h.hexdigest(), last_step=last,
-                           run_id=run_id, rank=rank, resumes=resumes,
+                           run_id=run_id, rank=rank, resumes=resumes, source=source,
                            seconds=round(time.perf_counter() - start, 6))
     cat = CatalogWriter(run_dir)
     try:
@@ -220,6 +224,8 @@ def check(run_dir: str | os.PathLike[str], catalog: CatalogReader) -> StatsFileC
         (f"covers steps to {record.last_step}, the run has steps to {catalog.last_step()}",
          record.last_step != catalog.last_step()),
     ) if bad]
+    if not stale and record.source != catalog.stat_digest():
+        stale.append("the catalog's stat rows changed since it was written")
     if stale:
         return StatsFileCheck(None, f"{path} is stale: {'; '.join(stale)}", record)
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import xxhash
 
 from stepdump.errors import ConfigError, CorruptDataError
 from stepdump.store import queries_stats
@@ -225,6 +226,18 @@ class CatalogReader:
         bounds = tuple(self._q("SELECT min(step), max(step) FROM tensors")[0])
         for lo, hi in self._stats.windows(bounds):
             yield self.stat_arrays(kind, name_glob, range(lo, hi + 1), columns, with_state=with_state)
+
+    def stat_digest(self) -> str:
+        """A digest of where every stat row is: the ``tensors`` rows (their count and the totals of
+        their fingerprints, norms, minima and maxima) and each stat chunk's id, rows and checksum.
+        A copy made from the rows (``stats.parquet``) names the digest it was made at; rows edited
+        since give another."""
+        h = xxhash.xxh3_64()
+        h.update(repr(tuple(self._q("SELECT count(*), total(fingerprint), total(norm), total(min), total(max) "
+                                    "FROM tensors")[0])).encode())
+        for cid, n, checksum in self._stats.chunks_between(None, None):
+            h.update(f"{cid},{n},{checksum};".encode())
+        return h.hexdigest()
 
     def _series_info(self) -> dict[Any, tuple[Any, Any, Any, Any]]:
         """Series id -> (kind, name, param, key)."""
