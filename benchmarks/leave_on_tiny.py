@@ -199,9 +199,9 @@ def section(results: dict[str, Any], args: argparse.Namespace, date: str) -> str
           " *added* = median of the pair differences per step (wall; CPU of all threads). *reported* = the run's own mean "
           "`sys/recorder_ms` over the timed steps = *hooks* (`sys/recorder_hooks_ms`: wall time of the recorder's hooks "
           "on the training thread) + *threads*: the larger of *waits* (`sys/recorder_wait_ms`: the training thread "
-          "off its CPU outside the hooks, at most its threads' CPU) and the writer thread's CPU that the hooks did not "
-          "wait for already (its Python work holds the GIL: docs/performance.md); *bg* = `sys/recorder_bg_ms`, the CPU "
-          "time of all its threads (writer, appender, stats worker). "
+          "off its CPU outside the hooks, at most its threads' CPU) and its threads' CPU that the hooks did not "
+          "wait for already (their work holds the GIL or takes a core: docs/performance.md); *bg* = "
+          "`sys/recorder_bg_ms`, the CPU time of all its threads (writer, appender, stats worker). "
           f"*self-timing* passes when reported is within {SELF_TIMING:.0%} of the added wall time. "
           "`close()` (the final record, once per run) is timed apart." + took),
          "", "| workload | load | arm | wall × | spread | CPU × | ms/step arm / none | added ms (CPU) | "

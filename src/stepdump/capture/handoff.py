@@ -89,12 +89,6 @@ class WriterLink:
         """The writer's threads (its own and its appender's), for sys/recorder_bg_ms."""
         return self.writer, getattr(self.writer, "_appender", None)
 
-    @property
-    def gil_threads(self) -> tuple[threading.Thread, ...]:
-        """Of :attr:`threads`, the one whose work is Python holding the GIL (the writer's own: rows
-        described, catalog statements built), for sys/recorder_ms (profiling.BackgroundClock)."""
-        return (self.writer,)
-
     def put(self, msg: StepMessage) -> None:
         """Hand ``msg`` to the writer; return once it no longer needs the live tensors of ``msg.slot``.
         A stats-only step with nothing left to read waits for the writer's own wake-up, posted

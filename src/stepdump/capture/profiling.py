@@ -100,9 +100,9 @@ class ThreadWaits:
     The forward hooks' CPU time is not read (two syscalls per hook): their time counts as CPU
     outside the hooks, which makes the gap smaller by that much, never larger.
 
-    What no clock of the training thread sees is the GIL it loses to the writer's Python work
-    while it runs (a torch op done, the GIL to take back): :meth:`unseen` gives the part of the
-    writer's CPU time (``BackgroundClock.gil_s``) the hooks' own waits do not already hold, which
+    What no clock of the training thread sees is the GIL it loses to the recorder's threads while
+    it runs (a torch op done, the GIL to take back), and a core they take: :meth:`unseen` gives the
+    part of their CPU time (``BackgroundClock``) the hooks' own waits do not already hold, which
     ``sys/recorder_ms`` counts where it is larger than the waits outside the hooks."""
 
     def __init__(self) -> None:
@@ -126,11 +126,11 @@ class ThreadWaits:
         self.iteration, self.hooks = now, 0.0
         return min(max(0.0, off_cpu), background_s or 0.0)
 
-    def unseen(self, gil_s: float) -> float:
-        """Of ``gil_s`` (the writer's own CPU seconds in the iteration :meth:`waited` closed), what
-        the hooks' time does not hold already: a hook that waited for the writer (a full step's
-        staging slot, a future) has that wait in its wall time."""
-        return max(0.0, gil_s - self.in_hooks)
+    def unseen(self, background_s: float) -> float:
+        """Of ``background_s`` (the recorder's threads' CPU seconds in the iteration :meth:`waited`
+        closed), what the hooks' time does not hold already: a hook that waited for a recorder
+        thread (a full step's staging slot, a future) has that wait in its wall time."""
+        return max(0.0, background_s - self.in_hooks)
 
 
 def _thread_cpu_s(thread: threading.Thread) -> float | None:
@@ -170,48 +170,33 @@ class _ThreadClocks:
 
 class BackgroundClock:
     """CPU time of the recorder's background threads (writer, appender, stats worker) between
-    two readings: ``sys/recorder_bg_ms``, and of it, the part of the threads ``gil_bound`` names
-    (:attr:`gil_s`: the writer's own thread, whose work is Python that holds the GIL).
+    two readings: ``sys/recorder_bg_ms``, and what ``sys/recorder_ms`` counts beside the hooks
+    (``ThreadWaits.unseen``).
 
-    What the threads' CPU costs the training thread depends on the machine and on the work: none
-    where a core is idle for them and their work lets the GIL go (torch reductions, xxh3, file
-    writes: the stats worker, the appender); all of it where no core is idle, or where the work
-    holds the GIL (describing rows, building catalog statements: the writer), which the training
-    thread must take back after every torch op. ``sys/recorder_ms`` therefore counts
-    ``max(waits, gil_s)`` beside the hooks (``ThreadWaits``: the waits it sees)."""
+    Their CPU is training time wherever no core is idle for them, and where their work holds the
+    GIL (describing rows, building catalog statements), which the training thread must take back
+    after every torch op; measured on the shared 2-core machine it came out of the training's wall
+    time about one for one even with the second core nominally free (docs/design-measurements.md).
+    Where a core is truly idle for GIL-free work (torch reductions, xxh3, file writes on a large
+    model) it runs beside training, and counting it overstates the cost."""
 
     def __init__(self, threads: Callable[[], Iterable[threading.Thread | None]],
-                 cpu: Callable[[threading.Thread], float | None] | None = None,
-                 gil_bound: Iterable[threading.Thread | None] = ()) -> None:
-        """``threads``: the threads to read now (some start later); ``gil_bound``: those of them whose
-        share is :attr:`gil_s` (threads that exist already: they are known by identity)."""
+                 cpu: Callable[[threading.Thread], float | None] | None = None) -> None:
         self._threads, self._cpu = threads, cpu if cpu is not None else _ThreadClocks()
-        # Kept with their ids, so that an id is not reused for another thread while it is named here.
-        self._gil_bound = [th for th in gil_bound if th is not None]
-        self._gil_ids = frozenset(map(id, self._gil_bound))
         self._last: dict[int, float] = {}  # id(thread) -> its CPU seconds at the last reading
-        self.gil_s = 0.0  # of the last take(): the CPU seconds of the gil_bound threads
         self.take()
 
     def take(self) -> float:
         """CPU seconds the threads used since the last call (a thread that ended since is not
-        counted for its last stretch; a new one from its start); :attr:`gil_s` their share of it."""
-        total = gil = 0.0
-        now: dict[int, float] = {}
-        last, gil_ids = self._last, self._gil_ids
+        counted for its last stretch; a new one from its start)."""
+        total, now = 0.0, {}
         for th in self._threads():
             if th is None:
                 continue
             s = self._cpu(th)
             if s is None:
                 continue
-            key = id(th)
-            now[key] = s
-            d = s - last.get(key, 0.0)
-            if d > 0.0:
-                total += d
-                if key in gil_ids:
-                    gil += d
+            now[id(th)] = s
+            total += max(0.0, s - self._last.get(id(th), 0.0))
         self._last = now
-        self.gil_s = gil
         return total

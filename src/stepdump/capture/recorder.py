@@ -364,9 +364,7 @@ class Recorder:
         self._target.start(lambda: self._link.steps_written)
         self._overhead, self._iter_start = 0.0, time.perf_counter()
         # sys/recorder_bg_ms: CPU time of the recorder's own threads in each iteration (profiling.py)
-        # (of it, the writer's own thread, whose Python work holds the GIL: sys/recorder_ms counts it)
-        self._bg = BackgroundClock(lambda: (*self._link.threads, *self._lean.threads),
-                                   gil_bound=self._link.gil_threads)
+        self._bg = BackgroundClock(lambda: (*self._link.threads, *self._lean.threads))
         # The training thread's waits on those threads outside the hooks (profiling.ThreadWaits)
         self._waits = ThreadWaits() if self.options.record.profile else None
         self._modules = ModuleCapture(self.model, self.kinds, list(rec.modules or "*"),
@@ -696,7 +694,7 @@ class Recorder:
             bg = self._bg.take()
             waited = self._waits.waited(started - self._iter_start, self._overhead, bg, cpu)
             profile_scalars(self._user.pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
-                            self._device, bg, waited, self._waits.unseen(self._bg.gil_s))
+                            self._device, bg, waited, self._waits.unseen(bg))
         self._final.rng.take()  # the RNG right after this update: a final record's, if it is the last
         self._step += 1
         self._user.after_update = True

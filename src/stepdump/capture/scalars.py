@@ -59,20 +59,19 @@ def auto_scalars(slot: dict[str, Any], optimizer: torch.optim.Optimizer, scaler:
 
 
 def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, device: torch.device,
-                    background_s: float | None = None, waited_s: float = 0.0, gil_s: float = 0.0) -> None:
+                    background_s: float | None = None, waited_s: float = 0.0, unseen_s: float = 0.0) -> None:
     """Iteration wall time; the recorder's cost to it (``sys/recorder_ms``): the wall time of every
     hook it runs on the training thread, the optimizer's and the forward's (``overhead_s``, said
     apart as ``sys/recorder_hooks_ms``), plus what its threads took from that thread outside the
     hooks: the larger of ``waited_s`` (the time the thread was seen waiting off its CPU, at most
-    their CPU time: profiling.ThreadWaits; said apart as ``sys/recorder_wait_ms``) and ``gil_s``
-    (the CPU time of the writer's own thread, whose Python work holds the GIL the training thread
-    takes back after every torch op, less what the hooks' own time holds of it:
-    profiling.ThreadWaits.unseen); the CPU time of all its threads (``sys/recorder_bg_ms``); peak
-    memory."""
+    their CPU time: profiling.ThreadWaits; said apart as ``sys/recorder_wait_ms``) and ``unseen_s``
+    (their CPU time, less what the hooks' own time holds of it: ThreadWaits.unseen; it holds the
+    GIL the training thread takes back after every torch op, or a core it would run on); the CPU
+    time of all its threads (``sys/recorder_bg_ms``); peak memory."""
     from stepdump.capture.profiling import peak_memory_mb
 
     slot["sys/iter_ms"] = iter_s * 1000
-    slot["sys/recorder_ms"] = (overhead_s + max(waited_s, gil_s)) * 1000
+    slot["sys/recorder_ms"] = (overhead_s + max(waited_s, unseen_s)) * 1000
     slot["sys/recorder_hooks_ms"] = overhead_s * 1000
     slot["sys/recorder_wait_ms"] = waited_s * 1000
     if background_s is not None:
