@@ -32,6 +32,7 @@ import math
 import sqlite3
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -151,6 +152,9 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
             raise RuntimeError(f"the template has steps {run.all_steps}, final_step {final}: not what synth_run copies")
     names = tensor_names(tensors)
     stats_file.remove(path)
+    if chunks:
+        _synth_chunks(path, names, steps, template, spike, nan_step)
+        return path
     from_chunks(path)  # the generation below copies and writes tensors rows
     con = sqlite3.connect(catalog_path(path), isolation_level=None)
     try:
@@ -216,9 +220,100 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
         con.execute(f"PRAGMA journal_mode={mode}")
     finally:
         con.close()
-    if chunks:
-        to_chunks(path)
     return path
+
+
+# Steps a generated stat chunk holds (a recording's commit window holds a few to a few hundred).
+CHUNK_STEPS = 64
+
+
+def _hash(step: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """_HASH in numpy: the same integer arithmetic (int64), the same division."""
+    return ((step * 1103515245 + j * 2654435 + 12345) % 1000003) / 1000003.0
+
+
+def _synth_chunks(path: Path, names: list[str], steps: int, template: int, spike: int | None,
+                  nan_step: int | None) -> None:
+    """synth_run's generated steps written as a recording writes them: the stats-only rows as stat
+    chunks of CHUNK_STEPS steps (numpy columns, _GRADS' and _PARAMS' arithmetic), the steps and
+    scalars rows by SQL as in the row layout, the final record moved to step ``steps``."""
+    from stepdump.store import stat_chunk
+    from stepdump.store.queries import CatalogReader
+
+    model = template - 1
+    reader = CatalogReader(path)
+    try:
+        a = reader.stat_arrays(None, None, model)
+        info = {i: (k, n) for i, k, n in reader.matching_series(None, None)}
+        if reader.fingerprint_block(template, template) and any(
+                r.blob is None for r in reader.fingerprint_block(template, template)):
+            raise RuntimeError("the template's final record has stats-only rows: not what synth_run moves")
+    finally:
+        reader.close()
+    index = {n: j for j, n in enumerate(names)}
+    keep = np.asarray([info[int(i)][0] in ("params", "grads") for i in a.series.tolist()], dtype=bool)
+    a = a.take(keep)
+    sid = a.series
+    j = np.asarray([index[info[int(i)][1]] for i in sid.tolist()], dtype=np.int64)
+    grad = np.asarray([info[int(i)][0] == "grads" for i in sid.tolist()], dtype=bool)
+    numel = a.stats["numel"].astype(np.float64)
+    far = -1
+    spike_at = far if spike is None or spike < template else spike
+    nan_at = far if nan_step is None or nan_step < template else nan_step
+    rng = np.random.default_rng(0)
+    con = sqlite3.connect(catalog_path(path), isolation_level=None)
+    try:
+        mode = con.execute("PRAGMA journal_mode").fetchone()[0]
+        con.execute("PRAGMA journal_mode=OFF")  # a scratch store, as the row layout's generation
+        con.execute("PRAGMA synchronous=OFF")
+        con.execute("BEGIN")
+        for table in ("steps", "tensors", "scalars"):  # the final step ends the run
+            con.execute(f"UPDATE {table} SET step = ? WHERE step = ?", (steps, template))  # noqa: S608 - fixed names
+        k = len(sid)
+        for first in range(template, steps, CHUNK_STEPS):
+            st = np.arange(first, min(first + CHUNK_STEPS, steps), dtype=np.int64)
+            s_col, j_col = np.repeat(st, k), np.tile(j, len(st))
+            g_col, n_col = np.tile(grad, len(st)), np.tile(numel, len(st))
+            h = _hash(s_col, j_col)
+            sd = 0.01 * (1 + (s_col + j_col) % 7) * (0.8 + 0.4 * h)
+            mean_g = sd * 0.4 * (h - 0.5)
+            spiked = (s_col == spike_at) & (j_col == 0)
+            f = 1 - 1e-6 * (s_col - template) + 1e-5 * h
+            tile = {c: np.tile(a.stats[c], len(st)) for c in ("min", "max", "mean", "std", "norm")}
+            floats = np.stack([
+                np.where(g_col, mean_g - 2.5 * sd, tile["min"] * f),
+                np.where(g_col, np.where(spiked, SPIKE_MAX, mean_g + 2.5 * sd), tile["max"] * f),
+                np.where(g_col, mean_g, tile["mean"] * f),
+                np.where(g_col, sd, tile["std"] * f),
+                np.where(g_col, np.where(spiked, np.sqrt(n_col * (sd * sd + mean_g * mean_g) + SPIKE_MAX * SPIKE_MAX),
+                                         np.sqrt(n_col * (sd * sd + mean_g * mean_g))), tile["norm"] * f),
+                np.zeros(len(s_col))])
+            counts = np.zeros((4, len(s_col)), dtype=np.int64)
+            counts[0] = np.tile(a.stats["numel"], len(st))
+            counts[1] = g_col & (s_col == nan_at) & (j_col == 1 % len(names))
+            rows = stat_chunk.StatArrays(
+                np.tile(sid, len(st)), s_col, rng.integers(-(2**63), 2**63 - 1, len(s_col), dtype=np.int64),
+                np.full(len(s_col), -1, np.int64), np.tile(a.dtype, len(st)), np.tile(a.shape, len(st)),
+                {**dict(zip(stat_chunk.COUNT_STATS, counts, strict=True)),
+                 **dict(zip(stat_chunk.FLOAT_STATS, floats, strict=True))})
+            data = stat_chunk.encode_arrays(rows)
+            con.execute("INSERT INTO stat_chunks(first_step, last_step, rows, checksum, data) VALUES (?, ?, ?, ?, ?)",
+                        (int(st[0]), int(st[-1]), len(s_col), stat_chunk.checksum(data), data))
+        level, t0 = con.execute("SELECT level, time FROM steps WHERE step = ?", (model,)).fetchone()
+        con.execute("INSERT INTO steps(step, level, skipped, time, state) WITH RECURSIVE c(value) AS (SELECT ?5 "
+                    "UNION ALL SELECT value + 1 FROM c WHERE value < ?6) SELECT value, ?1, 0, ?2 + (value - ?3) * ?4, "
+                    "NULL FROM c", (level, t0, model, STEP_S, template, steps - 1))
+        con.execute("UPDATE steps SET time = ? WHERE step = ?", (t0 + (steps - model) * STEP_S, steps))
+        con.execute("INSERT INTO scalars(step, name, value) WITH RECURSIVE c(s) AS (SELECT ? UNION ALL SELECT s + 1 "
+                    "FROM c WHERE s + 1 < ?) SELECT c.s, m.name, CASE WHEN m.name != 'loss' THEN m.value "
+                    "WHEN c.s = ? THEN NULL ELSE 1.0 / (1 + c.s) END FROM (SELECT name, value FROM scalars "
+                    "WHERE step = ?) m CROSS JOIN c ORDER BY m.name, c.s", (template, steps, nan_at, model))
+        con.execute("UPDATE meta SET value = ? WHERE key = 'final_step'", (str(steps),))
+        con.execute("UPDATE meta SET value = 'null' WHERE key = ?", (stats_file.META_KEY,))
+        con.execute("COMMIT")
+        con.execute(f"PRAGMA journal_mode={mode}")
+    finally:
+        con.close()
 
 
 def from_chunks(path: Path) -> None:

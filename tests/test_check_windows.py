@@ -183,6 +183,7 @@ def test_check_memory_does_not_grow_with_steps_times_tensors(synth: dict[int, Pa
     # and 512 steps (growth -0.2 to +0.2 MB, the per-step series and allocator noise).
     assert whole - peak[LONG] > 250 * rows, (whole, peak)  # what reading the whole frame costs
     # Per added step the windowed check may keep its per-step series (scalars, the global grad norm,
-    # one tensor's history): measured 0.6-0.9 KB a step here, where the whole frame takes ~6 KB a
-    # step (16 rows): the bound sits between, and does not grow with the tensors.
-    assert peak[LONG] - peak[SHORT] < 1200 * (LONG - SHORT), (peak, whole)
+    # one tensor's history): measured 0.6-1.3 KB a step here (the short run's peak is the lower the
+    # less a window's decoding holds), where the whole frame takes ~6 KB a step (16 rows): the bound
+    # sits between, and does not grow with the tensors.
+    assert peak[LONG] - peak[SHORT] < 2000 * (LONG - SHORT), (peak, whole)

@@ -199,7 +199,8 @@ class CatalogReader:
         if not self._stats.present():
             return queries_stats.merged(table, [], columns)
         ids = np.asarray(self._ints(f"SELECT s.id FROM series s WHERE {swhere}", sargs), dtype=np.int64)
-        return queries_stats.merged(table, self._stats.chunk_rows(ids, queries_stats.StepSelect(steps)), columns)
+        return queries_stats.merged(table, self._stats.chunk_rows(ids, queries_stats.StepSelect(steps), columns),
+                                   columns)
 
     def check_stat_chunks(self) -> tuple[int, list[tuple[str, str]]]:
         """Every stat chunk read and decoded: (chunks checked, [(chunk, what is wrong)])."""

@@ -121,13 +121,17 @@ class StatSource:
             out.append((cid, n, checksum))
         return out
 
-    def chunk(self, cid: int, rows: int, checksum: int) -> StatArrays:
-        """Chunk ``cid`` decoded with every stat column, its checksum checked (cached)."""
+    def chunk(self, cid: int, rows: int, checksum: int, columns: Sequence[str] = ALL_STATS) -> StatArrays:
+        """Chunk ``cid`` decoded with (at least) the stat ``columns``, its checksum checked (cached;
+        a column asked for later is decoded then, with those the cache holds)."""
         key = (cid, checksum)
         got = self._cache.get(key)
-        if got is not None:
+        if got is not None and all(c in got.stats for c in columns):
             self._cache.move_to_end(key)
             return got
+        if got is not None:
+            columns = tuple(dict.fromkeys([*got.stats, *columns]))
+            self._cached_bytes -= self._cache.pop(key).nbytes
         what = f"stat chunk {cid} of {self._where}"
         data = self._q(f"SELECT data FROM {STAT_CHUNKS_TABLE} WHERE id = ?", (cid,))  # noqa: S608
         if not data or not isinstance(data[0][0], bytes):
@@ -136,7 +140,7 @@ class StatSource:
         if stat_chunk.checksum(blob) != checksum:
             raise CorruptDataError(f"{what} does not match its checksum: its stats are damaged. `stepdump verify` "
                                    "lists the damage; the run's other records are unaffected")
-        arrays = stat_chunk.decode(blob, rows, ALL_STATS, what)
+        arrays = stat_chunk.decode(blob, rows, columns, what)
         self._cache[key] = arrays
         self._cached_bytes += arrays.nbytes
         while self._cached_bytes > CACHE_BYTES and len(self._cache) > 1:
@@ -172,13 +176,15 @@ class StatSource:
             out.append((spans[-1][1] + 1 if spans else t_lo, t_hi))  # type: ignore[arg-type]
         return out
 
-    def chunk_rows(self, series: np.ndarray | None, steps: StepSelect) -> list[StatArrays]:
-        """The chunk rows of ``series`` (None: every series) at ``steps``, chunk by chunk in commit order."""
+    def chunk_rows(self, series: np.ndarray | None, steps: StepSelect,
+                   columns: Sequence[str] = ALL_STATS) -> list[StatArrays]:
+        """The chunk rows of ``series`` (None: every series) at ``steps``, with (at least) stat
+        ``columns``, chunk by chunk in commit order."""
         if steps.none:
             return []
         out = []
         for cid, n, checksum in self.chunks_between(steps.lo, steps.hi):
-            a = self.chunk(cid, n, checksum)
+            a = self.chunk(cid, n, checksum, columns)
             m = steps.mask(a.step)
             if series is not None:
                 s = np.isin(a.series, series)
@@ -229,16 +235,16 @@ def merged(table: StatArrays, chunks: list[StatArrays], columns: Sequence[str]) 
     rows = StatArrays.concat(parts, columns)
     if not len(rows):
         return rows
+    st, se = rows.step, rows.series
+    if np.all((st[1:] > st[:-1]) | ((st[1:] == st[:-1]) & (se[1:] > se[:-1]))):
+        return rows  # in order already, each (series, step) once (a chunk as the writer wrote it): as it is
     # priority: 0 for the table, then later chunks before earlier ones
     prio = np.concatenate([np.full(len(p), 0 if i == 0 else len(parts) - i, np.int64) for i, p in enumerate(parts)])
-    order = np.lexsort((prio, rows.series, rows.step))
-    rows = rows.take(order)
-    if len(parts) > 1:
-        keep = np.ones(len(rows), bool)
-        keep[1:] = (rows.step[1:] != rows.step[:-1]) | (rows.series[1:] != rows.series[:-1])
-        if not keep.all():
-            rows = rows.take(keep)
-    return rows
+    rows = rows.take(np.lexsort((prio, rows.series, rows.step)))
+    # one row per (series, step), whatever the sources (a damaged chunk may repeat one): the first
+    keep = np.ones(len(rows), bool)
+    keep[1:] = (rows.step[1:] != rows.step[:-1]) | (rows.series[1:] != rows.series[:-1])
+    return rows if keep.all() else rows.take(keep)
 
 
 def py_rows(rows: StatArrays, columns: Sequence[str]) -> list[list[Any]]:
