@@ -385,9 +385,11 @@ class Run:
 
     def profile(self, steps: StepRange = None) -> pd.DataFrame:
         """Per-step ``sys/iter_ms`` (iteration wall time), ``sys/recorder_ms`` (what the recorder
-        cost the training thread: its hooks, and ``sys/recorder_wait_ms``, the thread's waits on the
-        recorder's threads outside them), ``sys/recorder_bg_ms`` (those threads' CPU time) and
-        ``sys/peak_mem_mb`` (docs/performance.md)."""
+        cost the iteration: ``sys/recorder_hooks_ms``, its hooks' wall time, plus the larger of
+        ``sys/recorder_wait_ms``, the training thread's waits on the recorder's threads outside the
+        hooks, and the recorder threads' CPU time, less what the hooks' time holds of it already),
+        ``sys/recorder_bg_ms`` (those threads' CPU time) and ``sys/peak_mem_mb``
+        (docs/performance.md, "The pipeline")."""
         return self.scalars(names="sys/*", steps=steps)
 
     def stats(self, kind: str | None = None, name: str | None = None, steps: StepRange = None, *,
