@@ -180,9 +180,7 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
                            "WHERE t.step = ? AND s.kind IN ('params', 'grads')", (model,)).fetchall()
         con.executemany("INSERT INTO tpl VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         [(sid, index[n], *rest) for sid, n, *rest in rows])
-        con.execute("CREATE TEMP TABLE st(step INTEGER PRIMARY KEY)")
-        con.execute("INSERT INTO st WITH RECURSIVE c(s) AS (SELECT ? UNION ALL SELECT s + 1 FROM c WHERE s + 1 < ?) "
-                    "SELECT s FROM c", (template, steps))
+        _step_table(con, template, steps)
         far = -1  # a step that is never written: no spike / no NaN
         args = {"spike": far if spike is None or spike < template else spike, "spike_max": SPIKE_MAX,
                 "nan_step": far if nan_step is None or nan_step < template else nan_step,
@@ -202,25 +200,38 @@ def synth_run(path: str | Path, tensors: int, steps: int, *, spike: int | None =
             con.execute("INSERT INTO tensors SELECT * FROM old WHERE series = ? AND step >= ? ORDER BY step", (sid, template))
         con.execute("DROP TABLE old")
         con.execute(index_sql)
-        # steps: level and skipped of the model step, no state (a lean step has none), 0.05 s apart
-        level, t0 = con.execute("SELECT level, time FROM steps WHERE step = ?", (model,)).fetchone()
-        con.execute("INSERT INTO steps(step, level, skipped, time, state) SELECT step, ?, 0, ? + (step - ?) * ?, "
-                    "NULL FROM st", (level, t0, model, STEP_S))
-        con.execute("UPDATE steps SET time = ? WHERE step = ?", (t0 + (steps - model) * STEP_S, steps))
-        # scalars: the model step's, loss = 1 / (1 + step) (NULL, a logged NaN, at nan_step)
-        con.execute("INSERT INTO scalars(step, name, value) SELECT st.step, c.name, CASE WHEN c.name != 'loss' "
-                    "THEN c.value WHEN st.step = ? THEN NULL ELSE 1.0 / (1 + st.step) END "
-                    "FROM (SELECT name, value FROM scalars WHERE step = ?) c CROSS JOIN st ORDER BY c.name, st.step",
-                    (args["nan_step"], model))
-        con.execute("UPDATE meta SET value = ? WHERE key = 'final_step'", (str(steps),))
-        # The template's stats.parquet covers its steps only: gone, as a resumed recording drops it
-        # (`stepdump export-stats` builds the file from the catalog).
-        con.execute("UPDATE meta SET value = 'null' WHERE key = ?", (stats_file.META_KEY,))
+        _steps_and_scalars(con, model, steps, args["nan_step"])
         con.execute("COMMIT")
         con.execute(f"PRAGMA journal_mode={mode}")
     finally:
         con.close()
     return path
+
+
+def _steps_and_scalars(con: sqlite3.Connection, model: int, steps: int, nan_at: int) -> None:
+    """The generated steps' ``steps`` and ``scalars`` rows (the steps in the temp table ``st``), the
+    final step's time and ``meta`` moved to ``steps``, the template's stats.parquet record gone."""
+    # steps: level and skipped of the model step, no state (a lean step has none), 0.05 s apart
+    level, t0 = con.execute("SELECT level, time FROM steps WHERE step = ?", (model,)).fetchone()
+    con.execute("INSERT INTO steps(step, level, skipped, time, state) SELECT step, ?, 0, ? + (step - ?) * ?, "
+                "NULL FROM st", (level, t0, model, STEP_S))
+    con.execute("UPDATE steps SET time = ? WHERE step = ?", (t0 + (steps - model) * STEP_S, steps))
+    # scalars: the model step's, loss = 1 / (1 + step) (NULL, a logged NaN, at nan_step)
+    con.execute("INSERT INTO scalars(step, name, value) SELECT st.step, c.name, CASE WHEN c.name != 'loss' "
+                "THEN c.value WHEN st.step = ? THEN NULL ELSE 1.0 / (1 + st.step) END "
+                "FROM (SELECT name, value FROM scalars WHERE step = ?) c CROSS JOIN st ORDER BY c.name, st.step",
+                (nan_at, model))
+    con.execute("UPDATE meta SET value = ? WHERE key = 'final_step'", (str(steps),))
+    # The template's stats.parquet covers its steps only: gone, as a resumed recording drops it
+    # (`stepdump export-stats` builds the file from the catalog).
+    con.execute("UPDATE meta SET value = 'null' WHERE key = ?", (stats_file.META_KEY,))
+
+
+def _step_table(con: sqlite3.Connection, first: int, steps: int) -> None:
+    """The temp table ``st`` of the steps ``first .. steps - 1`` to generate."""
+    con.execute("CREATE TEMP TABLE st(step INTEGER PRIMARY KEY)")
+    con.execute("INSERT INTO st WITH RECURSIVE c(s) AS (SELECT ? UNION ALL SELECT s + 1 FROM c WHERE s + 1 < ?) "
+                "SELECT s FROM c", (first, steps))
 
 
 # Steps a generated stat chunk holds (a recording's commit window holds a few to a few hundred).
@@ -299,17 +310,8 @@ def _synth_chunks(path: Path, names: list[str], steps: int, template: int, spike
             data = stat_chunk.encode_arrays(rows)
             con.execute("INSERT INTO stat_chunks(first_step, last_step, rows, checksum, data) VALUES (?, ?, ?, ?, ?)",
                         (int(st[0]), int(st[-1]), len(s_col), stat_chunk.checksum(data), data))
-        level, t0 = con.execute("SELECT level, time FROM steps WHERE step = ?", (model,)).fetchone()
-        con.execute("INSERT INTO steps(step, level, skipped, time, state) WITH RECURSIVE c(value) AS (SELECT ?5 "
-                    "UNION ALL SELECT value + 1 FROM c WHERE value < ?6) SELECT value, ?1, 0, ?2 + (value - ?3) * ?4, "
-                    "NULL FROM c", (level, t0, model, STEP_S, template, steps - 1))
-        con.execute("UPDATE steps SET time = ? WHERE step = ?", (t0 + (steps - model) * STEP_S, steps))
-        con.execute("INSERT INTO scalars(step, name, value) WITH RECURSIVE c(s) AS (SELECT ? UNION ALL SELECT s + 1 "
-                    "FROM c WHERE s + 1 < ?) SELECT c.s, m.name, CASE WHEN m.name != 'loss' THEN m.value "
-                    "WHEN c.s = ? THEN NULL ELSE 1.0 / (1 + c.s) END FROM (SELECT name, value FROM scalars "
-                    "WHERE step = ?) m CROSS JOIN c ORDER BY m.name, c.s", (template, steps, nan_at, model))
-        con.execute("UPDATE meta SET value = ? WHERE key = 'final_step'", (str(steps),))
-        con.execute("UPDATE meta SET value = 'null' WHERE key = ?", (stats_file.META_KEY,))
+        _step_table(con, template, steps)
+        _steps_and_scalars(con, model, steps, nan_at)
         con.execute("COMMIT")
         con.execute(f"PRAGMA journal_mode={mode}")
     finally:
