@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from neighbour import busy, default_neighbours  # noqa: E402
 from workloads import Workload  # noqa: E402
-from workloads_tiny import TINY  # noqa: E402
+from workloads_tiny import TINY, segment_steps  # noqa: E402
 
 LEAN: dict[str, Any] = {"every": None, "stats_every": 1}
 GRADLOG: dict[str, Any] = {"gradient_log": 32}
@@ -96,12 +96,7 @@ def segment(w: Workload, arm: str, out: Path, steps: int, dropped: DroppedWriter
 
 def bench(name: str, load: str, args: argparse.Namespace, dropped: DroppedWriter) -> dict[str, Any]:
     w = TINY[name]()
-    for _ in range(5):
-        w.step(None)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        w.step(None)
-    steps = max(30, int(args.min_segment / ((time.perf_counter() - t0) / 5)))
+    steps = segment_steps(w, 30, args.min_segment)
     arms = list(ARMS)
     got: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
     with busy(args.neighbours if load == "busy" else 0) as used:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from neighbour import busy, default_neighbours  # noqa: E402
 from workloads import Workload  # noqa: E402
-from workloads_tiny import TINY  # noqa: E402
+from workloads_tiny import TINY, segment_steps  # noqa: E402
 
 MARKER = "\n## Leave it on, small steps (issue 25)"
 ARMS: dict[str, dict[str, Any] | None] = {
@@ -157,15 +157,9 @@ def stats(a: dict[str, list[float]]) -> dict[str, Any]:
 
 def bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
     w = TINY[name]()
-    for _ in range(5):
-        w.step(None)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        w.step(None)
-    # A segment lasts at least MIN_SEGMENT_S: the writer commits (and takes its mail) about once a
-    # COMMIT_WINDOW, and what a segment's last window leaves is written by close(), timed apart;
-    # 30 steps of a 4 ms loop are one window, whose writer work would all land there.
-    steps = max(args.steps, math.ceil(args.min_segment / ((time.perf_counter() - t0) / 5)))
+    # A segment lasts at least MIN_SEGMENT_S: 30 steps of a 4 ms loop are one commit window, whose
+    # writer work would all land in close(), timed apart.
+    steps = segment_steps(w, args.steps, args.min_segment)
     res: dict[str, Any] = {"title": w.title, "steps": steps, "loads": {}}
     for load in args.loads:
         with busy(args.neighbours if load == "busy" else 0) as used:

@@ -327,12 +327,9 @@ def from_chunks(path: Path) -> None:
         if not con.execute("SELECT 1 FROM sqlite_master WHERE name = 'stat_chunks'").fetchall():
             return
         con.execute("BEGIN")
-        order = ("numel", "nan", "posinf", "neginf", "min", "max", "mean", "std", "norm", "zero_frac")
         for cid, n, data in con.execute("SELECT id, rows, data FROM stat_chunks").fetchall():
-            a = stat_chunk.decode(data, n, order, f"chunk {cid}")
-            con.executemany("INSERT INTO tensors VALUES (?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            zip(a.series.tolist(), a.step.tolist(), a.dtype.tolist(), a.shape.tolist(),
-                                *stat_chunk.row_values(a, order), a.fingerprint.tolist(), strict=True))
+            con.executemany(f"INSERT INTO tensors VALUES ({', '.join('?' * 16)})",
+                            stat_chunk.tensor_rows(stat_chunk.decode(data, n, stat_chunk.STAT_COLUMNS, f"chunk {cid}")))
         con.execute("DELETE FROM stat_chunks")
         con.execute("COMMIT")
     finally:

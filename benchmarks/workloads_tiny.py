@@ -14,6 +14,7 @@ Each returns a :class:`workloads.Workload` (``step(hook)``: one optimizer step).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -150,3 +151,15 @@ TINY: dict[str, Callable[[], Workload]] = {
     "tiny-encode": lambda: nanogpt_tiny(entry="encode"),
     "rl": rl_small,
 }
+
+
+def segment_steps(w: Workload, least: int, min_seconds: float) -> int:
+    """Steps of ``w`` a timed segment takes: at least ``least``, and at least ``min_seconds`` at the
+    speed of five steps timed after five to warm up (the writer commits about once a COMMIT_WINDOW:
+    a segment shorter than a few windows would leave its writer work to close(), timed apart)."""
+    for _ in range(5):
+        w.step(None)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        w.step(None)
+    return max(least, math.ceil(min_seconds / ((time.perf_counter() - t0) / 5)))

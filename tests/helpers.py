@@ -343,6 +343,17 @@ def catalog_sql(run_dir: Any, sql: str, args: Any = ()) -> list[Any]:
         con.close()
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal values, NaN (numpy frame) matching None (SQL / Arrow null), floats bit for bit."""
+    import math
+
+    if a is None or (isinstance(a, float) and math.isnan(a)):
+        return b is None or (isinstance(b, float) and math.isnan(b))
+    if isinstance(a, float):
+        return isinstance(b, float) and a.hex() == b.hex()
+    return bool(a == b)
+
+
 def delete_tensor_rows(run_dir: Any, where: str, args: Any = ()) -> int:
     """``DELETE FROM tensors WHERE <where>`` over every row a run recorded (:func:`rewrite_tensor_rows`):
     how a test plants a missing row. Returns the rows deleted."""
@@ -406,14 +417,9 @@ def _chunk_rows_as_tensors(con: Any) -> None:
     if not con.execute("SELECT 1 FROM sqlite_master WHERE name = 'stat_chunks'").fetchall():
         return
     con.execute("CREATE TEMP TABLE tensors AS SELECT * FROM main.tensors")
-    cols = stat_chunk.COUNT_STATS + stat_chunk.FLOAT_STATS
-    order = ["numel", "nan", "posinf", "neginf", "min", "max", "mean", "std", "norm", "zero_frac"]
     for cid, n, data in con.execute("SELECT id, rows, data FROM main.stat_chunks ORDER BY id").fetchall():
-        a = stat_chunk.decode(data, n, cols, f"chunk {cid}")
-        values = stat_chunk.row_values(a, order)
-        con.executemany("INSERT INTO temp.tensors VALUES (?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        zip(a.series.tolist(), a.step.tolist(), a.dtype.tolist(), a.shape.tolist(), *values,
-                            a.fingerprint.tolist(), strict=True))
+        con.executemany(f"INSERT INTO temp.tensors VALUES ({', '.join('?' * 16)})",
+                        stat_chunk.tensor_rows(stat_chunk.decode(data, n, stat_chunk.STAT_COLUMNS, f"chunk {cid}")))
 
 
 def sigkill_child_when(script: Path, args: Iterable[Any], log_path: Path, ready: Callable[[], bool],

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import record_run
+from helpers import record_run, same_value
 from torch import nn
 
 import stepdump
@@ -46,13 +46,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {k: Path(v) for k, v in out.items()}
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal values, NaN (numpy frame) matching None (Arrow null), floats bit for bit."""
-    if a is None or (isinstance(a, float) and math.isnan(a)):
-        return b is None or (isinstance(b, float) and math.isnan(b))
-    if isinstance(a, float):
-        return isinstance(b, float) and a.hex() == b.hex()
-    return bool(a == b)
 
 
 def assert_table_is_frame(table: pa.Table, df: pd.DataFrame) -> None:
@@ -65,7 +58,7 @@ def assert_table_is_frame(table: pa.Table, df: pd.DataFrame) -> None:
     got.sort(key=lambda r: tuple(r[k] for k in keys))
     want.sort(key=lambda r: tuple(r[k] for k in keys))
     for g, w in zip(got, want, strict=True):
-        bad = [c for c in df.columns if not _same(w[c], g[c])]
+        bad = [c for c in df.columns if not same_value(w[c], g[c])]
         assert not bad, (bad, g, w)
 
 

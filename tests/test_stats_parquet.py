@@ -13,7 +13,6 @@ while it is what close() wrote for the run as it is (core/stats_file.py, FORMAT.
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import duckdb
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from helpers import record_run, rewrite_tensor_rows
+from helpers import record_run, rewrite_tensor_rows, same_value
 
 import stepdump
 from stepdump.core import stats_file
@@ -44,13 +43,6 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_ranks(tmp_path_factory.mktemp("pq") / "ranks", 3, steps=3, recorded=2)
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal values, NaN (numpy frame) matching None (SQL / Arrow null), floats bit for bit."""
-    if a is None or (isinstance(a, float) and math.isnan(a)):
-        return b is None or (isinstance(b, float) and math.isnan(b))
-    if isinstance(a, float):
-        return isinstance(b, float) and a.hex() == b.hex()
-    return bool(a == b)
 
 
 def _assert_rows_equal(got: list[dict[str, Any]], df: pd.DataFrame, keys: tuple[str, ...]) -> None:
@@ -59,7 +51,7 @@ def _assert_rows_equal(got: list[dict[str, Any]], df: pd.DataFrame, keys: tuple[
     got = sorted(got, key=lambda r: tuple(r[k] for k in keys))
     want = sorted(want, key=lambda r: tuple(r[k] for k in keys))
     for g, w in zip(got, want, strict=True):
-        bad = [c for c in df.columns if not _same(w[c], g[c])]
+        bad = [c for c in df.columns if not same_value(w[c], g[c])]
         assert not bad, (bad, g, w)
 
 

@@ -275,6 +275,14 @@ def decode(data: bytes | memoryview, rows: int, columns: Sequence[str], what: st
     return StatArrays(series, step, fp, np.full(rows, -1, np.int64), dt, sh, stats)
 
 
+def tensor_rows(arrays: StatArrays) -> list[tuple[Any, ...]]:
+    """``arrays`` (with every stat column) as ``tensors`` rows: ``(series, step, dtype, shape, blob,
+    *stats, fingerprint)`` with NULL as None (a chunk's rows put back in the row layout)."""
+    blobs = [None if b < 0 else b for b in arrays.blob.tolist()]
+    return list(zip(arrays.series.tolist(), arrays.step.tolist(), arrays.dtype.tolist(), arrays.shape.tolist(),
+                    blobs, *row_values(arrays, STAT_COLUMNS), arrays.fingerprint.tolist(), strict=True))
+
+
 def row_values(arrays: StatArrays, columns: Sequence[str]) -> list[list[Any]]:
     """The stat ``columns`` of ``arrays`` as Python values, NULL as None (as SQLite gives them)."""
     out = []
