@@ -185,7 +185,8 @@ def test_profiler_sees_recorder_ranges_and_sys_scalars(tmp_path):
     assert list(prof_df.index) == [0, 1, 2, 3]
     assert prof_df.loc[3, ["sys/iter_ms", "sys/recorder_ms", "sys/peak_mem_mb"]].isna().all()
     prof_df = prof_df.loc[[0, 1, 2]]
-    assert (prof_df["sys/iter_ms"] > prof_df["sys/recorder_ms"]).all()
+    # what the recorder cost an iteration is part of it (its threads' CPU on another core is capped there)
+    assert (prof_df["sys/iter_ms"] >= prof_df["sys/recorder_ms"]).all()
     assert (prof_df["sys/recorder_ms"] > 0).all() and (prof_df["sys/peak_mem_mb"] > 10).all()
     assert "sys/iter_ms" not in stepdump.open(tmp_path / "r").scalars().columns
 
