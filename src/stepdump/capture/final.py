@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +31,16 @@ from stepdump.store.format import LEVEL_FULL
 
 log = logging.getLogger(__name__)
 
+class NumpyMt(NamedTuple):
+    """numpy's global MT19937 as read from its C structs (core/rng.py): words, position, and the
+    legacy Gaussian cache of its ``RandomState``."""
+
+    words: bytes
+    pos: int
+    has_gauss: int
+    gauss: float
+
+
 @dataclass
 class RngAfterUpdate:
     """The RNG state right after the latest update, taken cheaply at every optimizer post-hook.
@@ -41,7 +51,8 @@ class RngAfterUpdate:
     """
 
     torch_cpu: torch.Tensor | None = None
-    numpy: tuple[bytes, int] | None = None
+    numpy: NumpyMt | None = None  # numpy's default MT19937, read from its structs (about 1.5 us)
+    numpy_state: dict[str, Any] | None = None  # else core.rng.numpy_state (PCG64: ~5 us, Philox ~8 us)
     python: Any = None
     cuda: list[torch.Tensor] | None = None
 
@@ -49,7 +60,14 @@ class RngAfterUpdate:
         # Taken at every update, not lazily at close(): nothing tells a draw since then from none but
         # reading the state again (a few us: torch's 5 KB state, numpy's words, Python's tuple).
         self.torch_cpu = torch.default_generator.get_state()  # torch.get_rng_state(), without its wrapper
-        self.numpy = _rng.numpy_mt()
+        # numpy_mt reads words only from an MT19937 (None for another bit generator, whose struct differs).
+        mt = _rng.numpy_mt()
+        read_gauss, legacy = _rng.NP_GAUSS, np.random.mtrand._rand  # type: ignore[attr-defined]
+        gauss = read_gauss(legacy) if mt is not None and read_gauss is not None else None
+        if mt is not None and gauss is not None:
+            self.numpy, self.numpy_state = NumpyMt(mt[0], mt[1], gauss[0], gauss[1]), None
+        else:
+            self.numpy, self.numpy_state = None, _rng.numpy_state()
         # Python's: the struct's bytes where they can be read (state() makes getstate()'s tuple of them).
         self.python = _rng.PY_MT() if _rng.PY_MT is not None else random.getstate()
         # CUDA initialised implies available (and is_available() is three Python calls on a CPU-only run).
@@ -59,21 +77,20 @@ class RngAfterUpdate:
         """In :func:`stepdump.core.rng.get_rng_state`'s form."""
         from stepdump.core.rng import get_rng_state
 
-        now = get_rng_state()  # numpy's Gaussian cache, and anything not taken
+        now = get_rng_state()  # anything not taken
         if self.torch_cpu is None:
             return now
         now["torch"] = self.torch_cpu
         # Read from the struct (core.rng.python_mt_reader), or random.getstate()'s tuple.
         now["python"] = (_rng.python_state(*self.python) if isinstance(self.python[0], bytes)
                          else _rng.python_getstate(self.python))
+        # numpy as it was at the update (it may have been drawn from since), its Gaussian cache included.
         if self.numpy is not None:
-            words, pos = self.numpy
-            keys = torch.frombuffer(bytearray(words), dtype=torch.uint32)
-            n = now["numpy"]
-            if not (torch.equal(keys, n["keys"]) and pos == n["pos"]):
-                # numpy was drawn from after the update: its words and position as they were
-                # then. The legacy Gaussian cache is not in that struct; a draw moves past it.
-                now["numpy"] = {"alg": n["alg"], "keys": keys, "pos": pos, "has_gauss": 0, "cached_gaussian": 0.0}
+            mt = self.numpy
+            now["numpy"] = {"alg": "MT19937", "keys": torch.frombuffer(bytearray(mt.words), dtype=torch.uint32),
+                            "pos": mt.pos, "has_gauss": mt.has_gauss, "cached_gaussian": mt.gauss}
+        elif self.numpy_state is not None:
+            now["numpy"] = self.numpy_state
         if self.cuda is not None:
             now["cuda"] = self.cuda
         return now

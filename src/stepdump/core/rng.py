@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import re
 import struct
 import sys
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stepdump.errors import ConfigError, CorruptDataError, RestoreMismatchError
 
 _MT_WORDS = 624  # MT19937: 624 uint32 words, then the position (a C int)
 _NP_STATE: tuple[Any, int] | None = None  # numpy's global bit generator and the address of its state
@@ -19,10 +21,14 @@ _NP_STATE: tuple[Any, int] | None = None  # numpy's global bit generator and the
 
 def numpy_mt() -> tuple[bytes, int] | None:
     """numpy's global MT19937 words and position, read from its C struct (about 1 us;
-    ``np.random.get_state()`` takes about 100 us). None where that struct is not reachable."""
+    ``np.random.get_state()`` takes about 100 us). None where that struct is not reachable, and
+    where numpy's global bit generator is not an MT19937 (``np.random.set_bit_generator``): another
+    one's struct is smaller and laid out otherwise."""
     global _NP_STATE
     try:
         bitgen = np.random.mtrand._rand._bit_generator  # type: ignore[attr-defined]
+        if type(bitgen) is not np.random.MT19937:  # exactly: only its struct is read as 624 words
+            return None
         if _NP_STATE is None or _NP_STATE[0] is not bitgen:  # its address, found once (.ctypes makes objects)
             _NP_STATE = (bitgen, bitgen.ctypes.state_address)
         raw = ctypes.string_at(_NP_STATE[1], _MT_WORDS * 4 + 4)
@@ -121,26 +127,109 @@ def _numpy_fast() -> dict[str, Any] | None:
             "has_gauss": gauss[0], "cached_gaussian": gauss[1]}
 
 
-def _numpy_state() -> dict[str, Any]:
-    """``get_rng_state()["numpy"]``: from the structs where they can be read, else ``get_state``."""
+def numpy_state() -> dict[str, Any]:
+    """``get_rng_state()["numpy"]``: from the structs where they can be read, else ``get_state``.
+
+    numpy's global generator over an MT19937 (the default) gives ``{alg, keys, pos, has_gauss,
+    cached_gaussian}``; over another bit generator (``np.random.set_bit_generator``: PCG64,
+    PCG64DXSM, Philox, SFC64) ``{alg, state, has_gauss, cached_gaussian}``, ``state`` being its
+    bit generator's ``state`` without the name, every integer a decimal string (PCG64's are 128-bit:
+    neither JSON readers nor SQLite hold them) and every integer array a list of them.
+    """
     fast = _numpy_fast()  # a gradient log takes the RNG state two or three times a step: 1 us, not 40-100
     if fast is not None:
         return fast
     # The dict form: ~30 us less than the legacy tuple (no list of 624 ints); the same values.
-    np_state: Any = np.random.get_state(legacy=False)
-    if np_state.get("bit_generator") == "MT19937":
-        np_tuple: Any = ("MT19937", np_state["state"]["key"], np_state["state"]["pos"], np_state["has_gauss"],
-                    np_state["gauss"])
-    else:  # another bit generator: the legacy form says what it says about it (as it always did)
-        np_tuple = np.random.get_state()
-    alg, keys, pos, has_gauss, gauss = np_tuple
-    return {"alg": alg, "keys": torch.from_numpy(np.array(keys, dtype=np.uint32)), "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+    np_state: dict[str, Any] = dict(np.random.get_state(legacy=False))
+    alg = np_state.pop("bit_generator")
+    has_gauss, gauss = int(np_state.pop("has_gauss")), float(np_state.pop("gauss"))
+    if alg == "MT19937":
+        keys, pos = np_state["state"]["key"], np_state["state"]["pos"]
+        return {"alg": alg, "keys": torch.from_numpy(np.array(keys, dtype=np.uint32)), "pos": int(pos),
+                "has_gauss": has_gauss, "cached_gaussian": gauss}
+    return {"alg": alg, "state": _portable(np_state, alg), "has_gauss": has_gauss, "cached_gaussian": gauss}
+
+
+def _portable(value: Any, alg: str, path: str = "state") -> Any:
+    """A bit generator's state as JSON and SQLite hold it exactly: integers as decimal strings,
+    integer arrays as lists of them; floats and bools as they are."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu":
+        return [str(v) for v in value.reshape(-1).tolist()]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _portable(v, alg, f"{path}.{k}") for k, v in value.items()}
+    raise ConfigError(f"numpy's global bit generator {alg} has a state stepdump cannot store exactly "
+                      f"({type(value).__name__} at {path}); set one of numpy's own as numpy's global "
+                      "generator (np.random.set_bit_generator(np.random.PCG64(seed)): "
+                      f"{', '.join(NUMPY_BIT_GENERATORS)})")
+
+
+def _from_portable(value: Any, path: str = "state") -> Any:
+    """Inverse of :func:`_portable`, checking what a damaged store could hold there."""
+    if isinstance(value, str):
+        if not _INT.fullmatch(value):
+            raise CorruptDataError(f"the recorded numpy RNG state holds {value[:40]!r} at {path}, where an integer "
+                                   "belongs; the store is damaged")
+        return int(value)
+    if isinstance(value, list):
+        return [_from_portable(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: _from_portable(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (bool, float)):
+        return value
+    raise CorruptDataError(f"the recorded numpy RNG state holds a {type(value).__name__} at {path}; "
+                           "the store is damaged")
+
+
+_INT = re.compile(r"-?[0-9]{1,80}")  # the longest state integer numpy has is 128 bits: 39 digits
+
+#: numpy's bit generators a restore may create by the name a record gives: nothing else is ever
+#: looked up or constructed from a store.
+NUMPY_BIT_GENERATORS: dict[str, type[np.random.BitGenerator]] = {
+    c.__name__: c for c in (np.random.MT19937, np.random.PCG64, np.random.PCG64DXSM, np.random.Philox,
+                            np.random.SFC64)}
+
+
+def numpy_set_state_arg(n: dict[str, Any]) -> Any:
+    """What ``np.random.set_state`` takes for ``get_rng_state()["numpy"]`` ``n``: MT19937's legacy
+    tuple, or numpy's dict form of another bit generator's state (its ``get_state(legacy=False)``)."""
+    if "keys" in n:
+        return (n["alg"], n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
+                float(n["cached_gaussian"]))
+    state = _from_portable(n["state"])
+    if not isinstance(state, dict):
+        raise CorruptDataError("the recorded numpy RNG state is not a mapping; the store is damaged")
+    return {**state, "bit_generator": str(n["alg"]), "has_gauss": int(n["has_gauss"]),
+            "gauss": float(n["cached_gaussian"])}
+
+
+def _set_numpy(n: dict[str, Any], arg: Any) -> None:
+    """Set numpy's global generator to record ``n`` (``arg``: its :func:`numpy_set_state_arg`): over
+    the recorded bit generator, which replaces the global one where that is another class (a fresh
+    process has an MT19937)."""
+    alg = str(n["alg"])
+    if type(np.random.get_bit_generator()).__name__ != alg:  # type: ignore[attr-defined]
+        cls = NUMPY_BIT_GENERATORS.get(alg)
+        if cls is None:
+            raise RestoreMismatchError(
+                f"numpy's RNG state was recorded over the bit generator {alg!r}, which is not one of numpy's "
+                f"({', '.join(NUMPY_BIT_GENERATORS)}) and not numpy's global one here: set one of that class "
+                "first (np.random.set_bit_generator), or restore with rng=False")
+        fresh = cls(0)  # any seed: the recorded state replaces it, set here first so that a state numpy
+        # refuses leaves the global generator as it was
+        fresh.state = arg if isinstance(arg, dict) else {"bit_generator": alg, "state": {"key": arg[1], "pos": arg[2]}}
+        np.random.set_bit_generator(fresh)  # type: ignore[attr-defined]
+    np.random.set_state(arg)  # the legacy Gaussian cache too, which is the RandomState's
 
 
 def get_rng_state() -> dict[str, Any]:
     """Torch CPU, every CUDA device (when present), numpy's global and Python's ``random``."""
-    numpy = _numpy_state()
+    numpy = numpy_state()
     python = python_state(*PY_MT()) if PY_MT is not None else python_getstate(random.getstate())
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy, "python": python}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -150,10 +239,9 @@ def get_rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Inverse of :func:`get_rng_state`."""
+    numpy = numpy_set_state_arg(state["numpy"])  # a damaged record is refused before anything is set
     torch.set_rng_state(state["torch"].to(torch.uint8))
-    n = state["numpy"]
-    keys = n["keys"].numpy().astype(np.uint32)
-    np.random.set_state((n["alg"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    _set_numpy(state["numpy"], numpy)
     p = state["python"]
     random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss"]))
     cuda = state.get("cuda")
@@ -167,8 +255,12 @@ def same_rng_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return False
     na, nb = a["numpy"], b["numpy"]
     pa, pb = a["python"], b["python"]
-    if (na["alg"], na["pos"], na["has_gauss"], na["cached_gaussian"]) != \
-            (nb["alg"], nb["pos"], nb["has_gauss"], nb["cached_gaussian"]) or not torch.equal(na["keys"], nb["keys"]):
+    if (na["alg"], na["has_gauss"], na["cached_gaussian"]) != (nb["alg"], nb["has_gauss"], nb["cached_gaussian"]):
+        return False
+    if "keys" in na or "keys" in nb:  # MT19937's words (another bit generator's state: plain JSON values)
+        if not ("keys" in na and "keys" in nb and na["pos"] == nb["pos"] and torch.equal(na["keys"], nb["keys"])):
+            return False
+    elif na["state"] != nb["state"]:
         return False
     if (pa["version"], pa["gauss"]) != (pb["version"], pb["gauss"]) or not torch.equal(pa["state"], pb["state"]):
         return False

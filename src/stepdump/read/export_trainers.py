@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from stepdump.core.rng import numpy_set_state_arg
 from stepdump.errors import ConfigError
 from stepdump.read.export_files import save_atomically
 
@@ -126,8 +126,8 @@ def _hf_rng(rng: Mapping[str, Any]) -> dict[str, Any]:
     n, p = rng["numpy"], rng["python"]
     out: dict[str, Any] = {
         "python": (int(p["version"]), tuple(int(v) for v in p["state"].tolist()), p["gauss"]),
-        "numpy": (str(n["alg"]), n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
-                  float(n["cached_gaussian"])),
+        # What np.random.set_state takes: MT19937's legacy tuple, another bit generator's dict form.
+        "numpy": numpy_set_state_arg(n),
         "cpu": rng["torch"].to(torch.uint8),
     }
     cuda = rng.get("cuda")
