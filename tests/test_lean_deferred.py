@@ -200,3 +200,55 @@ def test_held_copies_past_their_memory_bound_are_described_before_the_commit(tmp
         assert len(passes) <= 4, passes
     assert stepdump.open(tmp_path / "r").stats_steps[:6] == list(range(6))  # (then the final record)
     _assert_fingerprints(tmp_path / "r", caps, ("params",))
+
+
+def test_a_copy_goes_into_a_buffer_given_back_and_equals_the_tensors_end_to_end() -> None:
+    # The copies of a layout reuse the buffers described before (no fresh memory, no page faults
+    # on the training thread at every step); a reused buffer holds exactly the new step's bytes,
+    # non-contiguous and 0-dim tensors included, as flattening them end to end gives.
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(12, 5, generator=g)
+    ts = [torch.randn(7, generator=g), base.t(), torch.randn((), generator=g), torch.randn(2, 3, 4, generator=g)[:, 1]]
+    entries = [Entry("params", f"t{i}", t, False) for i, t in enumerate(ts)]
+    plan = packed.Plan(entries, packed.layout_key(entries))
+    first = plan.snapshot(entries)
+    buf0 = first._bufs[0]
+    assert torch.equal(buf0, torch.cat([t.reshape(-1) for t in ts]))
+    rows = first.rows()
+    first.release()
+    for t in ts:
+        t.add_(1.0)  # the next step's values
+    second = plan.snapshot(entries)
+    assert second._bufs[0].data_ptr() == buf0.data_ptr()  # the buffer given back, reused
+    assert torch.equal(second._bufs[0], torch.cat([t.reshape(-1) for t in ts]))
+    assert [r.fp for r in second.rows()] == [fingerprint(t.contiguous()) for t in ts]
+    assert [r.fp for r in rows] != [r.fp for r in second.rows()]
+    other = plan.snapshot(entries)  # taken while `second` is held: a buffer of its own
+    assert other._bufs[0].data_ptr() != second._bufs[0].data_ptr()
+
+
+def test_buffers_kept_for_reuse_are_bounded(monkeypatch) -> None:
+    monkeypatch.setattr(packed, "POOL_BYTES", 3 * 64 * 4)  # three copies of a 64-element layout
+    entries = [Entry("params", "w", torch.randn(64), False)]
+    plan = packed.Plan(entries, packed.layout_key(entries))
+    snaps = [plan.snapshot(entries) for _ in range(6)]
+    assert len({s._bufs[0].data_ptr() for s in snaps}) == 6
+    for s in snaps:
+        s.release()
+    assert len(plan.batches[0]._free) == 3
+
+
+def test_a_recorded_run_reuses_its_copies_buffers(tmp_path, monkeypatch) -> None:
+    # The writer gives the described copies back: after a lean run, the layout's batches hold
+    # buffers for the next steps, and every step's fingerprints are those of the live tensors.
+    made = []
+    real = packed.Plan.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(packed.Plan, "__init__", spy)
+    passes, caps, _ = _held_run(tmp_path / "r", monkeypatch, 12, bound=1)  # described at every step
+    assert any(b._free for p in made for b in p.batches)
+    _assert_fingerprints(tmp_path / "r", caps)

@@ -119,6 +119,30 @@ def test_chunk_layout_is_pinned() -> None:
     assert raw == struct.pack("<qq", 1, 2)
 
 
+
+def test_blocks_sharing_their_name_lists_code_like_rows_one_by_one() -> None:
+    """Blocks of one batch share its dtype and shape lists (coded once per list): the dictionaries
+    and every row's dtype and shape are those of coding each row's text in order."""
+    dtypes, shapes = ["float32", "float64", "float32"], ["3", "2,2", ""]
+    other_shapes = ["3", "7", ""]  # equal texts in another list object
+    z = np.zeros
+
+    def block(step: int, sh: list[str]) -> stat_chunk.ColumnBlock:
+        return stat_chunk.ColumnBlock(np.array([1, 2, 3], np.int64), step, dtypes, sh, z((4, 3), np.int64),
+                                      z((6, 3)), np.array([step, step + 1, step + 2], np.int64))
+
+    rows = [(9, 0, "int64", "5", None, 5, 0, 0, 0, 0.0, 1.0, 0.5, 0.1, 1.2, 0.0, 4)]
+    blocks = [block(1, shapes), block(2, shapes), block(3, other_shapes), block(4, shapes)]
+    data, first, last = stat_chunk.encode_rows(rows, blocks)
+    assert (first, last) == (0, 4)
+    head = stat_chunk.read_header(data, 13, "shared")
+    assert head.dtypes == ["int64", "float32", "float64"] and head.shapes == ["5", "3", "2,2", "", "7"]
+    a = stat_chunk.decode(data, 13, [], "shared")
+    want_dt = ["int64"] + dtypes * 4
+    want_sh = ["5"] + shapes * 2 + other_shapes + shapes
+    assert a.dtype.tolist() == want_dt and a.shape.tolist() == want_sh
+    assert a.step.tolist() == [0] + [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+
 def _rows_data(n: int = 3) -> bytes:
     rows = [(i, 4, "float32", "3", None, 3, 0, 0, 0, 0.0, 1.0, 0.5, 0.1, 1.2, 0.0, i * 11) for i in range(n)]
     return stat_chunk.encode_rows(rows)[0]

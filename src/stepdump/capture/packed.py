@@ -29,6 +29,7 @@ snapshots' rows, alone and together).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from itertools import accumulate, repeat
 from operator import attrgetter, itemgetter
@@ -55,6 +56,12 @@ PACK = 1 << 20
 # Tensor types a plan packs; any other (a DTensor, a subclass) makes the step take the per-tensor path.
 _PLAIN = PLAIN_TENSORS
 _set_grad_enabled = torch._C._set_grad_enabled
+# Copies of a batch kept for reuse, at most this many bytes (the writer holds up to
+# writer.HELD_PACKED_BYTES of them for a commit): a copy made into fresh memory each step
+# faulted its pages in on the training thread (hundreds of page faults a step on a 100 k-param
+# model, and the training's own allocations then faulted too, as the heap was trimmed and grown).
+POOL_BYTES = 16 << 20
+_foreach_copy = torch._foreach_copy_  # one C call: every tensor into its view of the buffer
 _flatten = torch._C._nn.flatten_dense_tensors  # one C call: each tensor contiguous, viewed flat, concatenated
 # np.count_nonzero without its Python wrapper (two Python calls per small tensor), where numpy has it.
 _count_nonzero = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "count_nonzero", np.count_nonzero)
@@ -267,6 +274,7 @@ def packed_rows(kinds: Sequence[str], buf: torch.Tensor, sizes: Sequence[int]) -
 
 
 _HEAD = attrgetter("kind", "name", "param", "key")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _TENSOR = attrgetter("tensor")
 _ATTRS = attrgetter("__class__", "dtype", "shape", "layout", "is_cpu")
 
@@ -294,12 +302,34 @@ class _Batch:
         self.shapes = [format_shape(t.shape) for t in ts]
         self.segs = Segments(self.kinds, [t.numel() for t in ts], ts[0].element_size())
         self._many: dict[int, Segments] = {}  # m -> the layout repeated m times (rows_many)
+        self._shapes = [t.shape for t in ts]
+        # Buffers given back (:meth:`give_back`), each with its views shaped as the batch's tensors.
+        # deque's append and pop are atomic: the writer gives back while the training thread takes.
+        self._free: deque[tuple[torch.Tensor, list[torch.Tensor]]] = deque()
+        self._total = sum(self.segs.sizes)
+        self._keep = max(2, POOL_BYTES // max(1, self._total * self.segs.itemsize))
 
-    def copy(self, entries: Sequence[Entry]) -> torch.Tensor:
-        """The batch's tensors in ``entries``, copied end to end into a new buffer."""
+    def copy(self, entries: Sequence[Entry]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The batch's tensors in ``entries``, copied end to end into a buffer (one given back
+        before, else a new one); the buffer and its views, for :meth:`give_back`."""
         ts = list(map(_TENSOR, self.take(entries)))
+        if self._free:  # only the thread taking copies pops: not emptied between the test and the pop
+            buf, views = self._free.pop()
+            _foreach_copy(views, ts)  # as _flatten: each tensor's elements in order, end to end
+            return buf, views
+        # None given back yet (a layout's first steps, or all held for a commit): new memory.
         buf = _flatten(ts)
-        return buf.clone() if len(ts) == 1 else buf  # one tensor: _flatten gives a view of it, not a copy
+        return (buf.clone() if len(ts) == 1 else buf), None  # one tensor: _flatten gives a view of it
+
+    def give_back(self, buf: torch.Tensor, views: list[torch.Tensor] | None) -> None:
+        """``buf`` (a :meth:`copy`'s) is described and no longer read: the next copy may reuse it
+        (its views shaped as the batch's tensors made here, on the thread giving it back)."""
+        if len(self._free) >= self._keep:
+            return
+        if views is None:
+            views = [buf[a:a + m].view(shape) for a, m, shape in
+                     zip(self.segs.starts_list, self.segs.sizes, self._shapes, strict=True)]
+        self._free.append((buf, views))
 
     def rows_many(self, buf: torch.Tensor, m: int) -> list[list[LeanRow]]:
         """The rows of ``m`` copies (:meth:`copy`) put end to end in ``buf``, one list per copy: one
@@ -370,7 +400,10 @@ class Plan:
     def rows(self, entries: Sequence[Entry]) -> tuple[list[LeanRow], list[Entry]]:
         """The packed entries' rows now, and the other entries (:meth:`others`: for the per-tensor
         path). ``entries`` must have this plan's key."""
-        return self.snapshot(entries).rows(), self.others(entries)
+        snap = self.snapshot(entries)
+        rows = snap.rows()
+        snap.release()
+        return rows, self.others(entries)
 
     def snapshot(self, entries: Sequence[Entry]) -> Snapshot:
         """The packed entries copied now (one copy per batch, the bytes as they are now); their rows
@@ -391,10 +424,20 @@ class Plan:
 class Snapshot:
     """A plan's packed tensors, copied: what their rows describe, whatever the tensors become after."""
 
-    __slots__ = ("_batches", "_bufs")
+    __slots__ = ("_batches", "_bufs", "_views")
 
-    def __init__(self, batches: list[_Batch], bufs: list[torch.Tensor]) -> None:
-        self._batches, self._bufs = batches, bufs
+    def __init__(self, batches: list[_Batch], copies: list[tuple[torch.Tensor, list[torch.Tensor] | None]]) -> None:
+        self._batches = batches
+        self._bufs = list(map(_FIRST, copies))  # no Python call a step (a comprehension is one)
+        self._views = list(map(_SECOND, copies))
+
+    def release(self) -> None:
+        """The copies are described and no longer read: their buffers go back to their batches for
+        reuse. Nothing may read this snapshot after."""
+        batches, bufs, views = self._batches, self._bufs, self._views
+        self._batches, self._bufs, self._views = [], [], []
+        for b, buf, vs in zip(batches, bufs, views, strict=True):
+            b.give_back(buf, vs)
 
     @property
     def nbytes(self) -> int:

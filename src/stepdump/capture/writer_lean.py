@@ -50,6 +50,14 @@ class LeanRows:
         checked), as rows appended to ``out`` (packed.describe_all)."""
         if not held:
             return
+        try:
+            self._describe(cat, held, out, blocks)
+        finally:  # described (or failed): the copies' buffers are reused by the next steps' copies
+            for _, snap in held:
+                snap.release()
+
+    def _describe(self, cat: CatalogWriter, held: Sequence[tuple[int, Snapshot]], out: list[tuple[Any, ...]],
+                  blocks: list[ColumnBlock]) -> None:
         if cat.any_fp_kind:
             for (step, _), lean in zip(held, describe_all([snap for _, snap in held]), strict=True):
                 self.rows(cat, step, lean, True, out)

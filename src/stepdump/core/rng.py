@@ -16,7 +16,15 @@ import torch
 from stepdump.errors import ConfigError, CorruptDataError, RestoreMismatchError
 
 _MT_WORDS = 624  # MT19937: 624 uint32 words, then the position (a C int)
-_NP_STATE: tuple[Any, int] | None = None  # numpy's global bit generator and the address of its state
+# numpy's global bit generator and a view of its state's bytes (made once: reading a view is one
+# C call, where ctypes.string_at was a Python function, a foreign call and its argument conversions,
+# a path of cold code at every update that cost tens of microseconds there).
+_NP_STATE: tuple[Any, np.ndarray] | None = None
+
+
+def _memory(address: int, size: int) -> np.ndarray:
+    """A uint8 view of ``size`` bytes at ``address`` (the caller keeps their owner alive)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
 
 
 def numpy_mt() -> tuple[bytes, int] | None:
@@ -30,8 +38,8 @@ def numpy_mt() -> tuple[bytes, int] | None:
         if type(bitgen) is not np.random.MT19937:  # exactly: only its struct is read as 624 words
             return None
         if _NP_STATE is None or _NP_STATE[0] is not bitgen:  # its address, found once (.ctypes makes objects)
-            _NP_STATE = (bitgen, bitgen.ctypes.state_address)
-        raw = ctypes.string_at(_NP_STATE[1], _MT_WORDS * 4 + 4)
+            _NP_STATE = (bitgen, _memory(bitgen.ctypes.state_address, _MT_WORDS * 4 + 4))
+        raw = _NP_STATE[1].tobytes()
     except Exception:  # noqa: BLE001 - another numpy: the caller falls back to get_state
         return None
     return raw[: _MT_WORDS * 4], int.from_bytes(raw[_MT_WORDS * 4:], "little", signed=True)
@@ -53,8 +61,10 @@ def python_mt_reader() -> Callable[[], tuple[bytes, Any]] | None:
     except Exception:  # noqa: BLE001 - another Python: random.getstate()
         return None
 
+    view = _memory(id(inst), _PY_WORDS + _MT_WORDS * 4)  # inst lives as long as the random module
+
     def read() -> tuple[bytes, Any]:
-        return ctypes.string_at(id(inst), _PY_WORDS + _MT_WORDS * 4), inst.gauss_next  # type: ignore[attr-defined]
+        return view.tobytes(), inst.gauss_next  # type: ignore[attr-defined]
     return read
 
 
@@ -76,6 +86,9 @@ def python_getstate(state: tuple[Any, ...]) -> dict[str, Any]:
 
 PY_MT = python_mt_reader()
 
+_GAUSS = struct.Struct("<Qi4xd")  # aug_bitgen_t: the bitgen_t pointer, int has_gauss, (padding), double gauss
+
+
 def numpy_gauss_reader() -> Callable[[Any], tuple[int, float] | None] | None:
     """A reader of a legacy ``RandomState``'s Gaussian cache (``has_gauss``, ``gauss``) from its C
     struct (``aug_bitgen_t``: a pointer to the object's own ``bitgen_t``, then ``int has_gauss``,
@@ -93,8 +106,12 @@ def numpy_gauss_reader() -> Callable[[Any], tuple[int, float] | None] | None:
                  if base <= (ptr := struct.unpack_from("<Q", raw, off)[0]) < base + size]
 
         def reader(off: int, target: int) -> Callable[[Any], tuple[int, float] | None]:
+            last: list[Any] = [None, None]  # the RandomState last read and a view of its struct
+
             def read(r: Any) -> tuple[int, float] | None:
-                ptr, has_gauss, gauss = struct.unpack("<Qi4xd", ctypes.string_at(id(r) + off, 24))
+                if last[0] is not r:  # the view of the struct made once per object (kept alive here)
+                    last[:] = [r, _memory(id(r) + off, 24)]
+                ptr, has_gauss, gauss = _GAUSS.unpack(last[1].tobytes())
                 return (has_gauss, gauss) if ptr == id(r) + target else None  # not this layout: None
             return read
 

@@ -123,6 +123,20 @@ def _codes(values: Iterable[Any]) -> tuple[np.ndarray, list[str]]:
     return np.asarray(codes, dtype=np.int32), [str(v) for v in index]
 
 
+def _codes_of(lists: Sequence[Sequence[Any]]) -> tuple[np.ndarray, list[str]]:
+    """:func:`_codes` of ``lists`` end to end, each list object coded once: a batch's blocks share
+    one dtype list and one shape list at every step (no Python per row for them)."""
+    index: dict[Any, int] = {}
+    coded: dict[int, np.ndarray] = {}  # id of a list -> its codes (the lists live through this call)
+    out = []
+    for values in lists:
+        got = coded.get(id(values))
+        if got is None:
+            got = coded[id(values)] = np.asarray([index.setdefault(v, len(index)) for v in values], dtype=np.int32)
+        out.append(got)
+    return (np.concatenate(out) if out else np.zeros(0, np.int32)), [str(v) for v in index]
+
+
 def _counts(values: Sequence[Any]) -> np.ndarray:
     """Count stats (ints or None) as int64 with -1 for None: through float64, which holds every
     count a tensor can have (< 2**53 elements) exactly and turns None into NaN in C."""
@@ -161,8 +175,8 @@ def encode_rows(rows: Sequence[Sequence[Any]], blocks: Sequence[ColumnBlock] = (
         parts.append({"series": b.series, "step": np.full(len(b.series), b.step, dtype=np.int64), "dtype": b.dtypes,
                       "shape": b.shapes, **dict(zip(COUNT_STATS, b.counts, strict=True)),
                       **dict(zip(FLOAT_STATS, b.floats, strict=True)), "fingerprint": b.fps})
-    dtype_codes, dtypes = _codes(v for p in parts for v in p["dtype"])
-    shape_codes, shapes = _codes(v for p in parts for v in p["shape"])
+    dtype_codes, dtypes = _codes_of([p["dtype"] for p in parts])
+    shape_codes, shapes = _codes_of([p["shape"] for p in parts])
     arrays: dict[str, np.ndarray] = {c: np.concatenate([p[c] for p in parts]) for c in COLUMNS
                                      if c not in ("dtype", "shape")}
     arrays["dtype"], arrays["shape"] = dtype_codes, shape_codes
