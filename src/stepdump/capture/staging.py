@@ -226,7 +226,8 @@ class StagingPool:
     """
 
     def __init__(self, slots: int, budget: int | None = None) -> None:
-        self._free: queue.Queue[Slot] = queue.Queue()
+        # SimpleQueue: its get and put are C calls (a Queue's are a dozen Python calls, at every step).
+        self._free: queue.SimpleQueue[Slot] = queue.SimpleQueue()
         self.budget = budget
         self._slots = [Slot(i, None if budget is None else budget // slots) for i in range(slots)]
         for slot in self._slots:
@@ -358,7 +359,10 @@ class Stager:
         Live CPU tensors of the kinds in ``defer`` are waited for at the end of the update
         instead (:meth:`wait_deferred`): the optimizer does not change them. (Copies come
         first all the same: the writer's disk is often slower than the update.)"""
-        if self.device_fp and items and items[0].tensor.is_cuda:
+        if not items:  # a stats-only step whose rows are read elsewhere (capture/lean.py): nothing to stage
+            slot.deferred, slot.has_live = [], False  # nothing to wait for (wait_live, wait_deferred)
+            return []
+        if self.device_fp and items[0].tensor.is_cuda:
             prepared = self._device_lean.prepare(items)  # (before the side stream waits: it may copy tables)
             if prepared is not None:
                 self._stage_device_lean(slot, prepared)
