@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 import shutil
 import statistics
@@ -45,13 +46,17 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "lean": {"every": None, "stats_every": 1},
     "gradient log K=32": {"gradient_log": 32},
     "floor: _foreach_norm(params + grads)": None,
+    # What any exact per-step record must do before the update: read the params' and grads' bytes
+    # (here, one copy into a buffer made once), with no Python per tensor.
+    "floor: copy(params + grads)": None,
 }
 TARGETS = {"lean": 1.05, "gradient log K=32": 1.15}
 RL_TARGETS = {"lean": 1.10, "gradient log K=32": 1.30}  # issue 40: the PPO update's own targets
 LOADS = ("idle", "busy")
 # Issue 25 item 2 / issue 40: the run's own sys/recorder_ms within this fraction of the measured added ms/step.
 SELF_TIMING = 0.25
-SLUG = {"lean": "lean", "gradient log K=32": "gradlog", "floor: _foreach_norm(params + grads)": "floor"}  # JSON keys
+SLUG = {"lean": "lean", "gradient log K=32": "gradlog", "floor: _foreach_norm(params + grads)": "floor",
+        "floor: copy(params + grads)": "floor_copy"}  # JSON keys
 # results.json: the idle load's arms under "arms" (the key docs/performance.md reads), the busy one's under this.
 BUSY_KEY = "busy_arms"
 
@@ -76,6 +81,18 @@ def segment(w: Workload, arm: str | None, out: Path, steps: int) -> dict[str, fl
         import stepdump
 
         rec = stepdump.Recorder(out / "run", w.model, w.optimizer, profile=True, **ARMS[arm])  # type: ignore[arg-type]
+    elif arm is not None and arm.startswith("floor: copy"):
+        params = list(w.model.parameters())
+        views: list[torch.Tensor] = []
+
+        def hook() -> None:
+            with torch.no_grad():
+                ts = [p.detach() for p in params] + [p.grad for p in params if p.grad is not None]
+                if len(views) != len(ts):  # the buffer and its views, made at the first step
+                    buf = torch.empty(sum(t.numel() for t in ts))
+                    offsets = [0, *itertools.accumulate(t.numel() for t in ts)]
+                    views[:] = [buf[a:b].view(t.shape) for a, b, t in zip(offsets, offsets[1:], ts)]
+                torch._foreach_copy_(views, ts)
     elif arm is not None:
         params = list(w.model.parameters())
 
