@@ -244,6 +244,26 @@ def _set_numpy(n: dict[str, Any], arg: Any) -> None:
     np.random.set_state(arg)  # the legacy Gaussian cache too, which is the RandomState's
 
 
+def raw_rng() -> tuple[Any, ...] | None:
+    """Every generator's state as raw bytes (torch's CPU state, numpy's MT19937 words, position and
+    Gaussian cache, Python's words and ``gauss_next``, each CUDA device's state), or None where one
+    of them is not read raw here (another numpy bit generator, another Python). Two equal readings
+    are the same :func:`get_rng_state`: a cheap test of "nothing drew since" (a few reads of
+    memory, where building and comparing the dicts is a few dozen calls). Unequal readings may
+    still be the same state (say so only after comparing the dicts)."""
+    mt = numpy_mt()
+    if mt is None or NP_GAUSS is None or PY_MT is None:
+        return None
+    gauss = NP_GAUSS(np.random.mtrand._rand)  # type: ignore[attr-defined]
+    if gauss is None:
+        return None
+    words, gauss_next = PY_MT()
+    cuda = tuple(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
+    # Python's words from its index on: the bytes before it are the object's header (its refcount).
+    return (torch.default_generator.get_state().numpy().tobytes(), mt[0], mt[1], gauss, words[_PY_INDEX:],
+            gauss_next, cuda)
+
+
 def get_rng_state() -> dict[str, Any]:
     """Torch CPU, every CUDA device (when present), numpy's global and Python's ``random``."""
     numpy = numpy_state()
