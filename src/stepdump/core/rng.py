@@ -258,10 +258,14 @@ def raw_rng() -> tuple[Any, ...] | None:
     if gauss is None:
         return None
     words, gauss_next = PY_MT()
-    cuda = tuple(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
+    try:  # inside a torch.func transform the states come back as wrapped tensors, with no bytes to read
+        cuda = tuple(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() \
+            else ()
+        cpu = torch.default_generator.get_state().numpy().tobytes()
+    except RuntimeError:
+        return None
     # Python's words from its index on: the bytes before it are the object's header (its refcount).
-    return (torch.default_generator.get_state().numpy().tobytes(), mt[0], mt[1], gauss, words[_PY_INDEX:],
-            gauss_next, cuda)
+    return (cpu, mt[0], mt[1], gauss, words[_PY_INDEX:], gauss_next, cuda)
 
 
 def get_rng_state() -> dict[str, Any]:
