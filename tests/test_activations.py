@@ -168,6 +168,29 @@ def test_memory_bounded_over_steps(tmp_path):
     assert rss[499] - rss[250] < 40, rss
 
 
+
+def test_no_profiler_ranges_are_opened_while_no_profiler_is_on(tmp_path, monkeypatch):
+    """A torch profiler range costs a dispatcher call each way, at every module forward the
+    activations hook sees and every iteration start: opened only while a profiler records."""
+    opened = []
+    real = torch.profiler.record_function
+
+    def counting(*a, **k):
+        opened.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.profiler, "record_function", counting)
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with stepdump.Recorder(tmp_path / "r", model, opt, capture=KINDS):  # every step full: begin taken too
+        for step in range(3):
+            x, y = data(step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert stepdump.open(tmp_path / "r").activations(0)  # the activations were recorded
+    assert opened == []
+
 def test_profiler_sees_recorder_ranges_and_sys_scalars(tmp_path):
     model = SimpleMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
