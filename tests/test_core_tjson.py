@@ -139,3 +139,24 @@ def test_a_hostile_sparse_tensor_is_a_corrupt_data_error(hostile):
     stored = {"i": torch.tensor([[3, 1, 3]]), "v": torch.tensor([1.0, 2.0, 0.5])}
     with pytest.raises(stepdump.CorruptDataError, match="sparse tensor is malformed"):
         tjson.decode({"$sparse_coo": hostile}, stored.__getitem__)
+
+
+def test_subclasses_of_plain_types_encode_as_before_the_fast_paths():
+    """Exact str, bool, int, None, float and lists of them are taken as they are; their subclasses
+    (an IntEnum, numpy's float64, a str subclass) still go the long way: ints and floats as plain
+    ones, the same JSON as a plain value gives."""
+    import enum
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Name(str):
+        pass
+
+    got = tjson.encode({"a": [1, True, None, "x"], "b": Level.HIGH, "c": np.float64(float("inf")),
+                        "d": [Level.HIGH, 2], "e": Name("n"), "f": float("nan"), "g": -0.0}, lambda r, t: None)
+    assert got["a"] == [1, True, None, "x"]
+    assert got["b"] == 3 and type(got["b"]) is int
+    assert got["c"] == {"$float": "inf"} and got["f"] == {"$float": "nan"}
+    assert got["d"] == [3, 2] and type(got["d"][0]) is int
+    assert got["e"] == "n" and math.copysign(1.0, got["g"]) == -1.0

@@ -63,7 +63,21 @@ def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str 
     return _encode(obj, put_unique, path, tag)
 
 
+# Exact types returned as they are (no isinstance chain: a gradient-log step encodes its optimizer's
+# param groups, dozens of plain values, at every step).
+_AS_IS = frozenset({str, bool, int, type(None)})
+
+
 def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str, tag: str = "$tensor") -> Any:
+    kind = type(obj)
+    if kind in _AS_IS:
+        return obj
+    if kind is float:
+        return obj if math.isfinite(obj) else {"$float": repr(obj)}
+    if kind is list and all(type(v) in _AS_IS for v in obj):  # a param group's indices, a list of names
+        return list(obj)
+    if kind is dict:
+        return _encode_dict(obj, put_tensor, path, tag)
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -93,16 +107,21 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str,
         return {"$counter": [[_encode(k, put_tensor, f"{path}/key{i}", tag), _encode(v, put_tensor, f"{path}/{k}", tag)]
                              for i, (k, v) in enumerate(obj.items())]}
     if isinstance(obj, dict):
-        if all(isinstance(k, str) and k not in _TAGS for k in obj):
-            return {k: _encode(v, put_tensor, f"{path}/{k}", tag) for k, v in obj.items()}
-        return {
-            "$dict": [
-                [_encode(k, put_tensor, f"{path}/key{i}", tag), _encode(v, put_tensor, f"{path}/{k}", tag)]
-                for i, (k, v) in enumerate(obj.items())
-            ]
-        }
+        return _encode_dict(obj, put_tensor, path, tag)
     log.warning("stepdump cannot store %s at %r; only its repr is kept", type(obj).__name__, path)
     return {"$repr": repr(obj)[:200]}
+
+
+def _encode_dict(obj: dict[Any, Any], put_tensor: Callable[[str, torch.Tensor], str], path: str, tag: str) -> Any:
+    if all(type(k) is str and k not in _TAGS for k in obj) or \
+            all(isinstance(k, str) and k not in _TAGS for k in obj):
+        return {k: _encode(v, put_tensor, f"{path}/{k}", tag) for k, v in obj.items()}
+    return {
+        "$dict": [
+            [_encode(k, put_tensor, f"{path}/key{i}", tag), _encode(v, put_tensor, f"{path}/{k}", tag)]
+            for i, (k, v) in enumerate(obj.items())
+        ]
+    }
 
 
 def decode(tree: Any, get_tensor: Callable[[str], torch.Tensor],
