@@ -58,8 +58,8 @@ _PLAIN = PLAIN_TENSORS
 _set_grad_enabled = torch._C._set_grad_enabled
 # Copies of a batch kept for reuse, at most this many bytes (the writer holds up to
 # writer.HELD_PACKED_BYTES of them for a commit): a copy made into fresh memory each step
-# faulted its pages in on the training thread (hundreds of page faults a step on a 100 k-param
-# model, and the training's own allocations then faulted too, as the heap was trimmed and grown).
+# faulted its pages in on the training thread (30-200 page faults a step on a 100 k-param model,
+# docs/design-measurements.md).
 POOL_BYTES = 16 << 20
 _foreach_copy = torch._foreach_copy_  # one C call: every tensor into its view of the buffer
 _flatten = torch._C._nn.flatten_dense_tensors  # one C call: each tensor contiguous, viewed flat, concatenated
