@@ -187,3 +187,78 @@ def test_check_memory_does_not_grow_with_steps_times_tensors(synth: dict[int, Pa
     # less a window's decoding holds), where the whole frame takes ~6 KB a step (16 rows): the bound
     # sits between, and does not grow with the tensors.
     assert peak[LONG] - peak[SHORT] < 2000 * (LONG - SHORT), (peak, whole)
+
+
+# -- a lean run's stat chunks, read a group of tensors at a time ----------------------------
+LEAN = ("dead_layer", "unchanged", "weight_growth", "nan_grad")
+
+
+def _decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at every stat chunk decoded from now on."""
+    from stepdump.store import stat_chunk
+
+    calls: list[int] = []
+    decode = stat_chunk.decode
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(stat_chunk, "decode", counted)
+    return calls
+
+
+@pytest.mark.parametrize("planted", LEAN)
+def test_lean_check_reads_tensors_in_groups_with_the_same_findings(tmp_path: Path, planted: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lean run keeps its stats in stat chunks, a share of each chunk per tensor: the rules that
+    walk the tensors read a group of them per pass over the chunks (``Run.stats_by_tensor``), not
+    one, with the findings of the whole frame and of the same rows in the row layout."""
+    import shutil
+
+    import helpers
+    import test_checks
+    from synth_run import from_chunks
+
+    monkeypatch.setattr(test_checks, "record_run", lambda *a, **kw: helpers.record_run(
+        *a, **kw, every=None, stats_every=1))
+    run = _train(tmp_path / "lean", planted)
+    assert run.catalog.has_stat_chunks
+    shutil.copytree(tmp_path / "lean", tmp_path / "rows")
+    from_chunks(tmp_path / "rows")
+    whole = _whole(run)
+    steps = len(run.stats_steps)
+    monkeypatch.setattr(rule_runner, "WINDOW_STEPS", 3)
+    monkeypatch.setattr(rule_runner, "STREAM_ROWS", 2 * steps)  # groups of two tensors, and streaming
+    grouped = stepdump.check(run)
+    assert CachedRun(run).streaming
+    with stepdump.open(tmp_path / "rows") as rows:
+        assert not rows.catalog.has_stat_chunks
+        in_rows = stepdump.check(rows)
+    assert grouped == whole
+    assert in_rows == whole
+    rule = PLANTED[planted][1]
+    assert any(f.rule == rule for f in grouped), [f.rule for f in grouped]
+
+
+def test_lean_check_decodes_each_chunk_once_per_group_not_per_tensor(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read one tensor at a time, each walk over a kind's tensors (update_ratio twice,
+    unchanged_tensor, weight_norm_growth over the params; dead_units over the grads) decoded every
+    chunk once per tensor: 5 x 12 x chunks decodes here, ~2,500,000 for 100,000 steps of 500
+    tensors. In groups of six, once per group and walk (5 x 2 x chunks), plus the windowed rules'."""
+    path = synth_run(tmp_path / "run", 12, 200, spike=100, nan_step=150)  # chunks of 64 steps
+    with stepdump.open(path) as run:
+        whole = _whole(run)
+        steps = len(run.stats_steps)
+        chunks = run.catalog.connection.execute("SELECT count(*) FROM stat_chunks").fetchone()[0]
+    assert chunks >= 4
+    monkeypatch.setattr(rule_runner, "STREAM_ROWS", 6 * steps)  # groups of six tensors, and streaming
+    # the reader keeps one decoded chunk, as a run's reader does once past its 16 MB of them
+    monkeypatch.setattr(queries_stats, "CACHE_BYTES", 1)
+    decodes = _decodes(monkeypatch)
+    grouped = stepdump.check(path)
+    assert grouped == whole
+    assert {f.rule for f in grouped} >= {"nan_inf", "exploding_gradient"}
+    # measured: 64 in groups of six (6 chunks), 304 one tensor at a time
+    assert len(decodes) <= 2 * (5 * 2 * chunks), (len(decodes), chunks)

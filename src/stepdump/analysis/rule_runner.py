@@ -139,6 +139,10 @@ class CachedRun:
         one-tensor read gives them; where they may not (a count column that is not int64 in the
         shared frame: NULLs somewhere in the catalog), the tensor is read on its own as before.
         """
+        if self.streaming and kind in self.kinds() and hasattr(self._run, "stats_by_tensor"):
+            group = self._group_of(kind, name)
+            if group is not None:
+                return _share(group[name])
         if self.streaming or kind not in self.kinds():
             return self._run.stats(kind, glob_literal(name))
         groups, exact = self._cached(("name_rows",), self._name_groups)
@@ -190,8 +194,37 @@ class CachedRun:
             for name, rows in self._cached(("tensor_series", kind), lambda: self._groups(kind)):
                 yield name, _share(rows)
             return
+        if hasattr(self._run, "stats_by_tensor"):  # a group of tensors read at a time
+            for name in self.frame_names(kind):
+                group = self._group_of(kind, name)
+                if group is not None:
+                    yield name, _share(group[name])
+            return
         for name in self.frame_names(kind):
             yield str(name), self._run.stats(kind, glob_literal(str(name)))
+
+    def _group_of(self, kind: str, name: str) -> dict[str, pd.DataFrame] | None:
+        """The frames of the group of ``kind`` tensors that holds ``name`` (None: not a ``kind``
+        tensor of the frame): consecutive tensors of :meth:`frame_names`, at most
+        :data:`STREAM_ROWS` rows in all (what a run below the threshold holds as one frame), read
+        together by ``Run.stats_by_tensor``. In a store with stat chunks a tensor's history is a
+        share of every chunk: read one by one, every chunk was decoded once per tensor and rule.
+        The last group read is kept (only it: a walk holds its own group while it looks at a
+        tensor of another kind), so a rule that walks the tensors in order, or a second walk
+        right after the first, reads a group once."""
+        kept = self._memo.get(("group",))
+        if kept is not None and kept[0] == kind and name in kept[1]:
+            return kept[1]  # type: ignore[no-any-return]
+        names = self.frame_names(kind)
+        at = self._cached(("group_at", kind), lambda: {n: i for i, n in enumerate(names)}).get(name)
+        if at is None:
+            return None
+        size = max(1, STREAM_ROWS // max(1, len(self.stats_steps)))
+        first = at // size * size
+        self._memo.pop(("group",), None)  # the old group goes before the new one is read
+        group = dict(self._run.stats_by_tensor(kind, names[first:first + size]))
+        self._memo[("group",)] = (kind, group)
+        return group
 
     def _groups(self, kind: str) -> list[tuple[str, pd.DataFrame]]:
         """``stats(kind).groupby("name", sort=False)`` as a list (each group's rows keep their labels)."""

@@ -13,7 +13,7 @@ pyarrow is imported here only, lazily: it is an optional dependency (``pip insta
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from types import ModuleType
 from typing import Any
 
@@ -39,8 +39,8 @@ def pyarrow() -> ModuleType:
 def fp_kind_column(other: dict[tuple[str, str], str], kinds: Iterable[Any], names: Iterable[Any]) -> list[str]:
     """The ``fp_kind`` column of stat rows: each row's fingerprint kind, from ``other`` (the
     series that are not xxh3, ``CatalogReader.fp_kinds_by_name``; empty in a format-1 store)."""
-    if not other:
-        return [DEFAULT_FP_KIND] * sum(1 for _ in kinds)
+    if not other:  # a frame's column has a length: no Python step per row to count them
+        return [DEFAULT_FP_KIND] * (len(kinds) if isinstance(kinds, Sized) else sum(1 for _ in kinds))
     return [other.get((k, n), DEFAULT_FP_KIND) for k, n in zip(kinds, names, strict=True)]
 
 

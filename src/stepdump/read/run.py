@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from stepdump.read.activations import Activations
+    from stepdump.store.stat_chunk import StatArrays
     from stepdump.store.storage import ReadStorage
 
 _as_step = as_step  # the name ranked.py and older callers import
@@ -431,6 +432,12 @@ class Run:
             df.insert(2, "name", sname)
         else:
             df = pd.DataFrame(self._catalog.stat_rows(kind, name, steps), columns=columns)
+        return self._typed_stats(df)
+
+    def _typed_stats(self, df: pd.DataFrame) -> pd.DataFrame:
+        """:meth:`stats`' frame with its columns' types checked and made, and ``fp_kind`` added."""
+        import pandas as pd
+
         try:
             df["stored"] = df["stored"].astype(bool)
             for c in ("step", "numel", "nan", "posinf", "neginf"):  # text here would fail in every analysis
@@ -440,19 +447,29 @@ class Run:
         except (ValueError, TypeError) as e:
             raise CorruptDataError(f"the catalog of {self.path} holds stats that are not numbers ({e})") from e
         # The kind of each row's fingerprint (FORMAT.md "Fingerprint kinds"), right after it.
-        df.insert(df.columns.get_loc("fingerprint") + 1, "fp_kind",
-                  fp_kind_column(self._catalog.fp_kinds_by_name(), df["kind"], df["name"]))
+        other = self._catalog.fp_kinds_by_name()
+        at = df.columns.get_loc("fingerprint") + 1
+        if other or not len(df):
+            df.insert(at, "fp_kind", fp_kind_column(other, df["kind"], df["name"]))
+        else:  # every row xxh3: one value, broadcast (the same column as the list of it, built ~10x faster)
+            df.insert(at, "fp_kind", DEFAULT_FP_KIND)
         return df
 
     def _stats_from_arrays(self, kind: str | None, name: str | None, steps: StepRange) -> pd.DataFrame:
         """:meth:`stats`' columns (before their types are checked) from the catalog's stat arrays
         (FORMAT.md "Stat chunks"): a column per stat, no Python object per value."""
+        a = self._catalog.stat_arrays(kind, name, steps)
+        info = {int(i): (k, n) for i, k, n in self._catalog.matching_series(kind, name)}
+        return self._frame_of_arrays(a, info)
+
+    @staticmethod
+    def _frame_of_arrays(a: StatArrays, info: Mapping[int, tuple[str, str]]) -> pd.DataFrame:
+        """Stat arrays as :meth:`stats`' columns (before their types are checked); ``info``: series
+        id -> (kind, name)."""
         import numpy as np
         import pandas as pd
 
-        a = self._catalog.stat_arrays(kind, name, steps)
         ids = np.unique(a.series)
-        info = {int(i): (k, n) for i, k, n in self._catalog.matching_series(kind, name)}
         codes = np.searchsorted(ids, a.series)
         kinds = np.asarray([info.get(int(i), (None, None))[0] for i in ids], dtype=object)
         names = np.asarray([info.get(int(i), (None, None))[1] for i in ids], dtype=object)
@@ -466,6 +483,37 @@ class Run:
         cols["fingerprint"] = a.fingerprint
         cols["stored"] = a.blob >= 0
         return pd.DataFrame(cols)
+
+    def stats_by_tensor(self, kind: str, names: Iterable[str]) -> Iterator[tuple[str, pd.DataFrame]]:
+        """``(name, self.stats(kind, glob_literal(name)))`` for each of ``names`` (of ``kind``), in
+        that order, the same frames, but read together: in a store with stat chunks (FORMAT.md
+        "Stat chunks") a tensor's history is a share of every chunk, so reading tensors one by one
+        decodes every chunk once per tensor; here once for all of ``names`` (memory: their rows).
+        A name the run does not have yields an empty frame, as ``stats`` gives one."""
+        names = [str(n) for n in names]
+        if not self._catalog.has_stat_chunks:  # a tensor's rows are one index range: read each alone
+            for n in names:  # the name as a GLOB matching only itself
+                yield n, self.stats(kind, "".join(f"[{c}]" if c in "*?[" else c for c in n))
+            return
+        import numpy as np
+
+        self._check_series()
+        self._check_kind(kind)
+        info: dict[int, tuple[str, str]] = {}
+        ids: dict[str, int] = {}
+        for i, k, n in self._catalog.matching_series(kind, None):
+            info[int(i)] = (k, n)
+            ids[str(n)] = int(i)
+        wanted = [ids[n] for n in dict.fromkeys(names) if n in ids]
+        a = self._catalog.stat_arrays(kind, series=wanted)
+        order = np.argsort(a.series, kind="stable")  # by series, each series' rows by step as read
+        by_series, keys = a.series[order], np.asarray(wanted, dtype=np.int64)
+        bounds, ends = np.searchsorted(by_series, keys), np.searchsorted(by_series, keys, side="right")
+        at = {sid: order[lo:hi] for sid, lo, hi in zip(wanted, bounds.tolist(), ends.tolist(), strict=True)}
+        for n in names:
+            sid = ids.get(n)
+            rows = a.take(at[sid]) if sid is not None else a.take(np.zeros(0, np.int64))
+            yield n, self._typed_stats(self._frame_of_arrays(rows, {sid: info[sid]} if sid is not None else {}))
 
     # -- helpers ---------------------------------------------------------------
     def _check_series(self) -> None:

@@ -177,16 +177,19 @@ class CatalogReader:
         return self._stats.present()
 
     def stat_arrays(self, kind: str | None = None, name_glob: str | None = None, steps: StepRange = None,
-                    columns: Sequence[str] = STAT_COLUMNS, *, series: int | None = None,
+                    columns: Sequence[str] = STAT_COLUMNS, *, series: int | Sequence[int] | None = None,
                     with_state: bool = False) -> StatArrays:
         """Stat rows as numpy columns, by step then series, from the tensors table and the stat
         chunks alike: the rows of ``kind`` series (never ``state`` unless ``with_state``) whose
-        names match ``name_glob``, or of the one ``series``, at ``steps``."""
+        names match ``name_glob``, or of the ``series`` (one id or several), at ``steps``."""
         bad = [c for c in columns if c not in STAT_COLUMNS]
         if bad:
             raise ConfigError(f"unknown stat column(s) {bad!r}; columns are {', '.join(STAT_COLUMNS)}")
-        if series is not None:
+        if isinstance(series, int):
             swhere, sargs = "s.id = ?", [series]
+        elif series is not None:  # several series: one pass over the chunks for all of them
+            listed = [int(i) for i in series]
+            swhere, sargs = f"s.id IN ({', '.join('?' * len(listed))})" if listed else "0", listed
         else:
             swhere, sargs = self._series_where(kind, name_glob)
             if with_state:
