@@ -17,7 +17,6 @@ from stepdump.analysis.rules._roles import check_scalar_option, damage_scalar
 from stepdump.analysis.rules._frames import (
     fmt,
     matches,
-    name_rows,
     ndim,
     nonfinite,
     optimized_params,
@@ -185,19 +184,25 @@ class UpdateRatio(Rule):
         check_scalar_option(self.name, "loss", self.loss)
 
     def __call__(self, run: Any) -> list[Finding]:
-        # Two passes over the weights, one tensor's rows at a time (a long run's params frame is
-        # steps x tensors): the first picks the names and each step's largest norm change (which
-        # pairs to read), the second judges each weight.
+        # One pass over the weights, one tensor's rows at a time (a long run's params frame is
+        # steps x tensors): it picks the names and each step's largest norm change (which pairs to
+        # read), and keeps of each weight what judging it needs once the pairs are measured.
         optimized = optimized_params(run)
         skipped = skipped_steps(run)
         names: list[str] = []
+        kept: dict[str, tuple[pd.Series, pd.Series | None]] = {}
         score = pd.Series(dtype=float)
         for name, rows in _param_series(run):
             shape = rows["shape"].dropna()  # the groupby's first(): the first shape given
             if not (name in optimized and matches(name, self.names) and len(shape) and ndim(shape.iloc[0]) >= self.min_dims):
                 continue
             names.append(name)
-            score = _running_max(score, _norm_change(rows, skipped).get(name, pd.Series(dtype=float)))
+            bound = _norm_change(rows, skipped).get(name, pd.Series(dtype=float))
+            score = _running_max(score, bound)
+            norms = _from_zero(rows).get(name)
+            # _judge reads, of the stats' lower bounds, those above step_hi, unless the weight grew
+            # from zero (then every one): only those are kept (a long run's bounds are steps x weights)
+            kept[name] = (bound if norms is not None else bound[bound > self.step_hi], norms)
         if not names:
             return []
         full = set(run.steps)
@@ -206,11 +211,10 @@ class UpdateRatio(Rule):
         measured = _measure(run, names, pairs)
         verdicts: dict[str, list[_Verdict]] = {"blow_up": [], "high": [], "low": []}
         for name in names:
-            rows = name_rows(run, "params", name)
-            bound = _norm_change(rows, skipped).get(name, pd.Series(dtype=float))
+            bound, norms = kept[name]
             ratios = measured.get(name, {})
             typical = {t: r for t, r in ratios.items() if t in spread}
-            for v in self._judge(name, ratios, typical, bound, _from_zero(rows).get(name)):
+            for v in self._judge(name, ratios, typical, bound, norms):
                 verdicts[v.what].append(v)
         return [f for what, vs in verdicts.items() if vs for f in [self._grouped(run, what, vs)]]
 
