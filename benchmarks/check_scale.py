@@ -5,12 +5,12 @@ Writes the run ``report_scale.py`` times (``synth_run.py``: ``--tensors`` small 
 third of the way in and a NaN half way), then, in a fresh process (so its peak RSS is the check's),
 runs ``stepdump.check`` rule by rule (the default rules, one shared ``CachedRun`` view, as
 ``check`` does) and prints each rule's seconds, the total wall and CPU seconds, the peak RSS and the
-findings. It writes nothing: the numbers are printed (docs/performance.md, "Checking a long run",
+findings. It writes nothing: the numbers are printed (docs/design-measurements.md, "Checking a long run",
 quotes them). The run lives in a temporary directory, deleted at the end, unless ``--run`` names
 one written before.
 
-    python benchmarks/check_scale.py --steps 10000            # 500 x 10,000: ~40 s here
-    python benchmarks/check_scale.py                          # 500 x 100,000 (issue 26's size; see docs)
+    python benchmarks/check_scale.py --steps 10000            # 500 x 10,000: ~35 s here
+    python benchmarks/check_scale.py                          # 500 x 100,000 (issue 26's size): ~30 min estimated
     python benchmarks/check_scale.py --run /tmp/r --steps 10000   # a run synth_run wrote before
 """
 
