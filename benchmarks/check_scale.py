@@ -9,8 +9,8 @@ findings. It writes nothing: the numbers are printed (docs/design-measurements.m
 quotes them). The run lives in a temporary directory, deleted at the end, unless ``--run`` names
 one written before.
 
-    python benchmarks/check_scale.py --steps 10000            # 500 x 10,000: ~35 s here
-    python benchmarks/check_scale.py                          # 500 x 100,000 (issue 26's size): ~30 min estimated
+    python benchmarks/check_scale.py --steps 10000            # 500 x 10,000: ~30 s here
+    python benchmarks/check_scale.py                          # 500 x 100,000 (issue 26's size): ~17 min estimated
     python benchmarks/check_scale.py --run /tmp/r --steps 10000   # a run synth_run wrote before
 """
 
