@@ -4,13 +4,14 @@ Writes the run ``report_scale.py`` times (``synth_run.py``: ``--tensors`` small 
 ``--steps`` steps, stats only, in stat chunks as a lean recording stores them, a gradient spike a
 third of the way in and a NaN half way), then, in a fresh process (so its peak RSS is the check's),
 runs ``stepdump.check`` rule by rule (the default rules, one shared ``CachedRun`` view, as
-``check`` does) and prints each rule's seconds, the total wall and CPU seconds, the peak RSS and the
+``check`` does; the rules that walk every tensor's history together, as ``check`` runs them: one
+shared walk) and prints each rule's seconds, the total wall and CPU seconds, the peak RSS and the
 findings. It writes nothing: the numbers are printed (docs/design-measurements.md, "Checking a long run",
 quotes them). The run lives in a temporary directory, deleted at the end, unless ``--run`` names
 one written before.
 
-    python benchmarks/check_scale.py --steps 10000            # 500 x 10,000: ~30 s here
-    python benchmarks/check_scale.py                          # 500 x 100,000 (issue 26's size): ~17 min estimated
+    python benchmarks/check_scale.py --steps 10000            # 500 x 10,000
+    python benchmarks/check_scale.py                          # 500 x 100,000 (issue 26's size)
     python benchmarks/check_scale.py --run /tmp/r --steps 10000   # a run synth_run wrote before
 """
 
@@ -34,16 +35,22 @@ def timed_check(run_dir: str) -> tuple[list[tuple[str, float, int]], float, floa
     import stepdump
     from stepdump.analysis.checks import resolve_rules
     from stepdump.analysis.rule_runner import CachedRun, run_rules
+    from stepdump.analysis.rules._walk import shares_walk
 
     with stepdump.open(run_dir) as run:
         t, c = time.perf_counter(), time.process_time()
         view = CachedRun(run)
         per_rule = []
         findings = []
-        for rule in resolve_rules(None):
+        rules = resolve_rules(None)
+        walking = [rule for rule in rules if shares_walk(rule)]  # one shared walk over the tensors
+        for rule in rules:
+            if rule in walking and rule is not walking[0]:
+                continue
+            group = walking if walking and rule is walking[0] else [rule]
             r = time.perf_counter()
-            got = run_rules(view, [rule])
-            per_rule.append((str(rule.name), time.perf_counter() - r, len(got)))
+            got = run_rules(view, group)
+            per_rule.append(("+".join(str(g.name) for g in group), time.perf_counter() - r, len(got)))
             findings.extend(got)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
     return per_rule, wall, cpu, peak_rss_mib(), [f"{f.rule} {f.step} {f.tensor}" for f in findings]

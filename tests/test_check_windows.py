@@ -261,5 +261,36 @@ def test_lean_check_decodes_each_chunk_once_per_group_not_per_tensor(tmp_path: P
     grouped = stepdump.check(path)
     assert grouped == whole
     assert {f.rule for f in grouped} >= {"nan_inf", "exploding_gradient"}
-    # measured (6 chunks): 40 in groups, 304 one tensor at a time
+    # measured (6 chunks): 27 with one walk shared by the rules, 40 with a walk per rule, 304 one tensor at a time
     assert len(decodes) <= 2 * (5 * 2 * chunks), (len(decodes), chunks)
+
+
+WALKING = ["update_ratio", "unchanged_tensor", "dead_units", "weight_norm_growth"]
+
+
+def test_the_tensor_walks_share_one_pass_over_the_chunks_per_group(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The four rules that walk every tensor's history (update_ratio, unchanged_tensor,
+    weight_norm_growth over the params; dead_units over the grads) each walked its own groups, a
+    pass over the chunks per group and rule: 3 x 2 + 2 = 8 passes here (12 params and 12 grads in
+    groups of six). They now share one walk whose groups span the kinds: at most 4 passes (3: a
+    group holds eight tensors with only the five stat columns the walks read), with the findings
+    of the whole frame and of each rule run alone."""
+    path = synth_run(tmp_path / "run", 12, 200, spike=100, nan_step=150)  # chunks of 64 steps
+    rules = resolve_rules(WALKING)
+    with stepdump.open(path) as run:
+        whole = run_rules(CachedRun(run, streaming=False), rules)
+        steps = len(run.stats_steps)
+        chunks = run.catalog.connection.execute("SELECT count(*) FROM stat_chunks").fetchone()[0]
+    assert chunks >= 4
+    monkeypatch.setattr(rule_runner, "STREAM_ROWS", 3 * steps)  # a walk's group: six tensors, and streaming
+    monkeypatch.setattr(queries_stats, "CACHE_BYTES", 1)  # one decoded chunk kept, as past 16 MB of them
+    with stepdump.open(path) as run:
+        alone = sorted((f for rule in rules for f in rule(CachedRun(run))), key=sort_key)
+        decodes = _decodes(monkeypatch)
+        together = stepdump.check(run, rules=WALKING)
+    assert together == whole
+    assert alone == whole
+    # + 2: each kind's tensors in the order the frame first shows them (its first chunk).
+    # measured (6 chunks): 19 (3 passes + 1), 50 when each rule walked its own groups (8 passes + 2)
+    assert len(decodes) <= 4 * chunks + 2, (len(decodes), chunks)

@@ -7,14 +7,16 @@ each rank's or pair's store. All three use what is here, so it sits below them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stepdump.analysis.findings import Finding
 from stepdump.analysis.rules._frames import glob_literal
 from stepdump.analysis.rules._roles import DECLARED_ATTR
+from stepdump.analysis.rules._walk import shares_walk, walk_tensors
 from stepdump.analysis.rules.base import RuleLike
 from stepdump.errors import ConfigError
+from stepdump.store.schema import STAT_COLUMNS
 
 if TYPE_CHECKING:  # annotations only: importing pandas costs ~0.3 s
     import pandas as pd
@@ -42,6 +44,12 @@ def _share(df: pd.DataFrame) -> pd.DataFrame:
     return df.copy()
 
 
+def _row_bytes(stat_columns: int) -> int:
+    """Bytes a stat row holds as arrays (``StatArrays``) with ``stat_columns`` stat columns: series,
+    step, fingerprint, blob and the dtype and shape pointers, then 8 a stat."""
+    return 8 * (6 + stat_columns)
+
+
 def rule_name(rule: Any) -> str:
     """A rule's ``name`` attribute, else its ``__name__`` (a plain function), else ""."""
     name = getattr(rule, "name", None)
@@ -51,10 +59,15 @@ def rule_name(rule: Any) -> str:
 
 
 def run_rules(run: CachedRun, rules: list[RuleLike]) -> list[Finding]:
-    """Every rule on ``run``, findings in :func:`sort_key` order; ConfigError if a rule returns something else."""
+    """Every rule on ``run``, findings in :func:`sort_key` order; ConfigError if a rule returns something else.
+
+    The rules that walk every tensor's history share one walk (:mod:`stepdump.analysis.rules._walk`).
+    """
+    walks = [rule.walk(run) if shares_walk(rule) else None for rule in rules]
+    walk_tensors(run, [w for w in walks if w is not None])
     findings: list[Finding] = []
-    for rule in rules:
-        result = rule(run)
+    for rule, walk in zip(rules, walks, strict=True):
+        result = walk.finish() if walk is not None else rule(run)
         if result is None:
             continue
         for f in result:
@@ -205,6 +218,33 @@ class CachedRun:
             return
         for name in self.frame_names(kind):
             yield str(name), self._run.stats(kind, glob_literal(str(name)))
+
+    def tensor_walk(self, kinds: Sequence[str],
+                    columns: Sequence[str] = STAT_COLUMNS) -> Iterator[tuple[str, str, pd.DataFrame]]:
+        """``(kind, name, rows)`` of each tensor of ``kinds``: kind after kind, each as
+        :meth:`tensor_series` yields it, but in a store with stat chunks read in groups that span
+        the kinds, one pass over the chunks per group. The rules that walk the tensors share this
+        one walk (:func:`stepdump.analysis.rules._walk.walk_tensors`): each of them walking its own
+        groups decoded every chunk once per group and rule. A kind the run lacks yields nothing.
+
+        ``columns``: the stat columns the walkers read; from stat chunks only those are decoded and
+        held (the frames lack the others), and a group holds as many more tensors as its rows are
+        smaller (the memory of a group stays that of one with every column); the groups are made
+        even (the passes they need, no more, and the largest group as small as it can be)."""
+        if not self.streaming or not hasattr(self._run, "stats_by_series"):
+            for kind in kinds:
+                for name, rows in self.tensor_series(kind):
+                    yield kind, name, rows
+            return
+        self._memo.pop(("group",), None)  # a rule before this walk is done with its one-tensor reads
+        listed = [(kind, name) for kind in kinds if kind in self.kinds() for name in self.frame_names(kind)]
+        # As in tensor_series: one group's rows held as arrays, each frame made as it is yielded.
+        columns = [c for c in STAT_COLUMNS if c in columns]
+        rows = 2 * STREAM_ROWS * _row_bytes(len(STAT_COLUMNS)) // _row_bytes(len(columns))
+        size = max(1, rows // max(1, len(self.stats_steps)))
+        size = -(-len(listed) // -(-len(listed) // size)) if listed else 1  # as many passes, even groups
+        for first in range(0, len(listed), size):
+            yield from self._run.stats_by_series(listed[first:first + size], columns)
 
     def _group_of(self, kind: str, name: str) -> dict[str, pd.DataFrame] | None:
         """The frames of the group of ``kind`` tensors that holds ``name`` (None: not a ``kind``

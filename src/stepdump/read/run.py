@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -441,9 +441,11 @@ class Run:
         try:
             df["stored"] = df["stored"].astype(bool)
             for c in ("step", "numel", "nan", "posinf", "neginf"):  # text here would fail in every analysis
-                df[c] = pd.to_numeric(df[c])
+                if c in df.columns:  # (stats_by_series may be asked for some stat columns only)
+                    df[c] = pd.to_numeric(df[c])
             for c in ("min", "max", "mean", "std", "norm", "zero_frac"):
-                df[c] = df[c].astype(float)
+                if c in df.columns:
+                    df[c] = df[c].astype(float)
         except (ValueError, TypeError) as e:
             raise CorruptDataError(f"the catalog of {self.path} holds stats that are not numbers ({e})") from e
         # The kind of each row's fingerprint (FORMAT.md "Fingerprint kinds"), right after it.
@@ -463,9 +465,10 @@ class Run:
         return self._frame_of_arrays(a, info)
 
     @staticmethod
-    def _frame_of_arrays(a: StatArrays, info: Mapping[int, tuple[str, str]]) -> pd.DataFrame:
-        """Stat arrays as :meth:`stats`' columns (before their types are checked); ``info``: series
-        id -> (kind, name)."""
+    def _frame_of_arrays(a: StatArrays, info: Mapping[int, tuple[str, str]],
+                         columns: Sequence[str] = STAT_COLUMNS) -> pd.DataFrame:
+        """Stat arrays as :meth:`stats`' columns (before their types are checked), of the stat
+        columns only ``columns``; ``info``: series id -> (kind, name)."""
         import numpy as np
         import pandas as pd
 
@@ -475,7 +478,7 @@ class Run:
         names = np.asarray([info.get(int(i), (None, None))[1] for i in ids], dtype=object)
         cols: dict[str, Any] = {"step": a.step, "kind": kinds[codes], "name": names[codes], "dtype": a.dtype,
                                 "shape": a.shape}
-        for c in STAT_COLUMNS:
+        for c in columns:
             v = a.stats[c]
             if v.dtype.kind == "i" and (v < 0).any():  # a NULL count: NaN, as pandas makes of None
                 v = np.where(v < 0, np.nan, v)
@@ -490,30 +493,45 @@ class Run:
         "Stat chunks") a tensor's history is a share of every chunk, so reading tensors one by one
         decodes every chunk once per tensor; here once for all of ``names`` (memory: their rows).
         A name the run does not have yields an empty frame, as ``stats`` gives one."""
-        names = [str(n) for n in names]
+        for _, name, rows in self.stats_by_series([(kind, str(n)) for n in names]):
+            yield name, rows
+
+    def stats_by_series(self, series: Iterable[tuple[str, str]],
+                        columns: Sequence[str] = STAT_COLUMNS) -> Iterator[tuple[str, str, pd.DataFrame]]:
+        """``(kind, name, self.stats(kind, glob_literal(name)))`` for each ``(kind, name)`` of
+        ``series``, in that order: :meth:`stats_by_tensor` for tensors of several kinds at once, one
+        pass over the stat chunks for all of them (a chunk holds every kind's rows of its steps).
+
+        ``columns``: the stat columns (:data:`~stepdump.store.schema.STAT_COLUMNS`) wanted; from
+        stat chunks only those are decoded and held, the frames' other stat columns left out (a
+        store without chunks gives whole frames)."""
+        wanted_series = [(str(k), str(n)) for k, n in series]
         if not self._catalog.has_stat_chunks:  # a tensor's rows are one index range: read each alone
-            for n in names:  # the name as a GLOB matching only itself
-                yield n, self.stats(kind, "".join(f"[{c}]" if c in "*?[" else c for c in n))
+            for k, n in wanted_series:  # the name as a GLOB matching only itself
+                yield k, n, self.stats(k, "".join(f"[{c}]" if c in "*?[" else c for c in n))
             return
         import numpy as np
 
         self._check_series()
-        self._check_kind(kind)
         info: dict[int, tuple[str, str]] = {}
-        ids: dict[str, int] = {}
-        for i, k, n in self._catalog.matching_series(kind, None):
-            info[int(i)] = (k, n)
-            ids[str(n)] = int(i)
-        wanted = [ids[n] for n in dict.fromkeys(names) if n in ids]
-        a = self._catalog.stat_arrays(kind, series=wanted)
+        ids: dict[tuple[str, str], int] = {}
+        for kind in dict.fromkeys(k for k, _ in wanted_series):
+            self._check_kind(kind)
+            for i, k, n in self._catalog.matching_series(kind, None):
+                info[int(i)] = (k, n)
+                ids[(kind, str(n))] = int(i)
+        wanted = [ids[kn] for kn in dict.fromkeys(wanted_series) if kn in ids]
+        columns = [c for c in STAT_COLUMNS if c in columns]
+        a = self._catalog.stat_arrays(None, columns=columns, series=wanted)
         order = np.argsort(a.series, kind="stable")  # by series, each series' rows by step as read
         by_series, keys = a.series[order], np.asarray(wanted, dtype=np.int64)
         bounds, ends = np.searchsorted(by_series, keys), np.searchsorted(by_series, keys, side="right")
         at = {sid: order[lo:hi] for sid, lo, hi in zip(wanted, bounds.tolist(), ends.tolist(), strict=True)}
-        for n in names:
-            sid = ids.get(n)
+        for k, n in wanted_series:
+            sid = ids.get((k, n))
             rows = a.take(at[sid]) if sid is not None else a.take(np.zeros(0, np.int64))
-            yield n, self._typed_stats(self._frame_of_arrays(rows, {sid: info[sid]} if sid is not None else {}))
+            yield k, n, self._typed_stats(self._frame_of_arrays(rows, {sid: info[sid]} if sid is not None else {},
+                                                                columns))
 
     # -- helpers ---------------------------------------------------------------
     def _check_series(self) -> None:

@@ -13,7 +13,8 @@
 
 Importing this package registers them (see :func:`.base.register_rule`).
 Helpers the rules share: :mod:`._roles` (which scalar is the objective),
-:mod:`._frames` (series from stats frames),
+:mod:`._frames` (series from stats frames), :mod:`._walk` (one walk over the tensors' histories,
+shared by the rules that judge each tensor),
 :mod:`._gradnorm` (the grad norm before clipping), :mod:`._damage` (what the
 loss did after a flagged step, which sets the severity).
 """

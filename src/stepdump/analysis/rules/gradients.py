@@ -20,7 +20,6 @@ from stepdump.analysis.rules._frames import (
     optimized_params,
     skipped_steps,
     sustained,
-    tensor_series,
     times,
     trailing_median,
     windowed_grad_norm,
@@ -35,6 +34,7 @@ from stepdump.analysis.rules.base import (
     check_positive,
     register_rule,
 )
+from stepdump.analysis.rules._walk import TensorWalk, WalkingRule
 from stepdump.analysis.rules.lr import lr_cause
 from stepdump.errors import ConfigError
 from stepdump.store.format import TENSOR_KINDS
@@ -216,7 +216,7 @@ class _Stretch(NamedTuple):
 
 @register_rule
 @dataclass(frozen=True, kw_only=True)
-class DeadUnits(Rule):
+class DeadUnits(WalkingRule):
     """Tensors whose elements are almost all exactly zero, step after step.
 
     For each tensor of ``kinds``, a step is flagged when its ``zero_frac``
@@ -255,40 +255,8 @@ class DeadUnits(Rule):
         check_kinds(self.name, "kinds", self.kinds, TENSOR_KINDS)
         check_globs(self.name, "exclude", self.exclude)
 
-    def __call__(self, run: Any) -> list[Finding]:
-        skipped = skipped_steps(run)
-        present = run.kinds()
-        sparse = sparse_by_construction(run)
-        out = []
-        for kind in self.kinds:
-            if kind not in present:
-                continue
-            # where each tensor first shows among the rows kept (by step, then recording order)
-            recording = {n: i for i, n in enumerate(run.names(kind))}
-            first: dict[str, tuple[int, int]] = {}
-            stretches: dict[int, list[_Stretch]] = {}  # first step -> hits
-            skip = np.fromiter(skipped, dtype=np.int64, count=len(skipped))
-            for name, rows in tensor_series(run, kind):
-                kept = ~np.isin(rows["step"].to_numpy(), skip) & (nonfinite(rows) == 0).to_numpy()
-                if not kept.any():
-                    continue
-                steps = rows["step"].to_numpy()[kept]
-                first[name] = (int(steps.min()), recording.get(name, -1))
-                if matches(str(name), self.exclude) or (kind == "grads" and str(name) in sparse):
-                    continue
-                # NULL zero_frac: not measured (large tensors at lean stats-only steps), not "no zeros";
-                # the stretch is counted over the steps that measured it.
-                zf = _by_step(steps, rows["zero_frac"].to_numpy(dtype=float)[kept])
-                if zf is None:  # a step twice: as the frames take it
-                    zf = rows[kept].sort_values("step").set_index("step")["zero_frac"].astype(float).dropna()
-                flagged = [int(s) for s in zf.index[zf > self.max_zero_frac]]
-                eps = sustained(flagged, [int(s) for s in zf.index], self.patience)
-                if eps:
-                    stretches.setdefault(eps[0][0], []).append(_Stretch(str(name), eps[0], len(eps) - 1,
-                                                                        float(zf[eps[0][0]])))
-            for s, hits in sorted(stretches.items()):
-                out.append(self._grouped(kind, s, sorted(hits, key=lambda h: first[h.name])))
-        return out
+    def walk(self, run: Any) -> TensorWalk:
+        return _DeadUnitsWalk(self, run)
 
     def _grouped(self, kind: str, s: int, hits: list[_Stretch]) -> Finding:
         names = [h.name for h in hits]
@@ -309,6 +277,53 @@ class DeadUnits(Rule):
             "back, so they, the weights feeding them and everything before them stop learning",
             kind=kind, tensor=name, value=zf, threshold=self.max_zero_frac, tensors=names,
         )
+
+
+class _DeadUnitsWalk(TensorWalk):
+    """``dead_units``' walk over the tensors of its kinds, one tensor's rows at a time: each
+    tensor's first stretch of mostly-zero steps, by the step it starts at."""
+
+    stat_columns = ("nan", "posinf", "neginf", "zero_frac")
+
+    def __init__(self, rule: DeadUnits, run: Any) -> None:
+        self.rule = rule
+        present = run.kinds()
+        self.kinds = tuple(k for k in rule.kinds if k in present)
+        self.sparse = sparse_by_construction(run)
+        skipped = skipped_steps(run)
+        self.skip = np.fromiter(skipped, dtype=np.int64, count=len(skipped))
+        # where each tensor first shows among the rows kept (by step, then recording order)
+        self.recording = {k: {n: i for i, n in enumerate(run.names(k))} for k in self.kinds}
+        self.first: dict[str, dict[str, tuple[int, int]]] = {k: {} for k in self.kinds}
+        self.stretches: dict[str, dict[int, list[_Stretch]]] = {k: {} for k in self.kinds}  # first step -> hits
+
+    def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
+        rule = self.rule
+        kept = ~np.isin(rows["step"].to_numpy(), self.skip) & (nonfinite(rows) == 0).to_numpy()
+        if not kept.any():
+            return
+        steps = rows["step"].to_numpy()[kept]
+        self.first[kind][name] = (int(steps.min()), self.recording[kind].get(name, -1))
+        if matches(str(name), rule.exclude) or (kind == "grads" and str(name) in self.sparse):
+            return
+        # NULL zero_frac: not measured (large tensors at lean stats-only steps), not "no zeros";
+        # the stretch is counted over the steps that measured it.
+        zf = _by_step(steps, rows["zero_frac"].to_numpy(dtype=float)[kept])
+        if zf is None:  # a step twice: as the frames take it
+            zf = rows[kept].sort_values("step").set_index("step")["zero_frac"].astype(float).dropna()
+        flagged = [int(s) for s in zf.index[zf > rule.max_zero_frac]]
+        eps = sustained(flagged, [int(s) for s in zf.index], rule.patience)
+        if eps:
+            self.stretches[kind].setdefault(eps[0][0], []).append(
+                _Stretch(str(name), eps[0], len(eps) - 1, float(zf[eps[0][0]])))
+
+    def finish(self) -> list[Finding]:
+        out = []
+        for kind in self.kinds:
+            first = self.first[kind]
+            for s, hits in sorted(self.stretches[kind].items()):
+                out.append(self.rule._grouped(kind, s, sorted(hits, key=lambda h: first[h.name])))
+        return out
 
 
 def _by_step(steps: np.ndarray, values: np.ndarray) -> pd.Series | None:

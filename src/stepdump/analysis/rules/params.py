@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,29 +20,22 @@ from stepdump.analysis.rules._frames import (
     nonfinite,
     optimized_params,
     skipped_steps,
-    tensor_series,
     times,
 )
 from stepdump.analysis.rules.base import (
-    Rule,
     check_globs,
     check_int,
     check_positive,
     register_rule,
 )
+from stepdump.analysis.rules._walk import TensorWalk, WalkingRule
 from stepdump.analysis.rules.lr import lr_cause
 from stepdump.errors import ConfigError
 
 
-def _param_series(run: Any) -> Iterator[tuple[str, pd.DataFrame]]:
-    """Each param's stats rows, one tensor at a time (:func:`tensor_series`); none without params."""
-    if "params" in run.kinds():
-        yield from tensor_series(run, "params")
-
-
 @register_rule
 @dataclass(frozen=True, kw_only=True)
-class WeightNormGrowth(Rule):
+class WeightNormGrowth(WalkingRule):
     """A weight's L2 norm grows by more than ``factor`` over the run.
 
     Compares each parameter's norm at every recorded step with its norm at
@@ -72,27 +64,17 @@ class WeightNormGrowth(Rule):
         check_int(self.name, "min_dims", self.min_dims, 0)
         check_globs(self.name, "names", self.names)
 
-    def __call__(self, run: Any) -> list[Finding]:
-        grown: list[tuple[int, str, float, float, float, int]] = []  # step, name, ratio, norm, first norm, first step
-        last: dict[str, float] = {}
-        for name, rows in _param_series(run):
-            if not matches(str(name), self.names) or ndim(rows["shape"].iloc[0]) < self.min_dims:
-                continue
-            rows = rows[nonfinite(rows) == 0].sort_values("step")
-            norms = rows.set_index("step")["norm"].dropna().astype(float)
-            if len(norms) < 2 or norms.iloc[0] <= 0:
-                continue
-            ratio = norms / norms.iloc[0]
-            over = ratio[ratio > self.factor]
-            if over.empty:
-                continue
-            s = int(over.index[0])
-            grown.append((s, str(name), float(ratio[s]), float(norms[s]), float(norms.iloc[0]), int(norms.index[0])))
-            last[str(name)] = float(ratio.iloc[-1])
+    def walk(self, run: Any) -> TensorWalk:
+        return _NormGrowthWalk(self)
+
+    def _findings(self, grown: list[tuple[int, str, float, float, float, int]],
+                  last: dict[str, float]) -> list[Finding]:
+        """``grown``: (step, name, ratio, norm, first norm, first step) of each weight past ``factor``;
+        ``last``: each one's ratio at its last step."""
         if not grown:
             return []
         # One cause (weight decay missing, an lr too high) grows many weights: one finding lists them.
-        grown.sort(key=lambda g: (g[0], -g[2]))
+        grown = sorted(grown, key=lambda g: (g[0], -g[2]))
         s, name, r, norm, first, first_step = grown[0]
         names = [g[1] for g in grown]
         others = ""
@@ -109,6 +91,38 @@ class WeightNormGrowth(Rule):
         )]
 
 
+class _NormGrowthWalk(TensorWalk):
+    """``weight_norm_growth``'s walk: each weight's first step past ``factor``, one tensor at a time."""
+
+    kinds = ("params",)
+    stat_columns = ("nan", "posinf", "neginf", "norm")
+
+    def __init__(self, rule: WeightNormGrowth) -> None:
+        self.rule = rule
+        # step, name, ratio, norm, first norm, first step
+        self.grown: list[tuple[int, str, float, float, float, int]] = []
+        self.last: dict[str, float] = {}
+
+    def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
+        rule = self.rule
+        if not matches(str(name), rule.names) or ndim(rows["shape"].iloc[0]) < rule.min_dims:
+            return
+        rows = rows[nonfinite(rows) == 0].sort_values("step")
+        norms = rows.set_index("step")["norm"].dropna().astype(float)
+        if len(norms) < 2 or norms.iloc[0] <= 0:
+            return
+        ratio = norms / norms.iloc[0]
+        over = ratio[ratio > rule.factor]
+        if over.empty:
+            return
+        s = int(over.index[0])
+        self.grown.append((s, str(name), float(ratio[s]), float(norms[s]), float(norms.iloc[0]), int(norms.index[0])))
+        self.last[str(name)] = float(ratio.iloc[-1])
+
+    def finish(self) -> list[Finding]:
+        return self.rule._findings(self.grown, self.last)
+
+
 def _listed(names: list[str], most: int = 6) -> str:
     """Names for a message: the first ``most`` quoted, then how many more (all are in ``Finding.tensors``)."""
     head = ", ".join(repr(n) for n in names[:most])
@@ -117,7 +131,7 @@ def _listed(names: list[str], most: int = 6) -> str:
 
 @register_rule
 @dataclass(frozen=True, kw_only=True)
-class UpdateRatio(Rule):
+class UpdateRatio(WalkingRule):
     """Relative size of each update, ``||p[t+1] - p[t]|| / ||p[t]||``, per weight.
 
     Measured from the stored values of consecutive full steps (t not skipped),
@@ -183,28 +197,16 @@ class UpdateRatio(Rule):
         check_globs(self.name, "names", self.names)
         check_scalar_option(self.name, "loss", self.loss)
 
-    def __call__(self, run: Any) -> list[Finding]:
-        # One pass over the weights, one tensor's rows at a time (a long run's params frame is
-        # steps x tensors): it picks the names and each step's largest norm change (which pairs to
-        # read), and keeps of each weight what judging it needs once the pairs are measured.
-        optimized = optimized_params(run)
-        skipped = skipped_steps(run)
-        names: list[str] = []
-        kept: dict[str, tuple[pd.Series, pd.Series | None]] = {}
-        score = pd.Series(dtype=float)
-        for name, rows in _param_series(run):
-            shape = rows["shape"].dropna()  # the groupby's first(): the first shape given
-            if not (name in optimized and matches(name, self.names) and len(shape) and ndim(shape.iloc[0]) >= self.min_dims):
-                continue
-            names.append(name)
-            bound = _norm_change(rows, skipped).get(name, pd.Series(dtype=float))
-            score = _running_max(score, bound)
-            norms = _from_zero(rows).get(name)
-            # _judge reads, of the stats' lower bounds, those above step_hi, unless the weight grew
-            # from zero (then every one): only those are kept (a long run's bounds are steps x weights)
-            kept[name] = (bound if norms is not None else bound[bound > self.step_hi], norms)
+    def walk(self, run: Any) -> TensorWalk:
+        return _UpdateRatioWalk(self, run)
+
+    def _findings(self, run: Any, names: list[str], kept: dict[str, tuple[pd.Series, pd.Series | None]],
+                  score: pd.Series) -> list[Finding]:
+        """The verdicts once the walk is done: ``names`` the weights examined, ``kept`` what judging
+        each needs (:class:`_UpdateRatioWalk`), ``score`` each step's largest norm change."""
         if not names:
             return []
+        skipped = skipped_steps(run)
         full = set(run.steps)
         pairs = [t for t in sorted(full) if t + 1 in full and t not in skipped]
         pairs, spread = _choose_pairs(pairs, score, self.max_pairs)
@@ -278,6 +280,41 @@ class UpdateRatio(Rule):
                    "Raise the learning rate, or find why the gradients are so small (a loss scaled down?)")
         return self.finding(Severity.WARNING, lead.step, message, kind="params", tensor=lead.name,
                             value=lead.ratio, threshold=self.lo, tensors=names)
+
+
+class _UpdateRatioWalk(TensorWalk):
+    """``update_ratio``'s one pass over the weights, one tensor's rows at a time (a long run's
+    params frame is steps x tensors): it picks the names and each step's largest norm change
+    (which pairs to read), and keeps of each weight what judging it needs once the pairs are
+    measured."""
+
+    kinds = ("params",)
+    stat_columns = ("nan", "posinf", "neginf", "norm")
+
+    def __init__(self, rule: UpdateRatio, run: Any) -> None:
+        self.rule, self.run = rule, run
+        self.optimized = optimized_params(run)
+        self.skipped = skipped_steps(run)
+        self.names: list[str] = []
+        self.kept: dict[str, tuple[pd.Series, pd.Series | None]] = {}
+        self.score = pd.Series(dtype=float)
+
+    def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
+        rule = self.rule
+        shape = rows["shape"].dropna()  # the groupby's first(): the first shape given
+        if not (name in self.optimized and matches(name, rule.names) and len(shape)
+                and ndim(shape.iloc[0]) >= rule.min_dims):
+            return
+        self.names.append(name)
+        bound = _norm_change(rows, self.skipped).get(name, pd.Series(dtype=float))
+        self.score = _running_max(self.score, bound)
+        norms = _from_zero(rows).get(name)
+        # _judge reads, of the stats' lower bounds, those above step_hi, unless the weight grew
+        # from zero (then every one): only those are kept (a long run's bounds are steps x weights)
+        self.kept[name] = (bound if norms is not None else bound[bound > rule.step_hi], norms)
+
+    def finish(self) -> list[Finding]:
+        return self.rule._findings(self.run, self.names, self.kept, self.score)
 
 
 @dataclass(frozen=True)

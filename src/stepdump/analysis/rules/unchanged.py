@@ -8,8 +8,9 @@ from typing import Any, ClassVar, NamedTuple
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._frames import name_rows, nonfinite, optimized_params, skipped_steps, tensor_series
-from stepdump.analysis.rules.base import Rule, check_int, register_rule
+from stepdump.analysis.rules._frames import name_rows, nonfinite, optimized_params, skipped_steps
+from stepdump.analysis.rules._walk import TensorWalk, WalkingRule
+from stepdump.analysis.rules.base import check_int, register_rule
 from stepdump.analysis.rules.params import _listed
 
 
@@ -24,7 +25,7 @@ class _Unchanged(NamedTuple):
 
 @register_rule
 @dataclass(frozen=True, kw_only=True)
-class UnchangedTensor(Rule):
+class UnchangedTensor(WalkingRule):
     """A parameter the optimizer should step that never changes, grouped by the real cause.
 
     A parameter is examined when it is in an optimizer param group (the run's layout) or has
@@ -53,31 +54,8 @@ class UnchangedTensor(Rule):
     def __post_init__(self) -> None:
         check_int(self.name, "min_steps", self.min_steps, 2)
 
-    def __call__(self, run: Any) -> list[Finding]:
-        if "params" not in run.kinds():
-            return []
-        optimized = optimized_params(run)
-        skipped = skipped_steps(run)
-        groups = _group_of(run)
-        grads = "grads" in run.kinds()
-        causes: dict[str, list[_Unchanged]] = {}
-        changed = set()
-        for name, rows in tensor_series(run, "params"):  # one weight's rows at a time
-            if name not in optimized or len(rows) < self.min_steps:
-                continue
-            if rows["fingerprint"].nunique() != 1:
-                changed.add(name)
-                continue
-            steps = sorted(int(s) for s in rows["step"])
-            if all(s in skipped for s in steps[:-1]):
-                continue
-            cause = _why_unchanged(run, name, grads, groups)
-            causes.setdefault(cause, []).append(_Unchanged(name, steps[0], steps[-1], len(steps)))
-        out = []
-        for cause, hits in causes.items():
-            nothing_trains = cause == "no_grad" and not changed and bool(groups)
-            out.append(self._grouped(cause, hits, nothing_trains))
-        return out
+    def walk(self, run: Any) -> TensorWalk:
+        return _UnchangedWalk(self, run)
 
     def _grouped(self, cause: str, hits: list[_Unchanged], nothing_trains: bool) -> Finding:
         names = [h.name for h in hits]
@@ -110,6 +88,45 @@ class UnchangedTensor(Rule):
                    "(too small for the weights' dtype?) or undone after the step")
         return self.finding(severity, first, why, kind="params", tensor=names[0], value=n, threshold=self.min_steps,
                             tensors=names)
+
+
+class _UnchangedWalk(TensorWalk):
+    """``unchanged_tensor``'s walk over the params, one weight's rows at a time; the cause of each
+    unchanged one is looked up once the walk is done (its grads are read then, not beside the walk's group)."""
+
+    kinds = ("params",)
+    stat_columns = ()
+
+    def __init__(self, rule: UnchangedTensor, run: Any) -> None:
+        self.rule, self.run = rule, run
+        self.optimized = optimized_params(run)
+        self.skipped = skipped_steps(run)
+        self.unchanged: list[_Unchanged] = []
+        self.changed: set[str] = set()
+
+    def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
+        if name not in self.optimized or len(rows) < self.rule.min_steps:
+            return
+        if rows["fingerprint"].nunique() != 1:
+            self.changed.add(name)
+            return
+        steps = sorted(int(s) for s in rows["step"])
+        if all(s in self.skipped for s in steps[:-1]):
+            return
+        self.unchanged.append(_Unchanged(name, steps[0], steps[-1], len(steps)))
+
+    def finish(self) -> list[Finding]:
+        run = self.run
+        groups = _group_of(run)
+        grads = "grads" in run.kinds()
+        causes: dict[str, list[_Unchanged]] = {}
+        for hit in self.unchanged:
+            causes.setdefault(_why_unchanged(run, hit.name, grads, groups), []).append(hit)
+        out = []
+        for cause, hits in causes.items():
+            nothing_trains = cause == "no_grad" and not self.changed and bool(groups)
+            out.append(self.rule._grouped(cause, hits, nothing_trains))
+        return out
 
 
 def _group_of(run: Any) -> dict[str, int]:
