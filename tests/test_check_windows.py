@@ -292,5 +292,59 @@ def test_the_tensor_walks_share_one_pass_over_the_chunks_per_group(tmp_path: Pat
     assert together == whole
     assert alone == whole
     # + 2: each kind's tensors in the order the frame first shows them (its first chunk).
-    # measured (6 chunks): 19 (3 passes + 1), 50 when each rule walked its own groups (8 passes + 2)
+    # measured (6 chunks): 19 (3 passes + 1), 50 when each rule walked its own groups (8 passes + 2);
+    # 7 since the walk reads windows of steps (one pass + 1)
     assert len(decodes) <= 4 * chunks + 2, (len(decodes), chunks)
+
+
+def test_the_tensor_walks_decode_each_chunk_about_once_whatever_the_tensors(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared walk read its tensors in groups, a pass over every stat chunk per group: its
+    decodes grew with the tensors (steps x tensors chunks' worth, so steps^2 x tensors work on a
+    long run). It now reads the stats in windows of steps, one pass over the chunks whatever the
+    tensors: the same decodes for 8 tensors and 32, about one per chunk, and the same findings."""
+    rules = resolve_rules(WALKING)
+    decoded, chunked = {}, {}
+    for tensors in (8, 32):
+        path = synth_run(tmp_path / f"r{tensors}", tensors, 200, spike=100)  # chunks of 64 steps
+        with stepdump.open(path) as run:
+            whole = run_rules(CachedRun(run, streaming=False), rules)
+            steps = len(run.stats_steps)
+            chunked[tensors] = run.catalog.connection.execute("SELECT count(*) FROM stat_chunks").fetchone()[0]
+        with monkeypatch.context() as m:
+            m.setattr(rule_runner, "STREAM_ROWS", 2 * steps)  # a group: about six tensors' histories
+            m.setattr(queries_stats, "CACHE_BYTES", 1)  # one decoded chunk kept, as past 16 MB of them
+            with stepdump.open(path) as run:
+                assert CachedRun(run).streaming
+                decodes = _decodes(m)
+                found = stepdump.check(run, rules=WALKING)
+        assert found == whole
+        decoded[tensors] = len(decodes)
+    assert chunked[8] == chunked[32] >= 4
+    # measured (6 chunks): 7 for both (one pass, and a first chunk for the tensors' order);
+    # 25 and 79 when the walk read groups of tensors
+    assert decoded[8] == decoded[32] <= chunked[8] + 2, (decoded, chunked)
+
+
+@pytest.mark.parametrize("planted", ["healthy", "dead_layer", "dead_activations", "unchanged", "frozen",
+                                     "weight_growth", "tiny_updates", "lr_blow_up"])
+def test_lean_walks_in_windows_of_three_steps_find_what_the_whole_frame_finds(
+        tmp_path: Path, planted: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules that walk the tensors keep per-tensor state across the windows of a lean run (a
+    stretch of dead steps, a weight's first norm, the norm a change at a window's last step needs):
+    in windows of three steps (one, seven), the findings of whole histories, row for row."""
+    import helpers
+    import test_checks
+
+    monkeypatch.setattr(test_checks, "record_run", lambda *a, **kw: helpers.record_run(
+        *a, **kw, every=None, stats_every=1))
+    run = _train(tmp_path / "lean", planted)
+    assert run.catalog.has_stat_chunks
+    whole = _whole(run)
+    monkeypatch.setattr(rule_runner, "STREAM_ROWS", 0)  # windows of WINDOW_STEPS steps
+    for steps in (3, 1, 7):
+        monkeypatch.setattr(rule_runner, "WINDOW_STEPS", steps)
+        windowed = stepdump.check(run)
+        alone = sorted((f for rule in resolve_rules(WALKING) for f in rule(CachedRun(run))), key=sort_key)
+        assert windowed == whole, steps
+        assert alone == [f for f in whole if f.rule in WALKING], steps

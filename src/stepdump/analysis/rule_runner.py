@@ -221,16 +221,21 @@ class CachedRun:
 
     def tensor_walk(self, kinds: Sequence[str],
                     columns: Sequence[str] = STAT_COLUMNS) -> Iterator[tuple[str, str, pd.DataFrame]]:
-        """``(kind, name, rows)`` of each tensor of ``kinds``: kind after kind, each as
-        :meth:`tensor_series` yields it, but in a store with stat chunks read in groups that span
-        the kinds, one pass over the chunks per group. The rules that walk the tensors share this
-        one walk (:func:`stepdump.analysis.rules._walk.walk_tensors`): each of them walking its own
-        groups decoded every chunk once per group and rule. A kind the run lacks yields nothing.
+        """``(kind, name, rows)`` pieces of the history of each tensor of ``kinds``: what the rules
+        that walk the tensors read (:func:`stepdump.analysis.rules._walk.walk_tensors`). A kind the
+        run lacks yields nothing.
+
+        In a store with stat chunks (FORMAT.md "Stat chunks") a tensor's history is a share of
+        every chunk: the walk reads the stats in windows of steps, one pass over the chunks for
+        every tensor, and yields each tensor's rows of each window (``rows``: a piece; a tensor's
+        pieces come in step order, and its rows of the window as its whole frame holds them). In a
+        window the tensors come kind after kind, each kind's in the order :meth:`frame_names`
+        gives, so the tensors' first pieces come in the order of a walk over whole histories.
+        Elsewhere each tensor's whole history is one piece, as :meth:`tensor_series` yields it.
 
         ``columns``: the stat columns the walkers read; from stat chunks only those are decoded and
-        held (the frames lack the others), and a group holds as many more tensors as its rows are
-        smaller (the memory of a group stays that of one with every column); the groups are made
-        even (the passes they need, no more, and the largest group as small as it can be)."""
+        held (the frames lack the others), and a window holds as many more steps as its rows are
+        smaller (the memory of a window is that of :data:`STREAM_ROWS` rows with every column)."""
         if not self.streaming or not hasattr(self._run, "stats_by_series"):
             for kind in kinds:
                 for name, rows in self.tensor_series(kind):
@@ -238,9 +243,19 @@ class CachedRun:
             return
         self._memo.pop(("group",), None)  # a rule before this walk is done with its one-tensor reads
         listed = [(kind, name) for kind in kinds if kind in self.kinds() for name in self.frame_names(kind)]
-        # As in tensor_series: one group's rows held as arrays, each frame made as it is yielded.
         columns = [c for c in STAT_COLUMNS if c in columns]
         rows = 2 * STREAM_ROWS * _row_bytes(len(STAT_COLUMNS)) // _row_bytes(len(columns))
+        if getattr(self._run.catalog, "has_stat_chunks", False):
+            # Windows of steps: every chunk decoded about once (a chunk across two windows twice,
+            # unless the reader still holds it), however many tensors; the steps a window spans
+            # are as many as its rows allow, never fewer than a stats window's.
+            steps = self.stats_steps
+            size = max(1, WINDOW_STEPS, rows // max(1, len(listed)))
+            bounds = [0, *steps[size::size], 2**62]  # every row of a step in [lo, hi)
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                yield from self._run.stats_by_series(listed, columns, steps=range(lo, hi))
+            return
+        # A store without chunks: a tensor's rows are one index range, read one by one.
         size = max(1, rows // max(1, len(self.stats_steps)))
         size = -(-len(listed) // -(-len(listed) // size)) if listed else 1  # as many passes, even groups
         for first in range(0, len(listed), size):

@@ -496,19 +496,23 @@ class Run:
         for _, name, rows in self.stats_by_series([(kind, str(n)) for n in names]):
             yield name, rows
 
-    def stats_by_series(self, series: Iterable[tuple[str, str]],
-                        columns: Sequence[str] = STAT_COLUMNS) -> Iterator[tuple[str, str, pd.DataFrame]]:
+    def stats_by_series(self, series: Iterable[tuple[str, str]], columns: Sequence[str] = STAT_COLUMNS,
+                        steps: StepRange = None) -> Iterator[tuple[str, str, pd.DataFrame]]:
         """``(kind, name, self.stats(kind, glob_literal(name)))`` for each ``(kind, name)`` of
         ``series``, in that order: :meth:`stats_by_tensor` for tensors of several kinds at once, one
         pass over the stat chunks for all of them (a chunk holds every kind's rows of its steps).
 
         ``columns``: the stat columns (:data:`~stepdump.store.schema.STAT_COLUMNS`) wanted; from
         stat chunks only those are decoded and held, the frames' other stat columns left out (a
-        store without chunks gives whole frames)."""
+        store without chunks gives whole frames). ``steps``: only the rows of these steps
+        (``self.stats(kind, glob_literal(name), steps)``), and only the series that have one there
+        (None: every row, and every series, an empty frame for one the run lacks)."""
         wanted_series = [(str(k), str(n)) for k, n in series]
         if not self._catalog.has_stat_chunks:  # a tensor's rows are one index range: read each alone
             for k, n in wanted_series:  # the name as a GLOB matching only itself
-                yield k, n, self.stats(k, "".join(f"[{c}]" if c in "*?[" else c for c in n))
+                df = self.stats(k, "".join(f"[{c}]" if c in "*?[" else c for c in n), steps)
+                if steps is None or len(df):
+                    yield k, n, df
             return
         import numpy as np
 
@@ -522,13 +526,15 @@ class Run:
                 ids[(kind, str(n))] = int(i)
         wanted = [ids[kn] for kn in dict.fromkeys(wanted_series) if kn in ids]
         columns = [c for c in STAT_COLUMNS if c in columns]
-        a = self._catalog.stat_arrays(None, columns=columns, series=wanted)
+        a = self._catalog.stat_arrays(None, steps=steps, columns=columns, series=wanted)
         order = np.argsort(a.series, kind="stable")  # by series, each series' rows by step as read
         by_series, keys = a.series[order], np.asarray(wanted, dtype=np.int64)
         bounds, ends = np.searchsorted(by_series, keys), np.searchsorted(by_series, keys, side="right")
         at = {sid: order[lo:hi] for sid, lo, hi in zip(wanted, bounds.tolist(), ends.tolist(), strict=True)}
         for k, n in wanted_series:
             sid = ids.get((k, n))
+            if steps is not None and (sid is None or not len(at[sid])):
+                continue
             rows = a.take(at[sid]) if sid is not None else a.take(np.zeros(0, np.int64))
             yield k, n, self._typed_stats(self._frame_of_arrays(rows, {sid: info[sid]} if sid is not None else {},
                                                                 columns))

@@ -5,8 +5,14 @@ share of every chunk, so a walk over the tensors reads them in groups, one pass 
 group. ``update_ratio``, ``unchanged_tensor``, ``weight_norm_growth`` (the params) and
 ``dead_units`` (the grads, activations) each walked their own groups: every chunk was decoded once
 per group and rule. A :class:`WalkingRule` instead says what it does with each tensor's rows
-(:class:`TensorWalk`); :func:`walk_tensors` reads each group once, spanning the kinds, and hands it
-to every walk that takes that kind. Alone (``rule(run)``), a walking rule walks by itself.
+(:class:`TensorWalk`); :func:`walk_tensors` reads the stats once for all of them and hands each
+tensor's rows to every walk that takes that kind. Alone (``rule(run)``), a walking rule walks by
+itself.
+
+In a store with stat chunks the rows come in pieces, a window of steps at a time (one pass over
+the chunks, whatever the number of tensors): a walk keeps, per tensor, what its judgement needs
+across the pieces (counts, first and last values, the run of flagged steps open at the end of a
+piece) and judges in :meth:`TensorWalk.finish`, with the findings of a walk over whole histories.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ class TensorWalk:
     stat_columns: tuple[str, ...] | None = None
 
     def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
-        """Take one ``kind`` tensor's stats rows (``stats(kind).groupby("name")``'s group for
-        ``name``), the tensors of a kind in the order that frame first shows them. ``rows`` is
-        shared with the other walks: read it, never change it in place."""
+        """Take a piece of one ``kind`` tensor's stats rows (``stats(kind).groupby("name")``'s
+        group for ``name``): its whole history, or its rows of one window of steps, the pieces of a
+        tensor in step order (a later piece's steps all above an earlier one's), the rows of a
+        piece in the order the whole group holds them. The tensors of a kind come first in the
+        order that frame first shows them. ``rows`` is shared with the other walks: read it,
+        never change it in place."""
         raise NotImplementedError(f"{type(self).__name__} must implement visit()")
 
     def finish(self) -> list[Finding]:
@@ -67,7 +76,7 @@ def shares_walk(rule: Any) -> TypeGuard[WalkingRule]:
 
 def walk_tensors(run: Any, walks: Sequence[TensorWalk]) -> None:
     """Hand every tensor of the kinds ``walks`` take, and the run has, to each walk that takes
-    its kind: one read for all of them, of the stat columns they read (``run.tensor_walk`` where the run has it:
+    its kind, in pieces (:meth:`TensorWalk.visit`): one read for all of them, of the stat columns they read (``run.tensor_walk`` where the run has it:
     :class:`~stepdump.analysis.rule_runner.CachedRun`), else kind by kind (:func:`tensor_series`)."""
     present = set(run.kinds())
     kinds = [k for k in dict.fromkeys(k for w in walks for k in w.kinds) if k in present]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -209,7 +210,7 @@ class _Stretch(NamedTuple):
     """A tensor's first stretch of mostly-zero steps (DeadUnits)."""
 
     name: str
-    steps: list[int]  # the stretch's steps
+    steps: int  # the stretch's recorded steps
     more: int  # stretches after it
     zero_frac: float  # at its first step
 
@@ -261,10 +262,10 @@ class DeadUnits(WalkingRule):
     def _grouped(self, kind: str, s: int, hits: list[_Stretch]) -> Finding:
         names = [h.name for h in hits]
         lead = _dead_layer(names)
-        name, ep, more, zf = next(h for h in hits if h.name == lead)
+        name, n, more, zf = next(h for h in hits if h.name == lead)
         also = f" more such stretch(es) later" if more else ""
         if len(hits) == 1:
-            what = (f"{kind} {name!r}: {zf:.0%} of its elements are exactly zero for {len(ep)} recorded steps from "
+            what = (f"{kind} {name!r}: {zf:.0%} of its elements are exactly zero for {n} recorded steps from "
                     f"step {s}{f' ({more}{also})' if more else ''}")
         else:
             what = (f"{kind} of {len(hits)} tensors are over {self.max_zero_frac:.0%} exact zeros for "
@@ -279,9 +280,34 @@ class DeadUnits(WalkingRule):
         )
 
 
+class _Runs:
+    """``dead_units``' count of one tensor's stretches across the pieces of its history: the
+    stretches closed so far and the run of flagged steps open at the end of the last piece."""
+
+    __slots__ = ("first", "more", "open_start", "open_len", "open_zf")
+
+    def __init__(self) -> None:
+        self.first: tuple[int, int, float] | None = None  # the first stretch: first step, steps, zero_frac there
+        self.more = 0  # stretches after it
+        self.open_start = 0
+        self.open_len = 0  # flagged steps in a row at the end of the last piece (0: none open)
+        self.open_zf = math.nan
+
+    def close(self, patience: int) -> None:
+        """The open run ends (an unflagged step, or the history's end): a stretch if long enough."""
+        if self.open_len >= patience:
+            if self.first is None:
+                self.first = (self.open_start, self.open_len, self.open_zf)
+            else:
+                self.more += 1
+        self.open_len = 0
+
+
 class _DeadUnitsWalk(TensorWalk):
-    """``dead_units``' walk over the tensors of its kinds, one tensor's rows at a time: each
-    tensor's first stretch of mostly-zero steps, by the step it starts at."""
+    """``dead_units``' walk over the tensors of its kinds, a piece of a tensor's rows at a time:
+    each tensor's first stretch of mostly-zero steps, by the step it starts at. A stretch is a run
+    of flagged steps consecutive among the steps that measured ``zero_frac``
+    (:func:`~stepdump.analysis.rules._frames.sustained`), counted across the pieces."""
 
     stat_columns = ("nan", "posinf", "neginf", "zero_frac")
 
@@ -295,7 +321,7 @@ class _DeadUnitsWalk(TensorWalk):
         # where each tensor first shows among the rows kept (by step, then recording order)
         self.recording = {k: {n: i for i, n in enumerate(run.names(k))} for k in self.kinds}
         self.first: dict[str, dict[str, tuple[int, int]]] = {k: {} for k in self.kinds}
-        self.stretches: dict[str, dict[int, list[_Stretch]]] = {k: {} for k in self.kinds}  # first step -> hits
+        self.runs: dict[str, dict[str, _Runs]] = {k: {} for k in self.kinds}
 
     def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
         rule = self.rule
@@ -303,25 +329,45 @@ class _DeadUnitsWalk(TensorWalk):
         if not kept.any():
             return
         steps = rows["step"].to_numpy()[kept]
-        self.first[kind][name] = (int(steps.min()), self.recording[kind].get(name, -1))
+        if name not in self.first[kind]:  # the pieces come in step order: its first kept step is here
+            self.first[kind][name] = (int(steps.min()), self.recording[kind].get(name, -1))
         if matches(str(name), rule.exclude) or (kind == "grads" and str(name) in self.sparse):
             return
+        runs = self.runs[kind].get(name)
+        if runs is None:  # in the order the tensors first keep a row, as a walk over whole histories
+            runs = self.runs[kind][name] = _Runs()
         # NULL zero_frac: not measured (large tensors at lean stats-only steps), not "no zeros";
         # the stretch is counted over the steps that measured it.
         zf = _by_step(steps, rows["zero_frac"].to_numpy(dtype=float)[kept])
         if zf is None:  # a step twice: as the frames take it
             zf = rows[kept].sort_values("step").set_index("step")["zero_frac"].astype(float).dropna()
-        flagged = [int(s) for s in zf.index[zf > rule.max_zero_frac]]
-        eps = sustained(flagged, [int(s) for s in zf.index], rule.patience)
-        if eps:
-            self.stretches[kind].setdefault(eps[0][0], []).append(
-                _Stretch(str(name), eps[0], len(eps) - 1, float(zf[eps[0][0]])))
+        if zf.empty:
+            return
+        values = zf.to_numpy()
+        flagged = (values > rule.max_zero_frac).astype(np.int8)
+        edges = np.diff(np.concatenate(([0], flagged, [0])))
+        starts, ends = np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()
+        if runs.open_len and (not starts or starts[0] > 0):
+            runs.close(rule.patience)  # the open run ends at this piece's first step
+        for lo, hi in zip(starts, ends, strict=True):
+            if lo == 0 and runs.open_len:  # the run open at the last piece's end goes on
+                runs.open_len += hi
+            else:
+                runs.open_start, runs.open_len, runs.open_zf = int(zf.index[lo]), hi - lo, float(values[lo])
+            if hi < len(values):  # ends inside this piece
+                runs.close(rule.patience)
 
     def finish(self) -> list[Finding]:
         out = []
         for kind in self.kinds:
+            stretches: dict[int, list[_Stretch]] = {}  # first step -> hits
+            for name, runs in self.runs[kind].items():
+                runs.close(self.rule.patience)
+                if runs.first is not None:
+                    s, n, zf = runs.first
+                    stretches.setdefault(s, []).append(_Stretch(name, n, runs.more, zf))
             first = self.first[kind]
-            for s, hits in sorted(self.stretches[kind].items()):
+            for s, hits in sorted(stretches.items()):
                 out.append(self.rule._grouped(kind, s, sorted(hits, key=lambda h: first[h.name])))
         return out
 

@@ -91,36 +91,66 @@ class WeightNormGrowth(WalkingRule):
         )]
 
 
+class _Growth:
+    """What ``weight_norm_growth`` keeps of one weight across the pieces of its history."""
+
+    __slots__ = ("examined", "first_step", "first", "norms", "last", "over")
+
+    def __init__(self, examined: bool) -> None:
+        self.examined = examined  # its name and first shape pass the rule's filters
+        self.first_step = 0
+        self.first = math.nan  # its first finite norm (nan: none yet)
+        self.norms = 0  # finite norms seen
+        self.last = math.nan  # its last finite norm
+        self.over: tuple[int, float, float] | None = None  # the first step past factor: step, ratio, norm
+
+
 class _NormGrowthWalk(TensorWalk):
-    """``weight_norm_growth``'s walk: each weight's first step past ``factor``, one tensor at a time."""
+    """``weight_norm_growth``'s walk: each weight's first step past ``factor``, a piece of its
+    rows at a time (its first finite norm is in the first piece holding one: the pieces come in
+    step order)."""
 
     kinds = ("params",)
     stat_columns = ("nan", "posinf", "neginf", "norm")
 
     def __init__(self, rule: WeightNormGrowth) -> None:
         self.rule = rule
-        # step, name, ratio, norm, first norm, first step
-        self.grown: list[tuple[int, str, float, float, float, int]] = []
-        self.last: dict[str, float] = {}
+        self.seen: dict[str, _Growth] = {}
 
     def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
         rule = self.rule
-        if not matches(str(name), rule.names) or ndim(rows["shape"].iloc[0]) < rule.min_dims:
+        g = self.seen.get(name)
+        if g is None:  # its first piece: its first row's shape
+            g = self.seen[name] = _Growth(matches(str(name), rule.names)
+                                          and ndim(rows["shape"].iloc[0]) >= rule.min_dims)
+        if not g.examined:
             return
         rows = rows[nonfinite(rows) == 0].sort_values("step")
         norms = rows.set_index("step")["norm"].dropna().astype(float)
-        if len(norms) < 2 or norms.iloc[0] <= 0:
+        if norms.empty:
             return
-        ratio = norms / norms.iloc[0]
+        if not g.norms:
+            g.first_step, g.first = int(norms.index[0]), float(norms.iloc[0])
+        g.norms += len(norms)
+        g.last = float(norms.iloc[-1])
+        if g.over is not None or g.first <= 0:
+            return
+        ratio = norms / g.first
         over = ratio[ratio > rule.factor]
-        if over.empty:
-            return
-        s = int(over.index[0])
-        self.grown.append((s, str(name), float(ratio[s]), float(norms[s]), float(norms.iloc[0]), int(norms.index[0])))
-        self.last[str(name)] = float(ratio.iloc[-1])
+        if not over.empty:
+            s = int(over.index[0])
+            g.over = (s, float(ratio[s]), float(norms[s]))
 
     def finish(self) -> list[Finding]:
-        return self.rule._findings(self.grown, self.last)
+        grown: list[tuple[int, str, float, float, float, int]] = []  # step, name, ratio, norm, first norm, first step
+        last: dict[str, float] = {}
+        for name, g in self.seen.items():
+            if not g.examined or g.norms < 2 or g.first <= 0 or g.over is None:
+                continue
+            s, r, norm = g.over
+            grown.append((s, name, r, norm, g.first, g.first_step))
+            last[name] = float(np.float64(g.last) / np.float64(g.first))
+        return self.rule._findings(grown, last)
 
 
 def _listed(names: list[str], most: int = 6) -> str:
@@ -282,11 +312,31 @@ class UpdateRatio(WalkingRule):
                             value=lead.ratio, threshold=self.lo, tensors=names)
 
 
+class _Updates:
+    """What ``update_ratio`` keeps of one weight across the pieces of its history."""
+
+    __slots__ = ("examined", "pending", "first_step", "zero", "carry", "bounds", "norms")
+
+    def __init__(self) -> None:
+        self.examined: bool | None = None  # its first shape given has min_dims (None: no shape yet)
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # its bounds while examined is None
+        self.first_step: int | None = None  # its first step with a row
+        self.zero: bool | None = None  # its first finite norm is exactly 0, at its first step (None: no norm yet)
+        self.carry: tuple[Any, Any] | None = None  # its last finite row so far: step, norm
+        self.bounds: list[tuple[np.ndarray, np.ndarray]] = []  # what judging it needs of its bounds
+        self.norms: list[tuple[np.ndarray, np.ndarray]] = []  # its finite norms, when grown from zero
+
+
+#: Norm-change rows ``update_ratio`` gathers before folding them into each step's largest.
+_SCORE_ROWS = 1 << 20
+
+
 class _UpdateRatioWalk(TensorWalk):
-    """``update_ratio``'s one pass over the weights, one tensor's rows at a time (a long run's
-    params frame is steps x tensors): it picks the names and each step's largest norm change
+    """``update_ratio``'s one pass over the weights, a piece of a tensor's rows at a time (a long
+    run's params frame is steps x tensors): it picks the names and each step's largest norm change
     (which pairs to read), and keeps of each weight what judging it needs once the pairs are
-    measured."""
+    measured. A norm change at t needs the norm at t + 1: each weight's last finite row of a piece
+    is carried into the next."""
 
     kinds = ("params",)
     stat_columns = ("nan", "posinf", "neginf", "norm")
@@ -295,26 +345,97 @@ class _UpdateRatioWalk(TensorWalk):
         self.rule, self.run = rule, run
         self.optimized = optimized_params(run)
         self.skipped = skipped_steps(run)
-        self.names: list[str] = []
-        self.kept: dict[str, tuple[pd.Series, pd.Series | None]] = {}
-        self.score = pd.Series(dtype=float)
+        self.skip = np.fromiter(self.skipped, dtype=np.int64, count=len(self.skipped))
+        self.seen: dict[str, _Updates] = {}
+        self.scores: list[tuple[np.ndarray, np.ndarray]] = []  # (steps, norm changes), folded now and then
+        self.score_rows = 0
 
     def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
         rule = self.rule
-        shape = rows["shape"].dropna()  # the groupby's first(): the first shape given
-        if not (name in self.optimized and matches(name, rule.names) and len(shape)
-                and ndim(shape.iloc[0]) >= rule.min_dims):
+        if not (name in self.optimized and matches(name, rule.names)) or not len(rows):
             return
-        self.names.append(name)
-        bound = _norm_change(rows, self.skipped).get(name, pd.Series(dtype=float))
-        self.score = _running_max(self.score, bound)
-        norms = _from_zero(rows).get(name)
-        # _judge reads, of the stats' lower bounds, those above step_hi, unless the weight grew
-        # from zero (then every one): only those are kept (a long run's bounds are steps x weights)
-        self.kept[name] = (bound if norms is not None else bound[bound > rule.step_hi], norms)
+        u = self.seen.get(name)
+        if u is None:
+            u = self.seen[name] = _Updates()
+        if u.first_step is None:  # the pieces come in step order: its first step is in its first
+            u.first_step = int(rows["step"].min())
+        if u.examined is None:
+            shape = rows["shape"].dropna()  # the groupby's first(): the first shape given
+            if len(shape):
+                u.examined = ndim(shape.iloc[0]) >= rule.min_dims
+        if u.examined is False:
+            return
+        steps, norms = _finite_norms(rows)
+        if steps is None:  # a repeated step: the frames' way, which refuses it as before
+            bound = _norm_change(rows, self.skipped)[name]
+            piece = (bound.index.to_numpy(), bound.to_numpy(dtype=float))
+        else:
+            keep = ~np.isnan(norms)
+            if u.zero is None and keep.any():  # its first finite norm
+                u.zero = bool(norms[keep][0] == 0.0 and int(steps[keep][0]) == u.first_step)
+            if u.zero:
+                u.norms.append((steps[keep], norms[keep]))
+            if u.carry is not None:
+                steps = np.concatenate((np.asarray([u.carry[0]], dtype=steps.dtype), steps))
+                norms = np.concatenate((np.asarray([u.carry[1]], dtype=float), norms))
+            if steps.size:
+                u.carry = (steps[-1], norms[-1])
+            piece = _bounds(steps, norms, self.skip)
+        if u.examined is None:
+            u.pending.append(piece)
+            return
+        for t, lb in [*u.pending, piece]:
+            self._keep(u, t, lb)
+        u.pending = []
+
+    def _keep(self, u: _Updates, steps: np.ndarray, lb: np.ndarray) -> None:
+        """Norm changes of an examined weight: into each step's largest, and those judging it
+        needs (above step_hi, or every one of a weight grown from zero: a long run's bounds are
+        steps x weights)."""
+        if not steps.size:
+            return
+        self.scores.append((steps, lb))
+        self.score_rows += steps.size
+        if self.score_rows > _SCORE_ROWS:
+            self.scores = [_largest(self.scores)]
+            self.score_rows = self.scores[0][0].size
+        big = lb > self.rule.step_hi
+        u.bounds.append((steps, lb) if u.zero else (steps[big], lb[big]))
 
     def finish(self) -> list[Finding]:
-        return self.rule._findings(self.run, self.names, self.kept, self.score)
+        names: list[str] = []
+        kept: dict[str, tuple[pd.Series, pd.Series | None]] = {}
+        for name, u in self.seen.items():
+            if not u.examined:
+                continue
+            names.append(name)
+            bound = _series(u.bounds, "norm")
+            if not u.zero:
+                kept[name] = (bound, None)
+                continue
+            kept[name] = (bound, _series(u.norms, "norm"))
+        steps, largest = _largest(self.scores)
+        score = pd.Series(largest, index=pd.Index(steps, name="step"), name="norm", dtype=float)
+        return self.rule._findings(self.run, names, kept, score)
+
+
+def _series(parts: list[tuple[np.ndarray, np.ndarray]], name: str) -> pd.Series:
+    """(steps, values) pieces, in step order, as one Series by step."""
+    steps = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+    values = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0)
+    return pd.Series(values.astype(float), index=pd.Index(steps, name="step"), name=name)
+
+
+def _largest(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Each step's largest value of the (steps, values) pieces (none NaN), by step."""
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0)
+    steps = np.concatenate([p[0] for p in parts])
+    values = np.concatenate([p[1] for p in parts]).astype(float)
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    at = np.flatnonzero(np.concatenate(([True], steps[1:] != steps[:-1])))
+    return steps[at], np.maximum.reduceat(values, at)
 
 
 @dataclass(frozen=True)
@@ -333,23 +454,6 @@ class _Verdict:
 # large as itself at first by construction; its update is a blow-up only when it is also this
 # many times the median of its earlier updates.
 GROWTH_JUMP = 10.0
-
-
-def _from_zero(params: pd.DataFrame) -> dict[str, pd.Series]:
-    """Per weight whose first recorded value is exactly zero (norm 0): its finite norms by step."""
-    out: dict[str, pd.Series] = {}
-    for name, rows in _by_name(params):
-        steps, norms = _finite_norms(rows)
-        if steps is None:  # the frames' way (see _finite_norms)
-            norm_s = rows[nonfinite(rows) == 0].set_index("step")["norm"].astype(float).sort_index().dropna()
-        else:
-            keep = ~np.isnan(norms)
-            if not (keep.any() and norms[keep][0] == 0.0 and int(steps[keep][0]) == int(rows["step"].min())):
-                continue  # the common case, told from the arrays without a Series
-            norm_s = pd.Series(norms[keep], index=pd.Index(steps[keep], name="step"), name="norm")
-        if len(norm_s) and float(norm_s.iloc[0]) == 0.0 and int(norm_s.index[0]) == int(rows["step"].min()):
-            out[str(name)] = norm_s
-    return out
 
 
 def _by_name(params: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -408,17 +512,24 @@ def _norm_change(params: pd.DataFrame, skipped: set[int]) -> dict[str, pd.Series
             lb_s = ((nxt - norm_s).abs() / norm_s.where(norm_s > 0)).dropna()
             out[str(name)] = lb_s[~lb_s.index.isin(list(skipped))]
             continue
-        # the norm at t + 1, where that step has one (NaN elsewhere), as reindex(index + 1) gives it
-        at = np.searchsorted(steps, steps + 1)
-        has = at < steps.size
-        has[has] = steps[at[has]] == steps[has] + 1
-        nxt_v = np.full(steps.size, np.nan)
-        nxt_v[has] = norms[at[has]]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            lb = np.abs(nxt_v - norms) / np.where(norms > 0, norms, np.nan)
-        keep = ~np.isnan(lb) & ~np.isin(steps, skip)
-        out[str(name)] = pd.Series(lb[keep], index=pd.Index(steps[keep], name="step"), name="norm")
+        t, lb = _bounds(steps, norms, skip)
+        out[str(name)] = pd.Series(lb, index=pd.Index(t, name="step"), name="norm")
     return out
+
+
+def _bounds(steps: np.ndarray, norms: np.ndarray, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(t, | ||p[t+1]|| - ||p[t]|| | / ||p[t]||) of the steps t with a norm change (t + 1 among
+    ``steps`` too, neither norm NaN, t not in ``skip``), from a tensor's finite rows by step."""
+    # the norm at t + 1, where that step has one (NaN elsewhere), as reindex(index + 1) gives it
+    at = np.searchsorted(steps, steps + 1)
+    has = at < steps.size
+    has[has] = steps[at[has]] == steps[has] + 1
+    nxt_v = np.full(steps.size, np.nan)
+    nxt_v[has] = norms[at[has]]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lb = np.abs(nxt_v - norms) / np.where(norms > 0, norms, np.nan)
+    keep = ~np.isnan(lb) & ~np.isin(steps, skip)
+    return steps[keep], lb[keep]
 
 
 def _measure(run: Any, names: list[str], pairs: list[int]) -> dict[str, dict[int, float]]:
@@ -444,16 +555,6 @@ def _measure(run: Any, names: list[str], pairs: list[int]) -> dict[str, dict[int
                     out[name][t] = r
         prev, last = nxt, t
     return out
-
-
-def _running_max(score: pd.Series, more: pd.Series) -> pd.Series:
-    """Per step, the larger of ``score`` and ``more`` (NaN ignored): the largest norm change of
-    any weight so far, kept as one series instead of one per weight."""
-    if more.empty:
-        return score
-    if score.empty:
-        return more.astype(float)
-    return pd.concat([score, more], axis=1).max(axis=1)
 
 
 def _choose_pairs(pairs: list[int], score: pd.Series, budget: int) -> tuple[list[int], set[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
@@ -90,9 +91,25 @@ class UnchangedTensor(WalkingRule):
                             tensors=names)
 
 
+class _Seen:
+    """What ``unchanged_tensor`` keeps of one param across the pieces of its history."""
+
+    __slots__ = ("rows", "first", "last", "real", "values", "null", "changed")
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.first: int | None = None  # its first and last recorded steps
+        self.last: int | None = None
+        self.real = 0  # rows at steps not skipped
+        self.values: list[Any] = []  # its distinct fingerprints (few: one while it is unchanged)
+        self.null = False  # a fingerprint missing (NULL) somewhere
+        self.changed = False  # two fingerprints that differ, whatever else comes
+
+
 class _UnchangedWalk(TensorWalk):
-    """``unchanged_tensor``'s walk over the params, one weight's rows at a time; the cause of each
-    unchanged one is looked up once the walk is done (its grads are read then, not beside the walk's group)."""
+    """``unchanged_tensor``'s walk over the params, a piece of a weight's rows at a time; the
+    cause of each unchanged one is looked up once the walk is done (its grads are read then, not
+    beside the walk's rows)."""
 
     kinds = ("params",)
     stat_columns = ()
@@ -101,21 +118,51 @@ class _UnchangedWalk(TensorWalk):
         self.rule, self.run = rule, run
         self.optimized = optimized_params(run)
         self.skipped = skipped_steps(run)
+        self.skip = np.fromiter(self.skipped, dtype=np.int64, count=len(self.skipped))
+        self.seen: dict[str, _Seen] = {}
         self.unchanged: list[_Unchanged] = []
         self.changed: set[str] = set()
 
     def visit(self, kind: str, name: str, rows: pd.DataFrame) -> None:
-        if name not in self.optimized or len(rows) < self.rule.min_steps:
+        if name not in self.optimized or not len(rows):
             return
-        if rows["fingerprint"].nunique() != 1:
-            self.changed.add(name)
+        seen = self.seen.get(name)
+        if seen is None:
+            seen = self.seen[name] = _Seen()
+        steps = rows["step"].to_numpy()
+        seen.rows += len(steps)
+        lo, hi = int(steps.min()), int(steps.max())
+        seen.first = lo if seen.first is None else min(seen.first, lo)
+        seen.last = hi if seen.last is None else max(seen.last, hi)
+        seen.real += int((~np.isin(steps, self.skip)).sum())
+        if seen.changed:
             return
-        steps = sorted(int(s) for s in rows["step"])
-        if all(s in self.skipped for s in steps[:-1]):
-            return
-        self.unchanged.append(_Unchanged(name, steps[0], steps[-1], len(steps)))
+        fp = rows["fingerprint"]
+        seen.null = seen.null or bool(fp.isna().any())
+        for v in pd.unique(fp.dropna()):
+            if v not in seen.values:
+                seen.values.append(v)
+        if len(seen.values) > 1 and _distinct(seen.values, seen.null) > 1:
+            seen.changed = True
+
+    def _judge(self) -> None:
+        """The walk's verdicts, as a walk over each weight's whole history gives them: a param
+        with fewer than ``min_steps`` rows is not looked at; one whose fingerprint takes more than
+        one value (``rows["fingerprint"].nunique() != 1``) changed; else it is unchanged unless
+        every step before its last was skipped."""
+        for name, seen in self.seen.items():
+            if seen.rows < self.rule.min_steps or seen.first is None or seen.last is None:
+                continue
+            if seen.changed or _distinct(seen.values, seen.null) != 1:
+                self.changed.add(name)
+                continue
+            # every step but the last one (sorted) skipped: the rows at real steps, less the last
+            if seen.real - (0 if seen.last in self.skipped else 1) == 0:
+                continue
+            self.unchanged.append(_Unchanged(name, seen.first, seen.last, seen.rows))
 
     def finish(self) -> list[Finding]:
+        self._judge()
         run = self.run
         groups = _group_of(run)
         grads = "grads" in run.kinds()
@@ -127,6 +174,12 @@ class _UnchangedWalk(TensorWalk):
             nothing_trains = cause == "no_grad" and not self.changed and bool(groups)
             out.append(self.rule._grouped(cause, hits, nothing_trains))
         return out
+
+
+def _distinct(values: list[Any], null: bool) -> int:
+    """``nunique()`` of a fingerprint column holding ``values`` (and a NULL where ``null``): a
+    NULL makes the whole column float, where two fingerprints may round to one value."""
+    return int(pd.Series([*values, *([None] if null else [])]).nunique())
 
 
 def _group_of(run: Any) -> dict[str, int]:
