@@ -140,10 +140,13 @@ class _UnchangedWalk(TensorWalk):
         fp = rows["fingerprint"]
         seen.null = seen.null or bool(fp.isna().any())
         for v in pd.unique(fp.dropna()):
-            if v not in seen.values:
-                seen.values.append(v)
-        if len(seen.values) > 1 and _distinct(seen.values, seen.null) > 1:
-            seen.changed = True
+            if v in seen.values:
+                continue
+            seen.values.append(v)
+            # two values apart even as floats (what a NULL anywhere makes the column) stay apart
+            if len(seen.values) > 1 and _distinct(seen.values, True) > 1:
+                seen.changed = True
+                return
 
     def _judge(self) -> None:
         """The walk's verdicts, as a walk over each weight's whole history gives them: a param
