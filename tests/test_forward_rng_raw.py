@@ -78,3 +78,16 @@ def test_raw_readings_are_equal_exactly_when_the_states_are() -> None:
         before = core_rng.raw_rng()
         d()
         assert core_rng.raw_rng() != before
+
+
+def test_a_state_s_raw_reading_is_the_one_read_when_it_was_taken() -> None:
+    # raw_of(get_rng_state()) == raw_rng() at that moment, with numpy's Gaussian cache and Python's
+    # gauss_next set or not: the forward pre-hook compares the two.
+    np.random.seed(3)
+    random.seed(3)
+    for prime in (lambda: None, lambda: np.random.standard_normal(), lambda: random.gauss(0, 1)):
+        prime()
+        assert core_rng.raw_of(core_rng.get_rng_state()) == core_rng.raw_rng()
+        before = core_rng.get_rng_state()
+        torch.rand(1)
+        assert core_rng.raw_of(before) != core_rng.raw_rng()

@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from stepdump.core.rng import get_rng_state, raw_rng, same_rng_state
+from stepdump.core.rng import get_rng_state, raw_of, raw_rng, same_rng_state
 from stepdump.store.format import STATE_FORWARD_RNG
 
 if TYPE_CHECKING:
@@ -146,9 +146,9 @@ class IterationStart:
         self._take, self._step, self._closed, self._guard = take, step, closed, guard
         self._final_rng, self._fail = final_rng, fail
         self.begin: StartState | None = None  # the current step's start state (None: none kept)
-        # raw_rng() when begin's RNG was taken (None: not known), to see cheaply that a training
-        # forward starts from that same RNG (the common case: nothing drew since)
-        self._begin_raw: tuple[Any, ...] | None = None
+        # begin's RNG and its raw reading (core.rng.raw_of), made at the first training forward that
+        # compares with it: a forward that starts from that same RNG (nothing drew since) is told cheaply
+        self._raw: tuple[dict[str, Any], tuple[Any, ...] | None] | None = None
         self.forward_seen = False  # a training forward ran since the update that opened this iteration
         # Frozen once its loop iteration opened, pinned by an explicit begin_iteration(), buffers to
         # take again before the next training forward after an evaluation.
@@ -158,24 +158,24 @@ class IterationStart:
         """Iteration ``t`` starts now (the end of update ``t-1``, or the Recorder's start)."""
         self.forward_seen = False
         self._frozen = self._pinned = self._stale_buffers = False
-        self._set_begin(self._take(t))
+        self.begin = self._take(t)
 
     def pin(self, t: int, rng: dict[str, Any] | None) -> None:
         """The caller says iteration ``t`` starts now (``rng``: with this RNG state); nothing retakes it."""
-        self._set_begin(self._take(t))
+        self.begin = self._take(t)
         if rng is not None and self.begin is not None:
             self.begin["rng"] = rng
-            self._begin_raw = None  # the caller's RNG: not the one read now
         self._pinned, self._stale_buffers = True, False
 
     def drop(self) -> None:
         """The Recorder stepped aside: nothing is kept."""
-        self.begin, self._begin_raw = None, None
+        self.begin, self._raw = None, None
 
-    def _set_begin(self, begin: StartState | None) -> None:
-        """``begin`` (just taken, its RNG the one now) is the start state, with its RNG's raw reading."""
-        self.begin = begin
-        self._begin_raw = raw_rng() if begin is not None else None
+    def _raw_of(self, rng: dict[str, Any]) -> tuple[Any, ...] | None:
+        """:func:`~stepdump.core.rng.raw_of` ``rng``, made once per RNG dict (kept by identity)."""
+        if self._raw is None or self._raw[0] is not rng:
+            self._raw = (rng, raw_of(rng))
+        return self._raw[1]
 
     def training_forward(self) -> bool:
         """A forward with grad enabled begins; return whether one already ran in this iteration.
@@ -191,8 +191,8 @@ class IterationStart:
         begin = self.begin
         if begin is not None and not self._guard.stopped:
             try:  # None: the iteration's start state (nothing drew before this forward; no copy stored)
-                raw = self._begin_raw
-                if raw is not None and raw == raw_rng():  # the same bytes: the same state, read cheaply
+                now = raw_rng()
+                if now is not None and now == self._raw_of(begin["rng"]):  # the same bytes: the same state
                     begin.setdefault(STATE_FORWARD_RNG, []).append(None)
                 else:
                     rng = get_rng_state()
@@ -223,7 +223,6 @@ class IterationStart:
                 if forwards:  # None meant the start RNG that is being replaced: keep it
                     self.begin[STATE_FORWARD_RNG] = [self.begin["rng"] if f is None else f for f in forwards]
                 self.begin["rng"] = rng
-                self._begin_raw = None  # that forward's end's RNG: not read raw
             self._stale_buffers = True
 
     def _retake(self, rng: bool) -> None:
@@ -232,11 +231,11 @@ class IterationStart:
         if self.begin is None or self._closed() or self._guard.stopped:
             return
         try:
-            kept, forwards, kept_raw = self.begin["rng"], self.begin.get(STATE_FORWARD_RNG), self._begin_raw
-            self._set_begin(self._take(self._step()))
+            kept, forwards = self.begin["rng"], self.begin.get(STATE_FORWARD_RNG)
+            self.begin = self._take(self._step())
             if self.begin is not None:
                 if not rng:
-                    self.begin["rng"], self._begin_raw = kept, kept_raw
+                    self.begin["rng"] = kept
                 if forwards:  # the iteration's forwards so far keep their RNG states (None: the old start's)
                     self.begin[STATE_FORWARD_RNG] = [kept if f is None else f for f in forwards] if rng else forwards
         except Exception as e:  # noqa: BLE001 - do no harm: on_error decides

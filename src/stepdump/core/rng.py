@@ -268,6 +268,23 @@ def raw_rng() -> tuple[Any, ...] | None:
     return (cpu, mt[0], mt[1], gauss, words[_PY_INDEX:], gauss_next, cuda)
 
 
+def raw_of(state: dict[str, Any]) -> tuple[Any, ...] | None:
+    """:func:`raw_rng`'s reading of the state ``state`` (a :func:`get_rng_state` result), made from
+    its tensors: equal to what :func:`raw_rng` read at the moment ``state`` was taken (a cheap
+    "nothing drew since" against it). None where ``state`` holds another numpy bit generator or
+    tensors with no bytes to read (inside a ``torch.func`` transform)."""
+    n, p = state["numpy"], state["python"]
+    if "keys" not in n:
+        return None
+    try:
+        words = p["state"].numpy()  # Python's 624 words, then its index (python_state)
+        return (state["torch"].numpy().tobytes(), n["keys"].numpy().tobytes(), int(n["pos"]),
+                (int(n["has_gauss"]), float(n["cached_gaussian"])), words[_MT_WORDS:].tobytes() +
+                words[:_MT_WORDS].tobytes(), p["gauss"], tuple(c.numpy().tobytes() for c in state.get("cuda") or ()))
+    except RuntimeError:
+        return None
+
+
 def get_rng_state() -> dict[str, Any]:
     """Torch CPU, every CUDA device (when present), numpy's global and Python's ``random``."""
     numpy = numpy_state()
