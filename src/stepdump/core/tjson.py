@@ -113,8 +113,7 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str,
 
 
 def _encode_dict(obj: dict[Any, Any], put_tensor: Callable[[str, torch.Tensor], str], path: str, tag: str) -> Any:
-    if all(type(k) is str and k not in _TAGS for k in obj) or \
-            all(isinstance(k, str) and k not in _TAGS for k in obj):
+    if all(isinstance(k, str) and k not in _TAGS for k in obj):
         return {k: _encode(v, put_tensor, f"{path}/{k}", tag) for k, v in obj.items()}
     return {
         "$dict": [

@@ -94,6 +94,11 @@ def skipped_steps(run: Any) -> set[int]:
     return set(derived(run, "skipped_steps", lambda: _skipped_steps(run)))
 
 
+def as_step_array(steps: set[int]) -> np.ndarray:
+    """``steps`` as an int64 array (for ``np.isin`` over a piece of a tensor's rows)."""
+    return np.fromiter(steps, dtype=np.int64, count=len(steps))
+
+
 def _skipped_steps(run: Any) -> set[int]:
     sc = run.scalars()
     if "skipped" not in sc.columns:

@@ -14,6 +14,7 @@ from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules._damage import loss_damage
 from stepdump.analysis.rules._roles import check_scalar_option, damage_scalar
 from stepdump.analysis.rules._frames import (
+    as_step_array,
     episodes,
     fmt,
     matches,
@@ -316,8 +317,7 @@ class _DeadUnitsWalk(TensorWalk):
         present = run.kinds()
         self.kinds = tuple(k for k in rule.kinds if k in present)
         self.sparse = sparse_by_construction(run)
-        skipped = skipped_steps(run)
-        self.skip = np.fromiter(skipped, dtype=np.int64, count=len(skipped))
+        self.skip = as_step_array(skipped_steps(run))
         # where each tensor first shows among the rows kept (by step, then recording order)
         self.recording = {k: {n: i for i, n in enumerate(run.names(k))} for k in self.kinds}
         self.first: dict[str, dict[str, tuple[int, int]]] = {k: {} for k in self.kinds}

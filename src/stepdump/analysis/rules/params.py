@@ -14,6 +14,7 @@ from stepdump.analysis.findings import Finding, Severity
 from stepdump.analysis.rules._damage import loss_damage
 from stepdump.analysis.rules._roles import check_scalar_option, damage_scalar
 from stepdump.analysis.rules._frames import (
+    as_step_array,
     fmt,
     matches,
     ndim,
@@ -345,7 +346,7 @@ class _UpdateRatioWalk(TensorWalk):
         self.rule, self.run = rule, run
         self.optimized = optimized_params(run)
         self.skipped = skipped_steps(run)
-        self.skip = np.fromiter(self.skipped, dtype=np.int64, count=len(self.skipped))
+        self.skip = as_step_array(self.skipped)
         self.seen: dict[str, _Updates] = {}
         self.scores: list[tuple[np.ndarray, np.ndarray]] = []  # (steps, norm changes), folded now and then
         self.score_rows = 0

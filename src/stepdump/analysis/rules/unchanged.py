@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from stepdump.analysis.findings import Finding, Severity
-from stepdump.analysis.rules._frames import name_rows, nonfinite, optimized_params, skipped_steps
+from stepdump.analysis.rules._frames import as_step_array, name_rows, nonfinite, optimized_params, skipped_steps
 from stepdump.analysis.rules._walk import TensorWalk, WalkingRule
 from stepdump.analysis.rules.base import check_int, register_rule
 from stepdump.analysis.rules.params import _listed
@@ -118,7 +118,7 @@ class _UnchangedWalk(TensorWalk):
         self.rule, self.run = rule, run
         self.optimized = optimized_params(run)
         self.skipped = skipped_steps(run)
-        self.skip = np.fromiter(self.skipped, dtype=np.int64, count=len(self.skipped))
+        self.skip = as_step_array(self.skipped)
         self.seen: dict[str, _Seen] = {}
         self.unchanged: list[_Unchanged] = []
         self.changed: set[str] = set()
