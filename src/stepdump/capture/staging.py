@@ -96,6 +96,17 @@ class Copied:
         self._plan, self._bufs = plan, bufs
         self.nbytes = plan.nbytes
 
+    @property
+    def plan(self) -> CopyPlan:
+        """The copy plan of the step's layout: the same object at every step of that layout (the
+        writer keys what it works out once per layout on it: gradlog_rows.CopiedLayout)."""
+        return self._plan
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The copies, one flat buffer per dtype group of :attr:`plan` (its items end to end, in order)."""
+        return self._bufs
+
     def items(self) -> list[Item]:
         """The items, in the order staged, each a view of the copies (on the writer's thread),
         with its bytes (``raw``) as a slot's copy has them: the writer describes the small ones
@@ -116,6 +127,9 @@ class _CopyPlan:
     templates: list[Item]  # the items staged (kept: their ids, the plan's key, stay theirs)
     groups: list[tuple[list[int], Any]]  # per dtype: the items' indices, an itemgetter of their tensors
     nbytes: int
+
+
+CopyPlan = _CopyPlan  # the name the writer's side reads it by (Copied.plan)
 
 
 class OwnedCopier:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
-from stepdump.capture.gradlog_rows import small_rows
+from stepdump.capture.gradlog_rows import CopiedLayout, CopiedStep, describe_copied, small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.lean import LeanRow
 from stepdump.capture.mailbox import MAIL, Mailbox, MailReader, Written, mailable
@@ -48,7 +48,7 @@ from stepdump.capture.packed import Snapshot
 from stepdump.capture.writer_lean import LeanRows
 from stepdump.store.stat_chunk import ColumnBlock
 from stepdump.core.device_lean import DEVICE_FP_KIND, HOST_FP_KIND, device_fingerprint
-from stepdump.capture.staging import Copied, Item, Slot, StagingPool
+from stepdump.capture.staging import Copied, CopyPlan, Item, Slot, StagingPool
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.hashing import fingerprint_bytes, raw_bytes
 from stepdump.core.stats import compute_stats
@@ -174,6 +174,11 @@ class Writer(threading.Thread):
         self._held_blocks: list[ColumnBlock] = []  # held steps' described copies, in columns (a stat chunk's)
         self._held_packed: list[tuple[int, Snapshot]] = []  # held steps' copies, described at the commit
         self._held_packed_bytes = 0
+        # Held copied gradient-log steps (their bytes appended, their rows made at the commit), and
+        # the layouts of the last few copy plans (gradlog_rows.CopiedLayout).
+        self._held_copied: list[CopiedStep] = []
+        self._held_copied_bytes = 0
+        self._layouts: dict[int, CopiedLayout] = {}
         self._borrowed = False  # an append since the last wait reads a staging slot's memory
         self._last_commit = -math.inf  # monotonic time of the last commit
         self._due: float | None = None  # when the held rows must commit (None: none held)
@@ -309,8 +314,6 @@ class Writer(threading.Thread):
             msg.slot.event.synchronize()  # type: ignore[attr-defined]
             # a lean step described on the device: its rows have landed (read below, after the lean rows)
             device_pack, msg.slot.device_pack = msg.slot.device_pack, None
-        if msg.copied is not None:
-            msg.items, msg.copied = [*msg.copied.items(), *msg.items], None
         if msg.packed is not None and msg.step is not None:
             # The copies a stats-only step made (LeanCapture.take): described when the held steps
             # commit, those of one layout together (packed.describe_all).
@@ -325,6 +328,11 @@ class Writer(threading.Thread):
         # an xxh3 row: never; no call per row on that path). Read once a step: one row per series
         # a step, so a series a row of this step makes dmix64 gets no other row in it.
         self._check_kinds = check = cat.any_fp_kind
+        if msg.copied is not None:
+            # A small gradient-log step's copies: in bulk when its layout allows, else item by item.
+            if msg.level is None or not self._append_copied(cat, msg.step, msg.copied):
+                msg.items = [*msg.copied.items(), *msg.items]
+            msg.copied = None
         live = sum(item.live for item in msg.items)  # they come first (Stager.stage)
         known = small_rows(msg.items, _NO_STATS)  # the small staged ones, described together
         for i, item in enumerate(msg.items):
@@ -363,6 +371,7 @@ class Writer(threading.Thread):
         if cat is None:
             raise WriterError("the catalog is not open")
         self._describe_held(cat)
+        self._describe_copied()
         if self._held_blobs:
             self._flush_buffer(inline=True)  # nothing left to overlap with: the commit waits for it
             if self._segment is not None:  # bytes first, then the commit that points at them
@@ -396,10 +405,57 @@ class Writer(threading.Thread):
         held, self._held_packed, self._held_packed_bytes = self._held_packed, [], 0
         self._lean.describe(cat, held, self._held_tensors, self._held_blocks)
 
+    def _describe_copied(self) -> None:
+        """The held copied steps' rows (gradlog_rows.describe_copied), into the held tensor and blob rows."""
+        held, self._held_copied, self._held_copied_bytes = self._held_copied, [], 0
+        if held:
+            rows = describe_copied(held)
+            self._held_tensors.extend(rows.tensors)
+            self._held_blobs.extend(rows.blobs)
+
+    def _append_copied(self, cat: CatalogWriter, step: int | None, copied: Copied) -> bool:
+        """A copied gradient-log step's bytes appended in a few slices, its rows made when it
+        commits (gradlog_rows: the rows the per-item path makes); False, with nothing done, when
+        the per-item path must take it (another codec or fingerprint kind, a kind with rules of its
+        own, a segment to start)."""
+        if self._check_kinds or self._fp_kind is not None or self.codec.needs_base or self.codec.name != "raw":
+            return False
+        layout = self._layout(copied.plan)
+        if not layout.bulk or self._segment is None or self._segment_size + layout.total > self.segment_bytes:
+            return False
+        sids = layout.series(cat)  # (new series created in item order, as the per-item path does)
+        bufs = copied.buffers
+        raws = layout.raws(bufs)
+        offset = self._segment_size
+        if not self._buffer:
+            self._buffer_offset = offset
+        for run in layout.runs:
+            self._buffer += raws[run.group][run.start:run.stop]
+        self._segment_size = offset + layout.total
+        self.bytes_written += layout.total
+        if len(self._buffer) >= _DIRECT_WRITE:
+            self._flush_buffer()
+        self._held_copied.append(CopiedStep(step, layout, bufs, raws, sids, cat.new_blob_ids(layout.k),
+                                            cat.segment_id(self._segment), offset, self.codec.name))
+        self._held_copied_bytes += layout.total
+        if self._held_copied_bytes > HELD_PACKED_BYTES:  # bounded memory: described now, committed later
+            self._describe_copied()
+        return True
+
+    def _layout(self, plan: CopyPlan) -> CopiedLayout:
+        """The layout of ``plan``, worked out once while it is among the last few seen."""
+        layout = self._layouts.get(id(plan))
+        if layout is None or layout.plan is not plan:
+            if len(self._layouts) >= 8:
+                self._layouts.clear()
+            layout = self._layouts[id(plan)] = CopiedLayout(plan, _NO_STATS, _SHARED_KINDS, _DIRECT_WRITE)
+        return layout
+
     def _forget_held(self) -> None:
         self._held_tensors, self._held_steps, self._held_scalars, self._held_blobs = [], [], [], []
         self._held_blocks = []
         self._held_packed, self._held_packed_bytes = [], 0
+        self._held_copied, self._held_copied_bytes = [], 0
         self._due = None
 
     def _item_row(self, cat: CatalogWriter, step: int | None, item: Item,

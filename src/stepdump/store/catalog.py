@@ -24,6 +24,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +287,12 @@ class CatalogWriter:
         self._next_blob += 1
         return bid
 
+    def new_blob_ids(self, count: int) -> int:
+        """``count`` consecutive blob ids (:meth:`new_blob_id` ``count`` times); returns the first."""
+        first = self._next_blob
+        self._next_blob += count
+        return first
+
     def add_blobs(self, rows: Iterable[Sequence[Any]]) -> None:
         """Rows of (id, segment id, offset, length, codec, raw_length, checksum, base), by the
         multi-row path (:meth:`_insert_rows`): a gradient log's step has a blob per grad."""
@@ -381,7 +388,7 @@ class CatalogWriter:
         for i in range(0, len(rows), _ROWS_PER_INSERT):
             part = rows[i:i + _ROWS_PER_INSERT]
             marks = _row_marks(width, len(part))
-            self.con.execute(head + marks, [v for r in part for v in r])
+            self.con.execute(head + marks, list(chain.from_iterable(part)))
 
     def add_step(self, step: int, level: int, skipped: bool, state: str | None) -> None:
         """One step's row, timed now."""
