@@ -297,3 +297,31 @@ def test_columns_are_the_rows_as_columns(dtype: torch.dtype) -> None:
         got += [None if v != v else v for v in cols.floats[:, i].tolist()]
         assert got == list(row), (i, got, row)
     assert any(v is None for row in stats for v in row), "the control: some stat not measured"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("content", CONTENTS)
+def test_a_batch_of_large_tensors_skips_the_sums_and_gives_the_same_rows(content: str, dtype: torch.dtype) -> None:
+    # Only a small tensor's row has a mean, a std and a zero count: a batch of large ones (a plan
+    # batches them apart) computes their squares alone, and its rows are the reference's, bitwise.
+    g = torch.Generator().manual_seed(len(content))
+    tensors = [_tensor(content, n, dtype, g) for n in (4097, 10000, packed.CHUNK)] + [_tensor("normal", 5000, dtype, g)]
+    kinds = ["params", "grads", "optimizer", "params"]
+    buf = torch.cat([t.reshape(-1) for t in tensors])
+    sizes = [t.numel() for t in tensors]
+    segs = packed.Segments(kinds, sizes, buf.element_size())
+    assert not segs.sums  # no row needs a sum
+    assert packed.Segments(["params", *kinds], [7, *sizes], buf.element_size()).sums
+    stats, fps = segs.rows(buf)
+    assert _exact(zip(stats, fps, strict=True)) == _exact(_reference_packed_rows(kinds, buf, sizes))
+    cols = segs.columns(buf)
+    assert cols.fps.tolist() == fps and cols.counts[0].tolist() == sizes
+
+
+def test_a_plan_batches_the_small_tensors_of_a_dtype_apart_from_the_large_ones() -> None:
+    entries = [Entry("params", f"p{i}", torch.randn(n), False) for i, n in enumerate((10, 5000, 64, 20000, 3))]
+    plan = packed.Plans().get(entries)
+    assert [b.names for b in plan.batches] == [["p0", "p2", "p4"], ["p1", "p3"]]
+    assert [b.segs.sums for b in plan.batches] == [True, False]
+    # the uncached path batches them the same way: the same rows, in the same order
+    assert _exact(lean.lean_rows(entries, set(), plan=plan)) == _exact(lean.lean_rows(entries, set()))

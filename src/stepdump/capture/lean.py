@@ -49,8 +49,8 @@ from typing import Any
 import torch
 import xxhash
 
-from stepdump.capture.packed import (CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, RowHead, packable,
-                                     packed_rows)
+from stepdump.capture.packed import (CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, RowHead, batch_key,
+                                     packable, packed_rows)
 from stepdump.capture.staging import storable
 from stepdump.capture.step_state import Entry
 from stepdump.core.dtensor import local_part
@@ -135,8 +135,8 @@ def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[li
     rows, as of now, on any thread, later. The copy is the only work done here: the training
     thread can take a snapshot and leave its description to the worker."""
     rest: list[Entry] = []
-    batches: dict[torch.dtype, list[tuple[tuple, torch.Tensor]]] = {}  # a RowHead's fields, the tensor
-    sizes: dict[torch.dtype, int] = {}
+    batches: dict[tuple[torch.dtype, bool], list[tuple[tuple, torch.Tensor]]] = {}  # a RowHead's fields, the tensor
+    sizes: dict[tuple[torch.dtype, bool], int] = {}
     done: list[tuple[list[RowHead], torch.Tensor, list[int]]] = []
     with torch.no_grad():
         for e in entries:
@@ -146,12 +146,13 @@ def snapshot(entries: Sequence[Entry], warned: set[tuple[str, str]]) -> tuple[li
             if not _packable(t):
                 rest.append(Entry(e.kind, e.name, t, e.full, e.param, e.key))
                 continue
-            batch = batches.setdefault(t.dtype, [])
+            key = batch_key(t)
+            batch = batches.setdefault(key, [])
             batch.append(((e.kind, e.name, e.param, e.key, stored_dtype(t), format_shape(t.shape)), t))
-            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
-            if sizes[t.dtype] >= _PACK:
+            sizes[key] = sizes.get(key, 0) + t.numel()
+            if sizes[key] >= _PACK:
                 done.append(_pack(batch))
-                batches[t.dtype], sizes[t.dtype] = [], 0
+                batches[key], sizes[key] = [], 0
         done.extend(_pack(batch) for batch in batches.values() if batch)
 
     def describe() -> list[LeanRow]:  # packed.packed_rows: a few vectorised passes per batch

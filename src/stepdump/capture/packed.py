@@ -97,6 +97,13 @@ def packable(t: torch.Tensor) -> bool:
     return t.dtype in FUSED_DTYPES and 0 < t.numel() <= CHUNK and t.layout == torch.strided and t.device.type == "cpu"
 
 
+def batch_key(t: torch.Tensor) -> tuple[torch.dtype, bool]:
+    """Which batch a packable tensor goes to: one per dtype, the small tensors (every stat) apart from
+    the large ones (min, max, norm), so that a batch of large ones skips the passes only small
+    ones need (their sums and zeros: :class:`Segments`)."""
+    return t.dtype, t.numel() <= SMALL
+
+
 # Vectorised over the whole buffer (one pass) when more than this many tensors need a zero count
 # or a two-pass variance, else one call per such tensor (a few of them in a large buffer).
 VECTOR_MIN = 4
@@ -145,6 +152,9 @@ class Segments:
         self.any_large = bool(_count_nonzero(self.large))
         self.state = np.array([kd == "state" for kd in kinds], dtype=bool)
         self.described = self.small & ~self.state  # every stat measured, where finite
+        # Only a described tensor's row needs its sum (mean, std) and its zeros counted: a batch of
+        # large tensors (Plan batches them apart from the small ones) skips those passes.
+        self.sums = bool(_count_nonzero(self.described))
         self.one = self.n == 1  # one element: its two-pass variance is 0 (x - x)
         self.zeros = [0] * k
 
@@ -181,7 +191,12 @@ class Segments:
             hi = np.maximum.reduceat(x, starts)
             # The sum and the sum of squares in float64, in element order: core.stats' own definition.
             # (Casting inside reduceat instead is a buffered reduction: slower in a training loop.)
-            sums, sqs = segment_sums_array(x, starts)
+            if self.sums:
+                sums, sqs = segment_sums_array(x, starts)
+            else:  # no row needs a sum: the squares alone, as segment_sums_array computes them
+                x64 = x.astype(np.float64)
+                np.multiply(x64, x64, out=x64)
+                sums, sqs = np.zeros(k), np.add.reduceat(x64, starts)
             finite3 = np.isfinite(lo) & np.isfinite(hi) & np.isfinite(sqs)  # what a large tensor's row needs
             finite = finite3 & np.isfinite(sums)
             signed = (lo > 0) | (hi < 0)  # of one sign: no zeros (-0.0 > 0 is False, as in the count)
@@ -380,20 +395,21 @@ class Plan:
         self.rest: list[int] = []  # entries described one by one (larger, or not fp32/fp64)
         if not self.plain:
             return
-        # The batches lean.snapshot makes, in its order: a dtype's batch is closed when it reaches PACK.
-        open_: dict[torch.dtype, list[int]] = {}
-        sizes: dict[torch.dtype, int] = {}
+        # The batches lean.snapshot makes, in its order (batch_key): a batch is closed when it reaches PACK.
+        open_: dict[tuple[torch.dtype, bool], list[int]] = {}
+        sizes: dict[tuple[torch.dtype, bool], int] = {}
         done: list[list[int]] = []
         for i, e in enumerate(entries):
             t = e.tensor
             if not packable(t):
                 self.rest.append(i)
                 continue
-            open_.setdefault(t.dtype, []).append(i)
-            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
-            if sizes[t.dtype] >= PACK:
-                done.append(open_[t.dtype])
-                open_[t.dtype], sizes[t.dtype] = [], 0
+            bk = batch_key(t)
+            open_.setdefault(bk, []).append(i)
+            sizes[bk] = sizes.get(bk, 0) + t.numel()
+            if sizes[bk] >= PACK:
+                done.append(open_[bk])
+                open_[bk], sizes[bk] = [], 0
         done.extend(b for b in open_.values() if b)
         self.batches = [_Batch(entries, b) for b in done]
 
