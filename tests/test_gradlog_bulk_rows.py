@@ -50,21 +50,25 @@ def _grads(step: int, layout: int) -> list[Entry]:
         Entry("grads", "pos", torch.rand(4100, generator=g) + 0.5, True),
         Entry("state", "/rng/x", torch.randint(0, 255, (21,), generator=g, dtype=torch.uint8), True),
         Entry("grads", "last.bias", torch.randn(7, generator=g), True),
+        Entry("grads", "d.large", torch.randn(90, 50, generator=g, dtype=torch.float64), True),
+        Entry("grads", "zeros.large", torch.where(torch.rand(5000, generator=g) < 0.3, 0.0, 1.5), True),
+        Entry("grads", "wide", torch.randn(300, 256, generator=g), True),  # 300 KiB: its own append
     ]
     if layout == 1:  # a grad that became None, another dtype gone: another copy plan
-        out = [e for e in out if e.name not in ("h.0.weight", "d.a", "d.b")]
+        out = [e for e in out if e.name not in ("h.0.weight", "d.a", "d.b", "d.large")]
     return out
 
 
+FULL = 20  # entries of layout 0
 # (layout of each step): a layout change and back, so the held steps of a commit mix layouts
 LAYOUTS = [0, 0, 0, 1, 1, 0, 0, 1, 0, 0]
 
 
 def _messages() -> list[StepMessage]:
-    stager, copier, slot = Stager(), OwnedCopier(), Slot(0)
+    stager, copier, slots = Stager(), OwnedCopier(), [Slot(0), Slot(1)]
     out = []
-    for step, layout in enumerate(LAYOUTS):
-        items = stager.stage(slot, _grads(step, layout))
+    for step, layout in enumerate(LAYOUTS):  # two slots, as a Recorder's: a copy plan each per layout
+        items = stager.stage(slots[step % 2], _grads(step, layout))
         copied = copier(items, 1 << 24)
         assert copied is not None
         extra = [Item("inputs", "batch/0", torch.arange(step, step + 9, dtype=torch.int64), True)] if step == 6 else []
@@ -72,10 +76,10 @@ def _messages() -> list[StepMessage]:
     return out
 
 
-def _write(path: Path, messages: list[StepMessage]) -> None:
+def _write(path: Path, messages: list[StepMessage]) -> Writer:
     path.mkdir()
     create(path, {})
-    w = Writer(path, StagingPool(1), "raw", "flush", 1 << 20, 4, storage=LocalStorage(path))
+    w = Writer(path, StagingPool(1), "raw", "flush", 4 << 20, 4, storage=LocalStorage(path))
     w.start()
     w.wait_ready()
     for m in messages:
@@ -83,6 +87,7 @@ def _write(path: Path, messages: list[StepMessage]) -> None:
     w.queue.put(None)
     w.join()
     assert w.error is None, w.error
+    return w
 
 
 def _store(path: Path) -> tuple[list, list, list, bytes]:
@@ -109,14 +114,17 @@ def test_bulk_rows_are_the_per_item_rows(tmp_path: Path, monkeypatch: pytest.Mon
         return got
 
     monkeypatch.setattr(Writer, "_append_copied", spy)
-    _write(tmp_path / "bulk", _messages())
+    w = _write(tmp_path / "bulk", _messages())
+    # Four copy plans (two slots, two layouts), two layouts worked out: one per layout.
+    assert len({id(plan) for plan, _ in w._layouts.values()}) == 4
+    assert len({id(layout) for _, layout in w._layouts.values()}) == 2
     # The first step opens the first segment, and a step that fills one opens the next (item by
-    # item, 1 MiB segments here); every other one is in bulk.
+    # item, 4 MiB segments here); every other one is in bulk.
     assert bulk[0] is False and bulk[1:].count(False) == 1 and len(bulk) == len(LAYOUTS)
     monkeypatch.setattr(Writer, "_append_copied", lambda self, *args: False)
     _write(tmp_path / "items", _messages())
     got, want = _store(tmp_path / "bulk"), _store(tmp_path / "items")
-    assert len(got[0]) == sum(17 if layout == 0 else 14 for layout in LAYOUTS) + 1
+    assert len(got[0]) == sum(FULL if layout == 0 else FULL - 4 for layout in LAYOUTS) + 1
     for a, b in zip(got[0], want[0], strict=True):  # float columns compared bit for bit (NaN-safe, -0.0)
         assert [repr(v) for v in a] == [repr(v) for v in b], (a, b)
     assert got[1:] == want[1:]
@@ -131,11 +139,30 @@ def test_bulk_blobs_hold_each_tensors_bytes(tmp_path: Path) -> None:
                                          "t.fingerprint FROM tensors t JOIN series s ON s.id = t.series "
                                          "JOIN blobs b ON b.id = t.blob JOIN segments g ON g.id = b.segment "
                                          "WHERE s.kind != 'inputs'")
-    assert len(rows) == sum(17 if layout == 0 else 14 for layout in LAYOUTS)
-    assert len({r[2] for r in rows}) == 2  # the steps filled a segment and went on in the next
+    assert len(rows) == sum(FULL if layout == 0 else FULL - 4 for layout in LAYOUTS)
+    assert len({r[2] for r in rows}) >= 2  # the steps filled a segment and went on in the next
     for name, step, key, offset, length, checksum, fp in rows:
         data = (tmp_path / "run" / key).read_bytes()
         (want,) = [e.tensor for e in _grads(step, LAYOUTS[step]) if e.name == name]
         raw = bytes(raw_bytes(want))
         assert data[offset:offset + length] == raw, (name, step)
         assert checksum == fp == fingerprint_bytes(raw)
+
+
+def test_large_stats_are_compute_stats() -> None:
+    """gradlog_rows.large_stats: compute_stats of each tensor, bit for bit (its torch path's reads,
+    read back together), NaN/Inf, one-sign, zeros, |mean| >> std, fp64, bf16 and small ones too."""
+    from stepdump.capture.gradlog_rows import large_stats
+    from stepdump.core.stats import compute_stats
+
+    g = torch.Generator().manual_seed(7)
+    buf = torch.randn(40_000, generator=g)
+    buf[100:200] = 0.0
+    buf[5000:5003] = float("nan")
+    buf[12_000] = float("-inf")
+    buf[20_000:26_000] = 2.0 + 1e-5 * buf[20_000:26_000]
+    xs = [buf[1:4999], buf[4999:9000], buf[9000:15_000], buf[20_000:26_000], buf[26_000:26_010],
+          buf[26_010:26_010], torch.rand(5000, generator=g, dtype=torch.float64) + 1.0,
+          torch.randn(6000, generator=g).to(torch.bfloat16), torch.zeros(5000), buf[30_000:40_000]]
+    got = large_stats(xs)
+    assert [repr(s) for s in got] == [repr(compute_stats(x)) for x in xs]

@@ -18,6 +18,7 @@ when its commit comes, with the other held steps of its layout (:func:`describe_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from itertools import accumulate, repeat
 from typing import Any, NamedTuple
@@ -29,7 +30,6 @@ from xxhash import xxh3_64_intdigest
 from stepdump.capture.packed import FUSED_DTYPES, SMALL, Segments, packed_rows
 from stepdump.capture.staging import CopyPlan, Item
 from stepdump.core.dtypes import stored_dtype
-from stepdump.core.hashing import raw_bytes
 from stepdump.core.stats import StatsTuple, compute_stats
 from stepdump.store.catalog import CatalogWriter
 from stepdump.store.format import format_shape
@@ -90,7 +90,6 @@ class CopiedLayout:
     each smaller than ``max_bytes``); otherwise the per-item path does them."""
 
     def __init__(self, plan: CopyPlan, no_stats: frozenset[str], per_item: frozenset[str], max_bytes: int) -> None:
-        self.plan = plan
         items = plan.templates
         ts = [i.tensor for i in items]
         self.k = len(items)
@@ -133,6 +132,11 @@ class CopiedLayout:
             chosen = set(pick)
             self.alone.extend(n for n in idx if n not in chosen and not self.no_stats[n])
             self.itemsizes.append(ts[idx[0]].element_size())
+        self.group_sizes = [[self.numels[n] for n in idx] for idx, _ in plan.groups]  # to split a group's buffer
+        self.place = [0] * self.k  # each item's place in its group
+        for idx, _ in plan.groups:
+            for i, n in enumerate(idx):
+                self.place[n] = i
         self._segments: dict[tuple[int, int], Segments] = {}  # (group, steps) -> its packed tensors, repeated
         self._series: tuple[CatalogWriter, int, list[int]] | None = None  # (catalog, series generation, ids)
 
@@ -158,9 +162,56 @@ class CopiedLayout:
             self._segments[(g, steps)] = seg
         return seg
 
-    def raws(self, bufs: Sequence[torch.Tensor]) -> list[memoryview]:
-        """The bytes of a step's group buffers (staging.Copied.buffers)."""
-        return [raw_bytes(b) for b in bufs]
+    @staticmethod
+    def raws(bufs: Sequence[torch.Tensor]) -> list[memoryview]:
+        """The bytes of a step's group buffers (staging.Copied.buffers: flat, contiguous, on the CPU),
+        as core.hashing.raw_bytes gives them, in three C calls each."""
+        return [memoryview(b.view(torch.uint8).numpy()) for b in bufs]  # type: ignore[arg-type]  # (a buffer)
+
+
+def layout_key(plan: CopyPlan) -> tuple[Any, ...]:
+    """What a :class:`CopiedLayout` of ``plan`` depends on: the items' heads, ``full``, dtypes and
+    shapes, and the dtype groups (two plans with the same key have the same layout)."""
+    return (tuple((i.kind, i.name, i.param, i.key, i.full, i.tensor.dtype, tuple(i.tensor.shape), i.tensor.is_cpu)
+                  for i in plan.templates),
+            tuple(tuple(idx) for idx, _ in plan.groups))
+
+
+def large_stats(xs: Sequence[torch.Tensor]) -> list[StatsTuple]:
+    """:func:`compute_stats` of each of ``xs`` (flat, contiguous CPU tensors): the same stats, bit
+    for bit. Those of more than ``SMALL`` fp32/fp64 elements take its torch path with the same
+    reads (aminmax, sum, dot: fp32 sums for fp32, what every other record of them holds), their
+    results read back together (one stack and one tolist per dtype, not one per tensor); the
+    others (and a NaN or Inf, a mean large against the spread) go through compute_stats itself."""
+    out: list[StatsTuple | None] = [None] * len(xs)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        if x.dtype in FUSED_DTYPES and x.numel() > SMALL:
+            by_dtype.setdefault(x.dtype, []).append(i)
+        else:
+            out[i] = compute_stats(x)
+    for idx in by_dtype.values():
+        reads: list[torch.Tensor] = []
+        for i in idx:
+            x = xs[i]
+            mn, mx = torch.aminmax(x)
+            reads += (mn, mx, x.sum(), torch.dot(x, x))
+        got = torch.stack(reads).tolist()
+        for j, i in enumerate(idx):
+            x, n = xs[i], xs[i].numel()
+            vmin, vmax, vsum, vsq = got[4 * j:4 * j + 4]
+            if not (math.isfinite(vmin) and math.isfinite(vmax) and math.isfinite(vsum) and math.isfinite(vsq)):
+                out[i] = compute_stats(x)  # NaN or Inf to count: its slow path
+                continue
+            mean = vsum / n
+            var = vsq / n - mean * mean
+            if var < 1e-2 * mean * mean:  # the cancellation regime: compute_stats's two passes
+                out[i] = compute_stats(x)
+                continue
+            # A tensor of one sign has no zeros (-0.0 == 0 in both tests, as in the count).
+            vnz = n if vmin > 0 or vmax < 0 else int(torch.count_nonzero(x))
+            out[i] = (n, 0, 0, 0, vmin, vmax, mean, math.sqrt(var), math.sqrt(vsq), (n - vnz) / n)
+    return out  # type: ignore[return-value]  # every index is set
 
 
 def _packable(t: torch.Tensor) -> bool:
@@ -215,11 +266,12 @@ def _describe_layout(steps: list[CopiedStep], out: CopiedRows) -> None:
             for j, row in enumerate(stats):
                 for n, st in zip(pick, got[j * p:(j + 1) * p], strict=True):
                     row[n] = st
-        for n in layout.alone:
-            g, a, _ = layout.where[n]
-            m = layout.numels[n]
+        if layout.alone:
             for j, s in enumerate(steps):
-                stats[j][n] = compute_stats(s.bufs[g][a:a + m])
+                views = [b.split_with_sizes(sizes) for b, sizes in zip(s.bufs, layout.group_sizes, strict=True)]
+                xs = [views[layout.where[n][0]][layout.place[n]] for n in layout.alone]
+                for n, st in zip(layout.alone, large_stats(xs), strict=True):
+                    stats[j][n] = st
     for n, bare in enumerate(layout.no_stats):
         if bare:
             for row in stats:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from stepdump.capture.appender import DEFAULT_MAX_PENDING, Appender
-from stepdump.capture.gradlog_rows import CopiedLayout, CopiedStep, describe_copied, small_rows
+from stepdump.capture.gradlog_rows import CopiedLayout, CopiedStep, describe_copied, layout_key, small_rows
 from stepdump.capture.projection import Pace
 from stepdump.capture.lean import LeanRow
 from stepdump.capture.mailbox import MAIL, Mailbox, MailReader, Written, mailable
@@ -72,6 +72,9 @@ _DELTA_KINDS = frozenset({"params", "grads", "optimizer", "buffers", "extra"})
 _SHARED_KINDS = frozenset({"params", "buffers", "extra"})
 # Blobs at least this large go straight to the file; smaller ones are batched.
 _DIRECT_WRITE = 1 << 20
+# A copied gradient-log step's bytes lying end to end in its copy at least this long go to the file
+# from there (Writer._append_copied), not through the batching buffer (a copy per step).
+_DIRECT_RUN = 256 << 10
 # Encoded bytes that may wait for the disk at least this much, whatever the staging budget
 # (a smaller cap would make the writer wait on every batched write).
 _MIN_PENDING = 4 * _DIRECT_WRITE
@@ -178,7 +181,8 @@ class Writer(threading.Thread):
         # the layouts of the last few copy plans (gradlog_rows.CopiedLayout).
         self._held_copied: list[CopiedStep] = []
         self._held_copied_bytes = 0
-        self._layouts: dict[int, CopiedLayout] = {}
+        self._layouts: dict[int, tuple[CopyPlan, CopiedLayout]] = {}  # id(plan) -> (plan, its layout)
+        self._layouts_by_key: dict[tuple[Any, ...], CopiedLayout] = {}  # layout_key(plan) -> its layout
         self._borrowed = False  # an append since the last wait reads a staging slot's memory
         self._last_commit = -math.inf  # monotonic time of the last commit
         self._due: float | None = None  # when the held rows must commit (None: none held)
@@ -426,12 +430,18 @@ class Writer(threading.Thread):
         sids = layout.series(cat)  # (new series created in item order, as the per-item path does)
         bufs = copied.buffers
         raws = layout.raws(bufs)
-        offset = self._segment_size
-        if not self._buffer:
-            self._buffer_offset = offset
+        offset = at = self._segment_size
         for run in layout.runs:
-            self._buffer += raws[run.group][run.start:run.stop]
-        self._segment_size = offset + layout.total
+            part = raws[run.group][run.start:run.stop]
+            if len(part) >= _DIRECT_RUN:  # memory of its own already (the step's copy): not copied again
+                self._flush_buffer()
+                self._appender.append(self._segment, part, at, owned=True)
+            else:
+                if not self._buffer:
+                    self._buffer_offset = at
+                self._buffer += part
+            at += len(part)
+        self._segment_size = at
         self.bytes_written += layout.total
         if len(self._buffer) >= _DIRECT_WRITE:
             self._flush_buffer()
@@ -443,12 +453,19 @@ class Writer(threading.Thread):
         return True
 
     def _layout(self, plan: CopyPlan) -> CopiedLayout:
-        """The layout of ``plan``, worked out once while it is among the last few seen."""
-        layout = self._layouts.get(id(plan))
-        if layout is None or layout.plan is not plan:
-            if len(self._layouts) >= 8:
-                self._layouts.clear()
-            layout = self._layouts[id(plan)] = CopiedLayout(plan, _NO_STATS, _SHARED_KINDS, _DIRECT_WRITE)
+        """The layout of ``plan``, worked out once while it is among the last few seen. Plans of one
+        layout (each staging slot has its own) share it: their held steps are described together."""
+        got = self._layouts.get(id(plan))
+        if got is not None and got[0] is plan:
+            return got[1]
+        if len(self._layouts) >= 8:
+            self._layouts.clear()
+            self._layouts_by_key.clear()
+        key = layout_key(plan)
+        layout = self._layouts_by_key.get(key)
+        if layout is None:
+            layout = self._layouts_by_key[key] = CopiedLayout(plan, _NO_STATS, _SHARED_KINDS, _DIRECT_WRITE)
+        self._layouts[id(plan)] = (plan, layout)
         return layout
 
     def _forget_held(self) -> None:
