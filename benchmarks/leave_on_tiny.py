@@ -8,9 +8,11 @@ Workloads (benchmarks/workloads_tiny.py): nanoGPT's tiny config called through `
 and through ``model.encode(x)`` (the top module's forward hooks never fire), and a
 PPO-sized update. Arms, each timed as interleaved (no recording, arm) pairs in one process,
 one torch thread, each recording built and its first step run untimed, ``close()`` timed:
-lean (``every=None, stats_every=1``), gradient log (``gradient_log=32``), and the floor (one
-``torch._foreach_norm`` over params + grads in the loop: the least any per-tensor statistic
-costs). The figure is the median of the per-pair ratios, of wall time and of the CPU time of
+lean (``every=None, stats_every=1``), gradient log (``gradient_log=32``), and three floors: one
+``torch._foreach_norm`` over params + grads in the loop (the least any per-tensor statistic
+costs), one copy of them into a buffer made once (what an exact record must read), and that copy
+with lean's own stats and fingerprints of it, computed on a thread once per commit window (what
+lean's numbers cost by themselves, without its bookkeeping, catalog or file). The figure is the median of the per-pair ratios, of wall time and of the CPU time of
 all the process's threads (``time.process_time``: the recorder's threads' work counts wherever
 it ran). Each workload is timed twice: on the machine as it is (*idle*) and with every other
 core busy (*busy*: benchmarks/neighbour.py, one spinning process per core but one), where every
@@ -49,6 +51,10 @@ ARMS: dict[str, dict[str, Any] | None] = {
     # What any exact per-step record must do before the update: read the params' and grads' bytes
     # (here, one copy into a buffer made once), with no Python per tensor.
     "floor: copy(params + grads)": None,
+    # What a lean record's numbers cost by themselves: the same copy lean makes (stepdump's packed
+    # snapshot) and the same stats and fingerprints of it (packed.describe_columns, numpy), described on
+    # a thread once per commit window as lean's writer does; no hooks' bookkeeping, catalog or file.
+    "floor: copy + stats(params + grads)": None,
 }
 TARGETS = {"lean": 1.05, "gradient log K=32": 1.15}
 RL_TARGETS = {"lean": 1.10, "gradient log K=32": 1.30}  # issue 40: the PPO update's own targets
@@ -56,7 +62,8 @@ LOADS = ("idle", "busy")
 # Issue 25 item 2 / issue 40: the run's own sys/recorder_ms within this fraction of the measured added ms/step.
 SELF_TIMING = 0.25
 SLUG = {"lean": "lean", "gradient log K=32": "gradlog", "floor: _foreach_norm(params + grads)": "floor",
-        "floor: copy(params + grads)": "floor_copy"}  # JSON keys
+        "floor: copy(params + grads)": "floor_copy",
+        "floor: copy + stats(params + grads)": "floor_stats"}  # JSON keys
 # results.json: the idle load's arms under "arms" (the key docs/performance.md reads), the busy one's under this.
 BUSY_KEY = "busy_arms"
 
@@ -70,6 +77,49 @@ def self_timing(reported: float, added: float) -> bool:
     return added > 0 and abs(reported - added) <= SELF_TIMING * added
 
 
+def _stats_floor(w: Workload) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The "copy + stats" floor's hook (copy the params and grads as lean does) and its stop (the
+    thread that describes the copies, once per commit window, drained and joined)."""
+    import queue
+    import threading
+
+    from stepdump.capture.packed import Plans, describe_columns
+    from stepdump.capture.step_state import Entry
+    from stepdump.capture.writer import COMMIT_WINDOW
+
+    params = list(w.model.named_parameters())
+    plans = Plans()
+    copies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def describe() -> None:
+        while True:
+            held = [copies.get()]
+            time.sleep(COMMIT_WINDOW)  # the writer's group commit: what came meanwhile, described together
+            while not copies.empty():
+                held.append(copies.get())
+            done = held[-1] is None
+            snaps = [s for s in held if s is not None]
+            describe_columns(snaps)
+            for s in snaps:
+                s.release()
+            if done:
+                return
+
+    thread = threading.Thread(target=describe, name="floor-stats", daemon=True)
+    thread.start()
+
+    def hook() -> None:
+        entries = [Entry("params", n, p.detach(), False) for n, p in params]
+        entries += [Entry("grads", n, p.grad, False) for n, p in params if p.grad is not None]
+        copies.put(plans.get(entries).snapshot(entries))
+
+    def stop() -> None:
+        copies.put(None)
+        thread.join()
+
+    return hook, stop
+
+
 def segment(w: Workload, arm: str | None, out: Path, steps: int) -> dict[str, float]:
     """Per step of ``steps`` steps of ``w`` with ``arm`` (None: no recording): wall ms, CPU ms of
     every thread of the process, CPU ms of the training thread; ``close()`` timed apart."""
@@ -77,10 +127,13 @@ def segment(w: Workload, arm: str | None, out: Path, steps: int) -> dict[str, fl
     gc.collect()
     rec = None
     hook: Callable[[], None] | None = None
+    stop: Callable[[], None] | None = None
     if arm is not None and ARMS[arm] is not None:
         import stepdump
 
         rec = stepdump.Recorder(out / "run", w.model, w.optimizer, profile=True, **ARMS[arm])  # type: ignore[arg-type]
+    elif arm is not None and arm.startswith("floor: copy + stats"):
+        hook, stop = _stats_floor(w)
     elif arm is not None and arm.startswith("floor: copy"):
         params = list(w.model.parameters())
         views: list[torch.Tensor] = []
@@ -104,6 +157,8 @@ def segment(w: Workload, arm: str | None, out: Path, steps: int) -> dict[str, fl
     for _ in range(steps):
         w.step(hook)
     t1, c1, m1 = time.perf_counter(), time.process_time(), time.thread_time()
+    if stop is not None:
+        stop()  # the copies still held, described after the timed steps, as a recorder's close() is timed apart
     got = {"ms": (t1 - t0) / steps * 1e3, "cpu_ms": (c1 - c0) / steps * 1e3, "train_cpu_ms": (m1 - m0) / steps * 1e3}
     if rec is not None:
         # close() writes the final record (the trained state in full), once per run: timed apart,

@@ -81,3 +81,34 @@ def test_neighbours_spin_while_the_block_runs_and_are_gone_after() -> None:
         pass
     assert idle.cpu_s == [] and math.isnan(idle.share)
     assert neighbour.default_neighbours() == max(1, (os.cpu_count() or 2) - 1)
+
+
+def test_the_stats_floor_describes_every_copy_it_takes_and_stops_its_thread() -> None:
+    # The "copy + stats" floor must do the work it stands for: every step's copy described (its
+    # buffers given back for reuse only once described), and nothing left running after it.
+    import threading
+
+    import torch
+    from workloads_tiny import TINY
+
+    from stepdump.capture import packed
+
+    described: list[int] = []
+    real = packed.describe_columns
+
+    def counting(snaps):  # the floor's own call, counted
+        described.append(len(snaps))
+        return real(snaps)
+
+    w = TINY["rl"]()
+    packed.describe_columns, saved = counting, packed.describe_columns
+    try:
+        hook, stop = bench._stats_floor(w)
+        for _ in range(7):
+            w.step(hook)
+        stop()
+    finally:
+        packed.describe_columns = saved
+    assert sum(described) == 7
+    assert not [t for t in threading.enumerate() if t.name == "floor-stats"]
+    assert torch.isfinite(torch.stack([p.detach().sum() for p in w.model.parameters()])).all()
