@@ -119,15 +119,16 @@ class CopiedLayout:
         self.runs = runs
         # Per group (one dtype): the small fp32/fp64 tensors described packed (small_rows' choice, in
         # its order) and the element positions that gather them; the rest described one by one.
-        self.packed: list[tuple[list[int], torch.Tensor | None]] = []
+        self.packed: list[tuple[list[int], torch.Tensor | None]] = []  # (packed items, their elements' places)
         self.alone: list[int] = []
         self.itemsizes: list[int] = []
         for idx, _ in plan.groups:
             pick = [n for n in idx if not self.no_stats[n] and _packable(ts[n])]
             if len(pick) < _MIN_PACKED:
                 pick = []
+            # (None when the group holds the packed tensors only: its buffers are taken whole)
             gather = torch.cat([torch.arange(self.where[n][1], self.where[n][1] + self.numels[n]) for n in pick]) \
-                if pick else None
+                if pick and pick != idx else None
             self.packed.append((pick, gather))
             chosen = set(pick)
             self.alone.extend(n for n in idx if n not in chosen and not self.no_stats[n])
@@ -178,7 +179,7 @@ def layout_key(plan: CopyPlan) -> tuple[Any, ...]:
 
 
 def large_stats(xs: Sequence[torch.Tensor]) -> list[StatsTuple]:
-    """:func:`compute_stats` of each of ``xs`` (flat, contiguous CPU tensors): the same stats, bit
+    """:func:`compute_stats` of each of ``xs`` (1-d, contiguous CPU tensors): the same stats, bit
     for bit. Those of more than ``SMALL`` fp32/fp64 elements take its torch path with the same
     reads (aminmax, sum, dot: fp32 sums for fp32, what every other record of them holds), their
     results read back together (one stack and one tolist per dtype, not one per tensor); the
@@ -198,14 +199,13 @@ def large_stats(xs: Sequence[torch.Tensor]) -> list[StatsTuple]:
             reads += (mn, mx, x.sum(), torch.dot(x, x))
         got = torch.stack(reads).tolist()
         for j, i in enumerate(idx):
-            x, n = xs[i], xs[i].numel()
             vmin, vmax, vsum, vsq = got[4 * j:4 * j + 4]
-            if not (math.isfinite(vmin) and math.isfinite(vmax) and math.isfinite(vsum) and math.isfinite(vsq)):
-                out[i] = compute_stats(x)  # NaN or Inf to count: its slow path
-                continue
+            x, n = xs[i], len(xs[i])
             mean = vsum / n
             var = vsq / n - mean * mean
-            if var < 1e-2 * mean * mean:  # the cancellation regime: compute_stats's two passes
+            # A NaN or Inf to count (any makes the sum of the four non-finite; an overflow of that sum
+            # only sends a finite one there too), or the cancellation regime: compute_stats's own paths.
+            if not math.isfinite(vmin + vmax + vsum + vsq) or var < 1e-2 * mean * mean:
                 out[i] = compute_stats(x)
                 continue
             # A tensor of one sign has no zeros (-0.0 == 0 in both tests, as in the count).
@@ -258,10 +258,13 @@ def _describe_layout(steps: list[CopiedStep], out: CopiedRows) -> None:
     stats: list[list[Any]] = [[None] * layout.k for _ in steps]
     with torch.no_grad():
         for g, (pick, gather) in enumerate(layout.packed):
-            if gather is None:
+            if not pick:
                 continue
-            both = torch.stack([s.bufs[g] for s in steps]) if count > 1 else steps[0].bufs[g].unsqueeze(0)
-            got, _ = layout.segments(g, count).rows(both.index_select(1, gather).reshape(-1))
+            if gather is None:  # every tensor of the group: its buffers end to end
+                flat = torch.cat([s.bufs[g] for s in steps]) if count > 1 else steps[0].bufs[g]
+            else:  # only the packed tensors' elements of each step (not the larger ones') are copied
+                flat = torch.cat([s.bufs[g].index_select(0, gather) for s in steps])
+            got, _ = layout.segments(g, count).rows(flat)
             p = len(pick)
             for j, row in enumerate(stats):
                 for n, st in zip(pick, got[j * p:(j + 1) * p], strict=True):

@@ -19,7 +19,8 @@ or not), or until a full step, a meta change or the end comes, and then go in to
 transaction, after the held steps' bytes are written (and with ``durability="fsync"`` fsynced). A
 loop slower than that commits every step; a fast one at most 1/``COMMIT_WINDOW`` times a second. A
 small stats-only step's copies (``StepMessage.packed``) are described then too, those of one layout
-in one pass. Why: a commit of a small model's step rewrites a page of the tensors table per series
+in one pass; so are a small gradient-log step's grads (``StepMessage.copied``), whose bytes are
+appended when the step comes and whose rows are made at the commit (capture/gradlog_rows.py). Why: a commit of a small model's step rewrites a page of the tensors table per series
 (rows are keyed by series, then step) in the WAL, and each SQLite call lets go of the GIL and takes
 it back, a context switch of the training thread per statement; on a millisecond step those cost
 the training thread more than the rows do (measured: docs/design-measurements.md, "Small records
