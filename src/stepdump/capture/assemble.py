@@ -15,7 +15,7 @@ record of a given level holds and how each tensor travels to the writer:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,9 +214,10 @@ class Assembler:
                                       for k, v in opt_state.get(p, {}).items() if isinstance(v, torch.Tensor)])
         return out
 
-    def fill(self, msg: StepMessage, slot: Slot, full: bool, begin: dict[str, Any] | None, batch: Any,
-             captured: list[tuple[str, str, torch.Tensor]]) -> bool:
-        """Fill ``msg`` (tensors staged into ``slot``): everything (``full``), or a stats-only
+    def fill(self, msg: StepMessage, acquire: Callable[[], Slot], full: bool, begin: dict[str, Any] | None,
+             batch: Any, captured: list[tuple[str, str, torch.Tensor]]) -> bool:
+        """Fill ``msg`` (tensors staged into the slot ``acquire`` gives, which sets ``msg.slot``; a
+        stats-only step that stages nothing takes none): everything (``full``), or a stats-only
         record. True: the message waits for its grads' lean rows (``LeanCapture.finish``)."""
         before, self.state_before = self.state_before, None
         opt_state = before.state(msg.step) if before is not None else None
@@ -257,13 +258,17 @@ class Assembler:
         else:
             self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
         # A gradient log's grads are written from the live tensors while the update runs.
-        msg.items = self.stager.stage(slot, entries, defer=("grads",) if self.gradlog and not full else ())
-        if self.gradlog and not full and slot.event is None:
-            # A small gradient-log step: its bytes in memory of its own, so that the slot goes back
-            # and the step waits for the writer's next wake-up (capture/mailbox.py) instead of waking it.
-            msg.copied = self._copier(msg.items, INLINE_BYTES)
-            if msg.copied is not None:
-                msg.items = []
+        if entries:
+            slot = acquire()
+            msg.items = self.stager.stage(slot, entries, defer=("grads",) if self.gradlog and not full else ())
+            if self.gradlog and not full and slot.event is None:
+                # A small gradient-log step: its bytes in memory of its own, so that the slot goes back
+                # and the step waits for the writer's next wake-up (capture/mailbox.py) instead of waking it.
+                msg.copied = self._copier(msg.items, INLINE_BYTES)
+                if msg.copied is not None:
+                    msg.items = []
+        else:  # nothing to stage (a lean step's rows are read or copied already): no slot to take and give back
+            msg.items = []
         # Hook values are private copies already; no second staging copy. Keyframe and gradient-log
         # runs store the batch at every step, so any step can be replayed or re-executed.
         msg.items.extend(Item(kind, name, tensor, full or ((self.keyframes or self.gradlog) and kind == "inputs"))

@@ -52,7 +52,7 @@ from stepdump.capture.selection import Levels, NameFilter
 from stepdump.capture.fingerprints import resumed as resumed_fingerprint
 from stepdump.capture.session import check_objects, discard_created, init_catalog, prepare_dir, run_meta
 from stepdump.capture.sharding import Ranks, this_rank_records
-from stepdump.capture.staging import StagingPool, owned
+from stepdump.capture.staging import Slot, StagingPool, owned
 from stepdump.capture.state_check import StateCheck
 from stepdump.capture.stepwatch import StepWatch
 from stepdump.capture.triggers import resolve as resolve_trigger
@@ -655,14 +655,19 @@ class Recorder:
             held = False  # a lean step's message waits for its grads' rows (sent by end_step)
             if level != LEVEL_NONE:
                 ring = self._ring if level == LEVEL_STATS else None  # the ring decides on a full copy
-                msg.slot = slot = self._pool.acquire(lambda: self._link.error)
+
+                def acquire() -> Slot:  # a staging slot, taken only by a step that stages something
+                    msg.slot = self._pool.acquire(lambda: self._link.error)
+                    return msg.slot
+
                 try:
-                    held = self._asm.fill(msg, slot, level == LEVEL_FULL or ring is not None, begin,
+                    held = self._asm.fill(msg, acquire, level == LEVEL_FULL or ring is not None, begin,
                                           user.batch, captured)
+                    slot = msg.slot
                     if ring is not None:
-                        first = ring.take(msg, t, slot, [p.grad for p in self._asm.layout.params.values()
-                                                         if p.grad is not None])
-                    elif slot.event is None and owned(msg.items):
+                        grads = [p.grad for p in self._asm.layout.params.values() if p.grad is not None]
+                        first = ring.take(msg, t, slot or acquire(), grads)  # (fill staged this step: a slot)
+                    elif slot is not None and slot.event is None and owned(msg.items):
                         # Nothing in the slot (a lean step's rows are computed or copied already, a small
                         # gradient-log step's bytes copied out): the slot goes back now, and the message
                         # may wait for the writer (capture/mailbox.py).
