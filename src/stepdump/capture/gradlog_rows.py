@@ -200,7 +200,8 @@ def large_stats(xs: Sequence[torch.Tensor]) -> list[StatsTuple]:
         got = torch.stack(reads).tolist()
         for j, i in enumerate(idx):
             vmin, vmax, vsum, vsq = got[4 * j:4 * j + 4]
-            x, n = xs[i], len(xs[i])
+            x = xs[i]
+            n = x.numel()
             mean = vsum / n
             var = vsq / n - mean * mean
             # A NaN or Inf to count (any makes the sum of the four non-finite; an overflow of that sum
