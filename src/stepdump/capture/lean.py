@@ -194,29 +194,48 @@ def _chunked(t: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor] | None) -
     lean steps, except a zero fraction that min and max prove to be 0. A tensor
     whose norm is not finite gets every stat, the exact counts included (read
     privately: None, it is computed where nothing writes it).
+
+    Per chunk: xxh3 (which lets the GIL go while it hashes), the norm, and min and max as
+    ``amin`` and ``amax`` (two vectorised passes cost two thirds of one ``aminmax`` on the
+    CPU); the chunk's results stay tensors until one conversion at the end. Min and max are
+    exact whatever computes them, and the norm is the root of the sum of the chunks' squared
+    norms, as before.
     """
     flat = t.reshape(-1)
-    buf = None
+    if not flat.is_contiguous():  # a strided 1-d view: its bytes in order, as fingerprint() hashes them
+        flat = flat.contiguous()
+    n = flat.numel()
+    size = flat.element_size()
+    buf: torch.Tensor | None = None
     if buffers is not None:
         buf = buffers.get(t.dtype)
         if buf is None:
             buf = buffers[t.dtype] = torch.empty(_CHUNK, dtype=t.dtype)
+    # One byte view (of the tensor, or of the private buffer); each chunk's is a slice of it.
+    raw = memoryview((flat if buf is None else buf).view(torch.uint8).numpy())  # type: ignore[arg-type]
     h = xxhash.xxh3_64()
-    norms: list[float] = []
-    lo, hi = math.inf, -math.inf
-    for start in range(0, flat.numel(), _CHUNK):
+    norm_of, amin, amax = torch.linalg.vector_norm, torch.amin, torch.amax
+    norms: list[torch.Tensor] = []
+    los: list[torch.Tensor] = []
+    his: list[torch.Tensor] = []
+    for start in range(0, n, _CHUNK):
         c = flat[start:start + _CHUNK]
-        if buf is not None:
+        if buf is None:
+            h.update(raw[start * size:(start + c.numel()) * size])
+        else:
             c = buf[:c.numel()].copy_(c)
-        h.update(c.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
-        norms.append(float(torch.linalg.vector_norm(c)))
-        c_lo, c_hi = torch.aminmax(c)
-        lo, hi = min(lo, float(c_lo)), max(hi, float(c_hi))
-    norm = norms[0] if len(norms) == 1 else math.sqrt(math.fsum(n * n for n in norms))
+            h.update(raw[:c.numel() * size])
+        norms.append(norm_of(c))
+        los.append(amin(c))
+        his.append(amax(c))
+    k = len(norms)
+    got = torch.stack(norms + los + his).tolist()
+    norm = got[0] if k == 1 else math.sqrt(math.fsum(v * v for v in got[:k]))
     if not math.isfinite(norm):  # a NaN or Inf somewhere (rare): the exact counts, the slow way
         return None if buf is not None else (compute_stats(t), fingerprint(t))
+    lo, hi = min(got[k:2 * k]), max(got[2 * k:])
     zero_frac = 0.0 if lo > 0 or hi < 0 else None
-    return (flat.numel(), 0, 0, 0, lo, hi, None, None, norm, zero_frac), signed64(h.intdigest())
+    return (n, 0, 0, 0, lo, hi, None, None, norm, zero_frac), signed64(h.intdigest())
 
 
 class LeanJob:
