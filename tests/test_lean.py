@@ -19,7 +19,7 @@ from test_fidelity_matrix import OPTIMIZER_CASES, SCHEDULER_CASES, _final, _trai
 from torch import nn
 
 import stepdump
-from stepdump.capture import lean
+from stepdump.capture import lean, packed
 from stepdump.core.hashing import fingerprint
 from stepdump.core.stats import compute_stats
 
@@ -211,17 +211,29 @@ def test_lean_keyframes_and_gradient_log_take_the_lean_path_for_what_is_not_stor
                     assert torch.equal(run.tensor(name, t, "grads"), g)
 
 
-def test_a_failure_on_the_worker_is_one_warning_and_training_goes_on(tmp_path, monkeypatch, caplog) -> None:
+def test_a_failure_on_the_worker_is_one_warning_and_training_goes_on(tmp_path, monkeypatch, caplog,
+                                                                    lean_path) -> None:
     calls = {"n": 0}
-    real = lean.lean_rows
+    if lean_path == "worker":
+        real = lean.lean_rows
 
-    def broken(entries, warned, private=False, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("worker broke")
-        return real(entries, warned, private, **kw)
+        def broken(entries, warned, private=False, **kw):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("worker broke")
+            return real(entries, warned, private, **kw)
 
-    monkeypatch.setattr(lean, "lean_rows", broken)
+        monkeypatch.setattr(lean, "lean_rows", broken)
+    else:  # read whole at the pre-hook: its copy, on every path a step takes there (the steady one too)
+        real_copy = packed._Batch.copy
+
+        def broken_copy(self, tensors):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("worker broke")
+            return real_copy(self, tensors)
+
+        monkeypatch.setattr(packed._Batch, "copy", broken_copy)
     model = lean_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref = lean_model()

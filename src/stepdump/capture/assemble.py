@@ -69,6 +69,8 @@ class Assembler:
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
         self._selected_of: tuple[Layout | None, list[tuple[str, torch.Tensor]], list[Entry]] = (None, [], [])
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
+        # The kinds a steady stats-only step records (fill: LeanCapture.steady): params and grads, nothing else.
+        self._steady_kinds = "params" in self.kinds and "grads" in self.kinds
         self.carried = CarriedGrads()
         # The model's structure: a watch on registrations (set by the Recorder, which removes its hooks),
         # the earlier layouts (meta ``layouts``), the meta for the next record, the step of the last change.
@@ -222,6 +224,13 @@ class Assembler:
         before, self.state_before = self.state_before, None
         opt_state = before.state(msg.step) if before is not None else None
         fps, outside = self.outside(msg.step) if msg.step is not None else ({}, [])
+        # A stats-only step of params and grads alone, as plain as the last (LeanCapture.steady).
+        steady = (not full and not fps and not outside and opt_state is None and self._steady_kinds
+                  and not self.gradlog and not self.keyframes and self.lean.enabled and msg.step is not None
+                  and not self.lean.reads_optimizer(msg.step))
+        if steady and self._lean_again(msg):
+            msg.items = self._captured_items(captured, full)
+            return False
         entries = self.entries(full, begin["buffers"] if (full or self.gradlog) and begin is not None else None,
                                opt_state, msg.step)
         if outside and not full:  # what replay cannot derive: stored at this step
@@ -251,7 +260,7 @@ class Assembler:
                 lean = [e for e, f in zip(entries, full_at) if not f and e.kind in _LEAN_KINDS]
             else:  # nothing stored in full (no entry is full at a stats-only step): no call per tensor
                 stored, lean = [], [e for e in entries if e.kind in _LEAN_KINDS]
-            held = self.lean.take(msg, lean, fps)
+            held = self.lean.take(msg, lean, fps, steady=self.layout if steady else None)
             if fps:
                 self._as_now(msg, fps, entries)
             entries = stored + [e for e in entries if e.kind not in _LEAN_KINDS]
@@ -269,11 +278,26 @@ class Assembler:
                     msg.items = []
         else:  # nothing to stage (a lean step's rows are read or copied already): no slot to take and give back
             msg.items = []
+        msg.items.extend(self._captured_items(captured, full))
+        return held
+
+    def _captured_items(self, captured: list[tuple[str, str, torch.Tensor]], full: bool) -> list[Item]:
+        """The items of the hooks' values (activations, the batch) at a step."""
         # Hook values are private copies already; no second staging copy. Keyframe and gradient-log
         # runs store the batch at every step, so any step can be replayed or re-executed.
-        msg.items.extend(Item(kind, name, tensor, full or ((self.keyframes or self.gradlog) and kind == "inputs"))
-                         for kind, name, tensor in captured)
-        return held
+        return [Item(kind, name, tensor, full or ((self.keyframes or self.gradlog) and kind == "inputs"))
+                for kind, name, tensor in captured]
+
+    def _lean_again(self, msg: StepMessage) -> bool:
+        """Copy a stats-only step's params and grads at once where they are laid out as at the last
+        step the lean path took whole (the layout's selected params, each with its grad, of the same
+        types, dtypes, shapes and devices: LeanCapture.steady); False: take the general path."""
+        layout, params, _ = self._selected_of
+        if layout is not self.layout:
+            return False
+        ps = [p for _, p in params]
+        gs = [g for p in ps if (g := p.grad) is not None]
+        return len(gs) == len(ps) and self.lean.steady(msg, layout, ps + gs)
 
     def frozen_entries(self, entries: list[Entry]) -> list[Entry]:
         """A full record's entries with ``frozen="fingerprint"``: the params with ``requires_grad=False``

@@ -44,13 +44,13 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
 
 from stepdump.capture.packed import (CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, RowHead, batch_key,
-                                     packable, packed_rows)
+                                     packable, packed_rows, tensor_attrs)
 from stepdump.capture.staging import storable
 from stepdump.capture.step_state import Entry
 from stepdump.core.dtensor import local_part
@@ -366,6 +366,13 @@ def _reads_optimizer(step: int, every: int | None) -> bool:
     return step % (OPTIMIZER_EVERY if every is None else every) == 0
 
 
+class _Steady(NamedTuple):
+    """The plan of a lean step of a layout's params and grads alone (:meth:`LeanCapture.steady`)."""
+
+    layout: object  # the caller's layout, whose selected params and their grads the plan's entries are
+    plan: Plan
+
+
 class LeanCapture:
     """The Recorder's side of lean capture: when to submit what, and the message held
     until the step's grads are read (the post-hook sends it). Not ``enabled`` (the ring,
@@ -396,6 +403,9 @@ class LeanCapture:
         # What the layout of a step's tensors decides, made once per layout (packed.py): a steady
         # inline step does no per-tensor Python but the key that finds it.
         self.plans = Plans()
+        # The plan of the last step taken whole whose entries were its params and grads alone (take's
+        # ``steady``) and its layout: the next such step is found by its tensors' attributes (:meth:`steady`).
+        self._steady: _Steady | None = None
 
     def reads_optimizer(self, step: int) -> bool:
         """Whether lean step ``step`` reads the optimizer state (every ``optimizer_every`` steps)."""
@@ -430,11 +440,14 @@ class LeanCapture:
         params = [(e.name, e.tensor) for e in now if e.kind == "params"]
         self._params = params if {n for n, _ in params} >= set(marks) else []
 
-    def take(self, msg: Any, entries: list[Entry], live: Mapping[str, int] | None = None) -> bool:
+    def take(self, msg: Any, entries: list[Entry], live: Mapping[str, int] | None = None,
+             steady: object | None = None) -> bool:
         """Fill ``msg.lean`` for the step's ``entries`` (live tensors, none stored in full); the
         grads' rows follow in :meth:`finish`, so the message is held until then (True; False:
         no grads among ``entries``, the message is complete). ``live``: the params'
-        fingerprints now, where the caller computed them already (else computed here)."""
+        fingerprints now, where the caller computed them already (else computed here).
+        ``steady``: the layout (the caller's) whose selected params, then their grads, in its order,
+        are ``entries``, and nothing else: a next step of it laid out the same may take :meth:`steady`."""
         before = _before_update(msg.step, entries, self.optimizer_every)
         grads = [e for e in entries if e.kind == "grads"]
         job, self._before = self._before, None
@@ -455,6 +468,8 @@ class LeanCapture:
                 # the numpy passes leave this thread and mostly run without the GIL, on another core.
                 msg.packed = plan.snapshot(todo)
                 msg.lean.extend(lean_rows(plan.others(todo), self._worker.warned, rest_only=True))
+                if steady is not None and not plan.rest:
+                    self._steady = _Steady(steady, plan)
             else:
                 msg.lean.extend(lean_rows(todo, self._worker.warned, plan=plan))
             return False
@@ -479,6 +494,22 @@ class LeanCapture:
         self._pending = (msg, self._worker.submit(grads), grads, copies)
         return True
 
+    def steady(self, msg: Any, layout: object, tensors: list[torch.Tensor]) -> bool:
+        """A stats-only step of ``layout``'s selected params, then their grads (the caller's word),
+        found by its tensors alone: where the last ``steady`` :meth:`take` was of this layout and
+        their :func:`~stepdump.capture.packed.tensor_attrs` are that step's plan's, the step is copied
+        as that plan copies (``msg.packed``) and True; else nothing is done (False). Each step's
+        tensors are looked at: a param given other memory, a grad of another dtype or shape, is
+        another plan (the general path makes it)."""
+        got = self._steady
+        if got is None or got.layout is not layout or self._before is not None or not self._inline:
+            return False
+        plan = got.plan
+        if tensor_attrs(tensors) != plan.key[1]:
+            return False
+        msg.packed = plan.snapshot_tensors(tensors)
+        return True
+
     def finish(self) -> Any:
         """The update is over: the held message, complete (None if there is none)."""
         if self._pending is None:
@@ -498,7 +529,7 @@ class LeanCapture:
 
     def drop(self) -> None:
         """Forget what is in flight (the Recorder stepped aside)."""
-        self._before, self._pending = None, None
+        self._before, self._pending, self._steady = None, None, None
 
     def close(self) -> None:
         self.drop()

@@ -303,7 +303,12 @@ def layout_key(entries: Sequence[Entry]) -> tuple[list[tuple], list[tuple]]:
     """What a :class:`Plan` depends on, per entry: its kind, name, param and key, its tensor's
     type, dtype, shape, layout and device (C calls only: this is the per-step price of finding
     the plan)."""
-    return list(map(_HEAD, entries)), list(map(_ATTRS, map(_TENSOR, entries)))
+    return list(map(_HEAD, entries)), tensor_attrs(list(map(_TENSOR, entries)))
+
+
+def tensor_attrs(tensors: Sequence[torch.Tensor]) -> list[tuple]:
+    """The tensors' part of :func:`layout_key`: each one's type, dtype, shape, layout and device."""
+    return list(map(_ATTRS, tensors))
 
 
 class _Batch:
@@ -329,10 +334,11 @@ class _Batch:
         self._total = sum(self.segs.sizes)
         self._keep = max(2, POOL_BYTES // max(1, self._total * self.segs.itemsize))
 
-    def copy(self, entries: Sequence[Entry]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """The batch's tensors in ``entries``, copied end to end into a buffer (one given back
-        before, else a new one); the buffer and its views, for :meth:`give_back`."""
-        ts = list(map(_TENSOR, self.take(entries)))
+    def copy(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The batch's tensors among ``tensors`` (the plan's entries' tensors, in their order), copied
+        end to end into a buffer (one given back before, else a new one); the buffer and its views,
+        for :meth:`give_back`."""
+        ts = list(self.take(tensors))
         if self._free:  # only the thread taking copies pops: not emptied between the test and the pop
             buf, views = self._free.pop()
             _foreach_copy(views, ts)  # as _flatten: each tensor's elements in order, end to end
@@ -429,10 +435,15 @@ class Plan:
     def snapshot(self, entries: Sequence[Entry]) -> Snapshot:
         """The packed entries copied now (one copy per batch, the bytes as they are now); their rows
         are described later, on any thread (:meth:`Snapshot.rows`). ``entries``: this plan's key."""
+        return self.snapshot_tensors(list(map(_TENSOR, entries)))
+
+    def snapshot_tensors(self, tensors: Sequence[torch.Tensor]) -> Snapshot:
+        """:meth:`snapshot` of the entries whose tensors are ``tensors`` (in their order; the caller
+        knows their heads are this plan's, and their :func:`tensor_attrs` too)."""
         grad = torch.is_grad_enabled()
         _set_grad_enabled(False)  # torch.no_grad() without its Python context manager (a few calls a step)
         try:
-            return Snapshot(self.batches, [b.copy(entries) for b in self.batches])
+            return Snapshot(self.batches, [b.copy(tensors) for b in self.batches])
         finally:
             _set_grad_enabled(grad)
 
