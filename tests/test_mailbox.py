@@ -257,11 +257,12 @@ def test_gradient_log_steps_through_the_mailbox_rebuild_bit_for_bit(
     step rebuilds bitwise equal to the live model (the grads stored are the ones the update used)."""
     from helpers import train_recorded
 
-    from stepdump.capture import assemble
+    from stepdump.capture import lean
 
     monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", 3600.0)
-    if not small:
-        monkeypatch.setattr(assemble, "INLINE_BYTES", 0)
+    # The one knob, read when a step is taken: a copy of it bound at import would keep whatever value
+    # it had then (another test's patch, if the Recorder was first imported under it).
+    monkeypatch.setattr(lean, "INLINE_BYTES", 2 << 20 if small else 0)
     wakes: list[Any] = []
     real_put = writer_mod.queue.Queue.put
 

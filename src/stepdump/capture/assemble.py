@@ -24,7 +24,8 @@ import torch
 from stepdump.capture.carried import CarriedGrads
 from stepdump.capture.extra import take as take_extra
 from stepdump.capture.hooks import group_sizes
-from stepdump.capture.lean import INLINE_BYTES, LeanCapture, lean_rows
+from stepdump.capture import lean as lean_mod
+from stepdump.capture.lean import LeanCapture, lean_rows
 from stepdump.capture.step_state import Entry, StateBefore, full_state, state_json, stored_in_full, tensor_entries
 from stepdump.capture.outside import STATE_KEY, ParamWatch, fingerprints
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, STATE_AFTER_UPDATE, STATE_CARRIED_GRADS
@@ -273,7 +274,8 @@ class Assembler:
             if self.gradlog and not full and slot.event is None:
                 # A small gradient-log step: its bytes in memory of its own, so that the slot goes back
                 # and the step waits for the writer's next wake-up (capture/mailbox.py) instead of waking it.
-                msg.copied = self._copier(msg.items, INLINE_BYTES)
+                # (lean.INLINE_BYTES read now, not bound at import: one knob, as lean.py reads it)
+                msg.copied = self._copier(msg.items, lean_mod.INLINE_BYTES)
                 if msg.copied is not None:
                     msg.items = []
         else:  # nothing to stage (a lean step's rows are read or copied already): no slot to take and give back
