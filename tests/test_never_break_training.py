@@ -19,7 +19,7 @@ from helpers import MLP, assert_same, regression_batch
 from torch import nn
 
 import stepdump
-from stepdump.capture import activations, assemble, lean, recorder, staging, user_log, writer
+from stepdump.capture import activations, assemble, lean, packed, recorder, staging, user_log, writer
 
 FAIL_AT = 2
 N_STEPS = 6
@@ -95,8 +95,9 @@ LEAN_POINTS = {
     "lean worker": (lean, "lean_rows", None, "pre-hook", FAIL_AT),
     "lean forward hook": (lean.LeanCapture, "forward_started", None, "forward pre-hook", FAIL_AT),
     "lean post-hook": (lean.LeanCapture, "finish", lambda capture: capture._pending is not None, "post-hook", FAIL_AT),
-    # a small record read whole at the pre-hook (lean.INLINE_BYTES); the points above use the worker
-    "lean inline": (lean, "lean_rows", None, "pre-hook", FAIL_AT),
+    # a small record read whole at the pre-hook (lean.INLINE_BYTES): its copy, which every path there takes
+    # (a steady step's too: LeanCapture.steady); the points above use the worker
+    "lean inline": (packed._Batch, "copy", None, "pre-hook", FAIL_AT),
 }
 
 
