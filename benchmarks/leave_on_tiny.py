@@ -8,11 +8,12 @@ Workloads (benchmarks/workloads_tiny.py): nanoGPT's tiny config called through `
 and through ``model.encode(x)`` (the top module's forward hooks never fire), and a
 PPO-sized update. Arms, each timed as interleaved (no recording, arm) pairs in one process,
 one torch thread, each recording built and its first step run untimed, ``close()`` timed:
-lean (``every=None, stats_every=1``), gradient log (``gradient_log=32``), and three floors: one
+lean (``every=None, stats_every=1``), gradient log (``gradient_log=32``), and four floors: one
 ``torch._foreach_norm`` over params + grads in the loop (the least any per-tensor statistic
-costs), one copy of them into a buffer made once (what an exact record must read), and that copy
+costs), one copy of them into a buffer made once (what an exact record must read), that copy
 with lean's own stats and fingerprints of it, computed on a thread once per commit window (what
-lean's numbers cost by themselves, without its bookkeeping, catalog or file). The figure is the median of the per-pair ratios, of wall time and of the CPU time of
+lean's numbers cost by themselves, without its bookkeeping, catalog or file), and the same for a
+gradient-log step (the optimizer state copied and described too, and the grads' bytes written). The figure is the median of the per-pair ratios, of wall time and of the CPU time of
 all the process's threads (``time.process_time``: the recorder's threads' work counts wherever
 it ran). Each workload is timed twice: on the machine as it is (*idle*) and with every other
 core busy (*busy*: benchmarks/neighbour.py, one spinning process per core but one), where every
@@ -55,6 +56,9 @@ ARMS: dict[str, dict[str, Any] | None] = {
     # snapshot) and the same stats and fingerprints of it (packed.describe_columns, numpy), described on
     # a thread once per commit window as lean's writer does; no hooks' bookkeeping, catalog or file.
     "floor: copy + stats(params + grads)": None,
+    # The same for what a gradient-log step must do: its params' and optimizer state's copy and stats
+    # (read at every step), its grads' copy and stats, and the grads' bytes written to a file.
+    "floor: copy + stats(params + grads + optimizer) + write(grads)": None,
 }
 TARGETS = {"lean": 1.05, "gradient log K=32": 1.15}
 RL_TARGETS = {"lean": 1.10, "gradient log K=32": 1.30}  # issue 40: the PPO update's own targets
@@ -63,7 +67,8 @@ LOADS = ("idle", "busy")
 SELF_TIMING = 0.25
 SLUG = {"lean": "lean", "gradient log K=32": "gradlog", "floor: _foreach_norm(params + grads)": "floor",
         "floor: copy(params + grads)": "floor_copy",
-        "floor: copy + stats(params + grads)": "floor_stats"}  # JSON keys
+        "floor: copy + stats(params + grads)": "floor_stats",
+        "floor: copy + stats(params + grads + optimizer) + write(grads)": "floor_gradlog"}  # JSON keys
 # results.json: the idle load's arms under "arms" (the key docs/performance.md reads), the busy one's under this.
 BUSY_KEY = "busy_arms"
 
@@ -77,19 +82,22 @@ def self_timing(reported: float, added: float) -> bool:
     return added > 0 and abs(reported - added) <= SELF_TIMING * added
 
 
-def _stats_floor(w: Workload) -> tuple[Callable[[], None], Callable[[], None]]:
+def _stats_floor(w: Workload, written: Path | None = None) -> tuple[Callable[[], None], Callable[[], None]]:
     """The "copy + stats" floor's hook (copy the params and grads as lean does) and its stop (the
-    thread that describes the copies, once per commit window, drained and joined)."""
+    thread that describes the copies, once per commit window, drained and joined). ``written``: the
+    gradient log's floor instead: the optimizer state copied and described too, and the grads'
+    copies' bytes written to this file."""
     import queue
     import threading
 
-    from stepdump.capture.packed import Plans, describe_columns
+    from stepdump.capture.packed import Plans, Snapshot, describe_columns
     from stepdump.capture.step_state import Entry
     from stepdump.capture.writer import COMMIT_WINDOW
 
     params = list(w.model.named_parameters())
-    plans = Plans()
-    copies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    plans, grad_plans = Plans(), Plans()
+    copies: queue.SimpleQueue[tuple[Snapshot, Snapshot | None] | None] = queue.SimpleQueue()
+    file = open(written, "wb") if written is not None else None  # noqa: SIM115 - closed by stop()
 
     def describe() -> None:
         while True:
@@ -98,8 +106,13 @@ def _stats_floor(w: Workload) -> tuple[Callable[[], None], Callable[[], None]]:
             while not copies.empty():
                 held.append(copies.get())
             done = held[-1] is None
-            snaps = [s for s in held if s is not None]
+            snaps = [s for pair in held if pair is not None for s in pair if s is not None]
             describe_columns(snaps)
+            if file is not None:
+                for pair in held:
+                    if pair is not None and pair[1] is not None:
+                        for buf in pair[1].buffers:
+                            file.write(buf.numpy().tobytes())
             for s in snaps:
                 s.release()
             if done:
@@ -110,12 +123,21 @@ def _stats_floor(w: Workload) -> tuple[Callable[[], None], Callable[[], None]]:
 
     def hook() -> None:
         entries = [Entry("params", n, p.detach(), False) for n, p in params]
-        entries += [Entry("grads", n, p.grad, False) for n, p in params if p.grad is not None]
-        copies.put(plans.get(entries).snapshot(entries))
+        grads = [Entry("grads", n, p.grad, False) for n, p in params if p.grad is not None]
+        if file is None:
+            entries += grads
+            copies.put((plans.get(entries).snapshot(entries), None))
+            return
+        state = w.optimizer.state
+        entries += [Entry("optimizer", f"{n}.{k}", v, False, n, k) for n, p in params
+                    for k, v in state.get(p, {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        copies.put((plans.get(entries).snapshot(entries), grad_plans.get(grads).snapshot(grads) if grads else None))
 
     def stop() -> None:
         copies.put(None)
         thread.join()
+        if file is not None:
+            file.close()
 
     return hook, stop
 
@@ -133,7 +155,8 @@ def segment(w: Workload, arm: str | None, out: Path, steps: int) -> dict[str, fl
 
         rec = stepdump.Recorder(out / "run", w.model, w.optimizer, profile=True, **ARMS[arm])  # type: ignore[arg-type]
     elif arm is not None and arm.startswith("floor: copy + stats"):
-        hook, stop = _stats_floor(w)
+        out.mkdir(parents=True, exist_ok=True)
+        hook, stop = _stats_floor(w, out / "grads.bin" if "write(grads)" in arm else None)
     elif arm is not None and arm.startswith("floor: copy"):
         params = list(w.model.parameters())
         views: list[torch.Tensor] = []

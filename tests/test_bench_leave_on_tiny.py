@@ -112,3 +112,34 @@ def test_the_stats_floor_describes_every_copy_it_takes_and_stops_its_thread() ->
     assert sum(described) == 7
     assert not [t for t in threading.enumerate() if t.name == "floor-stats"]
     assert torch.isfinite(torch.stack([p.detach().sum() for p in w.model.parameters()])).all()
+
+
+def test_the_gradient_log_floor_describes_everything_and_writes_every_steps_grads(tmp_path) -> None:
+    # Its copies hold the params and the optimizer state (read at every gradient-log step) and the
+    # grads, all described; the grads' bytes of every step are in the file after stop().
+    from workloads_tiny import TINY
+
+    from stepdump.capture import packed
+
+    described: list[int] = []
+    real = packed.describe_columns
+
+    def counting(snaps):
+        described.append(sum(len(b.names) for s in snaps for b in s._batches))
+        return real(snaps)
+
+    w = TINY["rl"]()
+    packed.describe_columns, saved = counting, packed.describe_columns
+    try:
+        hook, stop = bench._stats_floor(w, tmp_path / "grads.bin")
+        for _ in range(5):
+            w.step(hook)
+        stop()
+    finally:
+        packed.describe_columns = saved
+    params = list(w.model.parameters())
+    grads_bytes = sum(p.numel() * p.element_size() for p in params)
+    assert (tmp_path / "grads.bin").stat().st_size == 5 * grads_bytes
+    opt_tensors = sum(1 for p in params for v in w.optimizer.state[p].values() if v.is_floating_point())
+    # step 0's hook runs before the first update (no optimizer state yet); the other four have it all
+    assert sum(described) == 5 * 2 * len(params) + 4 * opt_tensors

@@ -476,6 +476,11 @@ class Snapshot:
         """The bytes of the copies (what holding this snapshot keeps in memory)."""
         return sum(map(_nbytes, self._bufs))
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The copies, one flat buffer per batch of the plan (its tensors end to end, in order)."""
+        return self._bufs
+
     def rows(self) -> list[LeanRow]:
         """The rows of the copied tensors, in the plan's order (numpy passes: on any thread)."""
         out: list[LeanRow] = []
