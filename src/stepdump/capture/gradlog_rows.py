@@ -18,7 +18,6 @@ when its commit comes, with the other held steps of its layout (:func:`describe_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from itertools import accumulate, repeat
 from typing import Any, NamedTuple
@@ -30,7 +29,7 @@ from xxhash import xxh3_64_intdigest
 from stepdump.capture.packed import FUSED_DTYPES, SMALL, Segments, packed_rows
 from stepdump.capture.staging import CopyPlan, Item
 from stepdump.core.dtypes import stored_dtype
-from stepdump.core.stats import StatsTuple, compute_stats
+from stepdump.core.stats import StatsTuple, compute_stats, stats_from_reads
 from stepdump.store.catalog import CatalogWriter
 from stepdump.store.format import format_shape
 
@@ -48,7 +47,7 @@ def small_rows(items: Sequence[Item], no_stats: frozenset[str]) -> dict[int, tup
         # Staged copies only (``raw``: the slot's buffer, contiguous): a live tensor is read once, by the writer.
         if item.raw is None or item.live or item.device_stats is not None or item.kind in no_stats:
             continue
-        if t.dtype in FUSED_DTYPES and 0 < t.numel() <= SMALL and t.layout == torch.strided and t.is_cpu:
+        if _packable(t):
             by_dtype.setdefault(t.dtype, []).append(i)
     out: dict[int, tuple[StatsTuple, int]] = {}
     for idx in by_dtype.values():
@@ -182,8 +181,8 @@ def large_stats(xs: Sequence[torch.Tensor]) -> list[StatsTuple]:
     """:func:`compute_stats` of each of ``xs`` (1-d, contiguous CPU tensors): the same stats, bit
     for bit. Those of more than ``SMALL`` fp32/fp64 elements take its torch path with the same
     reads (aminmax, sum, dot: fp32 sums for fp32, what every other record of them holds), their
-    results read back together (one stack and one tolist per dtype, not one per tensor); the
-    others (and a NaN or Inf, a mean large against the spread) go through compute_stats itself."""
+    results read back together (one stack and one tolist per dtype, not one per tensor) and made
+    stats by its own :func:`~stepdump.core.stats.stats_from_reads`; the others go through it whole."""
     out: list[StatsTuple | None] = [None] * len(xs)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, x in enumerate(xs):
@@ -199,19 +198,7 @@ def large_stats(xs: Sequence[torch.Tensor]) -> list[StatsTuple]:
             reads += (mn, mx, x.sum(), torch.dot(x, x))
         got = torch.stack(reads).tolist()
         for j, i in enumerate(idx):
-            vmin, vmax, vsum, vsq = got[4 * j:4 * j + 4]
-            x = xs[i]
-            n = x.numel()
-            mean = vsum / n
-            var = vsq / n - mean * mean
-            # A NaN or Inf to count (any makes the sum of the four non-finite; an overflow of that sum
-            # only sends a finite one there too), or the cancellation regime: compute_stats's own paths.
-            if not math.isfinite(vmin + vmax + vsum + vsq) or var < 1e-2 * mean * mean:
-                out[i] = compute_stats(x)
-                continue
-            # A tensor of one sign has no zeros (-0.0 == 0 in both tests, as in the count).
-            vnz = n if vmin > 0 or vmax < 0 else int(torch.count_nonzero(x))
-            out[i] = (n, 0, 0, 0, vmin, vmax, mean, math.sqrt(var), math.sqrt(vsq), (n - vnz) / n)
+            out[i] = stats_from_reads(xs[i], *got[4 * j:4 * j + 4])
     return out  # type: ignore[return-value]  # every index is set
 
 

@@ -114,16 +114,6 @@ VECTOR_MIN = 4
 VECTOR_SPAN = 512
 
 
-def _sums_and_squares(x: np.ndarray, starts: np.ndarray, sums: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Each segment's sum (zeros where not ``sums``: no row needs it) and sum of squares, as
-    :func:`~stepdump.core.stats.segment_sums_array` computes them."""
-    if sums:
-        return segment_sums_array(x, starts)
-    x64 = x.astype(np.float64)
-    np.multiply(x64, x64, out=x64)
-    return np.zeros(len(starts)), np.add.reduceat(x64, starts)
-
-
 class StatColumns(NamedTuple):
     """The rows of tensors packed in one buffer, as columns (:meth:`Segments.columns`)."""
 
@@ -201,7 +191,7 @@ class Segments:
             hi = np.maximum.reduceat(x, starts)
             # The sum and the sum of squares in float64, in element order: core.stats' own definition.
             # (Casting inside reduceat instead is a buffered reduction: slower in a training loop.)
-            sums, sqs = _sums_and_squares(x, starts, self.sums)
+            sums, sqs = segment_sums_array(x, starts, self.sums)  # (no sums where no row needs them)
             finite3 = np.isfinite(lo) & np.isfinite(hi) & np.isfinite(sqs)  # what a large tensor's row needs
             finite = finite3 & np.isfinite(sums)
             signed = (lo > 0) | (hi < 0)  # of one sign: no zeros (-0.0 > 0 is False, as in the count)

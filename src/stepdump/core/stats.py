@@ -59,6 +59,14 @@ def compute_stats(t: torch.Tensor) -> StatsTuple:
     total = x.sum()
     sumsq = torch.dot(x, x) if x.dtype in (torch.float32, torch.float64) else (x * x).sum()
     vmin, vmax, vsum, vsq = torch.stack([mn, mx, total, sumsq]).tolist()
+    return stats_from_reads(x, vmin, vmax, vsum, vsq)
+
+
+def stats_from_reads(x: torch.Tensor, vmin: float, vmax: float, vsum: float, vsq: float) -> StatsTuple:
+    """The stats of ``x`` (1-d, as :func:`compute_stats` prepares it for its torch path) from its min,
+    max, sum and sum of squares as that path reads them (``aminmax``, ``sum``, ``dot``): a caller that
+    reads many tensors' four values back at once (capture/gradlog_rows.py) gets the same stats."""
+    n = x.numel()
     # Counting zeros is the costliest pass; a tensor of one sign has none (Adam's
     # exp_avg_sq, most norms and scales). -0.0 == 0 in both tests, as in the count.
     vnz = n if vmin > 0 or vmax < 0 else int(torch.count_nonzero(x))
@@ -84,12 +92,14 @@ def segment_sums(x: np.ndarray, starts: list[int]) -> tuple[list[float], list[fl
     return sums.tolist(), sqs.tolist()
 
 
-def segment_sums_array(x: np.ndarray, starts: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`segment_sums` as two float64 arrays (the same numbers, for vectorised use)."""
+def segment_sums_array(x: np.ndarray, starts: Sequence[int] | np.ndarray,
+                       sums: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`segment_sums` as two float64 arrays (the same numbers, for vectorised use). Not
+    ``sums``: the squares' sums alone (the sums zeros: a caller whose segments need no mean)."""
     x64 = x.astype(np.float64)
-    sums = np.add.reduceat(x64, starts)
+    got = np.add.reduceat(x64, starts) if sums else np.zeros(len(starts))
     np.multiply(x64, x64, out=x64)
-    return sums, np.add.reduceat(x64, starts)
+    return got, np.add.reduceat(x64, starts)
 
 
 def small_stats(xn: np.ndarray, vmin: float, vmax: float, vsum: float, vsq: float) -> StatsTuple | None:
