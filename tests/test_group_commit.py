@@ -180,3 +180,78 @@ def test_held_gradient_log_steps_write_their_bytes_before_the_commit_that_names_
     assert transactions < 12, transactions
     with stepdump.open(path) as run:
         assert stepdump.verify(run).ok  # every stored grad's bytes against its fingerprint
+
+
+@pytest.mark.parametrize("mode", [{"every": None, "stats_every": 1}, {"gradient_log": 64}])
+def test_steps_taken_from_the_mailbox_together_commit_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               mode: dict[str, Any]) -> None:
+    """Steps the writer finds waiting together commit in one transaction, the first of them included.
+    (It committed the first at once when the last commit was a window old, and held the rest for
+    another window: two commits a window where one does, half of a small step's catalog cost.)"""
+    window = 0.5
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", window)
+    gate, blocked = __import__("threading").Event(), __import__("threading").Event()
+    held_at_commit: list[list[int]] = []
+    write, commit = writer_mod.Writer._write, writer_mod.Writer._commit_held
+
+    writers: list[Any] = []
+
+    def gated_write(self: Any, msg: Any) -> None:
+        if msg.step == 5 and not gate.is_set():  # the writer stops before step 5 while steps 5-14 are posted
+            writers.append(self)
+            blocked.set()
+            gate.wait(30)
+        write(self, msg)
+
+    def counted_commit(self: Any) -> None:
+        held_at_commit.append([s for s, *_ in self._held_steps])
+        commit(self)
+
+    monkeypatch.setattr(writer_mod.Writer, "_write", gated_write)
+    monkeypatch.setattr(writer_mod.Writer, "_commit_held", counted_commit)
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, **mode) as rec:
+        train_logging(rec, model, opt, 5)
+        train_logging(rec, model, opt, 10)  # steps 5-14: posted while the writer waits at step 5
+        assert blocked.wait(30)
+        due = writers[0]._due  # steps 1-4 are held, to commit a window after the last commit
+        assert due is not None
+        time.sleep(max(0.0, due - time.monotonic()) + 0.05)  # the writer goes on once they are due
+        held_at_commit.clear()
+        gate.set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(14 in c for c in held_at_commit):
+            time.sleep(0.01)
+        commits = [c for c in held_at_commit if c]  # (steps held before step 5 commit with them)
+        assert len(commits) == 1 and commits[0][-10:] == list(range(5, 15)), commits
+    assert [s for (s,) in catalog_sql(tmp_path / "run", "SELECT step FROM steps ORDER BY step")] == list(range(16))
+
+
+def test_a_steady_loop_commits_once_a_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop faster than the window commits about once a window: commits are at least a window
+    apart but for step 0, the step that sets the layout's meta and close(). (When its timed wake-up
+    took mail that committed the steps due, the writer committed the newer steps it had just taken
+    at once as well: two commits a window.)"""
+    window = 0.1
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", window)
+    commits: list[float] = []
+    commit = writer_mod.Writer._commit_held
+
+    def counted_commit(self: Any) -> None:
+        if self._held_steps:
+            commits.append(time.monotonic())
+        commit(self)
+
+    monkeypatch.setattr(writer_mod.Writer, "_commit_held", counted_commit)
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
+        start = time.monotonic()
+        steps = 0
+        while time.monotonic() - start < 25 * window:
+            train_logging(rec, model, opt, 1)
+            steps += 1
+        elapsed = time.monotonic() - start
+    assert steps > 30  # many steps a window
+    assert len(commits) <= elapsed / window + 4, (len(commits), elapsed / window)  # (before: 1.4 a window)

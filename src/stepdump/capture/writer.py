@@ -218,8 +218,8 @@ class Writer(threading.Thread):
                     self._done_with(msg)
                 self._mail.drain(self._done_with)
                 break
-            if msg is MAIL or (msg is _DUE and self._due is None):
-                continue
+            if msg is MAIL or (msg is _DUE and (self._due is None or time.monotonic() < self._due)):
+                continue  # (due: the mail just taken committed the steps that were due, and holds newer ones)
             if not self._handle(None if msg is _DUE else msg):
                 self._mail.drain(self._done_with)
                 break
@@ -228,6 +228,12 @@ class Writer(threading.Thread):
     def _window(self) -> float:
         """Seconds a step below full may wait for its commit (0: none waits)."""
         return 0.0 if self.durable else COMMIT_WINDOW
+
+    def _more_mail(self) -> bool:
+        """Whether more mail waits behind the message being written, to commit with it: while the
+        held steps are due less than a window ago (a writer that never finds the mailbox empty still
+        commits about once a window)."""
+        return bool(len(self.mailbox)) and (self._due is None or time.monotonic() < self._due + COMMIT_WINDOW)
 
     def can_mail(self, msg: StepMessage) -> bool:
         """Whether ``msg`` may wait in the mailbox without waking the writer (mailbox.mailable)."""
@@ -242,7 +248,7 @@ class Writer(threading.Thread):
                 self._write(msg)
                 if msg.level is not None:
                     self._pace.observe(self.bytes_written)
-                if self._due is not None and time.monotonic() >= self._due:
+                if self._due is not None and time.monotonic() >= self._due and not self._more_mail():
                     self._commit_held()  # a steady stream of messages never leaves the queue dry
         except BaseException as e:  # noqa: BLE001 - surfaced to the training thread
             # Not logged as an error here: the training thread reports it, as a
@@ -357,9 +363,12 @@ class Writer(threading.Thread):
             self._held_steps.append((msg.step, msg.level, int(msg.skipped), time.time(),  # type: ignore[arg-type]
                                      msg.state_json))
         self._held_scalars.extend((s, n, _to_float(v)) for s, n, v in msg.scalars)
-        # A step below full (stats only, or a gradient log's grads) held while the last commit is recent.
+        # A step below full (stats only, or a gradient log's grads) held while the last commit is
+        # recent, or while more mail waits behind it: the steps the writer finds waiting together
+        # commit together (the first of them alone, then the rest a window later, was two commits a
+        # window where one does).
         if not (msg.level == LEVEL_FULL or msg.meta or self.durable) \
-                and time.monotonic() - self._last_commit < COMMIT_WINDOW:
+                and (time.monotonic() - self._last_commit < COMMIT_WINDOW or self._more_mail()):
             if self._due is None:  # a commit a moment ago: commits with the next ones (group commit)
                 self._due = self._last_commit + COMMIT_WINDOW
             if self._borrowed:  # appends reading the slot's memory: done before it is handed back
