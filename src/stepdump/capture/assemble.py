@@ -70,6 +70,9 @@ class Assembler:
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
         self._selected_of: tuple[Layout | None, list[tuple[str, torch.Tensor]], list[Entry]] = (None, [], [])
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
+        # A slot's staging budget (StagingPool.slot_budget; None: none): a step copied without a slot
+        # is one whose bytes would all be copies in one, as the user's staging_bytes allows.
+        self.slot_budget: int | None = None
         # The kinds a steady stats-only step records (fill: LeanCapture.steady): params and grads, nothing else.
         self._steady_kinds = "params" in self.kinds and "grads" in self.kinds
         self.carried = CarriedGrads()
@@ -267,8 +270,16 @@ class Assembler:
             entries = stored + [e for e in entries if e.kind not in _LEAN_KINDS]
         else:
             self.lean.drop()  # a full step after all (a callable schedule): the early reads are not needed
+        # A small gradient-log step: its bytes copied straight from the live tensors into memory of
+        # their own (no slot: the step waits for the writer's next wake-up, capture/mailbox.py).
+        # (lean.INLINE_BYTES read now, not bound at import: one knob, as lean.py reads it)
+        if entries and self.gradlog and not full and (copied := self._copier.direct(
+                entries, min(lean_mod.INLINE_BYTES, lean_mod.INLINE_BYTES if self.slot_budget is None
+                             else self.slot_budget))) is not None:
+            msg.copied = copied
+            msg.items = []
         # A gradient log's grads are written from the live tensors while the update runs.
-        if entries:
+        elif entries:
             slot = acquire()
             msg.items = self.stager.stage(slot, entries, defer=("grads",) if self.gradlog and not full else ())
             if self.gradlog and not full and slot.event is None:

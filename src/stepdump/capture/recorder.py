@@ -351,6 +351,7 @@ class Recorder:
                               gradlog=isinstance(sched, _options.GradientLogSchedule),
                               extra=rec.extra_state, frozen=rec.frozen)
         self._asm.stager.device_fp = fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
+        self._asm.slot_budget = self._pool.slot_budget
         self._asm.structure = StructureWatch()  # the model's structure changing mid-run (structure.py)
         if opts.resume:  # the layouts of the steps kept, which a change from here adds to
             self._asm.resumed(recorded_layouts(self.path))

@@ -122,6 +122,23 @@ class Copied:
         return out  # type: ignore[return-value]  # every index is in one group
 
 
+_ENTRY_TENSOR = attrgetter("tensor")
+_ENTRY_HEAD = attrgetter("kind", "name", "param", "key")
+_ENTRY_FULL = attrgetter("full")
+_ATTRS = attrgetter("__class__", "dtype", "shape", "layout", "is_cpu")
+
+
+def _copies(plan: _CopyPlan, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` (in the plan's item order) copied end to end, one new buffer per dtype group."""
+    bufs = []
+    with torch.no_grad():
+        for idx, get in plan.groups:
+            # (flatten copies the tensors end to end; a single tensor it hands back as a view: cloned)
+            bufs.append(torch._C._nn.flatten_dense_tensors(list(get(tensors))) if len(idx) > 1
+                        else tensors[idx[0]].reshape(-1).clone())
+    return bufs
+
+
 @dataclass
 class _CopyPlan:
     templates: list[Item]  # the items staged (kept: their ids, the plan's key, stay theirs)
@@ -137,11 +154,59 @@ class OwnedCopier:
     once and the step can wait in the writer's mailbox (capture/mailbox.py) instead of waking it.
     Only plain CPU copies in the slot's buffers, at most ``limit`` bytes (a larger step keeps its
     slot: copying it would cost more than the writer's wake-up). What the items are is worked out
-    once per layout: the staging plan of a known layout hands out the same items each step."""
+    once per layout: the staging plan of a known layout hands out the same items each step.
+
+    :meth:`direct` copies such a step from the live tensors themselves, without a slot: one copy
+    where staging and the copy out of the slot made two."""
 
     def __init__(self) -> None:
         # The last few layouts' plans (None: not copied), newest first: each slot has its own items.
         self._plans: list[tuple[list[int], _CopyPlan | None]] = []
+        # direct(): the last few entry layouts' plans (None: not for this path), newest first.
+        self._direct: list[tuple[tuple[list[tuple], list[tuple], list[bool]], _CopyPlan | None]] = []
+
+    def direct(self, entries: list[Entry], limit: int) -> Copied | None:
+        """``entries``' live tensors copied end to end into memory of their own, one buffer per dtype,
+        as :meth:`__call__` copies them out of a slot (the same bytes: each tensor's elements in
+        order); None where they are not all plain dense CPU tensors, or over ``limit`` bytes
+        (staging takes them). What the entries are is worked out once per layout (the key: C calls
+        only, the same attributes staging's own plan depends on)."""
+        tensors = list(map(_ENTRY_TENSOR, entries))
+        key = (list(map(_ENTRY_HEAD, entries)), list(map(_ATTRS, tensors)), list(map(_ENTRY_FULL, entries)))
+        for known, plan in self._direct:
+            if known == key:
+                break
+        else:
+            plan = self._make_direct(entries, tensors, limit)
+            self._direct.insert(0, (key, plan))
+            del self._direct[_PLANS_KEPT:]
+        if plan is None or plan.nbytes > limit:
+            return None
+        return Copied(plan, _copies(plan, tensors))
+
+    @staticmethod
+    def _make_direct(entries: list[Entry], tensors: list[torch.Tensor], limit: int) -> _CopyPlan | None:
+        # Staging would store each as it is (storable: not quantized, not meta, not sparse; not a
+        # DTensor or another subclass, whose local part it takes); anything else takes the slot.
+        if not entries or any(type(t) not in _PLAIN or t.layout != torch.strided or not t.is_cpu or t.is_quantized
+                              for t in tensors):
+            return None
+        groups: dict[torch.dtype, list[int]] = {}
+        for n, t in enumerate(tensors):
+            groups.setdefault(t.dtype, []).append(n)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if nbytes > limit:  # (kept as None for the layout: staging, always right, takes it)
+            return None
+        shape = _CopyPlan([], [(idx, itemgetter(*idx)) for idx in groups.values()], nbytes)
+        # The items' templates (their heads; their tensors give the writer shapes and dtypes): views
+        # of a first copy, memory of the plan's own, not the live tensors (which a template would
+        # keep alive after the loop has let them go).
+        views: list[torch.Tensor] = [torch.empty(0)] * len(entries)
+        for (idx, _), buf in zip(shape.groups, _copies(shape, tensors), strict=True):
+            for n, view in zip(idx, torch._C._nn.unflatten_dense_tensors(buf, [tensors[n] for n in idx]), strict=True):
+                views[n] = view
+        return _CopyPlan([Item(e.kind, e.name, v, e.full, e.param, e.key) for e, v in zip(entries, views, strict=True)],
+                         shape.groups, nbytes)
 
     def __call__(self, items: list[Item], limit: int) -> Copied | None:
         ids = list(map(id, items))
@@ -154,13 +219,7 @@ class OwnedCopier:
             del self._plans[_PLANS_KEPT:]
         if plan is None or plan.nbytes > limit:
             return None
-        bufs = []
-        with torch.no_grad():
-            for idx, get in plan.groups:
-                # (flatten copies the tensors end to end; a single tensor it hands back as a view: cloned)
-                bufs.append(torch._C._nn.flatten_dense_tensors(list(map(_ITEM_TENSOR, get(items)))) if len(idx) > 1
-                            else items[idx[0]].tensor.reshape(-1).clone())
-        return Copied(plan, bufs)
+        return Copied(plan, _copies(plan, list(map(_ITEM_TENSOR, items))))
 
     @staticmethod
     def _make(items: list[Item]) -> _CopyPlan | None:
@@ -246,6 +305,11 @@ class StagingPool:
         self._slots = [Slot(i, None if budget is None else budget // slots) for i in range(slots)]
         for slot in self._slots:
             self._free.put(slot)
+
+    @property
+    def slot_budget(self) -> int | None:
+        """Bytes of staging buffers one slot may hold (None: no limit)."""
+        return self._slots[0].budget if self._slots else self.budget
 
     @property
     def staged_bytes(self) -> int:
