@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from xxhash import xxh3_64_intdigest
 
-from stepdump.capture.packed import FUSED_DTYPES, SMALL, Segments, packed_rows
+from stepdump.capture.packed import FUSED_DTYPES, SMALL, Segments, blocks, copies_per_block, packed_rows
 from stepdump.capture.staging import CopyPlan, Item
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.stats import StatsTuple, compute_stats, stats_from_reads
@@ -137,7 +137,10 @@ class CopiedLayout:
         for idx, _ in plan.groups:
             for i, n in enumerate(idx):
                 self.place[n] = i
-        self._segments: dict[tuple[int, int], Segments] = {}  # (group, steps) -> its packed tensors, repeated
+        # Per group: the steps described in one pass (packed.blocks), from its packed tensors' bytes a step.
+        self.per_block = [copies_per_block(sum(self.numels[n] for n in pick) * size)
+                          for (pick, _), size in zip(self.packed, self.itemsizes, strict=True)]
+        self._segments: dict[int, Segments] = {}  # group -> its packed tensors, repeated per_block[g] times
         self._series: tuple[CatalogWriter, int, list[int]] | None = None  # (catalog, series generation, ids)
 
     def series(self, cat: CatalogWriter) -> list[int]:
@@ -151,16 +154,14 @@ class CopiedLayout:
         return sids
 
     def segments(self, g: int, steps: int) -> Segments:
-        """Group ``g``'s packed tensors of ``steps`` steps, end to end, as :class:`Segments`."""
-        seg = self._segments.get((g, steps))
+        """Group ``g``'s packed tensors of ``steps`` steps (up to ``per_block[g]``: a block of
+        packed.blocks), end to end, as :class:`Segments`: the head of the one made for a whole block."""
+        seg = self._segments.get(g)
         if seg is None:
-            if len(self._segments) >= 16:
-                self._segments.clear()
-            pick = self.packed[g][0]
-            seg = Segments([self.kinds[n] for n in pick] * steps, [self.numels[n] for n in pick] * steps,
-                           self.itemsizes[g])
-            self._segments[(g, steps)] = seg
-        return seg
+            pick, p = self.packed[g][0], self.per_block[g]
+            seg = self._segments[g] = Segments([self.kinds[n] for n in pick] * p, [self.numels[n] for n in pick] * p,
+                                               self.itemsizes[g])
+        return seg.head(steps * len(self.packed[g][0]))
 
     @staticmethod
     def raws(bufs: Sequence[torch.Tensor]) -> list[memoryview]:
@@ -228,9 +229,9 @@ class CopiedRows(NamedTuple):
 
 
 def describe_copied(held: Sequence[CopiedStep]) -> CopiedRows:
-    """The tensor and blob rows of held copied steps: per layout, the packed tensors of all its
-    steps in one pass (a tensor's stats depend on its own elements only: the rows step by step),
-    the others by :func:`compute_stats` each."""
+    """The tensor and blob rows of held copied steps: per layout, the packed tensors of its steps in
+    a pass per block of them (packed.blocks; a tensor's stats depend on its own elements only: the
+    rows step by step), the others by :func:`compute_stats` each."""
     out = CopiedRows([], [])
     by_layout: dict[int, list[CopiedStep]] = {}
     for s in held:
@@ -248,15 +249,17 @@ def _describe_layout(steps: list[CopiedStep], out: CopiedRows) -> None:
         for g, (pick, gather) in enumerate(layout.packed):
             if not pick:
                 continue
-            if gather is None:  # every tensor of the group: its buffers end to end
-                flat = torch.cat([s.bufs[g] for s in steps]) if count > 1 else steps[0].bufs[g]
-            else:  # only the packed tensors' elements of each step (not the larger ones') are copied
-                flat = torch.cat([s.bufs[g].index_select(0, gather) for s in steps])
-            got, _ = layout.segments(g, count).rows(flat)
             p = len(pick)
-            for j, row in enumerate(stats):
-                for n, st in zip(pick, got[j * p:(j + 1) * p], strict=True):
-                    row[n] = st
+            for block in blocks(count, layout.per_block[g]):
+                part = steps[block.first:block.first + block.copies]
+                if gather is None:  # every tensor of the group: its buffers end to end
+                    bufs = [s.bufs[g] for s in part]
+                else:  # only the packed tensors' elements of each step (not the larger ones') are copied
+                    bufs = [s.bufs[g].index_select(0, gather) for s in part]
+                got, _ = layout.segments(g, block.copies).rows(bufs[0] if len(bufs) == 1 else torch.cat(bufs))
+                for j, row in enumerate(stats[block.first:block.first + block.copies]):
+                    for n, st in zip(pick, got[j * p:(j + 1) * p], strict=True):
+                        row[n] = st
         if layout.alone:
             for j, s in enumerate(steps):
                 views = [b.split_with_sizes(sizes) for b, sizes in zip(s.bufs, layout.group_sizes, strict=True)]

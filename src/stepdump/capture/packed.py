@@ -20,7 +20,8 @@ the bytes. Here:
 * :meth:`Plan.snapshot` copies a step's packed tensors (one copy per batch, at the optimizer
   pre-hook) into a :class:`Snapshot` that any thread describes later: the writer does, when the
   step commits, and :func:`describe_all` describes the held steps' small copies of one layout
-  together, in one pass (a group commit's numpy calls are paid once, not once a step).
+  together, a pass per block of them (:func:`blocks`: a group commit's numpy calls are paid once
+  a block, not once a step, and a layout needs one :class:`Segments`, whatever the count).
 
 The rows are those :func:`stepdump.capture.lean.lean_rows` gives by its per-tensor path, in
 the same order (tests/test_lean_packed.py compares them bitwise; tests/test_lean_deferred.py the
@@ -157,6 +158,22 @@ class Segments:
         self.sums = bool(_count_nonzero(self.described))
         self.one = self.n == 1  # one element: its two-pass variance is 0 (x - x)
         self.zeros = [0] * k
+
+    def head(self, k: int) -> Segments:
+        """The first ``k`` tensors of this layout, as ``Segments`` of their own (what one made of
+        their kinds and sizes is), made of views of these columns: no object per tensor. A block of
+        fewer copies than a batch's block size is described by the head of its Segments."""
+        if k == self.k:
+            return self
+        h = Segments.__new__(Segments)
+        h.k, h.itemsize = k, self.itemsize
+        h.sizes, h.starts_list, h.spans, h.zeros = self.sizes[:k], self.starts_list[:k], self.spans[:k], self.zeros[:k]
+        h.starts, h.n, h.small, h.large = self.starts[:k], self.n[:k], self.small[:k], self.large[:k]
+        h.state, h.described, h.one = self.state[:k], self.described[:k], self.one[:k]
+        h.total = sum(h.sizes)
+        h.any_large = bool(_count_nonzero(h.large))
+        h.sums = bool(_count_nonzero(h.described))
+        return h
 
     def columns(self, buf: torch.Tensor) -> StatColumns:
         """:meth:`rows` as columns: the same values (None as -1 in the counts, NaN in the floats),
@@ -301,6 +318,45 @@ def tensor_attrs(tensors: Sequence[torch.Tensor]) -> list[tuple]:
     return list(map(_ATTRS, tensors))
 
 
+# Copies described together (describe_all) go in passes over blocks of at most this many bytes
+# and MANY_COPIES copies: a pass over a buffer past the L2 cache costs more a copy (Segments.columns
+# alone on a 2 MiB-L2 EPYC core, PPO-sized copies of 153 KiB: 41-45 us a copy in passes over
+# 0.6-2.4 MiB, 49 us over 4.8 MiB, 74 us over 9.6 MiB; copies of 15 KiB: 12 us a copy from 32 of
+# them on, 16 us for 4: past 64 copies a pass's fixed cost is nothing to save).
+MANY_BYTES = 2 << 20
+MANY_COPIES = 64
+
+
+class Block(NamedTuple):
+    """Consecutive copies described in one pass: the first one's index and how many."""
+
+    first: int
+    copies: int
+
+
+def copies_per_block(copy_bytes: int) -> int:
+    """How many copies of ``copy_bytes`` bytes fit in ``MANY_BYTES`` (at least one, at most
+    ``MANY_COPIES``): the block size of :func:`blocks`."""
+    return max(1, min(MANY_COPIES, MANY_BYTES // max(1, copy_bytes)))
+
+
+def blocks(m: int, per_block: int) -> list[Block]:
+    """The passes describing ``m`` consecutive copies: blocks of ``per_block`` while they fit, then
+    one of the rest (m = 8 + 8 + 5). A layout keeps one :class:`Segments` for a block of
+    ``per_block`` copies and describes a smaller block by its :meth:`Segments.head`, whatever ``m``
+    a commit window holds (a Segments per ``m``, a slice per tensor per copy, was built for most
+    windows); a pass's numpy calls are paid once a block, not once a copy."""
+    out = [Block(first, per_block) for first in range(0, m - m % per_block, per_block)]
+    if m % per_block:
+        out.append(Block(m - m % per_block, m % per_block))
+    return out
+
+
+def _joined(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``bufs`` end to end (one of them: itself)."""
+    return bufs[0] if len(bufs) == 1 else torch.cat(list(bufs))
+
+
 class _Batch:
     """Entries packed into one buffer: their indices and the columns of their rows."""
 
@@ -316,13 +372,14 @@ class _Batch:
         self.dtypes = [stored_dtype(t) for t in ts]
         self.shapes = [format_shape(t.shape) for t in ts]
         self.segs = Segments(self.kinds, [t.numel() for t in ts], ts[0].element_size())
-        self._many: dict[int, Segments] = {}  # m -> the layout repeated m times (rows_many)
+        self._block: Segments | None = None  # the layout repeated _per_block times (_repeated)
         self._shapes = [t.shape for t in ts]
         # Buffers given back (:meth:`give_back`), each with its views shaped as the batch's tensors.
         # deque's append and pop are atomic: the writer gives back while the training thread takes.
         self._free: deque[tuple[torch.Tensor, list[torch.Tensor]]] = deque()
         self._total = sum(self.segs.sizes)
         self._keep = max(2, POOL_BYTES // max(1, self._total * self.segs.itemsize))
+        self._per_block = copies_per_block(self._total * self.segs.itemsize)
 
     def copy(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """The batch's tensors among ``tensors`` (the plan's entries' tensors, in their order), copied
@@ -347,35 +404,44 @@ class _Batch:
                      zip(self.segs.starts_list, self.segs.sizes, self._shapes, strict=True)]
         self._free.append((buf, views))
 
-    def rows_many(self, buf: torch.Tensor, m: int) -> list[list[LeanRow]]:
-        """The rows of ``m`` copies (:meth:`copy`) put end to end in ``buf``, one list per copy: one
-        pass over them all (a tensor's row depends on its own elements only: the same rows)."""
-        segs = self._many.get(m)
-        if segs is None:
-            if len(self._many) >= 8:
-                self._many.clear()
-            segs = self._many[m] = Segments(self.kinds * m, self.segs.sizes * m, self.segs.itemsize)
-        stats, fps = segs.rows(buf)
+    def rows_many(self, bufs: Sequence[torch.Tensor]) -> list[list[LeanRow]]:
+        """The rows of copies (:meth:`copy`), one list per copy: a pass per block of them put end to
+        end (:func:`blocks`; a tensor's row depends on its own elements only: the same rows)."""
+        out: list[list[LeanRow]] = []
         k = self.segs.k
-        return [self._rows(stats[j * k:(j + 1) * k], fps[j * k:(j + 1) * k]) for j in range(m)]
+        for block in blocks(len(bufs), self._per_block):
+            c = block.copies
+            stats, fps = self._repeated(c).rows(_joined(bufs[block.first:block.first + c]))
+            out.extend(self._rows(stats[j * k:(j + 1) * k], fps[j * k:(j + 1) * k]) for j in range(c))
+        return out
 
     def rows(self, buf: torch.Tensor) -> list[LeanRow]:
         """The rows of the batch's tensors copied into ``buf`` (:meth:`copy`)."""
         return self._rows(*self.segs.rows(buf))
 
-    def columns_many(self, buf: torch.Tensor, m: int) -> list[StatColumns]:
+    def columns_many(self, bufs: Sequence[torch.Tensor]) -> list[StatColumns]:
         """:meth:`rows_many` as columns, one :class:`StatColumns` per copy."""
-        if m == 1:
-            return [self.segs.columns(buf)]
-        segs = self._many.get(m)
-        if segs is None:
-            if len(self._many) >= 8:
-                self._many.clear()
-            segs = self._many[m] = Segments(self.kinds * m, self.segs.sizes * m, self.segs.itemsize)
-        c = segs.columns(buf)
+        out: list[StatColumns] = []
         k = self.segs.k
-        return [StatColumns(c.counts[:, j * k:(j + 1) * k], c.floats[:, j * k:(j + 1) * k], c.fps[j * k:(j + 1) * k])
-                for j in range(m)]
+        for block in blocks(len(bufs), self._per_block):
+            c = block.copies
+            col = self._repeated(c).columns(_joined(bufs[block.first:block.first + c]))
+            if c == 1:
+                out.append(col)
+                continue
+            out.extend(StatColumns(col.counts[:, j * k:(j + 1) * k], col.floats[:, j * k:(j + 1) * k],
+                                   col.fps[j * k:(j + 1) * k]) for j in range(c))
+        return out
+
+    def _repeated(self, c: int) -> Segments:
+        """The layout repeated ``c`` times (``c`` up to the batch's block size): the head of the one
+        Segments of a whole block, made once."""
+        if c == 1:
+            return self.segs
+        if self._block is None:
+            p = self._per_block
+            self._block = Segments(self.kinds * p, self.segs.sizes * p, self.segs.itemsize)
+        return self._block.head(c * self.segs.k)
 
     def _rows(self, stats: list[StatsTuple], fps: list[int]) -> list[LeanRow]:
         return list(map(tuple.__new__, repeat(LeanRow), zip(self.kinds, self.names, self.params, self.keys,
@@ -486,8 +552,9 @@ TOGETHER_BYTES = 256 << 10
 
 def describe_all(snaps: Sequence[Snapshot]) -> list[list[LeanRow]]:
     """Each snapshot's :meth:`Snapshot.rows` (the same rows), the small copies of one batch layout
-    described together: put end to end, one pass over them all. A small model's steps held for a
-    group commit (capture/writer.py) pay the passes' numpy calls once per commit, not per step."""
+    described together: put end to end, a pass per block of them (:func:`blocks`). A small model's
+    steps held for a group commit (capture/writer.py) pay the passes' numpy calls once per block of
+    up to ``MANY_COPIES`` steps, not per step."""
     out: list[list[LeanRow]] = [[] for _ in snaps]
     groups: dict[int, tuple[_Batch, list[tuple[int, torch.Tensor]]]] = {}  # in order of first sight
     for i, snap in enumerate(snaps):
@@ -501,8 +568,7 @@ def describe_all(snaps: Sequence[Snapshot]) -> list[list[LeanRow]]:
         for i, buf in alone:
             out[i].extend(b.rows(buf))
         if small:
-            for (i, _), rows in zip(small, b.rows_many(torch.cat([buf for _, buf in small]), len(small)),
-                                    strict=True):
+            for (i, _), rows in zip(small, b.rows_many([buf for _, buf in small]), strict=True):
                 out[i].extend(rows)
     return out
 
@@ -517,7 +583,7 @@ class StatBlock(NamedTuple):
 
 def describe_columns(snaps: Sequence[Snapshot]) -> list[list[StatBlock]]:
     """:func:`describe_all` as columns: each snapshot's batches' :class:`StatBlock`, the small copies
-    of one batch layout described together in one pass."""
+    of one batch layout described together, a pass per block (:func:`blocks`)."""
     out: list[list[StatBlock]] = [[] for _ in snaps]
     groups: dict[int, tuple[_Batch, list[tuple[int, torch.Tensor]]]] = {}
     for i, snap in enumerate(snaps):
@@ -529,10 +595,9 @@ def describe_columns(snaps: Sequence[Snapshot]) -> list[list[StatBlock]]:
             small = []
         alone = [(i, buf) for i, buf in items if not small or _nbytes(buf) > TOGETHER_BYTES]
         for i, buf in alone:
-            out[i].append(StatBlock(b, b.columns_many(buf, 1)[0]))
+            out[i].append(StatBlock(b, b.segs.columns(buf)))
         if small:
-            for (i, _), cols in zip(small, b.columns_many(torch.cat([buf for _, buf in small]), len(small)),
-                                    strict=True):
+            for (i, _), cols in zip(small, b.columns_many([buf for _, buf in small]), strict=True):
                 out[i].append(StatBlock(b, cols))
     return out
 
