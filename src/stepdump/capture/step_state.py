@@ -13,8 +13,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from stepdump.core import tjson
 from stepdump.core.layout import Layout
 from stepdump.errors import StepdumpError
+from stepdump.store.format import STATE_EXTRA, STATE_FORWARD_RNG
 from stepdump.store.records import as_records
 
 
@@ -94,12 +96,11 @@ def begin_state(layout: Layout, buffers: Callable[[str], bool] | None) -> dict[s
 
 
 def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, entries: list[Entry],
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, memo: tjson.Memo | None = None) -> str:
     """The record's typed-JSON state (FORMAT.md); its tensors are appended to ``entries`` as kind ``state``.
-    ``extra``: the extra state's tree, already encoded (capture/extra.py), stored as it is."""
-    from stepdump.core import tjson
-    from stepdump.store.format import STATE_EXTRA, STATE_FORWARD_RNG
-
+    ``extra``: the extra state's tree, already encoded (capture/extra.py), stored as it is.
+    ``memo``: the last state's text of one series of records (a gradient log's steps), whose parts
+    that are the same now (param groups, hyperparameters) are not encoded again; the same text."""
     if begin is not None:
         state["rng"] = begin["rng"]
         if begin.get(STATE_FORWARD_RNG):
@@ -110,6 +111,8 @@ def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, 
     def put(ref: str, tensor: torch.Tensor) -> None:
         entries.append(Entry("state", ref, tensor, True))
 
+    if memo is not None:
+        return memo.dumps(state, put, {STATE_EXTRA: extra} if extra else None)
     tree = tjson.encode(state, put)
     if extra:
         tree[STATE_EXTRA] = extra

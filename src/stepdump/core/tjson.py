@@ -25,7 +25,9 @@ import json
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from json.encoder import encode_basestring_ascii as _json_str
+from operator import is_
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,13 @@ def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str 
     ``"a/b"`` next to a key ``"a"`` holding ``"b"``, or keys ``0`` and ``"0"``)
     the later one gets a ``#n`` suffix, so every tensor has a ref of its own.
     """
+    if tag not in _TENSOR_TAGS:
+        raise ValueError(f"tag={tag!r}: one of {_TENSOR_TAGS}")
+    return _encode(obj, _unique(put_tensor), path, tag)
+
+
+def _unique(put_tensor: Callable[[str, torch.Tensor], None]) -> Callable[[str, torch.Tensor], str]:
+    """``put_tensor`` under a ref no tensor of this tree has had yet (``#n`` added); returns the ref."""
     used: set[str] = set()
 
     def put_unique(ref: str, t: torch.Tensor) -> str:
@@ -57,10 +66,7 @@ def encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], None], path: str 
         used.add(unique)
         put_tensor(unique, t)
         return unique
-
-    if tag not in _TENSOR_TAGS:
-        raise ValueError(f"tag={tag!r}: one of {_TENSOR_TAGS}")
-    return _encode(obj, put_unique, path, tag)
+    return put_unique
 
 
 # Exact types returned as they are (no isinstance chain: a gradient-log step encodes its optimizer's
@@ -78,6 +84,8 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str,
         return list(obj)
     if kind is dict:
         return _encode_dict(obj, put_tensor, path, tag)
+    if kind is torch.Tensor:  # (the RNG state's, at every gradient-log step) as below, without the chain
+        return _encode_tensor(obj, put_tensor, path, tag)
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -93,13 +101,8 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str,
         return _encode(float(obj), put_tensor, path, tag)
     if isinstance(obj, np.ndarray):
         obj = torch.from_numpy(np.ascontiguousarray(obj))
-    if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
-        return {"$sparse_coo": {"indices": _encode(obj._indices(), put_tensor, f"{path}/indices", tag),
-                                "values": _encode(obj._values(), put_tensor, f"{path}/values", tag),
-                                "size": list(obj.shape), "coalesced": obj.is_coalesced()}}
     if isinstance(obj, torch.Tensor):
-        ref = put_tensor(path or "value", obj)
-        return {tag: ref} if obj.device.type == "cpu" else {tag: ref, "$device": str(obj.device)}
+        return _encode_tensor(obj, put_tensor, path, tag)
     if isinstance(obj, (list, tuple)):
         items = [_encode(v, put_tensor, f"{path}/{i}", tag) for i, v in enumerate(obj)]
         return {"$tuple": items} if isinstance(obj, tuple) else items
@@ -110,6 +113,15 @@ def _encode(obj: Any, put_tensor: Callable[[str, torch.Tensor], str], path: str,
         return _encode_dict(obj, put_tensor, path, tag)
     log.warning("stepdump cannot store %s at %r; only its repr is kept", type(obj).__name__, path)
     return {"$repr": repr(obj)[:200]}
+
+
+def _encode_tensor(obj: torch.Tensor, put_tensor: Callable[[str, torch.Tensor], str], path: str, tag: str) -> Any:
+    if obj.layout == torch.sparse_coo:
+        return {"$sparse_coo": {"indices": _encode(obj._indices(), put_tensor, f"{path}/indices", tag),
+                                "values": _encode(obj._values(), put_tensor, f"{path}/values", tag),
+                                "size": list(obj.shape), "coalesced": obj.is_coalesced()}}
+    ref = put_tensor(path or "value", obj)
+    return {tag: ref} if obj.device.type == "cpu" else {tag: ref, "$device": str(obj.device)}
 
 
 def _encode_dict(obj: dict[Any, Any], put_tensor: Callable[[str, torch.Tensor], str], path: str, tag: str) -> Any:
@@ -197,8 +209,195 @@ def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
+# One encoder, made once (json.dumps makes one per call when given options); the same text.
+_TEXT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+# json's C encoder under it, made once, without the check for cycles: for trees :func:`encode` just
+# made (new containers all: no cycle), where JSONEncoder.encode's two Python frames and its
+# C encoder made anew at each call were most of a small tree's cost.
+_C_ENCODER = getattr(json.encoder, "c_make_encoder", None)
+_C_TEXT = None if _C_ENCODER is None else _C_ENCODER(
+    None, json.JSONEncoder().default, _json_str, None, ":", ",", False, False, False)
+
+
+def _fresh_text(tree: Any) -> str:
+    """``dumps(tree)`` of a tree :func:`encode` just made."""
+    return _TEXT(tree) if _C_TEXT is None else "".join(_C_TEXT(tree, 0))
+
+
 def dumps(tree: Any) -> str:
-    return json.dumps(tree, separators=(",", ":"), allow_nan=False)
+    return _TEXT(tree)
+
+
+# Plain values: these exact types, and lists, tuples and str-keyed dicts of them. Immutable leaves.
+_LEAVES = frozenset({str, int, bool, type(None), float})
+
+
+def _leaf_text(v: Any) -> str:
+    """``dumps(encode(v))`` of an exact str, int, bool, None or float (what json writes for each)."""
+    kind = type(v)
+    if kind is str:
+        return _json_str(v)
+    if kind is float:
+        return float.__repr__(v) if math.isfinite(v) else '{"$float":' + _json_str(repr(v)) + "}"
+    if kind is bool:
+        return "true" if v else "false"
+    return "null" if v is None else int.__repr__(v)
+
+
+_CHILD = object()  # a container item's place in _Plain.refs: its own node checks it (never a live item)
+
+
+class _Plain:
+    """A plain container's text as last encoded, and what decides whether a value now encodes the
+    same: its dict keys, its items as they were (``refs``: a leaf, or a frozen tuple, i.e. one of
+    leaves and frozen tuples alone, is immutable: the same object is the same value; a list's or
+    dict's place holds ``_CHILD``), its items' exact types, the nodes of its items that are
+    containers (``mutable``: those that are not frozen tuples) and each item's text."""
+
+    __slots__ = ("kind", "keys", "keytexts", "refs", "expect", "types", "children", "mutable", "frozen",
+                 "texts", "text")
+
+    def __init__(self, kind: type, keys: list[str] | None, keytexts: list[str] | None, refs: list[Any],
+                 types: list[type], children: dict[int, _Plain], texts: list[str]) -> None:
+        self.kind, self.keys, self.keytexts, self.refs, self.types = kind, keys, keytexts, refs, types
+        self.children, self.texts = children, texts
+        self.expect = [r is not _CHILD for r in refs]  # the places where the same object is the same value
+        self.mutable: list[int] = [i for i, c in children.items() if not c.frozen]
+        self.frozen: bool = kind is tuple and not self.mutable
+        if keytexts is not None:
+            self.text = "{" + ",".join(map(str.__add__, keytexts, texts)) + "}"
+        else:
+            body = "[" + ",".join(texts) + "]"
+            self.text = body if kind is list else '{"$tuple":' + body + "}"
+
+
+def _refresh(node: _Plain | None, v: Any) -> _Plain | None:
+    """``node`` where the container ``v`` encodes to its text, else ``v``'s node, made with those of
+    ``node``'s items that still do; None: ``v`` is not plain. First by identity, pointers alone (a
+    step's param groups are new dicts of the same objects); where an item is another object, by
+    exact type (checked before any ``==``: the values compared are plain, never a tensor's
+    elementwise ``==``), equal value and, for a float zero, sign (0.0 == -0.0, written apart)."""
+    kind = type(v)
+    if node is None or kind is not node.kind:
+        return _build(v, None)
+    if kind is dict:
+        keys = node.keys or []
+        if len(v) != len(keys) or (not all(map(is_, v, keys))  # exact str keys before ==: no other __eq__
+                                   and (list(map(type, v)) != [str] * len(keys) or list(v) != keys)):
+            return _build(v, node)
+        items = list(v.values())
+    else:
+        if len(v) != len(node.refs):  # (map below stops at the shorter)
+            return _build(v, node)
+        items = v
+    refs, types = node.refs, node.types
+    flags = list(map(is_, items, refs))
+    places = node.mutable if flags == node.expect else [i for i, same in enumerate(flags) if not same]
+    changed: dict[int, Any] = {}
+    for i in places:
+        x, t = items[i], types[i]
+        if type(x) is not t:
+            return _build(v, node)
+        if t in _LEAVES:
+            ref = refs[i]
+            if x == ref and (t is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, ref)):
+                continue
+            changed[i] = x
+            continue
+        child = node.children[i]
+        new = _refresh(child, x)
+        if new is None:
+            return None
+        if new is not child:  # (a frozen tuple equal to the last, another object: its place keeps the last)
+            changed[i] = new
+    if not changed:
+        return node
+    refs, texts, children = list(refs), list(node.texts), dict(node.children)
+    for i, new in changed.items():
+        if type(new) is _Plain:
+            children[i], texts[i] = new, new.text
+            refs[i] = items[i] if new.frozen else _CHILD
+        else:
+            refs[i], texts[i] = new, _leaf_text(new)
+    return _Plain(kind, node.keys, node.keytexts, refs, types, children, texts)
+
+
+def _build(v: Any, old: _Plain | None) -> _Plain | None:
+    """The node of the container ``v`` (None: ``v`` is not plain), made with ``old``'s nodes of its
+    items where they still hold (``old``: the node this value had last, or None)."""
+    kind = type(v)
+    keys: list[str] | None = None
+    keytexts: list[str] | None = None
+    if kind is dict:
+        keys = list(v)
+        if any(type(k) is not str or k in _TAGS for k in keys):  # encoded as "$dict" pairs: not plain here
+            return None
+        keytexts = [_json_str(k) + ":" for k in keys]
+        items = list(v.values())
+    elif kind is list or kind is tuple:
+        items = list(v)
+    else:
+        return None
+    olds = old.children if old is not None and old.kind is kind else {}
+    types = list(map(type, items))
+    refs: list[Any] = []
+    texts: list[str] = []
+    children: dict[int, _Plain] = {}
+    for i, (x, t) in enumerate(zip(items, types)):
+        if t in _LEAVES:
+            refs.append(x)
+            texts.append(_leaf_text(x))
+            continue
+        child = _refresh(olds.get(i), x)
+        if child is None:
+            return None
+        children[i] = child
+        refs.append(x if child.frozen else _CHILD)
+        texts.append(child.text)
+    return _Plain(kind, keys, keytexts, refs, types, children, texts)
+
+
+class Memo:
+    """``dumps(encode(state))`` of a state made again at every step, where most of it is as it was
+    (a gradient log's param groups, names and hyperparameters, at every step): the text of each
+    plain part (exact str, int, bool, None and float, and lists, tuples and str-keyed dicts of
+    them) is kept, and taken again while the part encodes the same (:func:`_refresh`, compared
+    by value and exact type: a scheduler's new lr shows at once; only the changed group's hyper-
+    parameters are written anew). Other parts (tensors: the RNG state) are encoded at every call.
+    The text and the tensors handed out are exactly those of :func:`encode` and :func:`dumps`.
+    One per series of states (it holds the last one's plain parts); not shared between threads."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, _Plain | None] = {}
+        self._keys: dict[str, str] = {}
+
+    def dumps(self, obj: dict[str, Any], put_tensor: Callable[[str, torch.Tensor], None],
+              tail: Mapping[str, Any] | None = None) -> str:
+        """``dumps(tree)`` of ``tree = encode(obj, put_tensor)`` updated with ``tail`` (items
+        already encoded, written as they are)."""
+        if type(obj) is not dict or any(type(k) is not str or k in _TAGS for k in obj) \
+                or (tail and any(k in obj for k in tail)):  # not a state's dict as always: no memo
+            tree = encode(obj, put_tensor)
+            if tail:
+                tree.update(tail)
+            return dumps(tree)
+        put = _unique(put_tensor)
+        last: dict[str, _Plain | None] = self._parts
+        now: dict[str, _Plain | None] = {}
+        out = []
+        for k, v in obj.items():
+            key = self._keys.get(k)
+            if key is None:
+                key = self._keys[k] = _json_str(k) + ":"
+            if type(v) in _LEAVES:
+                out.append(key + _leaf_text(v))
+                continue
+            node = now[k] = _refresh(last.get(k), v)
+            out.append(key + (node.text if node is not None else _fresh_text(_encode(v, put, f"/{k}"))))
+        for k, v in (tail or {}).items():
+            out.append(_json_str(k) + ":" + _TEXT(v))
+        self._parts = now
+        return "{" + ",".join(out) + "}"
 
 
 def loads(text: str | bytes, where: str = "a recorded state") -> Any:
