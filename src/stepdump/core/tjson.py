@@ -255,20 +255,46 @@ class _Plain:
     containers (``mutable``: those that are not frozen tuples) and each item's text."""
 
     __slots__ = ("kind", "keys", "keytexts", "refs", "expect", "types", "children", "mutable", "frozen",
-                 "texts", "text")
+                 "texts", "text", "dynamic")
 
     def __init__(self, kind: type, keys: list[str] | None, keytexts: list[str] | None, refs: list[Any],
                  types: list[type], children: dict[int, _Plain], texts: list[str]) -> None:
         self.kind, self.keys, self.keytexts, self.refs, self.types = kind, keys, keytexts, refs, types
         self.children, self.texts = children, texts
         self.expect = [r is not _CHILD for r in refs]  # the places where the same object is the same value
-        self.mutable: list[int] = [i for i, c in children.items() if not c.frozen]
+        tensors = [i for i, t in enumerate(types) if t is torch.Tensor]
+        # The places written at every call, in order: tensors (handed out then) and the containers holding any.
+        self.dynamic: list[int] = sorted(tensors + [i for i, c in children.items() if c.dynamic])
+        # The places checked at every call: tensors (their type), containers but frozen tuples.
+        self.mutable: list[int] = sorted(tensors + [i for i, c in children.items() if not c.frozen])
         self.frozen: bool = kind is tuple and not self.mutable
-        if keytexts is not None:
-            self.text = "{" + ",".join(map(str.__add__, keytexts, texts)) + "}"
+        self.text = "" if self.dynamic else _joined(kind, keytexts, texts)
+
+
+def _joined(kind: type, keytexts: list[str] | None, texts: list[str]) -> str:
+    if keytexts is not None:
+        return "{" + ",".join(map(str.__add__, keytexts, texts)) + "}"
+    body = "[" + ",".join(texts) + "]"
+    return body if kind is list else '{"$tuple":' + body + "}"
+
+
+def _written(node: _Plain, v: Any, put: Callable[[str, torch.Tensor], str], path: str) -> str:
+    """The text of ``v``, which :func:`_refresh` found as ``node`` says, its tensors handed to ``put``
+    in the order :func:`encode` hands them (``path``: ``v``'s, as there)."""
+    keys = node.keys
+    items = list(v.values()) if keys is not None else v
+    texts = list(node.texts)
+    for i in node.dynamic:
+        x = items[i]
+        at = f"{path}/{keys[i] if keys is not None else i}"
+        child = node.children.get(i)
+        if child is not None:
+            texts[i] = _written(child, x, put, at)
+        elif x.layout == torch.sparse_coo or x.device.type != "cpu":
+            texts[i] = _fresh_text(_encode_tensor(x, put, at, "$tensor"))
         else:
-            body = "[" + ",".join(texts) + "]"
-            self.text = body if kind is list else '{"$tuple":' + body + "}"
+            texts[i] = '{"$tensor":' + _json_str(put(at, x)) + "}"
+    return _joined(node.kind, node.keytexts, texts)
 
 
 def _refresh(node: _Plain | None, v: Any) -> _Plain | None:
@@ -298,6 +324,8 @@ def _refresh(node: _Plain | None, v: Any) -> _Plain | None:
         x, t = items[i], types[i]
         if type(x) is not t:
             return _build(v, node)
+        if t is torch.Tensor:  # written at every call (_written)
+            continue
         if t in _LEAVES:
             ref = refs[i]
             if x == ref and (t is not float or x != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, ref)):
@@ -348,6 +376,10 @@ def _build(v: Any, old: _Plain | None) -> _Plain | None:
             refs.append(x)
             texts.append(_leaf_text(x))
             continue
+        if t is torch.Tensor:  # an exact tensor: its place written at every call (_written)
+            refs.append(_CHILD)
+            texts.append("")
+            continue
         child = _refresh(olds.get(i), x)
         if child is None:
             return None
@@ -359,13 +391,16 @@ def _build(v: Any, old: _Plain | None) -> _Plain | None:
 
 class Memo:
     """``dumps(encode(state))`` of a state made again at every step, where most of it is as it was
-    (a gradient log's param groups, names and hyperparameters, at every step): the text of each
-    plain part (exact str, int, bool, None and float, and lists, tuples and str-keyed dicts of
-    them) is kept, and taken again while the part encodes the same (:func:`_refresh`, compared
-    by value and exact type: a scheduler's new lr shows at once; only the changed group's hyper-
-    parameters are written anew). Other parts (tensors: the RNG state) are encoded at every call.
-    The text and the tensors handed out are exactly those of :func:`encode` and :func:`dumps`.
-    One per series of states (it holds the last one's plain parts); not shared between threads."""
+    (a gradient log's param groups, names and hyperparameters, at every step). Each part of the
+    state that is plain (exact str, int, bool, None and float, and lists, tuples and str-keyed
+    dicts of them) or plain but for exact tensors (the RNG state) keeps its text, taken again
+    while the part encodes the same (:func:`_refresh`: the same objects, or equal by value and
+    exact type; a scheduler's new lr shows at once, only that group's hyperparameters written
+    anew); its tensors are handed out and written in their places at every call (:func:`_written`).
+    A part holding anything else (a numpy scalar, a Counter, a dict with other keys) is encoded
+    afresh. The text and the tensors handed out, in their order, are exactly those of
+    :func:`encode` and :func:`dumps`. One per series of states (it holds the last one's parts);
+    not shared between threads."""
 
     def __init__(self) -> None:
         self._parts: dict[str, _Plain | None] = {}
@@ -393,7 +428,10 @@ class Memo:
                 out.append(key + _leaf_text(v))
                 continue
             node = now[k] = _refresh(last.get(k), v)
-            out.append(key + (node.text if node is not None else _fresh_text(_encode(v, put, f"/{k}"))))
+            if node is None:
+                out.append(key + _fresh_text(_encode(v, put, f"/{k}")))
+            else:
+                out.append(key + (_written(node, v, put, f"/{k}") if node.dynamic else node.text))
         for k, v in (tail or {}).items():
             out.append(_json_str(k) + ":" + _TEXT(v))
         self._parts = now
