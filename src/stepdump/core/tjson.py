@@ -389,6 +389,9 @@ def _build(v: Any, old: _Plain | None) -> _Plain | None:
     return _Plain(kind, keys, keytexts, refs, types, children, texts)
 
 
+_EMPTY: dict[type, str] = {dict: "{}", list: "[]", tuple: '{"$tuple":[]}'}
+
+
 class Memo:
     """``dumps(encode(state))`` of a state made again at every step, where most of it is as it was
     (a gradient log's param groups, names and hyperparameters, at every step). Each part of the
@@ -424,8 +427,12 @@ class Memo:
             key = self._keys.get(k)
             if key is None:
                 key = self._keys[k] = _json_str(k) + ":"
-            if type(v) in _LEAVES:
+            kind = type(v)
+            if kind in _LEAVES:
                 out.append(key + _leaf_text(v))
+                continue
+            if kind in _EMPTY and not v:  # (a step's optimizer extras, its edits: mostly none)
+                out.append(key + _EMPTY[kind])
                 continue
             node = now[k] = _refresh(last.get(k), v)
             if node is None:
