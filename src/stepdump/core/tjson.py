@@ -341,13 +341,24 @@ def _refresh(node: _Plain | None, v: Any) -> _Plain | None:
     if not changed:
         return node
     refs, texts, children = list(refs), list(node.texts), dict(node.children)
+    alike = True  # every place still what it was: a leaf, or a container as frozen and as dynamic
     for i, new in changed.items():
         if type(new) is _Plain:
+            last = children[i]
+            alike = alike and new.frozen is last.frozen and bool(new.dynamic) is bool(last.dynamic)
             children[i], texts[i] = new, new.text
             refs[i] = items[i] if new.frozen else _CHILD
         else:
             refs[i], texts[i] = new, _leaf_text(new)
-    return _Plain(kind, node.keys, node.keytexts, refs, types, children, texts)
+    if not alike:
+        return _Plain(kind, node.keys, node.keytexts, refs, types, children, texts)
+    # A scheduler's new lr: the same places, so the same expect, dynamic, mutable and frozen.
+    out = object.__new__(_Plain)
+    out.kind, out.keys, out.keytexts, out.types = kind, node.keys, node.keytexts, types
+    out.refs, out.texts, out.children = refs, texts, children
+    out.expect, out.dynamic, out.mutable, out.frozen = node.expect, node.dynamic, node.mutable, node.frozen
+    out.text = "" if node.dynamic else _joined(kind, node.keytexts, texts)
+    return out
 
 
 def _build(v: Any, old: _Plain | None) -> _Plain | None:
