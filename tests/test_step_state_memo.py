@@ -170,23 +170,33 @@ def test_an_unchanged_state_costs_few_calls_through_the_memo() -> None:
     assert memoed * 10 <= fresh * 6, f"{memoed} calls through the memo, {fresh} afresh"
 
 
+class _NotingSGD(torch.optim.SGD):
+    """SGD whose step writes a non-tensor extra into its first param's state from its 6th step on
+    (as LBFGS keeps ``func_evals``): written by step(), where an optimizer writes its state."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        out = super().step(closure)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls >= 6:
+            self.state[self.param_groups[0]["params"][0]]["note"] = self.calls
+        return out
+
+
 def test_every_stored_step_state_says_what_its_step_had(tmp_path) -> None:
     """Through a Recorder in gradient-log mode: lr changed at every step by a scheduler, a group added
-    at step 4, a non-tensor optimizer extra from step 6: each step's stored state has that step's."""
+    at step 4, a non-tensor optimizer extra changing at every step from step 6: each step's stored
+    state has that step's (as the optimizer was when its step began)."""
     model = _model()
-    opt = torch.optim.SGD([{"params": list(model[0].parameters()) + list(model[2].parameters())}],
-                          lr=0.1, momentum=0.9)
+    opt = _NotingSGD([{"params": list(model[0].parameters()) + list(model[2].parameters())}], lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     lrs, groups, notes = {}, {}, {}
-    with stepdump.Recorder(tmp_path / "run", model, opt, scheduler=sched, gradient_log=4, on_error="raise") as rec:
+    with stepdump.Recorder(tmp_path / "run", model, opt, scheduler=sched, gradient_log=4, on_error="raise"):
         for step in range(10):
             if step == 4:
                 opt.add_param_group({"params": model[3].parameters(), "lr": 0.05})
                 sched.base_lrs.append(0.05)
                 sched.lr_lambdas.append(sched.lr_lambdas[0])
-            if step >= 6:
-                opt.state[model[0].weight]["note"] = step
             model(x).square().sum().backward()
             lrs[step] = [g["lr"] for g in opt.param_groups]
             groups[step] = len(opt.param_groups)
@@ -194,10 +204,10 @@ def test_every_stored_step_state_says_what_its_step_had(tmp_path) -> None:
             opt.step()
             opt.zero_grad()
             sched.step()
-    del rec
     run = stepdump.open(tmp_path / "run")
     for step in range(10):
         st_ = run.step_state(step)
         assert [g["hyper"]["lr"] for g in st_["groups"]] == lrs[step], step
         assert len(st_["groups"]) == groups[step], step
         assert st_["optimizer_extra"].get("0.weight", {}).get("note") == notes[step], step
+    assert [notes[s] for s in range(10)] == [None] * 6 + [6, 7, 8, 9]
