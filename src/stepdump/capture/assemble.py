@@ -34,6 +34,7 @@ from stepdump.capture.selection import NameFilter
 from stepdump.capture.staging import Item, OwnedCopier, Slot, Stager
 from stepdump.capture.structure import StructureWatch, structure_change
 from stepdump.capture.writer import StepMessage
+from stepdump.core import tjson
 from stepdump.core.layout import Layout, build_layout
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class Assembler:
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
         self._selected_of: tuple[Layout | None, list[tuple[str, torch.Tensor]], list[Entry]] = (None, [], [])
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
+        # The last record's state text (state_json): the parts that did not change are not encoded again.
+        self._state_memo = tjson.Memo()
         # A slot's staging budget (StagingPool.slot_budget; None: none): a step copied without a slot
         # is one whose bytes would all be copies in one, as the user's staging_bytes allows.
         self.slot_budget: int | None = None
@@ -251,7 +254,7 @@ class Assembler:
                     state[STATE_CARRIED_GRADS] = carried
             # Extra state at full steps; a gradient log's other steps get its stats and fingerprints.
             extra = take_extra(self.extra, full, entries) if self.extra and (full or self.gradlog) else None
-            msg.state_json = state_json(state, begin, batch, entries, extra)
+            msg.state_json = state_json(state, begin, batch, entries, extra, memo=self._state_memo)
         held = False
         if self.lean.enabled and not full:
             if self.gradlog or outside:
