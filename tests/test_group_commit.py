@@ -255,3 +255,42 @@ def test_a_steady_loop_commits_once_a_window(tmp_path: Path, monkeypatch: pytest
         elapsed = time.monotonic() - start
     assert steps > 30  # many steps a window
     assert len(commits) <= elapsed / window + 4, (len(commits), elapsed / window)  # (before: 1.4 a window)
+
+
+def test_a_burst_after_a_pause_commits_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps the writer finds waiting together after a quiet spell (nothing held, the last commit
+    long ago) commit together too. (Their first two committed at once, the rest a window later:
+    how long to wait for the rest was counted from the last commit, long past.)"""
+    window = 0.2
+    monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", window)
+    gate, blocked = __import__("threading").Event(), __import__("threading").Event()
+    held_at_commit: list[list[int]] = []
+    write, commit = writer_mod.Writer._write, writer_mod.Writer._commit_held
+
+    def gated_write(self: Any, msg: Any) -> None:
+        if msg.step == 3 and not gate.is_set():  # the writer stops before step 3 while steps 3-12 are posted
+            blocked.set()
+            gate.wait(30)
+        write(self, msg)
+
+    def counted_commit(self: Any) -> None:
+        held_at_commit.append([s for s, *_ in self._held_steps])
+        commit(self)
+
+    monkeypatch.setattr(writer_mod.Writer, "_write", gated_write)
+    monkeypatch.setattr(writer_mod.Writer, "_commit_held", counted_commit)
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
+        train_logging(rec, model, opt, 3)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(2 in c for c in held_at_commit):
+            time.sleep(0.01)  # steps 0-2 committed: nothing held
+        time.sleep(3 * window)  # the last commit is long past
+        train_logging(rec, model, opt, 10)  # steps 3-12, posted while the writer waits at step 3
+        assert blocked.wait(30)
+        held_at_commit.clear()
+        gate.set()
+        while time.monotonic() < deadline and not any(12 in c for c in held_at_commit):
+            time.sleep(0.01)
+        assert [c for c in held_at_commit if c] == [list(range(3, 13))]

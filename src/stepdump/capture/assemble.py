@@ -276,9 +276,8 @@ class Assembler:
         # A small gradient-log step: its bytes copied straight from the live tensors into memory of
         # their own (no slot: the step waits for the writer's next wake-up, capture/mailbox.py).
         # (lean.INLINE_BYTES read now, not bound at import: one knob, as lean.py reads it)
-        if entries and self.gradlog and not full and (copied := self._copier.direct(
-                entries, min(lean_mod.INLINE_BYTES, lean_mod.INLINE_BYTES if self.slot_budget is None
-                             else self.slot_budget))) is not None:
+        limit = lean_mod.INLINE_BYTES if self.slot_budget is None else min(lean_mod.INLINE_BYTES, self.slot_budget)
+        if entries and self.gradlog and not full and (copied := self._copier.direct(entries, limit)) is not None:
             msg.copied = copied
             msg.items = []
         # A gradient log's grads are written from the live tensors while the update runs.

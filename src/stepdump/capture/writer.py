@@ -365,12 +365,14 @@ class Writer(threading.Thread):
         self._held_scalars.extend((s, n, _to_float(v)) for s, n, v in msg.scalars)
         # A step below full (stats only, or a gradient log's grads) held while the last commit is
         # recent, or while more mail waits behind it: the steps the writer finds waiting together
-        # commit together (the first of them alone, then the rest a window later, was two commits a
-        # window where one does).
+        # commit together (committing the first of them alone and the rest a window later would
+        # make two commits a window where one does).
+        now = time.monotonic()
         if not (msg.level == LEVEL_FULL or msg.meta or self.durable) \
-                and (time.monotonic() - self._last_commit < COMMIT_WINDOW or self._more_mail()):
-            if self._due is None:  # a commit a moment ago: commits with the next ones (group commit)
-                self._due = self._last_commit + COMMIT_WINDOW
+                and (now - self._last_commit < COMMIT_WINDOW or self._more_mail()):
+            if self._due is None:  # commits with the next ones (group commit), a window after the last
+                # commit, or now when that is past (then _more_mail holds it a window at most)
+                self._due = max(self._last_commit + COMMIT_WINDOW, now)
             if self._borrowed:  # appends reading the slot's memory: done before it is handed back
                 self._appender.wait()
                 self._borrowed = False
