@@ -182,6 +182,41 @@ def test_held_gradient_log_steps_write_their_bytes_before_the_commit_that_names_
         assert stepdump.verify(run).ok  # every stored grad's bytes against its fingerprint
 
 
+class _GatedWriter:
+    """The writer stopped before it writes step ``at`` until :attr:`gate` is set (the steps after it
+    wait in its mailbox meanwhile), and the steps each commit held (:attr:`commits`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+        import threading
+
+        self.gate, self.blocked = threading.Event(), threading.Event()
+        self.commits: list[list[int]] = []
+        self.writer: Any = None
+        write, commit = writer_mod.Writer._write, writer_mod.Writer._commit_held
+
+        def gated_write(writer: Any, msg: Any) -> None:
+            if msg.step == at and not self.gate.is_set():
+                self.writer = writer
+                self.blocked.set()
+                self.gate.wait(30)
+            write(writer, msg)
+
+        def counted_commit(writer: Any) -> None:
+            self.commits.append([s for s, *_ in writer._held_steps])
+            commit(writer)
+
+        monkeypatch.setattr(writer_mod.Writer, "_write", gated_write)
+        monkeypatch.setattr(writer_mod.Writer, "_commit_held", counted_commit)
+
+    def wait_for_commit_of(self, step: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(step in c for c in self.commits):
+            time.sleep(0.01)
+
+    def nonempty(self) -> list[list[int]]:
+        return [c for c in self.commits if c]
+
+
 @pytest.mark.parametrize("mode", [{"every": None, "stats_every": 1}, {"gradient_log": 64}])
 def test_steps_taken_from_the_mailbox_together_commit_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                mode: dict[str, Any]) -> None:
@@ -190,40 +225,20 @@ def test_steps_taken_from_the_mailbox_together_commit_together(tmp_path: Path, m
     another window: two commits a window where one does, half of a small step's catalog cost.)"""
     window = 0.5
     monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", window)
-    gate, blocked = __import__("threading").Event(), __import__("threading").Event()
-    held_at_commit: list[list[int]] = []
-    write, commit = writer_mod.Writer._write, writer_mod.Writer._commit_held
-
-    writers: list[Any] = []
-
-    def gated_write(self: Any, msg: Any) -> None:
-        if msg.step == 5 and not gate.is_set():  # the writer stops before step 5 while steps 5-14 are posted
-            writers.append(self)
-            blocked.set()
-            gate.wait(30)
-        write(self, msg)
-
-    def counted_commit(self: Any) -> None:
-        held_at_commit.append([s for s, *_ in self._held_steps])
-        commit(self)
-
-    monkeypatch.setattr(writer_mod.Writer, "_write", gated_write)
-    monkeypatch.setattr(writer_mod.Writer, "_commit_held", counted_commit)
+    gated = _GatedWriter(monkeypatch, at=5)
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with stepdump.Recorder(tmp_path / "run", model, opt, **mode) as rec:
         train_logging(rec, model, opt, 5)
         train_logging(rec, model, opt, 10)  # steps 5-14: posted while the writer waits at step 5
-        assert blocked.wait(30)
-        due = writers[0]._due  # steps 1-4 are held, to commit a window after the last commit
+        assert gated.blocked.wait(30)
+        due = gated.writer._due  # steps 1-4 are held, to commit a window after the last commit
         assert due is not None
         time.sleep(max(0.0, due - time.monotonic()) + 0.05)  # the writer goes on once they are due
-        held_at_commit.clear()
-        gate.set()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(14 in c for c in held_at_commit):
-            time.sleep(0.01)
-        commits = [c for c in held_at_commit if c]  # (steps held before step 5 commit with them)
+        gated.commits.clear()
+        gated.gate.set()
+        gated.wait_for_commit_of(14)
+        commits = gated.nonempty()  # (steps held before step 5 commit with them)
         assert len(commits) == 1 and commits[0][-10:] == list(range(5, 15)), commits
     assert [s for (s,) in catalog_sql(tmp_path / "run", "SELECT step FROM steps ORDER BY step")] == list(range(16))
 
@@ -263,34 +278,16 @@ def test_a_burst_after_a_pause_commits_together(tmp_path: Path, monkeypatch: pyt
     how long to wait for the rest was counted from the last commit, long past.)"""
     window = 0.2
     monkeypatch.setattr(writer_mod, "COMMIT_WINDOW", window)
-    gate, blocked = __import__("threading").Event(), __import__("threading").Event()
-    held_at_commit: list[list[int]] = []
-    write, commit = writer_mod.Writer._write, writer_mod.Writer._commit_held
-
-    def gated_write(self: Any, msg: Any) -> None:
-        if msg.step == 3 and not gate.is_set():  # the writer stops before step 3 while steps 3-12 are posted
-            blocked.set()
-            gate.wait(30)
-        write(self, msg)
-
-    def counted_commit(self: Any) -> None:
-        held_at_commit.append([s for s, *_ in self._held_steps])
-        commit(self)
-
-    monkeypatch.setattr(writer_mod.Writer, "_write", gated_write)
-    monkeypatch.setattr(writer_mod.Writer, "_commit_held", counted_commit)
+    gated = _GatedWriter(monkeypatch, at=3)
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1) as rec:
         train_logging(rec, model, opt, 3)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(2 in c for c in held_at_commit):
-            time.sleep(0.01)  # steps 0-2 committed: nothing held
+        gated.wait_for_commit_of(2)  # steps 0-2 committed: nothing held
         time.sleep(3 * window)  # the last commit is long past
         train_logging(rec, model, opt, 10)  # steps 3-12, posted while the writer waits at step 3
-        assert blocked.wait(30)
-        held_at_commit.clear()
-        gate.set()
-        while time.monotonic() < deadline and not any(12 in c for c in held_at_commit):
-            time.sleep(0.01)
-        assert [c for c in held_at_commit if c] == [list(range(3, 13))]
+        assert gated.blocked.wait(30)
+        gated.commits.clear()
+        gated.gate.set()
+        gated.wait_for_commit_of(12)
+        assert gated.nonempty() == [list(range(3, 13))]
