@@ -14,12 +14,13 @@ reading, so the training thread never waits on a writer that gave up.
 
 Group commit. The writer commits a step below full level (stats only: a lean step's rows, its
 scalars; or a gradient log's step: its grads' bytes and rows) at once only if its last commit is
-``COMMIT_WINDOW`` seconds old; otherwise the rows wait in Python until it is (the queue running dry
-or not), or until a full step, a meta change or the end comes, and then go in together, in one
-transaction, after the held steps' bytes are written (and with ``durability="fsync"`` fsynced). A
-loop slower than that commits every step; a fast one at most 1/``COMMIT_WINDOW`` times a second. A
-small stats-only step's copies (``StepMessage.packed``) are described then too, those of one layout
-in one pass; so are a small gradient-log step's grads (``StepMessage.copied``), whose bytes are
+``COMMIT_WINDOW`` seconds old and no more mail waits behind it (the steps found waiting together
+commit together, at most a window after they were due); otherwise the rows wait in Python until
+then (the queue running dry or not), or until a full step, a meta change or the end comes, and then
+go in together, in one transaction, after the held steps' bytes are written (and with
+``durability="fsync"`` fsynced). A loop slower than that commits every step; a fast one about
+1/``COMMIT_WINDOW`` times a second. A small stats-only step's copies (``StepMessage.packed``) are
+described then too, those of one layout a block at a time (packed.blocks); so are a small gradient-log step's grads (``StepMessage.copied``), whose bytes are
 appended when the step comes and whose rows are made at the commit (capture/gradlog_rows.py). Why: a commit of a small model's step rewrites a page of the tensors table per series
 (rows are keyed by series, then step) in the WAL, and each SQLite call lets go of the GIL and takes
 it back, a context switch of the training thread per statement; on a millisecond step those cost
