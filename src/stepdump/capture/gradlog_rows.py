@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from xxhash import xxh3_64_intdigest
 
-from stepdump.capture.packed import FUSED_DTYPES, SMALL, Segments, blocks, copies_per_block, packed_rows
+from stepdump.capture.packed import FUSED_DTYPES, SMALL, Segments, blocks, copies_per_block, end_to_end, packed_rows
 from stepdump.capture.staging import CopyPlan, Item
 from stepdump.core.dtypes import stored_dtype
 from stepdump.core.stats import StatsTuple, compute_stats, stats_from_reads
@@ -256,7 +256,7 @@ def _describe_layout(steps: list[CopiedStep], out: CopiedRows) -> None:
                     bufs = [s.bufs[g] for s in part]
                 else:  # only the packed tensors' elements of each step (not the larger ones') are copied
                     bufs = [s.bufs[g].index_select(0, gather) for s in part]
-                got, _ = layout.segments(g, block.copies).rows(bufs[0] if len(bufs) == 1 else torch.cat(bufs))
+                got, _ = layout.segments(g, block.copies).rows(end_to_end(bufs))
                 for j, row in enumerate(stats[block.first:block.first + block.copies]):
                     for n, st in zip(pick, got[j * p:(j + 1) * p], strict=True):
                         row[n] = st

@@ -352,8 +352,8 @@ def blocks(m: int, per_block: int) -> list[Block]:
     return out
 
 
-def _joined(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``bufs`` end to end (one of them: itself)."""
+def end_to_end(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``bufs`` end to end (one of them: itself), as a block of copies is described (:func:`blocks`)."""
     return bufs[0] if len(bufs) == 1 else torch.cat(list(bufs))
 
 
@@ -411,7 +411,7 @@ class _Batch:
         k = self.segs.k
         for block in blocks(len(bufs), self._per_block):
             c = block.copies
-            stats, fps = self._repeated(c).rows(_joined(bufs[block.first:block.first + c]))
+            stats, fps = self._repeated(c).rows(end_to_end(bufs[block.first:block.first + c]))
             out.extend(self._rows(stats[j * k:(j + 1) * k], fps[j * k:(j + 1) * k]) for j in range(c))
         return out
 
@@ -425,7 +425,7 @@ class _Batch:
         k = self.segs.k
         for block in blocks(len(bufs), self._per_block):
             c = block.copies
-            col = self._repeated(c).columns(_joined(bufs[block.first:block.first + c]))
+            col = self._repeated(c).columns(end_to_end(bufs[block.first:block.first + c]))
             if c == 1:
                 out.append(col)
                 continue

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 
 from stepdump.capture.device_pack import DeviceLean, DevicePack, HeadsCache, Prepared, pack_on_device
+from stepdump.capture.packed import layout_key
 from stepdump.capture.step_state import Entry
 from stepdump.core.device_lean import DEVICE_FP_KIND
 from stepdump.core.dtensor import local_part
@@ -123,9 +124,7 @@ class Copied:
 
 
 _ENTRY_TENSOR = attrgetter("tensor")
-_ENTRY_HEAD = attrgetter("kind", "name", "param", "key")
 _ENTRY_FULL = attrgetter("full")
-_ATTRS = attrgetter("__class__", "dtype", "shape", "layout", "is_cpu")
 
 
 def _copies(plan: _CopyPlan, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -170,9 +169,9 @@ class OwnedCopier:
         as :meth:`__call__` copies them out of a slot (the same bytes: each tensor's elements in
         order); None where they are not all plain dense CPU tensors, or over ``limit`` bytes
         (staging takes them). What the entries are is worked out once per layout (the key: C calls
-        only, the same attributes staging's own plan depends on)."""
+        only: packed.layout_key, and each entry's ``full``)."""
         tensors = list(map(_ENTRY_TENSOR, entries))
-        key = (list(map(_ENTRY_HEAD, entries)), list(map(_ATTRS, tensors)), list(map(_ENTRY_FULL, entries)))
+        key = (*layout_key(entries), list(map(_ENTRY_FULL, entries)))
         for known, plan in self._direct:
             if known == key:
                 break
