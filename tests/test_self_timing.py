@@ -273,16 +273,95 @@ def test_recorder_ms_counts_the_recorder_threads_cpu_not_added_to_the_waits(tmp_
 
 def test_unseen_thread_cpu_is_what_the_hooks_did_not_wait_for_already(monkeypatch) -> None:
     """A hook that waited for a recorder thread (a full step's staging slot) has that wait in its wall
-    time: their CPU counts beside the hooks only for what is left of it."""
-    cpu = _Clock()
+    time: their CPU counts beside the hooks only for what is left of it. What counts as such a wait
+    is the time the hooks were blocked on the recorder's own threads (profiling.blocked), not all
+    their time off the CPU: on a machine with no idle core the scheduler takes the training thread
+    off its CPU inside the hooks too, for the neighbours' sake, and the recorder's threads' CPU is
+    then not held in the hooks' time (it failed before: 2 s of the hook's 3 s off its CPU were taken
+    as waited for, and the threads' 5 s counted as 3)."""
+    cpu, wall = _Clock(), _Clock()
     monkeypatch.setattr(profiling, "_cpu", cpu)
+    monkeypatch.setattr(profiling, "_wall", wall)
     waits = profiling.ThreadWaits()
     began = waits.begin()
-    cpu.t = 1.0  # the hook ran 1 s of CPU in its 3 s of wall time: 2 s off its CPU
+    cpu.t = 1.0  # the hook ran 1 s of CPU in its 3 s of wall time: 2 s off its CPU, none of it blocked
     waits.end(began)
     cpu.t = 8.0
     waits.waited(10.0, 3.0, 4.0, now=8.0)
+    assert waits.in_hooks == 0.0
+    assert waits.unseen(5.0) == 5.0
+    began = waits.begin()
+    with profiling.blocked():  # a hook blocked 2 s on a recorder thread (a future, a slot)
+        wall.t += 2.0
+    waits.end(began)
+    waits.waited(10.0, 3.0, 4.0, now=18.0)
     assert waits.in_hooks == 2.0
     assert waits.unseen(5.0) == 3.0 and waits.unseen(1.5) == 0.0
-    waits.waited(10.0, 0.0, 4.0, now=18.0)  # the next iteration: no hooks, nothing held back
+    waits.waited(10.0, 0.0, 4.0, now=28.0)  # the next iteration: no hooks, nothing held back
     assert waits.unseen(5.0) == 5.0
+
+
+def test_blocked_counts_only_the_calling_threads_waits(monkeypatch) -> None:
+    """The training thread's waits, not another thread's (a second training thread, the writer)."""
+    wall = _Clock()
+    monkeypatch.setattr(profiling, "_wall", wall)
+    before = profiling.blocked_s()
+    with profiling.blocked():
+        wall.t += 1.5
+
+    def other() -> None:
+        with profiling.blocked():
+            wall.t += 7.0
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert profiling.blocked_s() - before == 1.5
+
+
+@pytest.mark.parametrize("site", ["future", "slot", "live", "deferred"])
+def test_each_wait_on_a_recorder_thread_is_counted_as_blocked(site) -> None:
+    """The places a hook waits for the recorder's own threads count that wait as blocked, and a
+    wait that never blocks counts nothing (real threads, a wait of 0.2 s)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stepdump.capture.lean import LeanJob
+    from stepdump.capture.staging import StagingPool, Stager
+
+    def slow(_entries: list) -> list:
+        time.sleep(0.2)
+        return []
+
+    pool = StagingPool(slots=1, budget=1 << 20)
+    slot = pool.acquire(lambda: None)
+    waiter = threading.Timer(0.2, lambda: None)
+    if site == "slot":
+        waiter = threading.Timer(0.2, pool.release, (slot,))
+    elif site in ("live", "deferred"):
+        slot.has_live = True
+        slot.live_done.clear()
+        waiter = threading.Timer(0.2, slot.live_done.set)
+    with ThreadPoolExecutor(1) as worker:
+        job = LeanJob([], worker, slow) if site == "future" else None
+        before = profiling.blocked_s()
+        waiter.start()
+        if job is not None:
+            job.rows_for([], set())
+        elif site == "slot":
+            pool.acquire(lambda: None)
+        elif site == "live":
+            pool.wait_live(slot, lambda: True)
+        else:
+            stager = Stager.__new__(Stager)
+            stager._waiting, stager.defer_ok = slot, True
+            stager.wait_deferred(lambda: True)
+        waiter.join()
+        took = profiling.blocked_s() - before
+        assert 0.1 < took < 5.0, took
+        before = profiling.blocked_s()
+        if job is not None:
+            job.rows_for([], set())  # done already: no wait
+        elif site == "live":
+            pool.wait_live(slot, lambda: True)  # set already: no wait
+        assert profiling.blocked_s() - before < 0.01

@@ -44,13 +44,14 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import xxhash
 
 from stepdump.capture.packed import (CHUNK, FUSED_DTYPES, PACK, SMALL, LeanRow, Plan, Plans, RowHead, batch_key,
                                      packable, packed_rows, tensor_attrs)
+from stepdump.capture.profiling import blocked
 from stepdump.capture.staging import storable
 from stepdump.capture.step_state import Entry
 from stepdump.core.dtensor import local_part
@@ -238,6 +239,17 @@ def _chunked(t: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor] | None) -
     return (n, 0, 0, 0, lo, hi, None, None, norm, zero_frac), signed64(h.intdigest())
 
 
+_T = TypeVar("_T")
+
+
+def _result(future: Future[_T]) -> _T:
+    """``future.result()``, a wait for the stats worker counted as the hook's (profiling.blocked)."""
+    if future.done():
+        return future.result()
+    with blocked():
+        return future.result()
+
+
 class LeanJob:
     """Rows being computed on the worker for tensors whose versions were noted at submit."""
 
@@ -256,7 +268,7 @@ class LeanJob:
         pre-hook: name -> fingerprint of the params now, where the caller has it), a worker
         row is used only if it describes the bytes the tensor holds now (module docstring);
         ``hasher`` computes the other fingerprints now (exact, its byte views reused)."""
-        results = self._future.result()
+        results = _result(self._future)
         # A row is good for an entry when it was computed from the same tensor object,
         # and no in-place op touched that tensor from submit until now.
         ready: dict[tuple[str, str], tuple[torch.Tensor, LeanRow]] = {}
@@ -489,7 +501,7 @@ class LeanCapture:
             copies = self._worker.run(packed)
         if not grads:
             if copies is not None:
-                msg.lean.extend(copies.result())
+                msg.lean.extend(_result(copies))
             return False
         self._pending = (msg, self._worker.submit(grads), grads, copies)
         return True
@@ -517,7 +529,7 @@ class LeanCapture:
         msg, job, grads, copies = self._pending
         self._pending = None
         if copies is not None:
-            msg.lean.extend(copies.result())
+            msg.lean.extend(_result(copies))
         rows, changed = job.rows_for(grads, self._worker.warned, recompute=False)
         msg.lean.extend(rows)
         if changed and not self._grads_now:

@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -82,6 +82,29 @@ def timed(fn: Callable[..., Any], add: Callable[[float], None]) -> Callable[...,
 # The training thread's CPU clock (tests replace it).
 _cpu: Callable[[], float] = time.thread_time
 
+# Seconds each thread has spent blocked on the recorder's own threads (blocked()): per thread, as
+# the training thread's hooks are what waits, and a second training thread's waits are its own.
+_blocked = threading.local()
+
+
+def blocked_s() -> float:
+    """Seconds the calling thread has spent in :func:`blocked` so far."""
+    return getattr(_blocked, "s", 0.0)
+
+
+@contextlib.contextmanager
+def blocked() -> Iterator[None]:
+    """Time a wait of the calling thread (a hook on the training thread) on one of the recorder's own
+    threads: a staging slot, a worker's rows, the writer's append of live tensors. Only such waits
+    hold the recorder's threads' CPU in a hook's wall time (``ThreadWaits.unseen``); the rest of a
+    hook's time off its CPU is the scheduler's, for anyone. Used only where the wait is known to
+    block (a ready future or a set event costs no clock reading)."""
+    t0 = _wall()
+    try:
+        yield
+    finally:
+        _blocked.s = getattr(_blocked, "s", 0.0) + (_wall() - t0)
+
 
 class ThreadWaits:
     """The time the training thread spent *off* its CPU in an iteration outside the recorder's
@@ -102,13 +125,15 @@ class ThreadWaits:
 
     What no clock of the training thread sees is the GIL it loses to the recorder's threads while
     it runs (a torch op done, the GIL to take back), and a core they take: :meth:`unseen` gives the
-    part of their CPU time (``BackgroundClock``) the hooks' own waits do not already hold, which
-    ``sys/recorder_ms`` counts where it is larger than the waits outside the hooks."""
+    part of their CPU time (``BackgroundClock``) the hooks' own waits on them (:func:`blocked`) do
+    not already hold, which ``sys/recorder_ms`` counts where it is larger than the waits outside
+    the hooks."""
 
     def __init__(self) -> None:
         self.iteration = _cpu()  # the training thread's CPU clock when the iteration began
         self.hooks = 0.0  # CPU seconds of the optimizer hooks in the iteration
-        self.in_hooks = 0.0  # of the last iteration waited() closed: its hooks' time off the CPU
+        self.in_hooks = 0.0  # of the last iteration waited() closed: its hooks' waits on the recorder's threads
+        self._blocked = blocked_s()  # blocked_s() when the iteration began
 
     def begin(self) -> float:
         """The CPU clock now (at a hook's start)."""
@@ -122,14 +147,18 @@ class ThreadWaits:
         """Seconds the iteration (``iter_s`` of wall time, ``hooks_s`` of them in the recorder's
         hooks, ended at CPU clock ``now``) waited on the recorder's threads, and start the next."""
         off_cpu = (iter_s - hooks_s) - ((now - self.iteration) - self.hooks)
-        self.in_hooks = max(0.0, hooks_s - self.hooks)  # the forward hooks' CPU is not read: counted here
+        # Not the hooks' whole time off the CPU: on a machine with no idle core most of it is the
+        # scheduler serving other processes, and counting it here left the recorder's threads' CPU
+        # out of sys/recorder_ms (a PPO update on a busy machine reported 72% of its measured cost).
+        b = blocked_s()
+        self.in_hooks, self._blocked = max(0.0, b - self._blocked), b
         self.iteration, self.hooks = now, 0.0
         return min(max(0.0, off_cpu), background_s or 0.0)
 
     def unseen(self, background_s: float) -> float:
         """Of ``background_s`` (the recorder's threads' CPU seconds in the iteration :meth:`waited`
         closed), what the hooks' time does not hold already: a hook that waited for a recorder
-        thread (a full step's staging slot, a future) has that wait in its wall time."""
+        thread (a full step's staging slot, a future: :func:`blocked`) has that wait in its wall time."""
         return max(0.0, background_s - self.in_hooks)
 
 

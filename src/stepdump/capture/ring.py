@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from stepdump.capture.profiling import blocked
 from stepdump.capture.staging import Item, Slot, StagingPool
 from stepdump.capture.triggers import Trigger, TriggerInfo
 from stepdump.capture.writer import StepMessage
@@ -111,7 +112,9 @@ class Ring:
         if len(self._held) > self.size:
             old = self._held.popleft()
             # The writer may still be computing that step's stats from the slot.
-            old.slot.written.wait()
+            if not old.slot.written.is_set():
+                with blocked():
+                    old.slot.written.wait()
             self._pool.release(old.slot)
 
     def drain(self) -> list[Held]:

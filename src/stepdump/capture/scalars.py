@@ -65,7 +65,7 @@ def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, devi
     apart as ``sys/recorder_hooks_ms``), plus what its threads took from that thread outside the
     hooks: the larger of ``waited_s`` (the time the thread was seen waiting off its CPU, at most
     their CPU time: profiling.ThreadWaits; said apart as ``sys/recorder_wait_ms``) and ``unseen_s``
-    (their CPU time, less what the hooks' own time holds of it: ThreadWaits.unseen; it holds the
+    (their CPU time, less the hooks' waits on them: ThreadWaits.unseen; it holds the
     GIL the training thread takes back after every torch op, or a core it would run on); the CPU
     time of all its threads (``sys/recorder_bg_ms``); peak memory."""
     from stepdump.capture.profiling import peak_memory_mb

@@ -45,6 +45,7 @@ import torch
 
 from stepdump.capture.device_pack import DeviceLean, DevicePack, HeadsCache, Prepared, pack_on_device
 from stepdump.capture.packed import layout_key
+from stepdump.capture.profiling import blocked
 from stepdump.capture.step_state import Entry
 from stepdump.core.device_lean import DEVICE_FP_KIND
 from stepdump.core.dtensor import local_part
@@ -320,21 +321,27 @@ class StagingPool:
         of the step staged in ``slot`` (no wait if it has none). A writer that failed still
         sets the event once nothing reads those tensors any more; one that died sets nothing,
         and then nothing reads them either."""
-        if slot is None or not slot.has_live or slot.deferred:
+        if slot is None or not slot.has_live or slot.deferred or slot.live_done.is_set():
             return
-        while not slot.live_done.wait(timeout=0.05):
-            if not writer_alive():
-                return
+        with blocked():
+            while not slot.live_done.wait(timeout=0.05):
+                if not writer_alive():
+                    return
 
     def acquire(self, writer_failed: Callable[[], BaseException | None]) -> Slot:
         """Wait for a free slot; give up with the writer's error if it died."""
-        while True:
-            try:
-                return self._free.get(timeout=0.05)
-            except queue.Empty:
-                err = writer_failed()
-                if err is not None:
-                    raise WriterError(f"stepdump's writer stopped: {err}") from err
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with blocked():  # every slot is in the writer's hands: the training thread waits for it
+            while True:
+                try:
+                    return self._free.get(timeout=0.05)
+                except queue.Empty:
+                    err = writer_failed()
+                    if err is not None:
+                        raise WriterError(f"stepdump's writer stopped: {err}") from err
 
     def release(self, slot: Slot) -> None:
         slot.event = None
@@ -413,9 +420,11 @@ class Stager:
         slot, self._waiting = self._waiting, None
         if slot is None:
             return
-        while not slot.live_done.wait(timeout=0.05):
-            if not writer_alive():
-                break
+        if not slot.live_done.is_set():
+            with blocked():
+                while not slot.live_done.wait(timeout=0.05):
+                    if not writer_alive():
+                        break
         changed = sum(int(t._version) != v for t, v in slot.deferred)
         slot.deferred = []
         if changed and self.defer_ok:
