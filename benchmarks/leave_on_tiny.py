@@ -230,6 +230,22 @@ def pairs(w: Workload, name: str, load: str, args: argparse.Namespace, steps: in
     return arms
 
 
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """A distribution-free confidence interval of the median of ``xs`` (i.i.d. pairs' differences):
+    the order statistics x_(k) and x_(n+1-k) with the largest k whose coverage, 1 - 2 P(Bin(n, 1/2) < k),
+    is at least ``level``; and that coverage. None when n is too small for any k (below 6 at 95%)."""
+    v, n = sorted(xs), len(xs)
+    best: tuple[float, float, float] | None = None
+    below = 0.0  # P(Bin(n, 1/2) < k)
+    for k in range(1, n // 2 + 1):
+        below += math.comb(n, k - 1) / 2 ** n
+        coverage = 1 - 2 * below
+        if coverage < level:
+            break
+        best = (v[k - 1], v[n - k], coverage)
+    return best
+
+
 def _nanmed(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return statistics.median(xs) if xs else float("nan")
@@ -245,6 +261,7 @@ def stats(a: dict[str, list[float]]) -> dict[str, Any]:
             "arm_ms": med(a["arm_ms"]), "none_ms": med(a["none_ms"]),
             "arm_cpu_ms": med(a["arm_cpu_ms"]), "none_cpu_ms": med(a["none_cpu_ms"]),
             "added_ms": med([x - y for x, y in zip(a["arm_ms"], a["none_ms"], strict=True)]),
+            "added_ci": median_ci([x - y for x, y in zip(a["arm_ms"], a["none_ms"], strict=True)]),
             "added_cpu_ms": med([x - y for x, y in zip(a["arm_cpu_ms"], a["none_cpu_ms"], strict=True)]),
             "added_train_cpu_ms": med([x - y for x, y in zip(a["arm_train_cpu_ms"], a["none_train_cpu_ms"], strict=True)]),
             **{k: _nanmed(a[f"arm_{k}"]) for k in ("reported_ms", "bg_ms", "wait_ms", "hooks_ms", "close_ms")}}
@@ -291,7 +308,9 @@ def section(results: dict[str, Any], args: argparse.Namespace, date: str) -> str
           "off its CPU outside the hooks, at most its threads' CPU) and its threads' CPU that the hooks did not "
           "wait for already (their work holds the GIL or takes a core: docs/performance.md); *bg* = "
           "`sys/recorder_bg_ms`, the CPU time of all its threads (writer, appender, stats worker). "
-          f"*self-timing* passes when reported is within {SELF_TIMING:.0%} of the added wall time. "
+          f"*self-timing* passes when reported is within {SELF_TIMING:.0%} of the added wall time; beside it, "
+          "the added wall time's confidence interval (order statistics of the pairs' differences, coverage "
+          "given): where a quarter of the added time is narrower than it, the pairs cannot tell a pass from a fail. "
           "`close()` (the final record, once per run) is timed apart." + took),
          "", "| workload | load | arm | wall × | spread | CPU × | ms/step arm / none | added ms (CPU) | "
          "reported = hooks + threads (waits; bg) | self-timing | close ms | target (wall) |",
@@ -305,7 +324,9 @@ def section(results: dict[str, Any], args: argparse.Namespace, date: str) -> str
                     rep = (f"{s['reported_ms']:.2f} = {s['hooks_ms']:.2f} + {s['reported_ms'] - s['hooks_ms']:.2f} "
                            f"({s['wait_ms']:.2f}; {s['bg_ms']:.2f})")
                     share = s["reported_ms"] / s["added_ms"] if s["added_ms"] > 0 else float("nan")
-                    timing = f"{share:.0%} of added {'**pass**' if self_timing(s['reported_ms'], s['added_ms']) else '**FAIL**'}"
+                    ci = s["added_ci"]
+                    timing = (f"{share:.0%} of added {'**pass**' if self_timing(s['reported_ms'], s['added_ms']) else '**FAIL**'}"
+                              + (f" (added {ci[0]:.2f}–{ci[1]:.2f} at {ci[2]:.0%})" if ci else ""))
                     close = f"{s['close_ms']:.1f}"
                 L.append(f"| {name} | {load} | {arm} | {s['ratio']:.3f}× | {s['spread'][0]:.3f}–{s['spread'][1]:.3f} | "
                          f"{s['cpu_ratio']:.3f}× | {s['arm_ms']:.2f} / {s['none_ms']:.2f} | {s['added_ms']:.2f} "
