@@ -65,6 +65,8 @@ RL_TARGETS = {"lean": 1.10, "gradient log K=32": 1.30}  # issue 40: the PPO upda
 LOADS = ("idle", "busy")
 # Issue 25 item 2 / issue 40: the run's own sys/recorder_ms within this fraction of the measured added ms/step.
 SELF_TIMING = 0.25
+# Issue 40: the training thread's fixed cost per step, for a model with a handful of tensors.
+FIXED_COST_MS = 0.5
 SLUG = {"lean": "lean", "gradient log K=32": "gradlog", "floor: _foreach_norm(params + grads)": "floor",
         "floor: copy(params + grads)": "floor_copy",
         "floor: copy + stats(params + grads)": "floor_stats",
@@ -332,10 +334,34 @@ def section(results: dict[str, Any], args: argparse.Namespace, date: str) -> str
                          f"{s['cpu_ratio']:.3f}× | {s['arm_ms']:.2f} / {s['none_ms']:.2f} | {s['added_ms']:.2f} "
                          f"({s['added_cpu_ms']:.2f}) | {rep} | {timing} | {close} | "
                          f"{_verdict(target(name, arm), s['ratio'])} |")
+    L += fixed_cost_lines(results)
     L += ["", "Workloads: " + "; ".join(f"**{n}**: {r['title']}" for n, r in results.items()) + "."]
     if getattr(args, "note", ""):
         L += ["", args.note]
     return "\n".join(L) + "\n"
+
+
+def fixed_cost_lines(results: dict[str, Any]) -> list[str]:
+    """Issue 40's fixed cost per step on the training thread, for a model with a handful of tensors
+    (the PPO update: 12 params): the wall time of the recorder's hooks there (``sys/recorder_hooks_ms``,
+    median over the pairs), with the training thread's added CPU time beside it (hooks and whatever
+    the recorder's threads cost it outside them), against FIXED_COST_MS."""
+    res = results.get("rl")
+    if res is None:
+        return []
+    out = []
+    for load, lr in res["loads"].items():
+        for arm, a in lr["arms"].items():
+            if ARMS[arm] is None:
+                continue
+            s = stats(a)
+            ok = s["hooks_ms"] <= FIXED_COST_MS
+            out.append(f"{arm}, {load}: hooks {s['hooks_ms']:.2f} ms a step {'**pass**' if ok else '**FAIL**'} "
+                       f"(training thread's added CPU {s['added_train_cpu_ms']:.2f} ms)")
+    if not out:
+        return []
+    return ["", f"**Fixed cost per step, a model with a handful of tensors** (rl, 12 params; target ≤ {FIXED_COST_MS} ms "
+            "on the training thread): " + "; ".join(out) + "."]
 
 
 def summary(results: dict[str, Any], args: argparse.Namespace, date: str) -> dict[str, Any]:

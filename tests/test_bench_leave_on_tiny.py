@@ -161,3 +161,13 @@ def test_median_ci_covers_the_median_as_often_as_it_says() -> None:
         lo, hi, _ = bench.median_ci(xs)
         hits += lo <= 0.0 <= hi
     assert hits / n >= cov - 3 * math.sqrt(cov * (1 - cov) / n)
+
+
+def test_the_fixed_cost_line_judges_the_hooks_of_the_small_model() -> None:
+    """The made-up arms' hooks take 1.2 ms a step: over the 0.5 ms target, said for each recorded arm
+    and load; the floors are not judged."""
+    text = bench.section(_results(), _args(), "today")
+    line = next(ln for ln in text.splitlines() if ln.startswith("**Fixed cost per step"))
+    assert line.count("hooks 1.20 ms a step **FAIL**") == line.count("hooks") == 2
+    assert "idle" in line and "busy" in line
+    assert bench.fixed_cost_lines({"tiny-forward": _results()["rl"]}) == []  # only the small model is judged
