@@ -44,10 +44,11 @@ def _iteration(t: int, model: nn.Module, opt: torch.optim.Optimizer, sched: obje
     return loss
 
 
-def test_final_record_is_the_trained_model_optimizer_scheduler_and_rng(tmp_path):
+@pytest.mark.parametrize("schedule", [{}, {"gradient_log": 3}])
+def test_final_record_is_the_trained_model_optimizer_scheduler_and_rng(tmp_path, schedule):
     model, opt, sched = _objects()
     seed_all(1)
-    with stepdump.Recorder(tmp_path / "run", model, opt, sched) as rec:
+    with stepdump.Recorder(tmp_path / "run", model, opt, sched, **schedule) as rec:
         for t in range(N):
             rec.log(loss=_iteration(t, model, opt, sched))
         rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
@@ -140,3 +141,26 @@ def test_no_final_record_without_an_update_or_in_the_middle_of_one(tmp_path):
         assert run.all_steps == [0, 1] and "final_step" not in run.meta
         assert run.tensors(1, "grads")  # record 1 kept its grads
     assert catalog_sql(tmp_path / "mid", "SELECT count(*) FROM steps WHERE step = 1")[0][0] == 1
+
+
+def test_the_rng_after_an_update_is_read_once_where_the_next_iteration_start_reads_it(tmp_path, monkeypatch):
+    """A gradient log takes every iteration's start state right after the update: the final record's
+    RNG is that same reading, not a second one (RngAfterUpdate.take only at the Recorder's start);
+    a lean run, which takes no start state, reads it at every update."""
+    from stepdump.capture import final
+
+    calls = {"n": 0}
+    take = final.RngAfterUpdate.take
+
+    def counted(self):
+        calls["n"] += 1
+        return take(self)
+
+    monkeypatch.setattr(final.RngAfterUpdate, "take", counted)
+    for schedule, expected in (({"gradient_log": 3}, 1), ({"every": None, "stats_every": 1}, 1 + N)):
+        calls["n"] = 0
+        model, opt, sched = _objects()
+        with stepdump.Recorder(tmp_path / str(expected), model, opt, sched, **schedule):
+            for t in range(N):
+                _iteration(t, model, opt, sched)
+        assert calls["n"] == expected, schedule

@@ -55,10 +55,19 @@ class RngAfterUpdate:
     numpy_state: dict[str, Any] | None = None  # else core.rng.numpy_state (PCG64: ~5 us, Philox ~8 us)
     python: Any = None
     cuda: list[torch.Tensor] | None = None
+    # Or the whole state as get_rng_state() read it at this same moment (keep()), where the iteration's
+    # start state was taken right after the update anyway: one reading, not two.
+    kept: dict[str, Any] | None = None
+
+    def keep(self, rng: dict[str, Any]) -> None:
+        """The RNG right after the latest update is ``rng`` (a :func:`~stepdump.core.rng.get_rng_state`
+        reading made now, which nobody changes afterwards: it is held, not copied)."""
+        self.kept = rng
 
     def take(self) -> None:
         # Taken at every update, not lazily at close(): nothing tells a draw since then from none but
         # reading the state again (a few us: torch's 5 KB state, numpy's words, Python's tuple).
+        self.kept = None
         self.torch_cpu = torch.default_generator.get_state()  # torch.get_rng_state(), without its wrapper
         # numpy_mt reads words only from an MT19937 (None for another bit generator, whose struct differs).
         mt = _rng.numpy_mt()
@@ -77,6 +86,8 @@ class RngAfterUpdate:
         """In :func:`stepdump.core.rng.get_rng_state`'s form."""
         from stepdump.core.rng import get_rng_state
 
+        if self.kept is not None:
+            return dict(self.kept)
         now = get_rng_state()  # anything not taken
         if self.torch_cpu is None:
             return now

@@ -701,10 +701,16 @@ class Recorder:
             waited = self._waits.waited(started - self._iter_start, self._overhead, bg, cpu)
             profile_scalars(self._user.pending.setdefault(self._step, {}), started - self._iter_start, self._overhead,
                             self._device, bg, waited, self._waits.unseen(bg))
-        self._final.rng.take()  # the RNG right after this update: a final record's, if it is the last
         self._step += 1
         self._user.after_update = True
         self._start_state.open(self._step)
+        # The RNG right after this update: a final record's, if it is the last. Where the next iteration's
+        # start state was just taken (a gradient log, keyframes, a full record next), it is that reading.
+        begin = self._start_state.begin
+        if begin is not None and isinstance(begin.get("rng"), dict):
+            self._final.rng.keep(begin["rng"])
+        else:
+            self._final.rng.take()
         LOOP.update_ended(self._start_state)  # another Recorder of this loop: its iteration starts after this update
         # The next iteration starts where this one's accounting stopped, so the time
         # _begin_iteration took counts both as recorder time and as iteration time.
