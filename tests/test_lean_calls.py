@@ -65,8 +65,20 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+class _Deep(nn.Module):
+    """``layers`` Linear(8, 8) in a row: 2 x ``layers`` small tensors, whatever their count."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).pow(2).mean()
+
+
 def _loop(case: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
-    model = _Net()
+    model: nn.Module = _Deep(case["layers"]) if "layers" in case else _Net()
     opt: torch.optim.Optimizer = (torch.optim.Adam(model.parameters(), lr=1e-3) if case["opt"] == "adam"
                                   else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
@@ -83,10 +95,12 @@ def _loop(case: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, Calla
     return model, opt, step
 
 
-def _calls(case: dict[str, Any], recorded: bool, path: Any) -> int:
-    """Calls (Python + builtin) on this thread over STEPS steps of ``case``'s loop."""
+def _calls(case: dict[str, Any], recorded: bool, path: Any, **schedule: Any) -> int:
+    """Calls (Python + builtin) on this thread over STEPS steps of ``case``'s loop (recorded with
+    ``schedule``; lean by default)."""
     model, opt, step = _loop(case)
-    rec = stepdump.Recorder(path, model, opt, on_error="raise", every=None, stats_every=1) if recorded else None
+    schedule = schedule or {"every": None, "stats_every": 1}
+    rec = stepdump.Recorder(path, model, opt, on_error="raise", **schedule) if recorded else None
     counts: Counter[str] = Counter()
     me = threading.get_ident()
 
@@ -114,3 +128,16 @@ def test_a_lean_step_adds_few_calls_on_the_training_thread(tmp_path, case: str) 
     plain = _calls(CASES[case], False, tmp_path / "plain")
     added = (_calls(CASES[case], True, tmp_path / "run") - plain) / STEPS
     assert added <= BUDGET, f"{case}: the recorder added {added:.0f} calls per lean step (budget {BUDGET})"
+
+
+@pytest.mark.parametrize("schedule", [{"every": None, "stats_every": 1}, {"gradient_log": 4 * lean.OPTIMIZER_EVERY}],
+                         ids=["lean", "gradient log"])
+def test_the_training_threads_work_per_step_does_not_grow_with_the_tensor_count(tmp_path, schedule) -> None:
+    """The recorder's added calls per step on the training thread for 4 and for 64 tensors of the same
+    kind (Linear(8, 8) layers, Adam): no Python per tensor, so the same count but for a few calls."""
+    added = {}
+    for layers in (2, 32):
+        case = {"opt": "adam", "layers": layers}
+        plain = _calls(case, False, tmp_path / f"plain{layers}")
+        added[layers] = (_calls(case, True, tmp_path / f"run{layers}", **schedule) - plain) / STEPS
+    assert abs(added[32] - added[2]) <= 8, f"added calls per step: {added} (4 vs 64 tensors)"

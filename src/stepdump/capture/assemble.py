@@ -27,6 +27,7 @@ from stepdump.capture.hooks import group_sizes
 from stepdump.capture import lean as lean_mod
 from stepdump.capture.lean import LeanCapture, lean_rows
 from stepdump.capture.step_state import Entry, StateBefore, full_state, state_json, stored_in_full, tensor_entries
+from stepdump.capture.opt_walk import OptStateWalker
 from stepdump.capture.outside import STATE_KEY, ParamWatch, fingerprints
 from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, STATE_AFTER_UPDATE, STATE_CARRIED_GRADS
 from stepdump.store.records import as_records
@@ -70,6 +71,10 @@ class Assembler:
         self.watch = ParamWatch(strict=self.gradlog) if "params" in self.kinds else None
         # The selected params of a layout and their stats-only entries, made once per layout (_stats_entries).
         self._selected_of: tuple[Layout | None, list[tuple[str, torch.Tensor]], list[Entry]] = (None, [], [])
+        # The optimizer state's walks (opt_walk.py): a stats-only step's entries of the selected params,
+        # and a record's optimizer extras of every param (its list made once per layout).
+        self._opt_walk, self._extra_walk = OptStateWalker(), OptStateWalker()
+        self._all_params_of: tuple[Layout | None, list[tuple[str, torch.Tensor]]] = (None, [])
         self._copier = OwnedCopier()  # a small gradient-log step's bytes out of its slot (fill)
         # The last record's state text (state_json): the parts that did not change are not encoded again.
         self._state_memo = tjson.Memo()
@@ -217,11 +222,19 @@ class Assembler:
         if "grads" in self.kinds:
             out += as_records(Entry, [("grads", n, g, False, None, None)
                                       for n, p in params if (g := p.grad) is not None])
-        if optimizer and "optimizer" in self.kinds:
-            opt_state = self.optimizer.state
-            out += as_records(Entry, [("optimizer", f"{n}.{k}", v, False, n, k) for n, p in params
-                                      for k, v in opt_state.get(p, {}).items() if isinstance(v, torch.Tensor)])
+        if optimizer and "optimizer" in self.kinds:  # walked again only where its objects changed (opt_walk.py)
+            out += self._opt_walk(params, self.optimizer.state).entries
         return out
+
+    def _full_state(self, opt_state: Mapping[Any, Mapping[str, Any]] | None) -> dict[str, Any]:
+        """:func:`full_state` now, its optimizer extras walked again only where their objects changed."""
+        layout, params = self._all_params_of
+        if layout is not self.layout:
+            params = list(self.layout.params.items())
+            self._all_params_of = (self.layout, params)
+        state = self.optimizer.state if opt_state is None else opt_state
+        return full_state(self.layout, self.optimizer, self.scheduler, self.scaler, opt_state,
+                          extra=self._extra_walk(params, state).extra)
 
     def fill(self, msg: StepMessage, acquire: Callable[[], Slot], full: bool, begin: dict[str, Any] | None,
              batch: Any, captured: list[tuple[str, str, torch.Tensor]]) -> bool:
@@ -245,8 +258,7 @@ class Assembler:
         if full:
             entries = self.frozen_entries(entries)
         if full or self.keyframes or self.gradlog or outside:
-            state = full_state(self.layout, self.optimizer, self.scheduler, self.scaler, opt_state) \
-                if full or self.gradlog else {}
+            state = self._full_state(opt_state) if full or self.gradlog else {}
             state.update(self.edits_state(outside))
             if full and "grads" in self.kinds:
                 carried = [n for n in self.carried.before_update(self.layout.params) if self.selected(n)]

@@ -95,7 +95,8 @@ class ParamWatch:
         now = self._fingerprints(params)
         if self._after is None:
             return now, list(now)
-        changed = [n for n, fp in now.items() if self._after.get(n) != fp]
+        # One C-level comparison of the two dicts where nothing changed (the usual case), not a lookup per param.
+        changed = [] if now == self._after else [n for n, fp in now.items() if self._after.get(n) != fp]
         if changed and not self._warned:
             self._warned = True
             shown = ", ".join(repr(n) for n in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")

@@ -21,21 +21,24 @@ from stepdump.store.records import as_records
 
 
 def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: object, scaler: object,
-               opt_state: Mapping[Any, Mapping[str, Any]] | None = None) -> dict:
+               opt_state: Mapping[Any, Mapping[str, Any]] | None = None,
+               extra: dict[str, dict[str, object]] | None = None) -> dict:
     """The non-tensor state of a full record: param groups by name, optimizer extras, scheduler, scaler
-    (``opt_state``: the optimizer's per-param state to read, None: ``optimizer.state`` now)."""
+    (``opt_state``: the optimizer's per-param state to read, None: ``optimizer.state`` now; ``extra``:
+    its extras, walked already by the caller: ``opt_walk.walk(list(layout.params.items()), opt_state).extra``)."""
     opt_state = optimizer.state if opt_state is None else opt_state
     groups = []
     for names, group in zip(layout.groups, optimizer.param_groups, strict=True):
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({"hyper": hyper, "params": names})
-    extra: dict[str, dict[str, object]] = {}
-    for n, p in layout.params.items():
-        for k, v in opt_state.get(p, {}).items():
-            # Sparse state goes here as well, kept sparse (indices + values in their order):
-            # its dense series serves reading; restore needs the exact sparse tensor.
-            if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
-                extra.setdefault(n, {})[k] = v
+    if extra is None:
+        extra = {}
+        for n, p in layout.params.items():
+            for k, v in opt_state.get(p, {}).items():
+                # Sparse state goes here as well, kept sparse (indices + values in their order):
+                # its dense series serves reading; restore needs the exact sparse tensor.
+                if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
+                    extra.setdefault(n, {})[k] = v
     state: dict[str, object] = {"groups": groups, "optimizer_extra": extra}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()  # type: ignore[attr-defined]
