@@ -365,3 +365,26 @@ def test_each_wait_on_a_recorder_thread_is_counted_as_blocked(site) -> None:
         elif site == "live":
             pool.wait_live(slot, lambda: True)  # set already: no wait
         assert profiling.blocked_s() - before < 0.01
+
+
+def test_the_rss_of_a_cpu_step_is_read_by_the_writer_not_on_the_training_thread(tmp_path, monkeypatch) -> None:
+    """``sys/peak_mem_mb`` on the CPU is the process's RSS, read where the writer turns the step's
+    scalars into floats (a /proc read right after a training step is cold on the training thread)."""
+    readers: list[str] = []
+
+    def rss(device: torch.device) -> float:
+        readers.append(threading.current_thread().name)
+        return 123.0
+
+    monkeypatch.setattr(profiling, "peak_memory_mb", rss)
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", every=None, stats_every=1):
+        for _ in range(4):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    prof = stepdump.open(tmp_path / "run").profile()
+    assert list(prof["sys/peak_mem_mb"].loc[0:3]) == [123.0] * 4
+    assert readers and threading.main_thread().name not in readers, readers

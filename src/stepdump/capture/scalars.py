@@ -68,7 +68,7 @@ def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, devi
     (their CPU time, less the hooks' waits on them: ThreadWaits.unseen; it holds the
     GIL the training thread takes back after every torch op, or a core it would run on); the CPU
     time of all its threads (``sys/recorder_bg_ms``); peak memory."""
-    from stepdump.capture.profiling import peak_memory_mb
+    from stepdump.capture.profiling import RSS_LATER, peak_memory_mb
 
     slot["sys/iter_ms"] = iter_s * 1000
     # Its threads' part is at most the iteration's time outside the hooks: their CPU can run on
@@ -78,4 +78,5 @@ def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, devi
     slot["sys/recorder_wait_ms"] = waited_s * 1000
     if background_s is not None:
         slot["sys/recorder_bg_ms"] = background_s * 1000
-    slot["sys/peak_mem_mb"] = peak_memory_mb(device)
+    # CUDA: the allocator's peak since the last step, read (and reset) now; CPU: the RSS, read by the writer.
+    slot["sys/peak_mem_mb"] = peak_memory_mb(device) if device.type == "cuda" else RSS_LATER
