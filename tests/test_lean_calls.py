@@ -66,22 +66,22 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 class _Deep(nn.Module):
-    """``layers`` Linear(8, 8) in a row: 2 x ``layers`` small tensors, whatever their count."""
+    """``layers`` Linear(width, width) in a row: 2 x ``layers`` tensors of one kind, whatever their count."""
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, width: int = 8) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.body = nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
+        self.body = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x).pow(2).mean()
 
 
 def _loop(case: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
-    model: nn.Module = _Deep(case["layers"]) if "layers" in case else _Net()
+    model: nn.Module = _Deep(case["layers"], case.get("width", 8)) if "layers" in case else _Net()
     opt: torch.optim.Optimizer = (torch.optim.Adam(model.parameters(), lr=1e-3) if case["opt"] == "adam"
                                   else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
-    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(32, case.get("width", 8), generator=torch.Generator().manual_seed(1))
     call = model.encode if case.get("entry") == "encode" else model
 
     def step() -> None:
@@ -132,12 +132,19 @@ def test_a_lean_step_adds_few_calls_on_the_training_thread(tmp_path, case: str) 
 
 @pytest.mark.parametrize("schedule", [{"every": None, "stats_every": 1}, {"gradient_log": 4 * lean.OPTIMIZER_EVERY}],
                          ids=["lean", "gradient log"])
-def test_the_training_threads_work_per_step_does_not_grow_with_the_tensor_count(tmp_path, schedule) -> None:
-    """The recorder's added calls per step on the training thread for 4 and for 64 tensors of the same
-    kind (Linear(8, 8) layers, Adam): no Python per tensor, so the same count but for a few calls."""
+@pytest.mark.parametrize(("width", "counts"), [(8, (2, 32)), (256, (12, 36))],
+                         ids=["small, read whole at the pre-hook", "over lean.INLINE_BYTES, read by the worker"])
+def test_the_training_threads_work_per_step_does_not_grow_with_the_tensor_count(tmp_path, schedule, width,
+                                                                                counts) -> None:
+    """The recorder's added calls per step on the training thread for few and for many tensors of the
+    same kind (Linear layers, Adam): no Python per tensor, so the same count but for a few calls. Both
+    ways a lean step is read: a small record whole at the pre-hook (4 and 64 tensors of Linear(8, 8)),
+    a larger one by the worker from the forward on, its rows checked at the pre-hook (24 and 72 of
+    Linear(256, 256); it grew by about 40 calls a tensor before the rows were checked all at once)."""
     added = {}
-    for layers in (2, 32):
-        case = {"opt": "adam", "layers": layers}
+    for layers in counts:
+        case = {"opt": "adam", "layers": layers, "width": width}
         plain = _calls(case, False, tmp_path / f"plain{layers}")
         added[layers] = (_calls(case, True, tmp_path / f"run{layers}", **schedule) - plain) / STEPS
-    assert abs(added[32] - added[2]) <= 8, f"added calls per step: {added} (4 vs 64 tensors)"
+    few, many = counts
+    assert abs(added[many] - added[few]) <= 8, f"added calls per step: {added} ({2 * few} vs {2 * many} tensors)"

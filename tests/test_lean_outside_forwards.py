@@ -259,3 +259,26 @@ def test_a_tensor_with_nan_read_privately_is_left_to_the_pre_hook() -> None:
     assert lean.lean_rows(entry, set(), private=True) == []
     (row,) = lean.lean_rows(entry, set())
     assert row.stats == compute_stats(t) and row.fp == fingerprint(t)  # every stat, exact counts
+
+
+def test_a_param_given_its_own_bytes_as_another_shape_is_described_as_it_is_now(tmp_path) -> None:
+    """A param the update leaves alone (no grad this step), given a view of its own bytes with another
+    shape between the forward and the update (``.data``: no version bump, the same bytes, the same
+    fingerprint): its row at that step says the shape it has at the pre-hook, not the one it had when
+    the row was read at the forward. (Another dtype of the same bytes is refused for a param by torch.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5))
+    model.spare = nn.Parameter(torch.randn(4, 3))  # never in the loss: no grad, the update skips it
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 6)
+    with stepdump.Recorder(tmp_path / "run", model, opt, every=None, stats_every=1):
+        for t in range(3):
+            model(x).pow(2).mean().backward()
+            if t == 2:
+                model.spare.data = model.spare.data.view(3, 4)
+            opt.step()
+            opt.zero_grad()
+    with stepdump.open(tmp_path / "run") as run:
+        rows = run.stats(kind="params", name="spare")
+        assert list(rows[rows["step"] <= 2]["shape"]) == ["4,3", "4,3", "3,4"]  # (step 3: the final record)
+        assert int(rows[rows["step"] == 2]["fingerprint"].iloc[0]) == fingerprint(model.spare)

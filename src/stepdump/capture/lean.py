@@ -44,7 +44,8 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple, TypeVar
+from operator import attrgetter, is_
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import xxhash
@@ -57,7 +58,7 @@ from stepdump.capture.step_state import Entry
 from stepdump.core.dtensor import local_part
 from stepdump.core.device_lean import DEVICE_FP_KIND, device_fingerprint
 from stepdump.core.dtypes import stored_dtype
-from stepdump.core.hashing import LiveHasher, fingerprint, signed64
+from stepdump.core.hashing import PLAIN_TENSORS, LiveHasher, fingerprint, signed64
 from stepdump.core.stats import StatsTuple, compute_stats
 from stepdump.store.format import format_shape
 from stepdump.store.records import as_records
@@ -256,19 +257,23 @@ class LeanJob:
     def __init__(self, entries: list[Entry], pool: ThreadPoolExecutor,
                  compute: Callable[[list[Entry]], list[LeanRow | None]]) -> None:
         self._entries = entries
-        self._versions = [_version(e.tensor) for e in entries]  # before the worker may read them
+        self._versions = list(map(_VERSION_OF, map(_TENSOR, entries)))  # before the worker may read them
         self._future: Future[list[LeanRow | None]] = pool.submit(compute, entries)
 
     def rows_for(self, entries: Sequence[Entry], warned: set[tuple[str, str]], recompute: bool = True,
                  live: Mapping[str, int] | None = None,
-                 hasher: LiveHasher | None = None) -> tuple[list[LeanRow], int]:
+                 hasher: LiveHasher | None = None, texts: RowTexts | None = None) -> tuple[list[LeanRow], int]:
         """Rows for ``entries`` (the tensors as they are now): the worker's where the same
         tensor is unchanged since submit, else computed here (``recompute``) or left out;
         and how many were not the worker's. With ``live`` (params and optimizer state at the
         pre-hook: name -> fingerprint of the params now, where the caller has it), a worker
         row is used only if it describes the bytes the tensor holds now (module docstring);
-        ``hasher`` computes the other fingerprints now (exact, its byte views reused)."""
+        ``hasher`` computes the other fingerprints now (exact, its byte views reused); ``texts``
+        (kept by the caller from step to step) lets every row be checked at once (:meth:`_all_good`)."""
         results = _result(self._future)
+        if (live is None or (hasher is not None and texts is not None)) \
+                and (good := self._all_good(entries, results, live, hasher, texts)) is not None:
+            return good, 0
         # A row is good for an entry when it was computed from the same tensor object,
         # and no in-place op touched that tensor from submit until now.
         ready: dict[tuple[str, str], tuple[torch.Tensor, LeanRow]] = {}
@@ -290,6 +295,67 @@ class LeanJob:
         if redo and recompute:
             out.extend(lean_rows(redo, warned))
         return out, len(redo)
+
+
+    def _all_good(self, entries: Sequence[Entry], results: list[LeanRow | None], live: Mapping[str, int] | None,
+                  hasher: LiveHasher | None, texts: RowTexts | None) -> list[LeanRow] | None:
+        """The worker's rows for ``entries`` where every one of them is good, decided for all at once
+        with no Python call per entry: the entries are the ones submitted (the same tensor objects, in
+        order), no in-place op touched them since, and (with ``live``) each row's dtype, shape and
+        fingerprint are those of its tensor's bytes now: the params' from ``live``, the others' hashed
+        now by ``hasher``. The same test as the per-entry path's (:func:`_describes`); None where any
+        entry fails it, or is not a plain tensor, and that path decides each."""
+        mine = self._entries
+        if len(entries) != len(mine) or None in results:
+            return None
+        tensors = list(map(_TENSOR, entries))
+        if not all(map(is_, tensors, map(_TENSOR, mine))) or list(map(_VERSION_OF, tensors)) != self._versions:
+            return None
+        rows = cast("list[LeanRow]", results)
+        if live is None:
+            return list(rows)
+        if hasher is None or texts is None:
+            return None
+        made = texts(tensors)
+        if made is None or list(map(_ROW_DTYPE, rows)) != made[0] or list(map(_ROW_SHAPE, rows)) != made[1]:
+            return None
+        # Each param's fingerprint now from ``live`` where it has one; every other tensor's hashed now.
+        known = [f if k == "params" else None for f, k in zip(map(live.get, map(_NAME, entries)), map(_KIND, entries))]
+        if [f for f in known if f is not None] != [r.fp for r, f in zip(rows, known) if f is not None]:
+            return None
+        need = [t for t, f in zip(tensors, known) if f is None]
+        if need and hasher.fingerprint_seq(need) != [r.fp for r, f in zip(rows, known) if f is None]:
+            return None
+        return list(rows)
+
+
+_TENSOR = attrgetter("tensor")
+_KIND, _NAME = attrgetter("kind"), attrgetter("name")
+_VERSION_OF = attrgetter("_version")
+_ROW_DTYPE, _ROW_SHAPE = attrgetter("dtype"), attrgetter("shape")
+_TEXT_KEY = attrgetter("dtype", "shape", "layout", "device", "is_quantized")
+
+
+class RowTexts:
+    """The dtype and shape texts (a row's ``dtype`` and ``shape``) of a list of tensors, made again only
+    where one's type, dtype, shape, layout, device or quantization changed; None where one is not a
+    plain dense tensor stored as it is (:func:`~stepdump.capture.staging.storable` would change it).
+    The last two lists are kept: a lean step checks its params, and every tenth step its params and
+    optimizer state."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[tuple[list[Any], list[Any]], tuple[list[str], list[str]] | None]] = []
+
+    def __call__(self, tensors: list[torch.Tensor]) -> tuple[list[str], list[str]] | None:
+        key = (list(map(type, tensors)), list(map(_TEXT_KEY, tensors)))
+        for k, texts in self._kept:
+            if k == key:
+                return texts
+        plain = all(type(t) in PLAIN_TENSORS and t.layout == torch.strided and not t.is_quantized
+                    and t.device.type != "meta" for t in tensors)
+        made = ([stored_dtype(t) for t in tensors], [format_shape(t.shape) for t in tensors]) if plain else None
+        self._kept = [(key, made), *self._kept[:1]]
+        return made
 
 
 def _describes(row: LeanRow, e: Entry, live: Mapping[str, int], warned: set[tuple[str, str]],
@@ -320,6 +386,7 @@ class LeanWorker:
         self._warned: set[tuple[str, str]] = set()
         # The pre-hook's exact fingerprints of the live tensors, on the training thread (rows_for).
         self.hasher = LiveHasher()
+        self.texts = RowTexts()  # the rows' dtype and shape texts of the tensors checked at the pre-hook
 
     @property
     def warned(self) -> set[tuple[str, str]]:
@@ -487,7 +554,8 @@ class LeanCapture:
             return False
         now: list[Entry] = []  # read here, at the pre-hook
         if job is not None:  # used only where it describes the bytes the update reads
-            rows, _ = job.rows_for(before, self._worker.warned, live=live or {}, hasher=self._worker.hasher)
+            rows, _ = job.rows_for(before, self._worker.warned, live=live or {}, hasher=self._worker.hasher,
+                                   texts=self._worker.texts)
             msg.lean.extend(rows)
         else:  # no forward seen (a closure optimizer, a model called through something else)
             now.extend(before)

@@ -73,7 +73,7 @@ class _View(NamedTuple):
 class _SetViews(NamedTuple):
     """A set of tensors' views (LiveHasher.fingerprint_all)."""
 
-    names: list[str]
+    names: list[str] | None  # None: a list of tensors (fingerprint_seq)
     key: tuple[list[int], list[Any], list[Any]]  # proves the views still cover them (_set_key)
     views: list[memoryview]
 
@@ -96,26 +96,35 @@ class LiveHasher:
     def __init__(self) -> None:
         # One view per key, so a replaced tensor's memory is let go.
         self._views: dict[Hashable, _View] = {}
-        # The same for a whole set of tensors (fingerprint_all).
-        self._set: _SetViews | None = None
+        # The same for whole sets of tensors (fingerprint_all, fingerprint_seq): the last two, as a
+        # caller may alternate between two sets (a lean step's params, and every tenth step its
+        # params and optimizer state).
+        self._sets: list[_SetViews] = []
 
     def fingerprint_all(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int] | None:
         """name -> ``fingerprint`` of each of ``tensors`` (plain, contiguous, non-empty CPU tensors),
         by views kept for the whole set and checked by one key made in a few C-level calls, not
         several Python calls a tensor; None when one of them is of another kind (then call this
         hasher per tensor)."""
-        ts = list(tensors.values())
         names = list(tensors)
+        fps = self._fingerprints(list(tensors.values()), names)
+        return None if fps is None else dict(zip(names, fps, strict=True))
+
+    def fingerprint_seq(self, tensors: list[torch.Tensor]) -> list[int] | None:
+        """:meth:`fingerprint_all` of a list of tensors, in its order (the same set cache: one set per hasher)."""
+        return self._fingerprints(tensors, None)
+
+    def _fingerprints(self, ts: list[torch.Tensor], names: list[str] | None) -> list[int] | None:
         key = _set_key(ts)
-        kept = self._set
-        if kept is None or kept.names != names or kept.key != key:
+        kept = next((s for s in self._sets if s.names == names and s.key == key), None)
+        if kept is None:
             if not all(type(t) in PLAIN_TENSORS and t.layout == torch.strided and t.is_cpu and not t.is_quantized
                        and t.is_contiguous() and t.numel() > 0 for t in ts):
-                self._set = None
                 return None
-            kept = self._set = _SetViews(names, key, [raw_bytes(t) for t in ts])
+            kept = _SetViews(names, key, [raw_bytes(t) for t in ts])
+            self._sets = [kept, *self._sets[:1]]  # (the older one goes: its views let their memory go)
         fps = np.fromiter(map(xxhash.xxh3_64_intdigest, kept.views), dtype=np.uint64, count=len(ts))
-        return dict(zip(names, fps.view(np.int64).tolist(), strict=True))
+        return fps.view(np.int64).tolist()  # type: ignore[no-any-return]
 
     def __call__(self, t: torch.Tensor, key: Hashable) -> int:
         """``fingerprint(t)``, with the byte view reused from the last call with ``key`` (the tensor's
