@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -126,6 +128,21 @@ def test_background_clock_counts_each_thread_from_its_last_reading(case) -> None
     assert clock.take() == pytest.approx(want, abs=0) and clock.take() == 0.0
 
 
+def _lean_profile(tmp_path, steps: int, between: Callable[[], None] = lambda: None) -> Any:
+    """``Run.profile()`` of ``steps`` lean iterations of ``_Net`` (AdamW, ``profile=True``), with
+    ``between()`` run after each backward, before the update (a test moves its clocks there)."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", every=None, stats_every=1):
+        for _ in range(steps):
+            model(torch.randn(3, 4)).sum().backward()
+            between()
+            opt.step()
+            opt.zero_grad()
+    return stepdump.open(tmp_path / "run").profile()
+
+
 class _Clock:
     """A clock that stands still until a test moves it."""
 
@@ -207,17 +224,12 @@ def test_recorder_ms_adds_the_waits_and_says_them_apart(tmp_path, monkeypatch) -
     monkeypatch.setattr(profiling, "_wall", wall)
     monkeypatch.setattr(profiling, "_cpu", cpu)
     monkeypatch.setattr(profiling.BackgroundClock, "take", lambda self: 1.5)
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", every=None, stats_every=1):
-        for _ in range(5):
-            model(torch.randn(3, 4)).sum().backward()
-            wall.t += 10.0
-            cpu.t += 4.0
-            opt.step()
-            opt.zero_grad()
-    prof = stepdump.open(tmp_path / "run").profile().loc[1:4]  # step 0's iteration began at the Recorder's start
+
+    def tick() -> None:
+        wall.t += 10.0
+        cpu.t += 4.0
+
+    prof = _lean_profile(tmp_path, 5, tick).loc[1:4]  # step 0's iteration began at the Recorder's start
     assert list(prof["sys/recorder_wait_ms"]) == [1500.0] * 4
     assert list(prof["sys/recorder_ms"]) == [1500.0] * 4
     assert list(prof["sys/iter_ms"]) == [10000.0] * 4
@@ -252,17 +264,12 @@ def test_recorder_ms_counts_the_recorder_threads_cpu_not_added_to_the_waits(tmp_
     monkeypatch.setattr(profiling, "_cpu", cpu)
     thread_cpu = _ThreadCpu(writer=2.0, other=1.0)
     monkeypatch.setattr(profiling._ThreadClocks, "__call__", lambda _clocks, thread: thread_cpu(thread))
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", every=None, stats_every=1):
-        for _ in range(5):
-            model(torch.randn(3, 4)).sum().backward()
-            wall.t += 10.0
-            cpu.t += 10.0 if outside == "no waits" else 4.0
-            opt.step()
-            opt.zero_grad()
-    prof = stepdump.open(tmp_path / "run").profile().loc[1:4]  # step 0's iteration began at the Recorder's start
+
+    def tick() -> None:
+        wall.t += 10.0
+        cpu.t += 10.0 if outside == "no waits" else 4.0
+
+    prof = _lean_profile(tmp_path, 5, tick).loc[1:4]  # step 0's iteration began at the Recorder's start
     assert list(prof["sys/recorder_hooks_ms"]) == [0.0] * 4
     bg = list(prof["sys/recorder_bg_ms"])
     assert all(b >= 3000.0 for b in bg)  # the writer's 2 s and at least its appender's 1 s
@@ -377,14 +384,6 @@ def test_the_rss_of_a_cpu_step_is_read_by_the_writer_not_on_the_training_thread(
         return 123.0
 
     monkeypatch.setattr(profiling, "peak_memory_mb", rss)
-    torch.manual_seed(0)
-    model = _Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with stepdump.Recorder(tmp_path / "run", model, opt, profile=True, on_error="raise", every=None, stats_every=1):
-        for _ in range(4):
-            model(torch.randn(3, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    prof = stepdump.open(tmp_path / "run").profile()
+    prof = _lean_profile(tmp_path, 4)
     assert list(prof["sys/peak_mem_mb"].loc[0:3]) == [123.0] * 4
     assert readers and threading.main_thread().name not in readers, readers

@@ -32,13 +32,9 @@ def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: obje
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({"hyper": hyper, "params": names})
     if extra is None:
-        extra = {}
-        for n, p in layout.params.items():
-            for k, v in opt_state.get(p, {}).items():
-                # Sparse state goes here as well, kept sparse (indices + values in their order):
-                # its dense series serves reading; restore needs the exact sparse tensor.
-                if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
-                    extra.setdefault(n, {})[k] = v
+        from stepdump.capture.opt_walk import walk  # (opt_walk's entries are this module's Entry)
+
+        extra = walk(list(layout.params.items()), opt_state).extra
     state: dict[str, object] = {"groups": groups, "optimizer_extra": extra}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()  # type: ignore[attr-defined]

@@ -111,7 +111,7 @@ class LiveHasher:
         return None if fps is None else dict(zip(names, fps, strict=True))
 
     def fingerprint_seq(self, tensors: list[torch.Tensor]) -> list[int] | None:
-        """:meth:`fingerprint_all` of a list of tensors, in its order (the same set cache: one set per hasher)."""
+        """:meth:`fingerprint_all` of a list of tensors, in its order (the same cache of the last two sets)."""
         return self._fingerprints(tensors, None)
 
     def _fingerprints(self, ts: list[torch.Tensor], names: list[str] | None) -> list[int] | None:
