@@ -24,16 +24,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from stepdump.capture.step_state import Entry
+from stepdump.capture.step_state import NO_OPT_STATE, StateWalk, walk
 
-_NO_STATE: dict[str, Any] = {}  # a param without state (never changed: only read)
-
-
-class StateWalk(NamedTuple):
-    """What a walk of the optimizer's state for some params found."""
-
-    entries: list[Entry]  # each tensor value, as a stats-only entry ("optimizer", "<param>.<key>")
-    extra: dict[str, dict[str, object]]  # param -> {key: value} of the values that are not strided tensors
+__all__ = ["OptStateWalker", "StateWalk", "walk"]  # (the walk itself: step_state.walk)
 
 
 class _Proof(NamedTuple):
@@ -46,21 +39,6 @@ class _Proof(NamedTuple):
     mine: list[Mapping[str, Any]]  # the walked params' dicts
     inner_keys: list[str]  # their keys and values, in order
     inner_values: list[Any]
-
-
-def walk(params: list[tuple[str, torch.Tensor]], state: Mapping[Any, Mapping[str, Any]]) -> StateWalk:
-    """The optimizer state of ``params`` (name, param) in ``state`` (``optimizer.state``), walked now."""
-    entries: list[Entry] = []
-    extra: dict[str, dict[str, object]] = {}
-    for n, p in params:
-        for k, v in state.get(p, _NO_STATE).items():
-            if isinstance(v, torch.Tensor):
-                entries.append(Entry("optimizer", f"{n}.{k}", v, False, n, k))
-            # Sparse state goes to extra as well, kept sparse (indices + values in their order):
-            # its dense series serves reading; restore needs the exact sparse tensor.
-            if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
-                extra.setdefault(n, {})[k] = v
-    return StateWalk(entries, extra)
 
 
 class OptStateWalker:
@@ -76,7 +54,7 @@ class OptStateWalker:
             return kept[1]
         found = walk(params, state)
         try:
-            mine = [state.get(p, _NO_STATE) for _, p in params]
+            mine = [state.get(p, NO_OPT_STATE) for _, p in params]
             self._kept = (_Proof(params, state, list(state.keys()), list(state.values()), mine,
                                  list(chain.from_iterable(map(dict.keys, mine))),  # type: ignore[arg-type]
                                  list(chain.from_iterable(map(dict.values, mine)))), found)  # type: ignore[arg-type]

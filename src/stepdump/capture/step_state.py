@@ -25,15 +25,13 @@ def full_state(layout: Layout, optimizer: torch.optim.Optimizer, scheduler: obje
                extra: dict[str, dict[str, object]] | None = None) -> dict:
     """The non-tensor state of a full record: param groups by name, optimizer extras, scheduler, scaler
     (``opt_state``: the optimizer's per-param state to read, None: ``optimizer.state`` now; ``extra``:
-    its extras, walked already by the caller: ``opt_walk.walk(list(layout.params.items()), opt_state).extra``)."""
+    its extras, walked already by the caller: ``walk(list(layout.params.items()), opt_state).extra``)."""
     opt_state = optimizer.state if opt_state is None else opt_state
     groups = []
     for names, group in zip(layout.groups, optimizer.param_groups, strict=True):
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({"hyper": hyper, "params": names})
     if extra is None:
-        from stepdump.capture.opt_walk import walk  # (opt_walk's entries are this module's Entry)
-
         extra = walk(list(layout.params.items()), opt_state).extra
     state: dict[str, object] = {"groups": groups, "optimizer_extra": extra}
     if scheduler is not None:
@@ -53,6 +51,31 @@ class Entry(NamedTuple):
     full: bool  # its bytes are stored; False: its stats and fingerprint only
     param: str | None = None  # optimizer state: the param it belongs to
     key: str | None = None  # optimizer state: its key in that param's state ("exp_avg")
+
+
+NO_OPT_STATE: dict[str, Any] = {}  # a param without state (never changed: only read)
+
+
+class StateWalk(NamedTuple):
+    """What a walk of the optimizer's state for some params found."""
+
+    entries: list[Entry]  # each tensor value, as a stats-only entry ("optimizer", "<param>.<key>")
+    extra: dict[str, dict[str, object]]  # param -> {key: value} of the values that are not strided tensors
+
+
+def walk(params: list[tuple[str, torch.Tensor]], state: Mapping[Any, Mapping[str, Any]]) -> StateWalk:
+    """The optimizer state of ``params`` (name, param) in ``state`` (``optimizer.state``), walked now."""
+    entries: list[Entry] = []
+    extra: dict[str, dict[str, object]] = {}
+    for n, p in params:
+        for k, v in state.get(p, NO_OPT_STATE).items():
+            if isinstance(v, torch.Tensor):
+                entries.append(Entry("optimizer", f"{n}.{k}", v, False, n, k))
+            # Sparse state goes to extra as well, kept sparse (indices + values in their order):
+            # its dense series serves reading; restore needs the exact sparse tensor.
+            if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
+                extra.setdefault(n, {})[k] = v
+    return StateWalk(entries, extra)
 
 
 def stored_in_full(entries: Iterable[Entry]) -> list[Entry]:
