@@ -115,14 +115,20 @@ def test_a_failed_group_names_its_first_step(tmp_path: Path, monkeypatch: pytest
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     path = tmp_path / "run"
     rec = stepdump.Recorder(path, model, opt, every=None, stats_every=1)
-    train_logging(rec, model, opt, 5)  # step 0 commits at once (no commit before it); steps 1..4 held
-    deadline = time.monotonic() + 30
-    while catalog_sql(path, "SELECT count(*) FROM steps") != [(1,)] and time.monotonic() < deadline:
-        time.sleep(0.01)  # the writer may not have taken step 0 yet
-    assert catalog_sql(path, "SELECT step FROM steps") == [(0,)]
-    monkeypatch.setattr(CatalogWriter, "add_steps", full_disk)
-    with caplog.at_level("WARNING"):
-        rec.close()  # the final record's commit inserts the held steps first, and fails
+    try:
+        # Step 0 commits at once (no commit before it), and only then do steps 1..4 come, to be held: a
+        # writer that found all five waiting (a slow machine) would commit them together.
+        train_logging(rec, model, opt, 1)
+        deadline = time.monotonic() + 30
+        while catalog_sql(path, "SELECT count(*) FROM steps") != [(1,)] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the writer may not have taken step 0 yet
+        assert catalog_sql(path, "SELECT step FROM steps") == [(0,)]
+        train_logging(rec, model, opt, 4)
+        monkeypatch.setattr(CatalogWriter, "add_steps", full_disk)
+        with caplog.at_level("WARNING"):
+            rec.close()  # the final record's commit inserts the held steps first, and fails
+    finally:
+        rec.close()  # (a no-op once closed) no writer left running when an assertion above fails
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "stopped at step 1" in said and "No space left on device" in said, said
     assert catalog_sql(path, "SELECT step FROM steps") == [(0,)]
