@@ -267,3 +267,26 @@ def test_a_trigger_that_turns_on_mid_iteration(tmp_path):
         fresh = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
         run.restore(3, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
         assert torch.equal(fresh[0].weight, run.tensor("0.weight", 3))
+
+
+def test_a_steps_level_is_asked_once_for_a_fixed_schedule_and_every_time_for_a_callable():
+    """The hooks ask for a step's level several times a step: a fixed schedule's answer for the
+    last step is kept (its predicate is not run again); a callable one may change its mind within
+    a step (a trigger the loop sets) and is asked every time."""
+    from stepdump.capture.selection import Levels
+    from stepdump.store.format import LEVEL_FULL, LEVEL_NONE, LEVEL_STATS
+
+    fixed = Levels(5, 2)
+    calls = {"n": 0}
+    inner = fixed.full._pred
+    fixed.full._pred = lambda s: (calls.__setitem__("n", calls["n"] + 1), inner(s))[1]
+    assert [fixed(t) for t in (0, 0, 0, 2, 2, 3, 5, 5)] == [LEVEL_FULL] * 3 + [LEVEL_STATS] * 2 + [
+        LEVEL_NONE, LEVEL_FULL, LEVEL_FULL]
+    assert calls["n"] == 4  # once each for steps 0, 2, 3 and 5
+
+    on = {"now": False}
+    dynamic = Levels(lambda s: on["now"], None)
+    assert dynamic(7) == LEVEL_NONE
+    on["now"] = True  # the loop's trigger, set within step 7
+    assert dynamic(7) == LEVEL_FULL
+    assert dynamic(7) == LEVEL_FULL and dynamic(8) == LEVEL_FULL

@@ -95,6 +95,17 @@ class Levels:
 
     def __init__(self, full: Every, stats: Every) -> None:
         self.full, self.stats = StepSet(full, "every"), StepSet(stats, "stats_every")
+        # The hooks ask for the same step's level four to six times a step: a fixed schedule's
+        # answer for the last step asked is kept (a callable's may change between two asks:
+        # a trigger the loop sets is asked again every time).
+        self._fixed = not (self.full.dynamic or self.stats.dynamic)
+        self._last: tuple[int | None, int] = (None, LEVEL_NONE)  # (a dynamic schedule's stays so)
 
     def __call__(self, t: int) -> int:
-        return LEVEL_FULL if self.full(t) else LEVEL_STATS if self.stats(t) else LEVEL_NONE
+        last = self._last
+        if last[0] == t:
+            return last[1]
+        level = LEVEL_FULL if self.full(t) else LEVEL_STATS if self.stats(t) else LEVEL_NONE
+        if self._fixed:
+            self._last = (t, level)
+        return level

@@ -131,11 +131,15 @@ _ENTRY_FULL = attrgetter("full")
 def _copies(plan: _CopyPlan, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` (in the plan's item order) copied end to end, one new buffer per dtype group."""
     bufs = []
-    with torch.no_grad():
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python context manager (a step's gradient log)
+    try:
         for idx, get in plan.groups:
             # (flatten copies the tensors end to end; a single tensor it hands back as a view: cloned)
             bufs.append(torch._C._nn.flatten_dense_tensors(list(get(tensors))) if len(idx) > 1
                         else tensors[idx[0]].reshape(-1).clone())
+    finally:
+        torch._C._set_grad_enabled(grad)
     return bufs
 
 

@@ -110,11 +110,11 @@ def begin_state(layout: Layout, buffers: Callable[[str], bool] | None) -> dict[s
     copies of the module buffers ``buffers`` selects (None: no buffers)."""
     from stepdump.core.rng import get_rng_state
 
+    rng = get_rng_state()
+    if buffers is None or not layout.buffers:  # (no clone: no torch.no_grad() and its Python calls)
+        return {"rng": rng, "buffers": {}}
     with torch.no_grad():
-        return {
-            "rng": get_rng_state(),
-            "buffers": {n: b.detach().clone() for n, b in layout.buffers.items() if buffers is not None and buffers(n)},
-        }
+        return {"rng": rng, "buffers": {n: b.detach().clone() for n, b in layout.buffers.items() if buffers(n)}}
 
 
 def state_json(state: dict[str, Any], begin: dict[str, Any] | None, batch: Any, entries: list[Entry],

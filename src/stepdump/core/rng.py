@@ -289,8 +289,10 @@ def get_rng_state() -> dict[str, Any]:
     """Torch CPU, every CUDA device (when present), numpy's global and Python's ``random``."""
     numpy = numpy_state()
     python = python_state(*PY_MT()) if PY_MT is not None else python_getstate(random.getstate())
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy, "python": python}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # (torch.get_rng_state() without its wrapper; CUDA initialised implies available, and
+    # is_available() is three Python calls on a CPU-only run: this is read at every gradient-log step)
+    state: dict[str, Any] = {"torch": torch.default_generator.get_state(), "numpy": numpy, "python": python}
+    if torch.cuda.is_initialized():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
 
