@@ -14,7 +14,8 @@ from torch import nn
 
 import stepdump
 from stepdump.capture import lean
-from stepdump.capture.opt_walk import OptStateWalker, StateWalk, walk
+from stepdump.capture.opt_walk import OptStateWalker
+from stepdump.capture.step_state import StateWalk, walk
 
 OPS = ["nothing", "in place", "tensor replaced", "int replaced", "key added", "key removed", "dict replaced",
        "new mapping", "state for a param without", "sparse value", "param's state dropped"]

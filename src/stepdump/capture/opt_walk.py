@@ -26,7 +26,7 @@ import torch
 
 from stepdump.capture.step_state import NO_OPT_STATE, StateWalk, walk
 
-__all__ = ["OptStateWalker", "StateWalk", "walk"]  # (the walk itself: step_state.walk)
+__all__ = ["OptStateWalker"]  # (the walk itself, and its StateWalk: step_state)
 
 
 class _Proof(NamedTuple):
