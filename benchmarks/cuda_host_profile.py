@@ -97,10 +97,12 @@ def main() -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, vocab, (batch, seq), device=dev)
 
-    def run(n: int) -> float:
+    cpu_ms: dict[str, float] = {}  # the training thread's own CPU per step of the last run(n, label)
+
+    def run(n: int, label: str = "") -> float:
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(n):
             opt.zero_grad()
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
@@ -109,14 +111,15 @@ def main() -> int:
             opt.step()
         if cuda:
             torch.cuda.synchronize()
+        cpu_ms[label] = (time.thread_time() - c0) / n * 1000
         return (time.perf_counter() - t0) / n * 1000
 
     run(3)
-    plain = run(args.steps)
+    plain = run(args.steps, "plain")
     root = Path(tempfile.mkdtemp(prefix="stepdump-hostprof-"))
     with stepdump.Recorder(root / "run", model, opt, every=None, stats_every=1, on_error="raise"):
         run(3)
-        lean = run(args.steps)
+        lean = run(args.steps, "lean")
         spent, undo = timed_parts()
         timed = run(args.steps)
         for owner, attr, real in undo:
@@ -127,9 +130,14 @@ def main() -> int:
         prof.disable()
     with stepdump.open(root / "run") as rec:
         own = rec.scalars("sys/recorder_ms")["sys/recorder_ms"]
+        parts = rec.profile().iloc[3:3 + args.steps].median(numeric_only=True)
     print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}; torch {torch.__version__}")
     print(f"plain {plain:.2f} ms/step, lean {lean:.2f} ms/step ({lean / plain:.3f}x); "
           f"sys/recorder_ms median {float(own.iloc[3:3 + args.steps].median()):.3f} ms (unprofiled steps)")
+    print(f"the training thread's own CPU per step: plain {cpu_ms['plain']:.2f} ms, lean {cpu_ms['lean']:.2f} ms "
+          "(wall minus CPU: its waits, for the GPU or the GIL)")
+    print("the self-timing's parts, medians of the unprofiled lean steps (ms): "
+          + ", ".join(f"{k} {float(v):.3f}" for k, v in parts.items()))
     print(f"timers over {args.steps} lean steps ({timed:.2f} ms/step with them), ms per step, wall and the "
           "training thread's own CPU (the difference: waiting, for the GIL or the GPU):")
     for label, (total, cpu, calls) in spent.items():

@@ -320,10 +320,12 @@ def test_the_tensor_walks_decode_each_chunk_about_once_whatever_the_tensors(tmp_
                 found = stepdump.check(run, rules=WALKING)
         assert found == whole
         decoded[tensors] = len(decodes)
-    assert chunked[8] == chunked[32] >= 4
+    # The two real steps synth_run records first make one chunk or two, as the writer's commit
+    # windows fell (timing): the same decodes *per chunk*, not always the same chunks.
+    assert min(chunked.values()) >= 4 and abs(chunked[8] - chunked[32]) <= 1, chunked
     # measured (6 chunks): 7 for both (one pass, and a first chunk for the tensors' order);
     # 25 and 79 when the walk read groups of tensors
-    assert decoded[8] == decoded[32] <= chunked[8] + 2, (decoded, chunked)
+    assert decoded[8] - chunked[8] == decoded[32] - chunked[32] <= 2, (decoded, chunked)
 
 
 @pytest.mark.parametrize("planted", ["healthy", "dead_layer", "dead_activations", "unchanged", "frozen",

@@ -13,6 +13,7 @@ is exact.
 from __future__ import annotations
 
 import threading
+import time
 import types
 from collections.abc import Callable
 from typing import Any
@@ -361,7 +362,7 @@ def test_each_wait_on_a_recorder_thread_is_counted_as_blocked(site) -> None:
             pool.wait_live(slot, lambda: True)
         else:
             stager = Stager.__new__(Stager)
-            stager._waiting, stager.defer_ok = slot, True
+            stager._waiting, stager.defer_ok, stager.gpu_waits = slot, True, pool.gpu_waits
             stager.wait_deferred(lambda: True)
         waiter.join()
         took = profiling.blocked_s() - before
@@ -372,6 +373,70 @@ def test_each_wait_on_a_recorder_thread_is_counted_as_blocked(site) -> None:
         elif site == "live":
             pool.wait_live(slot, lambda: True)  # set already: no wait
         assert profiling.blocked_s() - before < 0.01
+
+
+class _SlowEvent:
+    """Stands for a CUDA event the GPU reaches ``seconds`` after the writer starts waiting on it:
+    GpuWaits times whatever ``synchronize()`` takes (CUDA's own needs a GPU: tests_gpu)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def synchronize(self) -> None:
+        time.sleep(self.seconds)
+
+
+@pytest.mark.parametrize("site", ["slot", "live"])
+def test_a_wait_for_a_writer_that_waits_for_the_gpu_is_the_gpus_not_the_recorders(site: str) -> None:
+    """A hook that waits for a slot (or a live append) while the writer waits for the GPU to reach
+    the step's event: that part of the wait is the GPU's (gpu_blocked_s, sys/recorder_gpu_wait_ms),
+    the writer's own work after it stays the recorder's (blocked_s). Real threads: the writer
+    waits 0.4 s for the "GPU", then works 0.3 s, then hands the slot back."""
+    from stepdump.capture.staging import StagingPool
+
+    pool = StagingPool(slots=1, budget=1 << 20)
+    slot = pool.acquire(lambda: None)
+    if site == "live":
+        slot.has_live = True
+        slot.live_done.clear()
+    started = threading.Event()
+
+    def writer() -> None:
+        started.set()
+        pool.gpu_waits.wait(_SlowEvent(0.4))
+        time.sleep(0.3)  # the writer's own work: describing, the catalog
+        if site == "live":
+            slot.live_done.set()
+        else:
+            pool.release(slot)
+
+    b0, g0 = profiling.blocked_s(), profiling.gpu_blocked_s()
+    th = threading.Thread(target=writer)
+    th.start()
+    started.wait()
+    if site == "slot":
+        pool.acquire(lambda: None)
+    else:
+        pool.wait_live(slot, lambda: True)
+    th.join()
+    on_gpu, own = profiling.gpu_blocked_s() - g0, profiling.blocked_s() - b0
+    assert 0.3 < on_gpu < 0.6, on_gpu
+    assert 0.2 < own < 0.6, own
+    assert pool.gpu_waits.at(time.perf_counter()) >= 0.4  # the writer's clock: its ended wait
+
+
+def test_gpu_waits_reads_a_wait_in_progress() -> None:
+    """GpuWaits.at counts the current wait up to the moment asked (a hook that stops waiting while
+    the writer still waits for the GPU), and nothing before the writer's first wait."""
+    clock = profiling.GpuWaits()
+    assert clock.at(time.perf_counter()) == 0.0
+    th = threading.Thread(target=clock.wait, args=(_SlowEvent(0.5),))
+    th.start()
+    time.sleep(0.2)
+    mid = clock.at(time.perf_counter())
+    th.join()
+    assert 0.1 < mid < 0.5, mid
+    assert clock.at(time.perf_counter() + 100.0) == clock.at(time.perf_counter()) >= 0.5  # ended: no longer grows
 
 
 def test_the_rss_of_a_cpu_step_is_read_by_the_writer_not_on_the_training_thread(tmp_path, monkeypatch) -> None:

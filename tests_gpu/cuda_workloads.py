@@ -117,7 +117,7 @@ def fidelity(kind: str, root: Path) -> None:
         pinned = []
         train(kind, model, opt, scaler, range(n), rec, snaps)
         on_gpu = {n for n, p in model.named_parameters()}
-        for slot in rec._pool._free.queue:  # buffers of tensors that live on the GPU are pinned
+        for slot in rec._pool._slots:  # buffers of tensors that live on the GPU are pinned
             pinned += [b.is_pinned() for (k, name), b in slot.buffers.items() if k == "params" and name in on_gpu]
         assert pinned and all(pinned), f"staging buffers of CUDA params pinned: {sum(pinned)}/{len(pinned)}"
     for (name, p), q in zip(model.named_parameters(), plain[0].parameters()):

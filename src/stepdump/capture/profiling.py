@@ -106,22 +106,66 @@ _blocked = threading.local()
 
 
 def blocked_s() -> float:
-    """Seconds the calling thread has spent in :func:`blocked` so far."""
+    """Seconds the calling thread has spent in :func:`blocked` so far, less what of it was the
+    GPU's (:func:`gpu_blocked_s`)."""
     return getattr(_blocked, "s", 0.0)
 
 
+def gpu_blocked_s() -> float:
+    """Seconds the calling thread has spent in :func:`blocked` so far while the thread it waited
+    for waited for the GPU (:class:`GpuWaits`): ``sys/recorder_gpu_wait_ms``."""
+    return getattr(_blocked, "gpu", 0.0)
+
+
+class GpuWaits:
+    """The seconds a writer has spent waiting for the GPU to reach a step's event, as a clock
+    another thread can read at any moment (:meth:`at`).
+
+    On a GPU-bound loop the host runs ahead of the GPU; the writer waits on each step's event
+    for the GPU to get there, and once every staging slot is in its hands the training thread
+    waits for a slot (:func:`blocked`). That wait is the GPU being behind, which the loop would
+    have waited for at its next sync without a recorder (its wall time is the GPU's): counted in
+    ``sys/recorder_ms`` it made a 31 ms GPU-bound step report 28 ms of recording on an H200
+    (docs/cuda.md). :func:`blocked` takes the part of a wait during which the writer waited for
+    the GPU out of the hooks' time and says it apart. One writer thread per clock: its state is
+    one tuple, replaced whole, so a reader needs no lock."""
+
+    def __init__(self) -> None:
+        self._state: tuple[float, float | None] = (0.0, None)  # (seconds of ended waits, start of the current one)
+
+    def wait(self, event: Any) -> None:
+        """``event.synchronize()``, timed."""
+        t0 = _wall()
+        self._state = (self._state[0], t0)
+        try:
+            event.synchronize()
+        finally:
+            self._state = (self._state[0] + (_wall() - t0), None)
+
+    def at(self, now: float) -> float:
+        """Seconds of waiting up to ``now`` (a :func:`time.perf_counter` reading), the current wait's included."""
+        done, since = self._state
+        return done if since is None else done + max(0.0, now - since)
+
+
 @contextlib.contextmanager
-def blocked() -> Iterator[None]:
+def blocked(gpu: GpuWaits | None = None) -> Iterator[None]:
     """Time a wait of the calling thread (a hook on the training thread) on one of the recorder's own
     threads: a staging slot, a worker's rows, the writer's append of live tensors. Only such waits
     hold the recorder's threads' CPU in a hook's wall time (``ThreadWaits.unseen``); the rest of a
     hook's time off its CPU is the scheduler's, for anyone. Used only where the wait is known to
-    block (a ready future or a set event costs no clock reading)."""
+    block (a ready future or a set event costs no clock reading). ``gpu``: the waited-for writer's
+    waits for the GPU; the part of this wait they cover counts as :func:`gpu_blocked_s`, not here."""
     t0 = _wall()
+    g0 = gpu.at(t0) if gpu is not None else 0.0
     try:
         yield
     finally:
-        _blocked.s = getattr(_blocked, "s", 0.0) + (_wall() - t0)
+        t1 = _wall()
+        on_gpu = min(t1 - t0, gpu.at(t1) - g0) if gpu is not None else 0.0
+        _blocked.s = getattr(_blocked, "s", 0.0) + (t1 - t0 - on_gpu)
+        if on_gpu > 0.0:
+            _blocked.gpu = getattr(_blocked, "gpu", 0.0) + on_gpu
 
 
 class ThreadWaits:

@@ -113,7 +113,7 @@ class Ring:
             old = self._held.popleft()
             # The writer may still be computing that step's stats from the slot.
             if not old.slot.written.is_set():
-                with blocked():
+                with blocked(self._pool.gpu_waits):
                     old.slot.written.wait()
             self._pool.release(old.slot)
 

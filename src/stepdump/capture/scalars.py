@@ -59,7 +59,8 @@ def auto_scalars(slot: dict[str, Any], optimizer: torch.optim.Optimizer, scaler:
 
 
 def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, device: torch.device,
-                    background_s: float | None = None, waited_s: float = 0.0, unseen_s: float = 0.0) -> None:
+                    background_s: float | None = None, waited_s: float = 0.0, unseen_s: float = 0.0,
+                    gpu_wait_s: float = 0.0) -> None:
     """Iteration wall time; the recorder's cost to it (``sys/recorder_ms``): the wall time of every
     hook it runs on the training thread, the optimizer's and the forward's (``overhead_s``, said
     apart as ``sys/recorder_hooks_ms``), plus what its threads took from that thread outside the
@@ -67,7 +68,9 @@ def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, devi
     their CPU time: profiling.ThreadWaits; said apart as ``sys/recorder_wait_ms``) and ``unseen_s``
     (their CPU time, less the hooks' waits on them: ThreadWaits.unseen; it holds the
     GIL the training thread takes back after every torch op, or a core it would run on); the CPU
-    time of all its threads (``sys/recorder_bg_ms``); peak memory."""
+    time of all its threads (``sys/recorder_bg_ms``); peak memory. ``gpu_wait_s``: of the hooks' wall
+    time, what they spent waiting for a writer that waited for the GPU (``sys/recorder_gpu_wait_ms``,
+    CUDA only: profiling.GpuWaits), already taken out of ``overhead_s``."""
     from stepdump.capture.profiling import RSS_LATER, peak_memory_mb
 
     slot["sys/iter_ms"] = iter_s * 1000
@@ -76,6 +79,8 @@ def profile_scalars(slot: dict[str, Any], iter_s: float, overhead_s: float, devi
     slot["sys/recorder_ms"] = (overhead_s + min(max(waited_s, unseen_s), max(iter_s - overhead_s, 0.0))) * 1000
     slot["sys/recorder_hooks_ms"] = overhead_s * 1000
     slot["sys/recorder_wait_ms"] = waited_s * 1000
+    if device.type == "cuda":
+        slot["sys/recorder_gpu_wait_ms"] = gpu_wait_s * 1000
     if background_s is not None:
         slot["sys/recorder_bg_ms"] = background_s * 1000
     # CUDA: the allocator's peak since the last step, read (and reset) now; CPU: the RSS, read by the writer.

@@ -45,7 +45,7 @@ import torch
 
 from stepdump.capture.device_pack import DeviceLean, DevicePack, HeadsCache, Prepared, pack_on_device
 from stepdump.capture.packed import layout_key
-from stepdump.capture.profiling import blocked
+from stepdump.capture.profiling import GpuWaits, blocked
 from stepdump.capture.step_state import Entry
 from stepdump.core.device_lean import DEVICE_FP_KIND
 from stepdump.core.dtensor import local_part
@@ -306,6 +306,8 @@ class StagingPool:
         # SimpleQueue: its get and put are C calls (a Queue's are a dozen Python calls, at every step).
         self._free: queue.SimpleQueue[Slot] = queue.SimpleQueue()
         self.budget = budget
+        # The writer's waits for the GPU (CUDA steps): a wait for a slot they cover is the GPU's.
+        self.gpu_waits = GpuWaits()
         self._slots = [Slot(i, None if budget is None else budget // slots) for i in range(slots)]
         for slot in self._slots:
             self._free.put(slot)
@@ -327,7 +329,7 @@ class StagingPool:
         and then nothing reads them either."""
         if slot is None or not slot.has_live or slot.deferred or slot.live_done.is_set():
             return
-        with blocked():
+        with blocked(self.gpu_waits):
             while not slot.live_done.wait(timeout=0.05):
                 if not writer_alive():
                     return
@@ -338,7 +340,7 @@ class StagingPool:
             return self._free.get_nowait()
         except queue.Empty:
             pass
-        with blocked():  # every slot is in the writer's hands: the training thread waits for it
+        with blocked(self.gpu_waits):  # every slot is in the writer's hands: the training thread waits for it
             while True:
                 try:
                     return self._free.get(timeout=0.05)
@@ -351,6 +353,17 @@ class StagingPool:
         slot.event = None
         slot.written.clear()
         self._free.put(slot)
+
+
+def _writer_event() -> torch.cuda.Event:  # pragma: no cover - needs a GPU
+    """The event the writer waits on (``event.synchronize()``) before it reads a step's staged
+    bytes or device pack. Blocking: its waiting thread sleeps until the GPU gets there. A default
+    event's wait spins a core for as long as the GPU is behind, which on a GPU-bound step is
+    nearly the whole step (GPT-2 small on an H200: the writer burned 41.8 ms of CPU in a 43.6 ms
+    step, docs/cuda.md), a core taken from the user's data loaders and counted by
+    ``sys/recorder_bg_ms`` as the recorder's work. The writer is not latency-bound: a wake-up
+    later by a few microseconds costs nothing."""
+    return torch.cuda.Event(blocking=True)
 
 
 # Tensor types a staging plan copies from as they are (a DTensor, a subclass: the per-tensor path).
@@ -417,6 +430,7 @@ class Stager:
         # mixed CUDA steps' stats-only entries' heads (one list object per steady layout).
         self._device_lean = DeviceLean()
         self._mixed_heads = HeadsCache()
+        self.gpu_waits: GpuWaits | None = None  # the pool's (the recorder sets it): see StagingPool
 
     def wait_deferred(self, writer_alive: Callable[[], bool]) -> None:
         """The update is over: wait until the writer has appended the deferred live tensors,
@@ -425,7 +439,7 @@ class Stager:
         if slot is None:
             return
         if not slot.live_done.is_set():
-            with blocked():
+            with blocked(self.gpu_waits):
                 while not slot.live_done.wait(timeout=0.05):
                     if not writer_alive():
                         break
@@ -537,7 +551,7 @@ class Stager:
         stream.wait_stream(main)
         with torch.no_grad(), torch.cuda.stream(stream):
             slot.device_pack = prepared.launch()
-            event = torch.cuda.Event()
+            event = _writer_event()
             event.record(stream)
         main.wait_stream(stream)  # the optimizer must not overwrite what the side stream still reads
         slot.event = event
@@ -586,7 +600,7 @@ class Stager:
                     host_stats.copy_(stats, non_blocking=True)
                     # fingerprint="xxh3": the writer hashes the bytes on the host.
                     copied.append(Item(e.kind, e.name, buf, e.full, e.param, e.key, device_stats=host_stats))
-            event = torch.cuda.Event()
+            event = _writer_event()
             event.record(stream)
         # The optimizer must not overwrite a tensor the side stream is still reading.
         main.wait_stream(stream)

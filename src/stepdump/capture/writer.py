@@ -323,7 +323,7 @@ class Writer(threading.Thread):
             raise WriterError("the catalog is not open")
         device_pack = None
         if msg.slot is not None and msg.slot.event is not None:  # pragma: no cover - CUDA only
-            msg.slot.event.synchronize()  # type: ignore[attr-defined]
+            self.pool.gpu_waits.wait(msg.slot.event)
             # a lean step described on the device: its rows have landed (read below, after the lean rows)
             device_pack, msg.slot.device_pack = msg.slot.device_pack, None
         if msg.packed is not None and msg.step is not None:

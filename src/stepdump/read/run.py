@@ -389,7 +389,8 @@ class Run:
         cost the iteration: ``sys/recorder_hooks_ms``, its hooks' wall time, plus the larger of
         ``sys/recorder_wait_ms``, the training thread's waits on the recorder's threads outside the
         hooks, and the recorder threads' CPU time, less what the hooks' time holds of it already),
-        ``sys/recorder_bg_ms`` (those threads' CPU time) and ``sys/peak_mem_mb``
+        ``sys/recorder_bg_ms`` (those threads' CPU time), on CUDA ``sys/recorder_gpu_wait_ms`` (the
+        hooks' waits for a writer that waited for the GPU, not counted) and ``sys/peak_mem_mb``
         (docs/performance.md, "The pipeline")."""
         return self.scalars(names="sys/*", steps=steps)
 
