@@ -414,10 +414,10 @@ def test_a_wait_for_a_writer_that_waits_for_the_gpu_is_the_gpus_not_the_recorder
     th = threading.Thread(target=writer)
     th.start()
     started.wait()
-    if site == "slot":
-        pool.acquire(lambda: None)
+    if site == "slot":  # (a writer that died lets the wait end, with an error, not hang the suite)
+        pool.acquire(lambda: None if th.is_alive() else RuntimeError("the writer thread ended"))
     else:
-        pool.wait_live(slot, lambda: True)
+        pool.wait_live(slot, th.is_alive)
     th.join()
     on_gpu, own = profiling.gpu_blocked_s() - g0, profiling.blocked_s() - b0
     assert 0.3 < on_gpu < 0.6, on_gpu
