@@ -90,3 +90,23 @@ def test_cuda_checks_exist_once() -> None:
     for fn in ("def fidelity", "def overhead", "def build", "def train", "class Net"):
         assert fn in (GPU / "cuda_workloads.py").read_text(), fn
         assert fn not in script, f"benchmarks/cuda_check.py has its own {fn}"
+
+
+def test_the_recorder_internals_the_gpu_suite_reads_exist(tmp_path: Path) -> None:
+    """tests_gpu/cuda_workloads.py checks that CUDA params are staged in pinned buffers by reading
+    the staging pool's slots (``rec._pool._slots``, each slot's ``buffers`` by (kind, name)). That
+    read rotted unseen once (the pool's free list became a SimpleQueue, found only when a GPU was
+    lent): here, on the CPU, the same read of a recording's slots finds the params' buffers."""
+    import stepdump
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with stepdump.Recorder(tmp_path / "run", model, opt, on_error="raise") as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        names = {n for n, _ in model.named_parameters()}
+        staged = {name for slot in rec._pool._slots for (k, name), b in slot.buffers.items()
+                  if k == "params" and isinstance(b, torch.Tensor)}
+        assert staged == names, staged
