@@ -362,8 +362,8 @@ def test_each_wait_on_a_recorder_thread_is_counted_as_blocked(site) -> None:
             pool.wait_live(slot, lambda: True)
         else:
             stager = Stager.__new__(Stager)
-            stager._waiting, stager.defer_ok, stager.gpu_waits = slot, True, pool.gpu_waits
-            stager.wait_deferred(lambda: True)
+            stager._waiting, stager.defer_ok = slot, True
+            stager.wait_deferred(lambda: True, pool.gpu_waits)
         waiter.join()
         took = profiling.blocked_s() - before
         assert 0.1 < took < 5.0, took

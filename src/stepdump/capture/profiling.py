@@ -196,6 +196,7 @@ class ThreadWaits:
         self.hooks = 0.0  # CPU seconds of the optimizer hooks in the iteration
         self.in_hooks = 0.0  # of the last iteration waited() closed: its hooks' waits on the recorder's threads
         self._blocked = blocked_s()  # blocked_s() when the iteration began
+        self._gpu = gpu_blocked_s()  # gpu_blocked_s() at the last on_gpu()
 
     def begin(self) -> float:
         """The CPU clock now (at a hook's start)."""
@@ -216,6 +217,13 @@ class ThreadWaits:
         self.in_hooks, self._blocked = max(0.0, b - self._blocked), b
         self.iteration, self.hooks = now, 0.0
         return min(max(0.0, off_cpu), background_s or 0.0)
+
+    def on_gpu(self) -> float:
+        """Seconds the hooks waited for a writer that waited for the GPU (:class:`GpuWaits`) since
+        the last call: ``sys/recorder_gpu_wait_ms``, out of the hooks' time."""
+        g = gpu_blocked_s()
+        waited, self._gpu = g - self._gpu, g
+        return waited
 
     def unseen(self, background_s: float) -> float:
         """Of ``background_s`` (the recorder's threads' CPU seconds in the iteration :meth:`waited`

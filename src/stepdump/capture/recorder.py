@@ -43,7 +43,7 @@ from stepdump.capture.hooks import attach, detach_scaler, nested_step
 from stepdump.capture.iteration import LOOP, IterationStart, StartState
 from stepdump.capture.lean import LeanCapture
 from stepdump.capture.step_state import StateBefore, begin_state
-from stepdump.capture.profiling import BackgroundClock, ThreadWaits, gpu_blocked_s, span, timed
+from stepdump.capture.profiling import BackgroundClock, ThreadWaits, span, timed
 from stepdump.capture.projection import log_start as log_projection
 from stepdump.capture.rebuildable import GainedState, warn_if_unrebuildable
 from stepdump.capture.ring import Ring
@@ -351,7 +351,6 @@ class Recorder:
                               gradlog=isinstance(sched, _options.GradientLogSchedule),
                               extra=rec.extra_state, frozen=rec.frozen)
         self._asm.stager.device_fp = fingerprint != "xxh3"  # CUDA tensors: dmix64 on the device
-        self._asm.stager.gpu_waits = self._pool.gpu_waits
         self._asm.slot_budget = self._pool.slot_budget
         self._asm.structure = StructureWatch()  # the model's structure changing mid-run (structure.py)
         if opts.resume:  # the layouts of the steps kept, which a change from here adds to
@@ -365,7 +364,6 @@ class Recorder:
                                 fingerprint=fingerprint)
         self._target.start(lambda: self._link.steps_written)
         self._overhead, self._iter_start = 0.0, time.perf_counter()
-        self._gpu_mark = gpu_blocked_s()  # the hooks' waits for the GPU (via the writer) before this iteration
         # sys/recorder_bg_ms: CPU time of the recorder's own threads in each iteration (profiling.py)
         self._bg = BackgroundClock(lambda: (*self._link.threads, *self._lean.threads))
         # The training thread's waits on those threads outside the hooks (profiling.ThreadWaits)
@@ -694,14 +692,14 @@ class Recorder:
         cpu = self._waits.begin() if self._waits is not None else 0.0
         # The hooks' waits for the GPU in this iteration (their time is in self._overhead); those of
         # this post-hook count in the next one, as its time does (below).
-        gpu_now = gpu_blocked_s()
-        on_gpu, self._gpu_mark = gpu_now - self._gpu_mark, gpu_now
+        on_gpu = self._waits.on_gpu() if self._waits is not None else 0.0
         self._send_held()
         # What the update left in the params (while the writer finishes its grads), for the next record
         # to compare with (a callable schedule may decide later: taken as full).
         lv = self._level
         self._asm.after_update(LEVEL_FULL if lv.full.dynamic or lv.stats.dynamic else lv(self._step + 1))
-        self._asm.stager.wait_deferred(self._link.is_alive)  # a gradient log's grads, written during the update
+        # a gradient log's grads, written during the update
+        self._asm.stager.wait_deferred(self._link.is_alive, self._pool.gpu_waits)
         if self._waits is not None:
             bg = self._bg.take()
             waited = self._waits.waited(started - self._iter_start, self._overhead, bg, cpu)

@@ -430,16 +430,16 @@ class Stager:
         # mixed CUDA steps' stats-only entries' heads (one list object per steady layout).
         self._device_lean = DeviceLean()
         self._mixed_heads = HeadsCache()
-        self.gpu_waits: GpuWaits | None = None  # the pool's (the recorder sets it): see StagingPool
 
-    def wait_deferred(self, writer_alive: Callable[[], bool]) -> None:
+    def wait_deferred(self, writer_alive: Callable[[], bool], gpu: GpuWaits | None = None) -> None:
         """The update is over: wait until the writer has appended the deferred live tensors,
-        then check that the update left them as they were (their version counters)."""
+        then check that the update left them as they were (their version counters). ``gpu``: the
+        writer's waits for the GPU (the pool's, StagingPool.gpu_waits)."""
         slot, self._waiting = self._waiting, None
         if slot is None:
             return
         if not slot.live_done.is_set():
-            with blocked(self.gpu_waits):
+            with blocked(gpu):
                 while not slot.live_done.wait(timeout=0.05):
                     if not writer_alive():
                         break
