@@ -400,11 +400,16 @@ def test_a_wait_for_a_writer_that_waits_for_the_gpu_is_the_gpus_not_the_recorder
         slot.has_live = True
         slot.live_done.clear()
     started = threading.Event()
+    failed: list[BaseException] = []
 
     def writer() -> None:
         started.set()
-        pool.gpu_waits.wait(_SlowEvent(0.4))
-        time.sleep(0.3)  # the writer's own work: describing, the catalog
+        try:
+            pool.gpu_waits.wait(_SlowEvent(0.4))
+            time.sleep(0.3)  # the writer's own work: describing, the catalog
+        except BaseException as e:  # noqa: BLE001 - the wait below ends with it, not hangs
+            failed.append(e)
+            raise
         if site == "live":
             slot.live_done.set()
         else:
@@ -414,8 +419,8 @@ def test_a_wait_for_a_writer_that_waits_for_the_gpu_is_the_gpus_not_the_recorder
     th = threading.Thread(target=writer)
     th.start()
     started.wait()
-    if site == "slot":  # (a writer that died lets the wait end, with an error, not hang the suite)
-        pool.acquire(lambda: None if th.is_alive() else RuntimeError("the writer thread ended"))
+    if site == "slot":  # (a writer that failed ends the wait with its error, not hang the suite)
+        pool.acquire(lambda: failed[0] if failed else None)
     else:
         pool.wait_live(slot, th.is_alive)
     th.join()
@@ -430,13 +435,13 @@ def test_gpu_waits_reads_a_wait_in_progress() -> None:
     the writer still waits for the GPU), and nothing before the writer's first wait."""
     clock = profiling.GpuWaits()
     assert clock.at(time.perf_counter()) == 0.0
-    th = threading.Thread(target=clock.wait, args=(_SlowEvent(0.5),))
+    th = threading.Thread(target=clock.wait, args=(_SlowEvent(1.0),))
     th.start()
     time.sleep(0.2)
     mid = clock.at(time.perf_counter())
     th.join()
-    assert 0.1 < mid < 0.5, mid
-    assert clock.at(time.perf_counter() + 100.0) == clock.at(time.perf_counter()) >= 0.5  # ended: no longer grows
+    assert 0.1 < mid < 1.0, mid  # (the wait's second: room for a loaded machine's late wake-up)
+    assert clock.at(time.perf_counter() + 100.0) == clock.at(time.perf_counter()) >= 1.0  # ended: no longer grows
 
 
 def test_the_rss_of_a_cpu_step_is_read_by_the_writer_not_on_the_training_thread(tmp_path, monkeypatch) -> None:
